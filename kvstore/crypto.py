@@ -1,0 +1,160 @@
+"""Keys and sealing: the master key, wrapped tenant data keys, frame sealing.
+
+Envelope encryption: each tenant has random 256-bit data keys (one per
+version); they are stored only wrapped (AES-256-GCM) by the master key, with
+the tenant and version as AAD so a wrapped key cannot be moved to another
+tenant. Rotating the master key rewraps data keys; data is not touched.
+
+Frames are sealed with AES-256-GCM under a per-record key derived with HKDF
+from the data key and the record's random 128-bit id; the nonce is the frame
+index. format.py explains why nonces never repeat (NIST SP 800-38D §8.2.1).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from kvstore.errors import CorruptionError, MasterKeyError
+
+KEY_BYTES = 32
+_WRAP_NONCE = 12
+_AAD_FIXED = struct.Struct("<16sIIIQ")
+
+
+@dataclass(frozen=True, slots=True)
+class MasterKey:
+    """The key-encryption key. ``key_id`` identifies it without revealing it."""
+
+    secret: bytes
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"MasterKey(id={self.key_id})"
+
+    @property
+    def key_id(self) -> str:
+        return hmac.new(self.secret, b"kvstore master key id v1", hashlib.sha256).hexdigest()[:16]
+
+    def wrap(self, data_key: bytes, tenant: str, version: int) -> str:
+        nonce = os.urandom(_WRAP_NONCE)  # few wraps per key: random nonces are far within limits
+        ct = AESGCM(self.secret).encrypt(nonce, data_key, _wrap_aad(tenant, version))
+        return base64.b64encode(nonce + ct).decode()
+
+    def unwrap(self, wrapped: str, tenant: str, version: int) -> bytes:
+        try:
+            raw = base64.b64decode(wrapped, validate=True)
+            return AESGCM(self.secret).decrypt(raw[:_WRAP_NONCE], raw[_WRAP_NONCE:], _wrap_aad(tenant, version))
+        except (InvalidTag, binascii.Error, ValueError):
+            raise MasterKeyError(
+                f"cannot unwrap data key version {version} of tenant {tenant!r}: wrong master key or damaged registry"
+            ) from None
+
+
+def _wrap_aad(tenant: str, version: int) -> bytes:
+    return b"kvstore/v1 wrapped data key\x00" + tenant.encode() + b"\x00" + str(version).encode()
+
+
+def _parse_key_text(raw: bytes, source: str) -> bytes:
+    if len(raw) == KEY_BYTES:
+        return raw
+    text = raw.strip()
+    try:
+        if len(text) == 2 * KEY_BYTES:
+            return bytes.fromhex(text.decode("ascii"))
+        decoded = base64.b64decode(text, validate=True)
+        if len(decoded) == KEY_BYTES:
+            return decoded
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        pass
+    raise MasterKeyError(
+        f"master key from {source} is malformed: expected 32 raw bytes, 64 hex characters or base64 of 32 bytes"
+        f" (got {len(raw)} bytes)"
+    )
+
+
+def load_master_key(path: str | os.PathLike[str] | None = None, env_value: str | None = None) -> MasterKey:
+    """Load the master key from a file (mode 0600 or stricter) or a variable's value.
+
+    A missing or malformed key is an error: there is no plaintext fallback.
+    """
+    if path:
+        p = Path(path)
+        try:
+            st = p.stat()
+        except OSError as e:
+            raise MasterKeyError(f"master key file {str(p)!r} cannot be read: {e.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise MasterKeyError(f"master key file {str(p)!r} is not a regular file")
+        if st.st_mode & 0o077:
+            raise MasterKeyError(
+                f"master key file {str(p)!r} has mode {stat.S_IMODE(st.st_mode):04o}; it must not be readable by "
+                "group or others (chmod 600)"
+            )
+        return MasterKey(_parse_key_text(p.read_bytes(), f"file {str(p)!r}"))
+    if env_value:
+        return MasterKey(_parse_key_text(env_value.encode(), "KVSTORE_MASTER_KEY"))
+    raise MasterKeyError(
+        "no master key: set KVSTORE_MASTER_KEY_FILE (a 0600 file of 32 random bytes) or KVSTORE_MASTER_KEY"
+    )
+
+
+def new_data_key() -> bytes:
+    return AESGCM.generate_key(bit_length=256)
+
+
+class RecordCipher:
+    """Seals and opens the frames of one record (one derived key per record)."""
+
+    __slots__ = ("_aad_tail", "_aead", "_frame_count", "_key_version", "_logical_size", "_record_id")
+
+    def __init__(
+        self,
+        data_key: bytes,
+        record_id: bytes,
+        tenant: str,
+        key: str,
+        key_version: int,
+        frame_count: int,
+        logical_size: int,
+    ) -> None:
+        info = b"kvstore/v1 frame key\x00" + tenant.encode() + b"\x00" + str(key_version).encode()
+        frame_key = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=record_id, info=info).derive(data_key)
+        self._aead = AESGCM(frame_key)
+        self._aad_tail = b"\x00" + tenant.encode() + b"\x00" + key.encode()
+        self._record_id = record_id
+        self._key_version = key_version
+        self._frame_count = frame_count
+        self._logical_size = logical_size
+
+    def _nonce_aad(self, index: int) -> tuple[bytes, bytes]:
+        nonce = index.to_bytes(12, "big")
+        aad = (
+            _AAD_FIXED.pack(self._record_id, self._key_version, index, self._frame_count, self._logical_size)
+            + self._aad_tail
+        )
+        return nonce, aad
+
+    def seal(self, index: int, data: bytes | bytearray | memoryview) -> bytearray:
+        nonce, aad = self._nonce_aad(index)
+        out = bytearray(len(data) + 16)
+        self._aead.encrypt_into(nonce, data, aad, out)
+        return out
+
+    def open_into(self, index: int, sealed: memoryview, out: bytearray | memoryview) -> None:
+        nonce, aad = self._nonce_aad(index)
+        try:
+            self._aead.decrypt_into(nonce, sealed, aad, out)
+        except InvalidTag:
+            raise CorruptionError(f"frame {index} failed authentication (AES-GCM tag)") from None

@@ -1,0 +1,143 @@
+"""One exception tree for kvstore.
+
+Every error knows the HTTP status it maps to, a stable machine-readable code,
+and whether retrying the same request can help. Messages name what was wrong
+and what was expected; they never carry secrets or tenant plaintext.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every error kvstore raises on purpose."""
+
+    status: int = 500
+    code: str = "internal"
+    retryable: bool = False
+
+
+# -- bad input (4xx) ---------------------------------------------------------
+
+
+class InvalidInput(KVStoreError):
+    status = 400
+    code = "invalid_input"
+
+
+class InvalidKey(InvalidInput):
+    code = "invalid_key"
+
+
+class InvalidTenant(InvalidInput):
+    code = "invalid_tenant"
+
+
+class InvalidRange(KVStoreError):
+    """A byte range that does not overlap the block (RFC 9110 §15.5.17)."""
+
+    status = 416
+    code = "range_not_satisfiable"
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size
+
+
+class BlockTooLarge(KVStoreError):
+    status = 413
+    code = "block_too_large"
+
+
+class NotFound(KVStoreError):
+    status = 404
+    code = "not_found"
+
+
+class TenantNotFound(NotFound):
+    code = "tenant_not_found"
+
+
+class TenantExists(KVStoreError):
+    status = 409
+    code = "tenant_exists"
+
+
+# -- configuration and start-up ---------------------------------------------
+
+
+class ConfigError(KVStoreError):
+    """A bad configuration value; the message names the key and the value."""
+
+    code = "config_error"
+
+
+class MasterKeyError(ConfigError):
+    """The master key is missing, malformed, or does not match the store."""
+
+    code = "master_key_error"
+
+
+class StoreLocked(KVStoreError):
+    status = 503
+    code = "store_locked"
+
+
+# -- the store's own state (5xx) ---------------------------------------------
+
+
+class IndexUnusable(KVStoreError):
+    """The LMDB index cannot be opened or has another format: rebuild it."""
+
+    code = "index_unusable"
+
+
+class StoreClosed(KVStoreError):
+    status = 503
+    code = "not_ready"
+    retryable = True
+
+
+class StorageFull(KVStoreError):
+    """ENOSPC while writing a batch: nothing of the batch was acknowledged."""
+
+    status = 507
+    code = "storage_full"
+    retryable = True
+
+
+class StorageIOError(KVStoreError):
+    """An I/O error while writing or syncing a batch; the batch failed whole."""
+
+    status = 503
+    code = "io_error"
+    retryable = True
+
+
+class CorruptionError(KVStoreError):
+    """Stored bytes failed an integrity check. Never returned as data."""
+
+    status = 500
+    code = "corruption"
+
+    def __init__(self, message: str, segment: str = "", offset: int = -1) -> None:
+        where = f" (segment {segment}, offset {offset})" if segment else ""
+        super().__init__(message + where)
+        self.segment = segment
+        self.offset = offset
+
+
+class FormatError(CorruptionError):
+    """Bytes that do not parse as the on-disk format (bad magic, bad checksum)."""
+
+    code = "format_error"
+
+
+class UnknownFlags(FormatError):
+    code = "unknown_flags"
+
+
+class TenantKeyDestroyed(CorruptionError):
+    """A record sealed under a key that no longer exists (crypto-shredded)."""
+
+    status = 404
+    code = "not_found"

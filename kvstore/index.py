@@ -1,0 +1,244 @@
+"""The LMDB index: (tenant, key) -> where the record is, and per-segment state.
+
+The index is a cache of what the segments say: every entry can be rebuilt from
+segment records and footers (recovery.py). It is committed once per batch, in
+the same transaction as the segment's ``indexed_upto`` watermark, so recovery
+knows exactly which tail of a segment the index has not seen.
+
+Databases (all keys are bytes):
+    blocks    tenant 0x00 key            -> ENTRY
+    segments  tenant 0x00 u64be(seg id)  -> SEGMENT
+    stats     tenant                     -> STATS (live blocks, stored, logical bytes)
+    meta      b"format"                  -> u32 index format version
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from kvstore.errors import IndexUnusable
+
+ENTRY = struct.Struct("<QQQIQHI16sQ")
+SEGMENT = struct.Struct("<BQQ")
+STATS = struct.Struct("<qqq")
+INDEX_FORMAT = 1
+_SEP = b"\x00"
+
+SEG_OPEN = 0
+SEG_SEALED = 1
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    segment_id: int
+    offset: int
+    record_len: int
+    payload_offset: int
+    logical_size: int
+    flags: int
+    key_version: int
+    record_id: bytes
+    created_ns: int
+
+    def pack(self) -> bytes:
+        return ENTRY.pack(
+            self.segment_id,
+            self.offset,
+            self.record_len,
+            self.payload_offset,
+            self.logical_size,
+            self.flags,
+            self.key_version,
+            self.record_id,
+            self.created_ns,
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> IndexEntry:
+        return cls(*ENTRY.unpack(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentState:
+    state: int
+    indexed_upto: int
+    synced_upto: int
+
+
+@dataclass(frozen=True, slots=True)
+class UsageStats:
+    blocks: int = 0
+    stored_bytes: int = 0
+    logical_bytes: int = 0
+
+
+def _bkey(tenant: str, key: str) -> bytes:
+    return tenant.encode() + _SEP + key.encode()
+
+
+def _skey(tenant: str, segment_id: int) -> bytes:
+    return tenant.encode() + _SEP + segment_id.to_bytes(8, "big")
+
+
+class Index:
+    def __init__(self, path: Path, sync: bool = True, map_size: int = 64 << 30) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.env = lmdb.open(
+                str(path),
+                map_size=map_size,
+                max_dbs=8,
+                subdir=True,
+                sync=sync,
+                metasync=False,  # the last commit may be lost in a crash; recovery replays it
+                readahead=False,
+                max_readers=1024,
+            )
+            self._blocks = self.env.open_db(b"blocks")
+            self._segments = self.env.open_db(b"segments")
+            self._stats = self.env.open_db(b"stats")
+            self._meta = self.env.open_db(b"meta")
+            with self.env.begin(write=True) as txn:
+                fmt = txn.get(b"format", db=self._meta)
+                if fmt is None:
+                    txn.put(b"format", struct.pack("<I", INDEX_FORMAT), db=self._meta)
+                elif struct.unpack("<I", fmt)[0] != INDEX_FORMAT:
+                    raise IndexUnusable(f"index format {struct.unpack('<I', fmt)[0]} is not {INDEX_FORMAT}")
+        except lmdb.Error as e:
+            raise IndexUnusable(f"index at {str(path)!r} cannot be opened: {e}") from None
+
+    @staticmethod
+    def destroy(path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    def close(self) -> None:
+        self.env.close()
+
+    def sync(self) -> None:
+        self.env.sync(True)
+
+    # -- reads ----------------------------------------------------------------
+
+    def get(self, tenant: str, key: str) -> IndexEntry | None:
+        with self.env.begin(db=self._blocks, buffers=False) as txn:
+            raw = txn.get(_bkey(tenant, key))
+        return IndexEntry.unpack(raw) if raw is not None else None
+
+    def contains(self, tenant: str, keys: Sequence[str]) -> list[bool]:
+        with self.env.begin(db=self._blocks, buffers=True) as txn:
+            return [txn.get(_bkey(tenant, k)) is not None for k in keys]
+
+    def keys(self, tenant: str, start_after: str | None, limit: int) -> list[str]:
+        prefix = tenant.encode() + _SEP
+        out: list[str] = []
+        with self.env.begin(db=self._blocks) as txn:
+            cur = txn.cursor()
+            start = prefix + (start_after.encode() + b"\x00" if start_after is not None else b"")
+            if not cur.set_range(start):
+                return out
+            for k in cur.iternext(keys=True, values=False):
+                if not k.startswith(prefix) or len(out) >= limit:
+                    break
+                out.append(k[len(prefix) :].decode())
+        return out
+
+    def stats(self, tenant: str) -> UsageStats:
+        with self.env.begin(db=self._stats) as txn:
+            raw = txn.get(tenant.encode())
+        return UsageStats(*STATS.unpack(raw)) if raw else UsageStats()
+
+    def segments(self, tenant: str) -> dict[int, SegmentState]:
+        prefix = tenant.encode() + _SEP
+        out: dict[int, SegmentState] = {}
+        with self.env.begin(db=self._segments) as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if not k.startswith(prefix):
+                        break
+                    out[int.from_bytes(k[len(prefix) :], "big")] = SegmentState(*SEGMENT.unpack(v))
+        return out
+
+    def tenants(self) -> set[str]:
+        """Tenants that have anything in the index."""
+        names: set[str] = set()
+        with self.env.begin() as txn:
+            for db in (self._segments, self._stats):
+                for k in txn.cursor(db=db).iternext(keys=True, values=False):
+                    names.add(k.split(_SEP, 1)[0].decode())
+        return names
+
+    # -- writes ---------------------------------------------------------------
+
+    def apply(
+        self,
+        tenant: str,
+        ops: Iterable[tuple[str, IndexEntry | None]],
+        segment_id: int,
+        segment: SegmentState | None,
+    ) -> None:
+        """Apply puts (entry) and deletes (None) in order, in one transaction,
+        together with the segment's new state and the tenant's usage."""
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(tenant.encode(), db=self._stats)
+            blocks, stored, logical = STATS.unpack(raw) if raw else (0, 0, 0)
+            for key, entry in ops:
+                bk = _bkey(tenant, key)
+                old = txn.get(bk, db=self._blocks)
+                if old is not None:
+                    o = IndexEntry.unpack(old)
+                    blocks, stored, logical = blocks - 1, stored - o.record_len, logical - o.logical_size
+                if entry is None:
+                    if old is not None:
+                        txn.delete(bk, db=self._blocks)
+                else:
+                    txn.put(bk, entry.pack(), db=self._blocks)
+                    blocks, stored, logical = blocks + 1, stored + entry.record_len, logical + entry.logical_size
+            txn.put(tenant.encode(), STATS.pack(blocks, stored, logical), db=self._stats)
+            if segment is not None:
+                txn.put(
+                    _skey(tenant, segment_id),
+                    SEGMENT.pack(segment.state, segment.indexed_upto, segment.synced_upto),
+                    db=self._segments,
+                )
+
+    def set_segment(self, tenant: str, segment_id: int, state: SegmentState) -> None:
+        self.apply(tenant, (), segment_id, state)
+
+    def forget_segment(self, tenant: str, segment_id: int) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.delete(_skey(tenant, segment_id), db=self._segments)
+
+    def drop_entries(self, tenant: str, doomed: Callable[[IndexEntry], bool]) -> int:
+        """Delete the tenant's entries for which ``doomed(entry)``; return how many."""
+        prefix = tenant.encode() + _SEP
+        victims: list[str] = []
+        with self.env.begin(db=self._blocks) as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if not k.startswith(prefix):
+                        break
+                    if doomed(IndexEntry.unpack(v)):
+                        victims.append(k[len(prefix) :].decode())
+        if victims:
+            self.apply(tenant, ((k, None) for k in victims), 0, None)
+        return len(victims)
+
+    def drop_tenant(self, tenant: str) -> None:
+        prefix = tenant.encode() + _SEP
+        with self.env.begin(write=True) as txn:
+            for db in (self._blocks, self._segments):
+                cur = txn.cursor(db=db)
+                if cur.set_range(prefix):
+                    while cur.key().startswith(prefix):
+                        if not cur.delete():
+                            break
+            txn.delete(tenant.encode(), db=self._stats)

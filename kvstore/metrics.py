@@ -1,0 +1,104 @@
+"""Process-local metrics: counters and histograms, rendered as Prometheus text.
+
+Thread-safe (the executor threads record fsync latency and batch sizes).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+
+Labels = tuple[tuple[str, str], ...]
+
+_BUCKETS: dict[str, tuple[float, ...]] = {
+    "seconds": (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    "records": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+    "bytes": (4096, 65536, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20),
+}
+
+
+def _buckets_for(name: str) -> tuple[float, ...]:
+    for suffix, b in _BUCKETS.items():
+        if name.endswith(suffix):
+            return b
+    return _BUCKETS["seconds"]
+
+
+class _Histogram:
+    __slots__ = ("buckets", "count", "counts", "total")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
+        self.total += v
+        self.count += 1
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[tuple[str, Labels], float] = defaultdict(float)
+        self._gauges: dict[tuple[str, Labels], float] = {}
+        self._hists: dict[tuple[str, Labels], _Histogram] = {}
+
+    def inc(self, name: str, value: float = 1, **labels: str) -> None:
+        with self._lock:
+            self._counters[(name, tuple(sorted(labels.items())))] += value
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        with self._lock:
+            self._gauges[(name, tuple(sorted(labels.items())))] = value
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            h = self._hists.get(key)
+            if h is None:
+                h = self._hists[key] = _Histogram(_buckets_for(name))
+            h.observe(value)
+
+    def counter(self, name: str, **labels: str) -> float:
+        with self._lock:
+            return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def render(self) -> str:
+        """Prometheus text exposition format 0.0.4."""
+        lines: list[str] = []
+        with self._lock:
+            for kind, table in (("counter", self._counters), ("gauge", self._gauges)):
+                seen: set[str] = set()
+                for (name, labels), v in sorted(table.items()):
+                    if name not in seen:
+                        lines.append(f"# TYPE {name} {kind}")
+                        seen.add(name)
+                    lines.append(f"{name}{_fmt(labels)} {_num(v)}")
+            seen = set()
+            for (name, labels), h in sorted(self._hists.items()):
+                if name not in seen:
+                    lines.append(f"# TYPE {name} histogram")
+                    seen.add(name)
+                cum = 0
+                for bound, c in zip((*h.buckets, float("inf")), h.counts, strict=True):
+                    cum += c
+                    le = "+Inf" if bound == float("inf") else _num(bound)
+                    lines.append(f"{name}_bucket{_fmt((*labels, ('le', le)))} {cum}")
+                lines.append(f"{name}_sum{_fmt(labels)} {_num(h.total)}")
+                lines.append(f"{name}_count{_fmt(labels)} {h.count}")
+        return "\n".join(lines) + "\n"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+def _fmt(labels: Labels) -> str:
+    if not labels:
+        return ""
+    esc = (v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, v in labels)
+    return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(labels, esc, strict=True)) + "}"

@@ -1,0 +1,42 @@
+"""Validation of the names clients choose: block keys and tenant names."""
+
+from __future__ import annotations
+
+import re
+
+from kvstore.errors import InvalidKey, InvalidTenant
+
+KEY_MAX_LEN = 256
+TENANT_MAX_LEN = 64
+
+_KEY_RE = re.compile(r"[A-Za-z0-9._~:@=+\-]{1,256}")
+# Tenant names become directory names: no leading dot, no path separators.
+_TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,63}")
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if it is 1-256 characters of ``[A-Za-z0-9._~:@=+-]``."""
+    if not isinstance(key, str):
+        raise InvalidKey(f"key must be a string, got {type(key).__name__}")
+    if not key:
+        raise InvalidKey("key is empty; expected 1-256 characters of [A-Za-z0-9._~:@=+-]")
+    if len(key) > KEY_MAX_LEN:
+        raise InvalidKey(f"key is {len(key)} characters long; the maximum is {KEY_MAX_LEN}")
+    if _KEY_RE.fullmatch(key) is None:
+        bad = next(c for c in key if _KEY_RE.fullmatch(c) is None)
+        raise InvalidKey(
+            f"key contains {bad!r} at position {key.index(bad)}; allowed characters are [A-Za-z0-9._~:@=+-]"
+        )
+    return key
+
+
+def validate_tenant(name: object) -> str:
+    """Return ``name`` if it is a valid tenant name (1-64 chars, no leading dot)."""
+    if not isinstance(name, str):
+        raise InvalidTenant(f"tenant name must be a string, got {type(name).__name__}")
+    if _TENANT_RE.fullmatch(name) is None:
+        raise InvalidTenant(
+            f"tenant name {name[:80]!r} is invalid; expected 1-64 characters of "
+            "[A-Za-z0-9._-] starting with a letter or digit"
+        )
+    return name

@@ -1,0 +1,109 @@
+"""The read path, as plain functions run on executor threads.
+
+A read of bytes [start, end) of a block loads only the stored frames that
+cover the range (one pread for small records, header + frames for big ones),
+checks that the record is the one the index names (tenant, key, record id),
+and decodes each frame into the caller's output buffer; frames that lie wholly
+inside the range are decoded in place, with no intermediate copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.crypto import RecordCipher
+from kvstore.errors import CorruptionError
+from kvstore.format import KIND_BLOCK, RecordHeader, decode_record_header
+from kvstore.index import IndexEntry
+from kvstore.record import open_frame
+from kvstore.registry import Registry
+from kvstore.segment import SegmentFile
+
+# Records up to this size are read with a single pread, header and all.
+WHOLE_READ_MAX = 4 << 20
+
+
+@dataclass(slots=True)
+class Loaded:
+    """Stored frames [first, last] of a record, read from its segment."""
+
+    seg: SegmentFile
+    entry: IndexEntry
+    header: RecordHeader
+    first: int
+    last: int
+    stored: memoryview  # the stored bytes of frames first..last, back to back
+    frame_at: list[int]  # offset of each frame in ``stored`` (index i - first)
+    cipher: RecordCipher | None
+
+
+def load(
+    seg: SegmentFile, entry: IndexEntry, tenant: str, key: str, start: int, end: int, registry: Registry
+) -> Loaded:
+    """Read the header and the stored frames covering [start, end)."""
+    where = seg.name
+    if entry.record_len <= WHOLE_READ_MAX:
+        raw = memoryview(seg.pread(entry.offset, entry.record_len))
+        header = decode_record_header(raw, where, entry.offset)
+    else:
+        raw = None
+        header = seg.read_header_at(entry.offset)
+    if (
+        header.kind != KIND_BLOCK
+        or header.tenant != tenant
+        or header.key != key
+        or header.record_id != entry.record_id
+        or header.logical_size != entry.logical_size
+    ):
+        raise CorruptionError(f"the index entry of key {key!r} points at a different record", where, entry.offset)
+    fs = header.frame_size
+    first, last = start // fs, (end - 1) // fs
+    offsets = header.frame_offsets()
+    lo = offsets[first]
+    hi = offsets[last] + header.frames[last].stored_len
+    if raw is not None:
+        stored = raw[header.payload_offset + lo : header.payload_offset + hi]
+    else:
+        stored = memoryview(seg.pread(entry.offset + header.payload_offset + lo, hi - lo))
+    cipher = None
+    if header.sealed:
+        cipher = RecordCipher(
+            registry.data_key(tenant, header.key_version),
+            header.record_id,
+            tenant,
+            key,
+            header.key_version,
+            len(header.frames),
+            header.logical_size,
+        )
+    return Loaded(seg, entry, header, first, last, stored, [o - lo for o in offsets[first : last + 1]], cipher)
+
+
+def decode_into(ld: Loaded, i: int, start: int, end: int, out: memoryview) -> None:
+    """Decode frame ``i`` and place its part of [start, end) into ``out``
+    (which holds exactly bytes [start, end) of the block)."""
+    h = ld.header
+    at = ld.frame_at[i - ld.first]
+    stored = ld.stored[at : at + h.frames[i].stored_len]
+    f_lo = i * h.frame_size
+    f_hi = f_lo + h.frame_plain_len(i)
+    lo, hi = max(start, f_lo), min(end, f_hi)
+    where, offset = ld.seg.name, ld.entry.offset
+    if lo == f_lo and hi == f_hi:
+        open_frame(ld.cipher, h, i, stored, out[lo - start : hi - start], where, offset)
+        return
+    tmp = bytearray(f_hi - f_lo)
+    open_frame(ld.cipher, h, i, stored, memoryview(tmp), where, offset)
+    out[lo - start : hi - start] = memoryview(tmp)[lo - f_lo : hi - f_lo]
+
+
+def read_all_inline(
+    seg: SegmentFile, entry: IndexEntry, tenant: str, key: str, start: int, end: int, registry: Registry
+) -> bytearray:
+    """Load and decode [start, end) on the calling thread (small reads)."""
+    out = bytearray(end - start)
+    ld = load(seg, entry, tenant, key, start, end, registry)
+    view = memoryview(out)
+    for i in range(ld.first, ld.last + 1):
+        decode_into(ld, i, start, end, view)
+    return out

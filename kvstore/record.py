@@ -1,0 +1,178 @@
+"""A block as a record: frames compressed and sealed one by one, and back.
+
+Frame work is independent per frame, so callers may run :func:`encode_frame`
+and :func:`open_frame` for several frames on several threads (zstd, AES-GCM
+and xxhash release the GIL).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from kvstore import codec
+from kvstore.codec import Compression
+from kvstore.crypto import RecordCipher
+from kvstore.errors import CorruptionError
+from kvstore.format import (
+    CODEC_RAW,
+    KIND_BLOCK,
+    KIND_TOMBSTONE,
+    REC_FLAG_DIRECT,
+    REC_FLAG_SEALED,
+    FooterEntry,
+    FrameEntry,
+    RecordHeader,
+    checksum,
+)
+from kvstore.index import IndexEntry
+from kvstore.segment import Buffer, padding
+
+
+@dataclass(slots=True)
+class EncodedRecord:
+    """A record ready to append: its header and the buffers to write, in order."""
+
+    header: RecordHeader
+    buffers: list[Buffer]
+
+    @property
+    def length(self) -> int:
+        return self.header.record_len
+
+
+def frame_count(size: int, frame_size: int) -> int:
+    return -(-size // frame_size)
+
+
+def new_record_id() -> bytes:
+    return os.urandom(16)
+
+
+def encode_frame(
+    cipher: RecordCipher | None, index: int, plain: memoryview, compression: Compression, level: int
+) -> tuple[FrameEntry, Buffer]:
+    """Compress (when it pays) and seal one frame; return its entry and bytes."""
+    codec_id, encoded = codec.encode_frame(plain, compression, level)
+    stored: Buffer = encoded
+    if cipher is not None:
+        stored = cipher.seal(index, stored)
+    return FrameEntry(len(stored), codec_id, checksum(stored)), stored
+
+
+def assemble(
+    tenant: str,
+    key: str,
+    data_len: int,
+    frame_size: int,
+    frames: list[tuple[FrameEntry, Buffer]],
+    record_id: bytes,
+    key_version: int,
+    sealed: bool,
+    direct: bool,
+) -> EncodedRecord:
+    payload_len = sum(f.stored_len for f, _ in frames)
+    header_len, payload_offset, record_len = RecordHeader.sizes(tenant, key, len(frames), payload_len, direct)
+    flags = (REC_FLAG_SEALED if sealed else 0) | (REC_FLAG_DIRECT if direct else 0)
+    header = RecordHeader(
+        KIND_BLOCK,
+        flags,
+        header_len,
+        payload_offset,
+        tenant,
+        key,
+        key_version,
+        frame_size,
+        data_len,
+        payload_len,
+        record_len,
+        record_id,
+        time.time_ns(),
+        tuple(f for f, _ in frames),
+    )
+    buffers: list[Buffer] = [header.encode(), bytes(payload_offset - header_len)]
+    buffers.extend(stored for _, stored in frames)
+    buffers.append(padding(payload_offset + payload_len))
+    return EncodedRecord(header, buffers)
+
+
+def tombstone(tenant: str, key: str) -> EncodedRecord:
+    header_len, payload_offset, record_len = RecordHeader.sizes(tenant, key, 0, 0, False)
+    header = RecordHeader(
+        KIND_TOMBSTONE,
+        0,
+        header_len,
+        payload_offset,
+        tenant,
+        key,
+        0,
+        0,
+        0,
+        0,
+        record_len,
+        new_record_id(),
+        time.time_ns(),
+        (),
+    )
+    raw = header.encode()
+    return EncodedRecord(header, [raw, padding(len(raw))])
+
+
+def open_frame(
+    cipher: RecordCipher | None,
+    header: RecordHeader,
+    index: int,
+    stored: memoryview,
+    out: memoryview,
+    where: str,
+    offset: int,
+) -> None:
+    """Verify, decrypt and decode frame ``index`` into ``out`` (its full plaintext)."""
+    entry = header.frames[index]
+    if checksum(stored) != entry.checksum:
+        raise CorruptionError(f"frame {index} of key {header.key!r} fails its checksum", where, offset)
+    try:
+        if cipher is None:
+            codec.decode_frame(entry.codec, stored, out)
+        elif entry.codec == CODEC_RAW:
+            cipher.open_into(index, stored, out)
+        else:
+            plain = bytearray(len(stored) - 16)
+            cipher.open_into(index, stored, plain)
+            codec.decode_frame(entry.codec, memoryview(plain), out)
+    except CorruptionError as e:
+        raise CorruptionError(f"key {header.key!r}: {e}", where, offset) from None
+
+
+def footer_entry(offset: int, h: RecordHeader) -> FooterEntry:
+    """The footer entry of the record with header ``h`` at ``offset``."""
+    return FooterEntry(
+        offset,
+        h.record_len,
+        h.logical_size,
+        h.created_ns,
+        h.record_id,
+        h.key_version,
+        h.payload_offset,
+        h.flags,
+        h.kind,
+        h.key,
+    )
+
+
+def index_entry(segment_id: int, fe: FooterEntry) -> IndexEntry | None:
+    """The index entry a record implies (None: the record is a tombstone)."""
+    if fe.kind == KIND_TOMBSTONE:
+        return None
+    return IndexEntry(
+        segment_id,
+        fe.offset,
+        fe.record_len,
+        fe.payload_offset,
+        fe.logical_size,
+        fe.flags,
+        fe.key_version,
+        fe.record_id,
+        fe.created_ns,
+    )

@@ -1,0 +1,213 @@
+"""Bring the index in line with the segments when the store opens.
+
+Rules (the index is a cache; segments are the truth):
+- A sealed segment the index has not seen is indexed from its footer alone.
+- An unsealed segment is scanned record header by record header; records past
+  the point the index knows to be synced (``synced_upto``) also have their
+  payload checksums verified. Records the index has not seen are replayed in
+  order (puts and tombstones), so a replay from any earlier point converges.
+- A bad record past that point is a torn tail: the segment is truncated there.
+  Without an index (rebuild), a bad record is a torn tail only if no valid
+  record follows it; otherwise it is corruption, reported and never skipped
+  silently. A bad record before that point is corruption of acknowledged data:
+  reported, its index entry kept (reads of it raise a corruption error).
+- An unsealed segment that is not the tenant's newest was abandoned after a
+  failed write: it is cut back to what the index acknowledged, and sealed.
+- Index entries that point into missing segments or past a truncation are
+  dropped; segments and index entries of tenants that no longer exist
+  (crypto-shredded) are removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.appender import OpenSegment
+from kvstore.errors import CorruptionError
+from kvstore.format import ALIGN, FooterEntry
+from kvstore.index import SEG_OPEN, SEG_SEALED, Index, IndexEntry, SegmentState
+from kvstore.record import footer_entry, index_entry
+from kvstore.registry import Registry
+from kvstore.segment import SegmentFile, parse_segment_name
+
+log = logging.getLogger("kvstore.recovery")
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    index_rebuilt: bool = False
+    segments: int = 0
+    segments_from_footer: int = 0
+    records_replayed: int = 0
+    entries_dropped: int = 0
+    truncated: list[tuple[str, int, int]] = field(default_factory=list)  # segment, offset, bytes cut
+    corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # segment, offset, what
+    sealed: list[str] = field(default_factory=list)
+    orphans_removed: list[str] = field(default_factory=list)
+
+    @property
+    def repaired(self) -> bool:
+        return bool(
+            self.index_rebuilt
+            or self.segments_from_footer
+            or self.records_replayed
+            or self.entries_dropped
+            or self.truncated
+            or self.sealed
+            or self.orphans_removed
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "index_rebuilt": self.index_rebuilt,
+            "segments": self.segments,
+            "segments_from_footer": self.segments_from_footer,
+            "records_replayed": self.records_replayed,
+            "entries_dropped": self.entries_dropped,
+            "truncated": [{"segment": s, "offset": o, "bytes": n} for s, o, n in self.truncated],
+            "corrupt": [{"segment": s, "offset": o, "error": e} for s, o, e in self.corrupt],
+            "sealed": self.sealed,
+            "orphans_removed": self.orphans_removed,
+        }
+
+
+def recover(root: Path, index: Index, registry: Registry, report: RecoveryReport) -> dict[str, OpenSegment]:
+    """Repair ``root`` (the segments directory) and ``index``; return each tenant's tail."""
+    root.mkdir(parents=True, exist_ok=True)
+    on_disk = {p.name for p in root.iterdir() if p.is_dir()}
+    for name in sorted(on_disk - set(registry.names())):
+        shutil.rmtree(root / name)
+        index.drop_tenant(name)
+        report.orphans_removed.append(name)
+        log.warning("removed segments of deleted tenant %s", name)
+    for name in sorted(index.tenants() - set(registry.names())):
+        index.drop_tenant(name)
+    tails: dict[str, OpenSegment] = {}
+    for name in registry.names():
+        tails[name] = _recover_tenant(root / name, name, index, report)
+    return tails
+
+
+def _recover_tenant(directory: Path, tenant: str, index: Index, report: RecoveryReport) -> OpenSegment:
+    files: dict[int, Path] = {}
+    if directory.is_dir():
+        for p in directory.iterdir():
+            sid = parse_segment_name(p.name)
+            if sid is not None:
+                files[sid] = p
+            elif p.name.endswith(".tmp"):
+                p.unlink()
+    known = index.segments(tenant)
+    missing = set(known) - set(files)
+    if missing:
+        report.entries_dropped += index.drop_entries(tenant, lambda e: e.segment_id in missing)
+        for sid in missing:
+            index.forget_segment(tenant, sid)
+            report.corrupt.append((f"{tenant}/{sid:016x}.seg", 0, "segment file is missing"))
+    tail = OpenSegment(None, next_id=max([*files, *known, 0]) + 1)
+    newest = max(files) if files else None
+    for sid in sorted(files):
+        report.segments += 1
+        try:
+            seg = SegmentFile.open(files[sid], writable=True)
+        except CorruptionError as e:
+            report.corrupt.append((f"{tenant}/{files[sid].name}", 0, str(e)))
+            continue
+        except OSError as e:
+            report.corrupt.append((f"{tenant}/{files[sid].name}", 0, f"cannot open: {e.strerror}"))
+            continue
+        if seg.header.tenant != tenant or seg.segment_id != sid:
+            report.corrupt.append((seg.name, 0, "segment header names another tenant or id"))
+            seg.close()
+            continue
+        state = known.get(sid)
+        if seg.sealed:
+            _recover_sealed(seg, state, index, report)
+            seg.close()
+            continue
+        footer = _recover_unsealed(seg, state, sid == newest, index, report)
+        if sid == newest:
+            tail.segment, tail.footer, tail.synced_upto = seg, footer, seg.size
+        else:
+            seg.seal(footer)
+            index.set_segment(tenant, sid, SegmentState(SEG_SEALED, seg.size, seg.size))
+            report.sealed.append(seg.name)
+            seg.close()
+    return tail
+
+
+def _recover_sealed(seg: SegmentFile, state: SegmentState | None, index: Index, report: RecoveryReport) -> None:
+    tenant, sid = seg.header.tenant, seg.segment_id
+    if state is not None and state.state == SEG_SEALED:
+        return
+    end = seg.records_end()
+    if state is None:
+        try:
+            entries = seg.read_footer()
+        except CorruptionError as e:
+            report.corrupt.append((seg.name, end, str(e)))
+            return
+        index.apply(tenant, _ops(sid, entries), sid, SegmentState(SEG_SEALED, end, end))
+        report.segments_from_footer += 1
+        report.records_replayed += len(entries)
+    else:  # sealed after its last batch was indexed, but the index never heard
+        index.set_segment(tenant, sid, SegmentState(SEG_SEALED, end, end))
+
+
+def _recover_unsealed(
+    seg: SegmentFile, state: SegmentState | None, newest: bool, index: Index, report: RecoveryReport
+) -> list[FooterEntry]:
+    tenant, sid = seg.header.tenant, seg.segment_id
+    known = state is not None
+    synced = state.synced_upto if state else ALIGN
+    indexed = state.indexed_upto if state else ALIGN
+    # An abandoned segment keeps only what the index acknowledged.
+    limit = indexed if (known and not newest) else None
+    footer: list[FooterEntry] = []
+    replay: list[FooterEntry] = []
+    cut: int | None = None
+    pending_error: tuple[int, CorruptionError] | None = None
+    for item in seg.scan(ALIGN, verify_from=synced):
+        if limit is not None and item.offset >= limit:
+            cut = limit
+            break
+        if item.error is not None:
+            if item.offset < synced:
+                report.corrupt.append((seg.name, item.offset, str(item.error)))
+                continue
+            if known:
+                cut = item.offset
+                break
+            if pending_error is not None:
+                report.corrupt.append((seg.name, pending_error[0], str(pending_error[1])))
+            pending_error = (item.offset, item.error)
+            continue
+        if pending_error is not None:  # a valid record follows: that was corruption, not a torn tail
+            report.corrupt.append((seg.name, pending_error[0], str(pending_error[1])))
+            pending_error = None
+        assert item.header is not None
+        fe = footer_entry(item.offset, item.header)
+        footer.append(fe)
+        if item.offset >= indexed or not known:
+            replay.append(fe)
+    if pending_error is not None:
+        cut = pending_error[0]
+    if cut is None and limit is not None and seg.size > limit:
+        cut = limit
+    if cut is not None and cut < seg.size:
+        report.truncated.append((seg.name, cut, seg.size - cut))
+        log.warning("truncating torn tail of %s at %d (%d bytes)", seg.name, cut, seg.size - cut)
+        seg.truncate(cut)
+        seg.sync()
+        if known and cut < indexed:
+            report.entries_dropped += index.drop_entries(tenant, lambda e: e.segment_id == sid and e.offset >= cut)
+    index.apply(tenant, _ops(sid, replay), sid, SegmentState(SEG_OPEN, seg.size, seg.size))
+    report.records_replayed += len(replay)
+    return footer
+
+
+def _ops(sid: int, entries: list[FooterEntry]) -> list[tuple[str, IndexEntry | None]]:
+    return [(fe.key, index_entry(sid, fe)) for fe in entries]

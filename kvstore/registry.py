@@ -1,0 +1,193 @@
+"""The tenant registry: policies and wrapped data keys, in one JSON file.
+
+The registry is not a cache: it cannot be rebuilt from segments (it holds the
+only copies of the wrapped data keys), so it lives apart from the LMDB index,
+is replaced atomically, and never holds a key in the clear. Deleting a tenant
+removes its keys from here first: from then on its records cannot be opened
+(crypto-shredding), whatever is still on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kvstore.codec import COMPRESSIONS, Compression
+from kvstore.crypto import MasterKey, new_data_key
+from kvstore.errors import (
+    InvalidInput,
+    MasterKeyError,
+    TenantExists,
+    TenantKeyDestroyed,
+    TenantNotFound,
+)
+from kvstore.fsutil import atomic_write
+from kvstore.names import validate_tenant
+
+Policy = Literal["sealed", "direct"]
+POLICIES: tuple[Policy, ...] = ("sealed", "direct")
+REGISTRY_VERSION = 1
+
+
+@dataclass(slots=True)
+class Tenant:
+    name: str
+    policy: Policy
+    compression: Compression
+    created_ns: int
+    key_version: int = 0  # current data key version; 0 for direct tenants
+    wrapped_keys: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def sealed(self) -> bool:
+        return self.policy == "sealed"
+
+    def public(self) -> dict[str, Any]:
+        """What may be shown to an operator: never the keys."""
+        return {
+            "name": self.name,
+            "policy": self.policy,
+            "compression": self.compression,
+            "created_ns": self.created_ns,
+            "key_version": self.key_version,
+        }
+
+
+class Registry:
+    def __init__(self, path: Path, master: MasterKey) -> None:
+        self._path = path
+        self._master = master
+        self._lock = threading.Lock()
+        self._tenants: dict[str, Tenant] = {}
+        self._keys: dict[tuple[str, int], bytes] = {}
+        if path.exists():
+            self._load()
+        else:
+            self._save()
+
+    # -- persistence ----------------------------------------------------------
+
+    def _load(self) -> None:
+        try:
+            doc = json.loads(self._path.read_bytes())
+        except (OSError, ValueError) as e:
+            raise MasterKeyError(f"tenant registry {str(self._path)!r} cannot be read: {e}") from None
+        if doc.get("version") != REGISTRY_VERSION:
+            raise MasterKeyError(f"tenant registry version {doc.get('version')!r} is not supported")
+        if doc.get("master_key_id") != self._master.key_id:
+            raise MasterKeyError(
+                f"the master key (id {self._master.key_id}) is not the one this store was created with "
+                f"(id {doc.get('master_key_id')}); refusing to start"
+            )
+        for name, t in doc["tenants"].items():
+            tenant = Tenant(
+                name=name,
+                policy=t["policy"],
+                compression=t["compression"],
+                created_ns=t["created_ns"],
+                key_version=t["key_version"],
+                wrapped_keys={int(v): w for v, w in t["keys"].items()},
+            )
+            self._tenants[name] = tenant
+            for version, wrapped in tenant.wrapped_keys.items():
+                self._keys[(name, version)] = self._master.unwrap(wrapped, name, version)
+
+    def _doc(self, master: MasterKey) -> bytes:
+        return json.dumps(
+            {
+                "version": REGISTRY_VERSION,
+                "master_key_id": master.key_id,
+                "tenants": {
+                    t.name: {
+                        **t.public(),
+                        "keys": {str(v): w for v, w in t.wrapped_keys.items()},
+                    }
+                    for t in self._tenants.values()
+                },
+            },
+            indent=1,
+            sort_keys=True,
+        ).encode()
+
+    def _save(self) -> None:
+        atomic_write(self._path, self._doc(self._master))
+
+    # -- queries --------------------------------------------------------------
+
+    def get(self, name: str) -> Tenant:
+        t = self._tenants.get(name)
+        if t is None:
+            raise TenantNotFound(f"tenant {name!r} does not exist")
+        return t
+
+    def names(self) -> list[str]:
+        return sorted(self._tenants)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tenants
+
+    def data_key(self, name: str, version: int) -> bytes:
+        k = self._keys.get((name, version))
+        if k is None:
+            raise TenantKeyDestroyed(f"data key version {version} of tenant {name!r} does not exist")
+        return k
+
+    # -- changes --------------------------------------------------------------
+
+    def create(self, name: str, policy: str = "sealed", compression: str | None = None) -> Tenant:
+        validate_tenant(name)
+        if policy not in POLICIES:
+            raise InvalidInput(f"policy={policy!r}: expected one of {', '.join(POLICIES)}")
+        comp = compression or ("none" if policy == "direct" else "zstd-bp2")
+        if comp not in COMPRESSIONS:
+            raise InvalidInput(f"compression={compression!r}: expected one of {', '.join(COMPRESSIONS)}")
+        if policy == "direct" and comp != "none":
+            raise InvalidInput("compression must be 'none' for a direct tenant (stored raw for zero-copy reads)")
+        with self._lock:
+            if name in self._tenants:
+                raise TenantExists(f"tenant {name!r} already exists")
+            t = Tenant(name, policy, comp, time.time_ns())
+            if policy == "sealed":
+                self._add_key(t)
+            self._tenants[name] = t
+            self._save()
+            return t
+
+    def _add_key(self, t: Tenant) -> None:
+        version = t.key_version + 1
+        key = new_data_key()
+        t.wrapped_keys[version] = self._master.wrap(key, t.name, version)
+        t.key_version = version
+        self._keys[(t.name, version)] = key
+
+    def rotate_data_key(self, name: str) -> int:
+        """New records of ``name`` use a new data key; old ones keep theirs."""
+        with self._lock:
+            t = self.get(name)
+            if not t.sealed:
+                raise InvalidInput(f"tenant {name!r} is direct: it has no data key to rotate")
+            self._add_key(t)
+            self._save()
+            return t.key_version
+
+    def delete(self, name: str) -> None:
+        """Destroy the tenant's data keys (crypto-shred) and forget it."""
+        with self._lock:
+            self.get(name)
+            del self._tenants[name]
+            for k in [k for k in self._keys if k[0] == name]:
+                del self._keys[k]
+            self._save()
+
+    def rotate_master(self, new_master: MasterKey) -> None:
+        """Rewrap every data key under ``new_master``; no data is rewritten."""
+        with self._lock:
+            for t in self._tenants.values():
+                for version in t.wrapped_keys:
+                    t.wrapped_keys[version] = new_master.wrap(self._keys[(t.name, version)], t.name, version)
+            atomic_write(self._path, self._doc(new_master))
+            self._master = new_master

@@ -1,0 +1,261 @@
+"""One segment file: append batches, read records, scan, seal with a footer.
+
+Writes go through ``os.pwritev`` and ``os.fdatasync`` looked up on the ``os``
+module at call time, so fault tests can replace exactly those syscalls.
+Nothing here knows about tenants' keys, the index, or asyncio.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.errors import CorruptionError, FormatError
+from kvstore.format import (
+    ALIGN,
+    REC_MAGIC,
+    RECORD_HEADER,
+    TRAILER,
+    FooterEntry,
+    RecordHeader,
+    SegmentHeader,
+    Trailer,
+    align_up,
+    checksum,
+    decode_footer,
+    decode_record_header,
+    encode_footer,
+    peek_header_len,
+)
+from kvstore.fsutil import fsync_dir
+
+Buffer = bytes | bytearray | memoryview
+_IOV_MAX = 512
+_SCAN_CHUNK = 1 << 20
+
+
+def segment_name(segment_id: int) -> str:
+    return f"{segment_id:016x}.seg"
+
+
+def parse_segment_name(name: str) -> int | None:
+    if len(name) == 20 and name.endswith(".seg"):
+        try:
+            return int(name[:16], 16)
+        except ValueError:
+            return None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ScanItem:
+    """A record found by :meth:`SegmentFile.scan`, or the error at ``offset``."""
+
+    offset: int
+    header: RecordHeader | None
+    error: CorruptionError | None = None
+
+
+class SegmentFile:
+    """An open segment file. ``size`` is where the next record goes."""
+
+    def __init__(self, path: Path, header: SegmentHeader, fd: int, size: int, sealed: bool) -> None:
+        self.path = path
+        self.header = header
+        self.fd = fd
+        self.size = size
+        self.sealed = sealed
+
+    @property
+    def segment_id(self) -> int:
+        return self.header.segment_id
+
+    @property
+    def name(self) -> str:
+        return f"{self.header.tenant}/{self.path.name}"
+
+    def __repr__(self) -> str:
+        return f"SegmentFile({self.name}, size={self.size}, sealed={self.sealed})"
+
+    # -- open / create --------------------------------------------------------
+
+    @classmethod
+    def create(cls, directory: Path, tenant: str, segment_id: int, direct: bool) -> SegmentFile:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / segment_name(segment_id)
+        header = SegmentHeader(segment_id, tenant, direct, time.time_ns())
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            _pwrite_all(fd, [header.encode()], 0)
+            os.fdatasync(fd)
+            fsync_dir(directory)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        return cls(path, header, fd, ALIGN, sealed=False)
+
+    @classmethod
+    def open(cls, path: Path, writable: bool = False) -> SegmentFile:
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            header = SegmentHeader.decode(os.pread(fd, ALIGN, 0), str(path))
+            seg = cls(path, header, fd, size, sealed=False)
+            seg.sealed = seg.read_trailer() is not None
+            return seg
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    # -- writing --------------------------------------------------------------
+
+    def append(self, buffers: Sequence[Buffer]) -> int:
+        """Write ``buffers`` at the end; return their offset. Not synced."""
+        offset = self.size
+        total = _pwrite_all(self.fd, buffers, offset)
+        self.size = offset + total
+        return offset
+
+    def sync(self) -> None:
+        os.fdatasync(self.fd)
+
+    def truncate(self, size: int) -> None:
+        os.ftruncate(self.fd, size)
+        self.size = size
+
+    def seal(self, entries: list[FooterEntry]) -> None:
+        """Append the footer and trailer and sync: the segment is immutable from now."""
+        footer = encode_footer(entries)
+        offset = self.size
+        trailer = Trailer(offset, len(footer), len(entries), checksum(footer), time.time_ns())
+        _pwrite_all(self.fd, [footer, trailer.encode()], offset)
+        os.fdatasync(self.fd)
+        self.size = offset + len(footer) + TRAILER.size
+        self.sealed = True
+
+    # -- reading --------------------------------------------------------------
+
+    def pread(self, offset: int, length: int) -> bytearray:
+        buf = bytearray(length)
+        self.preadinto(memoryview(buf), offset)
+        return buf
+
+    def preadinto(self, buf: memoryview, offset: int) -> None:
+        got = 0
+        while got < len(buf):
+            n = os.preadv(self.fd, [buf[got:]], offset + got)
+            if n == 0:
+                raise CorruptionError(
+                    f"segment ends after {offset + got} bytes; expected {len(buf) - got} more", self.name, offset
+                )
+            got += n
+
+    def read_header_at(self, offset: int) -> RecordHeader:
+        first = self.pread(offset, min(ALIGN, max(0, self.size - offset))) if offset < self.size else b""
+        header_len = peek_header_len(first, self.name, offset)
+        if header_len > len(first):
+            first = self.pread(offset, header_len)
+        return decode_record_header(first, self.name, offset)
+
+    def verify_payload(self, offset: int, header: RecordHeader) -> None:
+        """Check every stored frame of the record at ``offset`` against its checksum."""
+        payload = memoryview(self.pread(offset + header.payload_offset, header.payload_len))
+        pos = 0
+        for i, f in enumerate(header.frames):
+            if checksum(payload[pos : pos + f.stored_len]) != f.checksum:
+                raise CorruptionError(f"frame {i} of key {header.key!r} fails its checksum", self.name, offset)
+            pos += f.stored_len
+
+    def read_trailer(self) -> Trailer | None:
+        if self.size < ALIGN + TRAILER.size:
+            return None
+        try:
+            t = Trailer.decode(os.pread(self.fd, TRAILER.size, self.size - TRAILER.size), self.name)
+        except FormatError:
+            return None
+        if t.footer_offset + t.footer_len + TRAILER.size != self.size or t.footer_offset % ALIGN:
+            return None
+        return t
+
+    def read_footer(self) -> list[FooterEntry]:
+        t = self.read_trailer()
+        if t is None:
+            raise FormatError("segment has no valid trailer", self.name)
+        raw = self.pread(t.footer_offset, t.footer_len)
+        if checksum(raw) != t.footer_checksum:
+            raise FormatError("segment footer checksum mismatch", self.name, t.footer_offset)
+        return decode_footer(raw, t.entry_count, self.name)
+
+    def records_end(self) -> int:
+        """Where records stop: the footer offset if sealed, else the file size."""
+        t = self.read_trailer() if self.sealed else None
+        return t.footer_offset if t else self.size
+
+    def scan(self, start: int = ALIGN, verify_from: int | None = None) -> Iterator[ScanItem]:
+        """Walk records from ``start``, checking the payload checksums of records
+        at or after ``verify_from`` (None: headers only). A bad record yields an
+        error item, then the scan resumes at the next ALIGN boundary that holds a
+        valid record header."""
+        end = self.records_end()
+        pos = start
+        while pos < end:
+            try:
+                h = self.read_header_at(pos)
+                if pos + h.record_len > end:
+                    raise FormatError("record runs past the end of the segment", self.name, pos)
+                if verify_from is not None and pos >= verify_from:
+                    self.verify_payload(pos, h)
+            except CorruptionError as e:
+                yield ScanItem(pos, None, e)
+                nxt = self._next_valid_header(pos + ALIGN, end)
+                if nxt is None:
+                    return
+                pos = nxt
+                continue
+            yield ScanItem(pos, h)
+            pos += h.record_len
+
+    def _next_valid_header(self, start: int, end: int) -> int | None:
+        pos = start
+        while pos < end:
+            chunk = self.pread(pos, min(_SCAN_CHUNK, end - pos))
+            for off in range(0, len(chunk), ALIGN):
+                if chunk[off : off + 4] == REC_MAGIC and len(chunk) - off >= RECORD_HEADER.size:
+                    try:
+                        h = self.read_header_at(pos + off)
+                    except CorruptionError:
+                        continue
+                    if pos + off + h.record_len <= end:
+                        return pos + off
+            pos += len(chunk)
+        return None
+
+
+def _pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
+    """pwritev every byte of ``buffers`` at ``offset`` (retrying short writes)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    total = sum(len(v) for v in views)
+    written = 0
+    while views:
+        n = os.pwritev(fd, views[:_IOV_MAX], offset + written)
+        written += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return total
+
+
+def padding(n: int) -> bytes:
+    """Zero bytes that bring ``n`` up to the next ALIGN boundary."""
+    return bytes(align_up(n) - n)

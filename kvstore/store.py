@@ -1,0 +1,457 @@
+"""The storage engine's async API: tenants, and blocks under (tenant, key).
+
+Data directory layout::
+
+    DATA/LOCK               flock: one process opens a store at a time
+    DATA/registry.json      tenants, policies, wrapped data keys (registry.py)
+    DATA/index/             LMDB index, rebuildable from segments (index.py)
+    DATA/segments/TENANT/   that tenant's segment files (segment.py)
+
+CPU and disk work runs on a bounded thread pool; the event loop only routes.
+Writes of one key are serialized (first write wins: a second put of a key is
+a no-op; a delete waits for a put in flight on the same key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import functools
+import logging
+import os
+import resource
+import shutil
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvstore import reader
+from kvstore.appender import Appender, OpenSegment
+from kvstore.config import StoreConfig
+from kvstore.crypto import MasterKey, RecordCipher
+from kvstore.errors import (
+    BlockTooLarge,
+    IndexUnusable,
+    InvalidInput,
+    InvalidRange,
+    NotFound,
+    StoreClosed,
+    StoreLocked,
+    TenantNotFound,
+)
+from kvstore.index import Index, IndexEntry
+from kvstore.metrics import Metrics
+from kvstore.names import validate_key, validate_tenant
+from kvstore.record import EncodedRecord, assemble, encode_frame, frame_count, new_record_id, tombstone
+from kvstore.recovery import RecoveryReport, recover
+from kvstore.registry import Registry, Tenant
+from kvstore.segment import SegmentFile, segment_name
+from kvstore.verify import VerifyReport, verify_segments
+
+log = logging.getLogger("kvstore.store")
+T = TypeVar("T")
+Data = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    key: str
+    size: int
+    etag: str  # strong: names the stored record, unique per write
+    created_ns: int
+    stored_bytes: int
+    sealed: bool
+    key_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    prefix: int  # how many keys, from the start of the chain, are present
+    present: list[bool]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    blocks: int
+    stored_bytes: int
+    logical_bytes: int
+
+
+class Store:
+    """Open with :meth:`open`; close with :meth:`close` (drains queued writes)."""
+
+    def __init__(self, config: StoreConfig, master: MasterKey) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.recovery = RecoveryReport()
+        self._master = master
+        self._root = Path(config.data_dir)
+        self._seg_root = self._root / "segments"
+        self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvstore-io")
+        self._lock_fd = -1
+        self._closed = True
+        self._registry: Registry
+        self._index: Index
+        self._tails: dict[str, OpenSegment] = {}
+        self._appenders: dict[str, Appender] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._segments: dict[tuple[str, int], SegmentFile] = {}
+        self._retired: list[SegmentFile] = []
+        self._seg_lock = threading.Lock()
+        self._deleting: set[str] = set()
+
+    # -- life cycle -----------------------------------------------------------
+
+    @classmethod
+    async def open(cls, config: StoreConfig, master: MasterKey) -> Store:
+        store = cls(config, master)
+        try:
+            await store._run(store._open_sync)
+        except BaseException:
+            store._pool.shutdown(wait=False)
+            raise
+        store._closed = False
+        return store
+
+    def _open_sync(self) -> None:
+        self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._lock_fd = os.open(self._root / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StoreLocked(f"data directory {str(self._root)!r} is in use by another process") from None
+        _raise_nofile_limit()
+        self._registry = Registry(self._root / "registry.json", self._master)
+        index_dir = self._root / "index"
+        has_segments = self._seg_root.is_dir() and any(self._seg_root.iterdir())
+        rebuilt = has_segments and not (index_dir / "data.mdb").exists()
+        try:
+            self._index = Index(index_dir, sync=True)
+        except IndexUnusable as e:
+            log.error("%s; rebuilding the index from the segments", e)
+            Index.destroy(index_dir)
+            self._index = Index(index_dir, sync=True)
+            rebuilt = has_segments
+        self.recovery.index_rebuilt = rebuilt
+        self._tails = recover(self._seg_root, self._index, self._registry, self.recovery)
+        for name, tail in self._tails.items():
+            if tail.segment is not None:
+                self._segments[(name, tail.segment.segment_id)] = tail.segment
+        r = self.recovery
+        self.metrics.set("kvstore_recovery_records_replayed", r.records_replayed)
+        self.metrics.set("kvstore_recovery_entries_dropped", r.entries_dropped)
+        self.metrics.set("kvstore_recovery_truncated_segments", len(r.truncated))
+        self.metrics.set("kvstore_recovery_corrupt_records", len(r.corrupt))
+        if r.repaired or r.corrupt:
+            log.warning("recovery: %s", r.as_dict())
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for app in list(self._appenders.values()):
+            await app.close()
+        self._appenders.clear()
+        await self._run(self._close_sync)
+        self._pool.shutdown(wait=True)
+
+    def _close_sync(self) -> None:
+        for seg in [*self._segments.values(), *self._retired]:
+            seg.close()
+        self._segments.clear()
+        self._index.sync()
+        self._index.close()
+        os.close(self._lock_fd)
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- helpers --------------------------------------------------------------
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("the store is not open")
+
+    def _tenant(self, name: str) -> Tenant:
+        self._check_open()
+        validate_tenant(name)
+        if name in self._deleting:
+            raise TenantNotFound(f"tenant {name!r} does not exist")
+        return self._registry.get(name)
+
+    def _segment(self, tenant: str, segment_id: int) -> SegmentFile:
+        """The segment for reads (runs on executor threads)."""
+        seg = self._segments.get((tenant, segment_id))
+        if seg is not None:
+            return seg
+        with self._seg_lock:
+            seg = self._segments.get((tenant, segment_id))
+            if seg is None:
+                path = self._seg_root / tenant / segment_name(segment_id)
+                seg = SegmentFile.open(path, writable=False)
+                self._segments[(tenant, segment_id)] = seg
+            return seg
+
+    def _register_segment(self, seg: SegmentFile) -> None:
+        with self._seg_lock:
+            self._segments[(seg.header.tenant, seg.segment_id)] = seg
+
+    def _appender(self, t: Tenant) -> Appender:
+        app = self._appenders.get(t.name)
+        if app is None:
+            tail = self._tails.setdefault(t.name, OpenSegment(None))
+            app = Appender(
+                t.name,
+                self._seg_root / t.name,
+                t.policy == "direct",
+                tail,
+                self._index,
+                self.config,
+                self._pool,
+                self.metrics,
+                self._register_segment,
+            )
+            self._appenders[t.name] = app
+        return app
+
+    async def _serialize(self, tenant: str, key: str) -> asyncio.Future[None]:
+        """Wait for any write in flight on (tenant, key), then claim it."""
+        k = (tenant, key)
+        while (other := self._inflight.get(k)) is not None:
+            await asyncio.wait({other})
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inflight[k] = fut
+        return fut
+
+    def _release(self, tenant: str, key: str, fut: asyncio.Future[None]) -> None:
+        del self._inflight[(tenant, key)]
+        fut.set_result(None)
+
+    # -- tenants --------------------------------------------------------------
+
+    async def create_tenant(self, name: str, policy: str = "sealed", compression: str | None = None) -> dict[str, Any]:
+        self._check_open()
+        t = await self._run(self._registry.create, name, policy, compression)
+        self._tails[name] = OpenSegment(None)
+        return t.public()
+
+    def tenants(self) -> list[dict[str, Any]]:
+        self._check_open()
+        return [self._registry.get(n).public() for n in self._registry.names() if n not in self._deleting]
+
+    def tenant(self, name: str) -> dict[str, Any]:
+        return self._tenant(name).public()
+
+    async def delete_tenant(self, name: str) -> None:
+        """Crypto-shred: destroy the tenant's keys, then drop its index and files."""
+        self._tenant(name)
+        self._deleting.add(name)
+        try:
+            app = self._appenders.pop(name, None)
+            if app is not None:
+                await app.close()
+            await self._run(self._registry.delete, name)
+            await self._run(self._index.drop_tenant, name)
+            with self._seg_lock:
+                for k in [k for k in self._segments if k[0] == name]:
+                    # Readers may still hold it: close at store close, not now.
+                    self._retired.append(self._segments.pop(k))
+            await self._run(functools.partial(shutil.rmtree, self._seg_root / name, ignore_errors=True))
+            self._tails.pop(name, None)
+        finally:
+            self._deleting.discard(name)
+
+    async def rotate_tenant_key(self, name: str) -> int:
+        self._tenant(name)
+        return await self._run(self._registry.rotate_data_key, name)
+
+    async def rotate_master_key(self, new_master: MasterKey) -> None:
+        """Rewrap every data key under ``new_master``; start with it from now on."""
+        self._check_open()
+        await self._run(self._registry.rotate_master, new_master)
+        self._master = new_master
+
+    # -- writes ---------------------------------------------------------------
+
+    def _check_data(self, data: Data) -> memoryview:
+        view = memoryview(data).cast("B")
+        if len(view) == 0:
+            raise InvalidInput("block is empty; blocks are 1 byte or more")
+        if len(view) > self.config.max_block_size:
+            raise BlockTooLarge(f"block is {len(view)} bytes; the maximum is {self.config.max_block_size}")
+        return view
+
+    async def _encode(self, t: Tenant, key: str, data: memoryview) -> EncodedRecord:
+        fs = self.config.frame_size
+        n = len(data)
+        nf = frame_count(n, fs)
+        record_id = new_record_id()
+        sealed = t.sealed
+        kv = t.key_version if sealed else 0
+        comp, level = t.compression, self.config.zstd_level
+
+        def frames(lo: int, hi: int) -> list[tuple[Any, Any]]:
+            cipher = None
+            if sealed:
+                cipher = RecordCipher(self._registry.data_key(t.name, kv), record_id, t.name, key, kv, nf, n)
+            return [encode_frame(cipher, i, data[i * fs : (i + 1) * fs], comp, level) for i in range(lo, hi)]
+
+        if nf <= 1 or (comp == "none" and not sealed):
+            done = await self._run(frames, 0, nf)
+        else:
+            parts = await asyncio.gather(*(self._run(frames, i, i + 1) for i in range(nf)))
+            done = [f for part in parts for f in part]
+        return assemble(t.name, key, n, fs, done, record_id, kv, sealed, t.policy == "direct")
+
+    async def put(self, tenant: str, key: str, data: Data) -> bool:
+        """Store ``data`` under ``key``. True: written; False: the key existed.
+
+        Returns once the write is durable under the configured policy. The
+        caller must not change ``data`` until then.
+        """
+        t = self._tenant(tenant)
+        validate_key(key)
+        view = self._check_data(data)
+        claim = await self._serialize(tenant, key)
+        try:
+            if await self._run(self._index.get, tenant, key) is not None:
+                self.metrics.inc("kvstore_puts_total", result="exists")
+                return False
+            record = await self._encode(t, key, view)
+            await self._appender(t).submit(record)
+            self.metrics.inc("kvstore_puts_total", result="created")
+            self.metrics.inc("kvstore_bytes_in_total", len(view))
+            return True
+        finally:
+            self._release(tenant, key, claim)
+
+    async def put_many(self, tenant: str, items: Iterable[tuple[str, Data]]) -> list[bool]:
+        """Put several blocks; they share group-commit batches. Fails as a whole
+        on the first invalid item, before writing anything."""
+        self._tenant(tenant)
+        checked = [(validate_key(k), self._check_data(d)) for k, d in items]
+        return list(await asyncio.gather(*(self.put(tenant, k, d) for k, d in checked)))
+
+    async def delete(self, tenant: str, key: str) -> bool:
+        """Delete ``key`` (a durable tombstone). False when it was absent."""
+        t = self._tenant(tenant)
+        validate_key(key)
+        claim = await self._serialize(tenant, key)
+        try:
+            if await self._run(self._index.get, tenant, key) is None:
+                return False
+            await self._appender(t).submit(tombstone(tenant, key))
+            self.metrics.inc("kvstore_deletes_total")
+            return True
+        finally:
+            self._release(tenant, key, claim)
+
+    async def flush(self) -> None:
+        """Seal every open segment (each becomes immutable, with its footer)."""
+        self._check_open()
+        for app in list(self._appenders.values()):
+            await app.seal()
+
+    # -- reads ----------------------------------------------------------------
+
+    async def _entry(self, tenant: str, key: str) -> IndexEntry:
+        self._tenant(tenant)
+        validate_key(key)
+        entry = await self._run(self._index.get, tenant, key)
+        if entry is None:
+            self.metrics.inc("kvstore_lookups_total", result="miss")
+            raise NotFound(f"key {key!r} not found")
+        self.metrics.inc("kvstore_lookups_total", result="hit")
+        return entry
+
+    async def get(self, tenant: str, key: str) -> bytearray:
+        entry = await self._entry(tenant, key)
+        return await self._read(tenant, key, entry, 0, entry.logical_size)
+
+    async def get_range(self, tenant: str, key: str, start: int, end: int | None = None) -> bytearray:
+        """Bytes [start, end) of the block; ``end`` past the size is clamped.
+        Raises InvalidRange (416) when ``start`` is at or past the size."""
+        if start < 0 or (end is not None and end <= start):
+            raise InvalidInput(f"range [{start}, {end}) is not a non-empty range of non-negative offsets")
+        entry = await self._entry(tenant, key)
+        size = entry.logical_size
+        if start >= size:
+            raise InvalidRange(f"range starts at {start}, past the end of a {size}-byte block", size)
+        return await self._read(tenant, key, entry, start, size if end is None else min(end, size))
+
+    async def _read(self, tenant: str, key: str, entry: IndexEntry, start: int, end: int) -> bytearray:
+        fs = self.config.frame_size
+        seg_of = functools.partial(self._segment, tenant, entry.segment_id)
+        if end - start <= fs:
+            out = await self._run(
+                lambda: reader.read_all_inline(seg_of(), entry, tenant, key, start, end, self._registry)
+            )
+        else:
+            ld = await self._run(lambda: reader.load(seg_of(), entry, tenant, key, start, end, self._registry))
+            out = bytearray(end - start)
+            view = memoryview(out)
+            await asyncio.gather(
+                *(self._run(reader.decode_into, ld, i, start, end, view) for i in range(ld.first, ld.last + 1))
+            )
+        self.metrics.inc("kvstore_bytes_out_total", end - start)
+        return out
+
+    async def head(self, tenant: str, key: str) -> BlockInfo:
+        e = await self._entry(tenant, key)
+        return BlockInfo(
+            key, e.logical_size, e.record_id.hex(), e.created_ns, e.record_len, bool(e.flags & 1), e.key_version
+        )
+
+    async def exists(self, tenant: str, key: str) -> bool:
+        self._tenant(tenant)
+        validate_key(key)
+        return await self._run(self._index.get, tenant, key) is not None
+
+    async def lookup(self, tenant: str, keys: Sequence[str]) -> LookupResult:
+        """Which of a chain of keys are present, and how many from the start."""
+        self._tenant(tenant)
+        for k in keys:
+            validate_key(k)
+        present = await self._run(self._index.contains, tenant, list(keys))
+        prefix = next((i for i, p in enumerate(present) if not p), len(present))
+        return LookupResult(prefix, present)
+
+    async def iter_keys(self, tenant: str, start_after: str | None = None, page: int = 1000) -> AsyncIterator[str]:
+        """Every key of the tenant, in byte order, a page of the index at a time."""
+        self._tenant(tenant)
+        while True:
+            keys = await self._run(self._index.keys, tenant, start_after, page)
+            for k in keys:
+                yield k
+            if len(keys) < page:
+                return
+            start_after = keys[-1]
+
+    async def stats(self, tenant: str) -> TenantStats:
+        self._tenant(tenant)
+        s = await self._run(self._index.stats, tenant)
+        return TenantStats(s.blocks, s.stored_bytes, s.logical_bytes)
+
+    async def verify(self, deep: bool = False) -> VerifyReport:
+        """Scrub every segment: headers, footers, frame checksums; ``deep`` also
+        opens every live frame (GCM tags, decompression)."""
+        self._check_open()
+        return await self._run(verify_segments, self._seg_root, self._registry, self._index, deep)
+
+
+def _raise_nofile_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
