@@ -112,6 +112,7 @@ class Store:
         try:
             await store._run(store._open_sync)
         except BaseException:
+            await store._run(store._release_after_failed_open)
             store._pool.shutdown(wait=False)
             raise
         store._closed = False
@@ -124,6 +125,7 @@ class Store:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
+            self._lock_fd = -1
             raise StoreLocked(f"data directory {str(self._root)!r} is in use by another process") from None
         _raise_nofile_limit()
         self._registry = Registry(self._root / "registry.json", self._master)
@@ -149,6 +151,16 @@ class Store:
         self.metrics.set("kvstore_recovery_corrupt_records", len(r.corrupt))
         if r.repaired or r.corrupt:
             log.warning("recovery: %s", r.as_dict())
+
+    def _release_after_failed_open(self) -> None:
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+        if hasattr(self, "_index"):
+            self._index.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     async def close(self) -> None:
         if self._closed:
@@ -242,6 +254,8 @@ class Store:
 
     async def create_tenant(self, name: str, policy: str = "sealed", compression: str | None = None) -> dict[str, Any]:
         self._check_open()
+        if compression is None and policy == "sealed":
+            compression = self.config.compression
         t = await self._run(self._registry.create, name, policy, compression)
         self._tails[name] = OpenSegment(None)
         return t.public()

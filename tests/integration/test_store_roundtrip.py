@@ -1,0 +1,203 @@
+"""The store's API on real files, real LMDB and real crypto."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.config import StoreConfig
+from kvstore.crypto import MasterKey
+from kvstore.errors import BlockTooLarge, InvalidInput, InvalidKey, InvalidRange, NotFound, TenantNotFound
+from kvstore.store import Store
+from tests.conftest import OpenStore, kv_sample
+
+KV = kv_sample("gemma3-270m.bf16.layers8-9.bin")
+FS = 64 * 1024  # the test config's frame size
+
+
+def block(key: str, size: int) -> bytes:
+    """Deterministic content: real KV bytes, shifted per key so blocks differ."""
+    shift = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") % (len(KV) - 1)
+    out = (KV[shift:] + KV[:shift]) * (size // len(KV) + 1)
+    return out[:size]
+
+
+def test_round_trip_property(config: StoreConfig, master: MasterKey) -> None:
+    """Random sizes and ranges over sealed, direct and uncompressed tenants."""
+    loop = asyncio.new_event_loop()
+    store = loop.run_until_complete(Store.open(config, master))
+    tenants = ["sealed", "direct", "plain", "zstd"]
+    loop.run_until_complete(store.create_tenant("sealed"))
+    loop.run_until_complete(store.create_tenant("direct", "direct"))
+    loop.run_until_complete(store.create_tenant("plain", "sealed", "none"))
+    loop.run_until_complete(store.create_tenant("zstd", "sealed", "zstd"))
+    written: dict[tuple[str, str], bytes] = {}
+    try:
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(
+            tenant=st.sampled_from(tenants),
+            key=st.text(alphabet="abc0123._~:@=+-", min_size=1, max_size=40),
+            size=st.one_of(
+                st.integers(1, 3 * FS),
+                st.sampled_from([1, FS - 1, FS, FS + 1, 2 * FS, 4 << 20]),
+            ),
+            a=st.floats(0, 1),
+            b=st.floats(0, 1),
+        )
+        def check(tenant: str, key: str, size: int, a: float, b: float) -> None:
+            data = written.get((tenant, key)) or block(tenant + key, size)
+            created = loop.run_until_complete(store.put(tenant, key, data))
+            assert created == ((tenant, key) not in written)
+            written[(tenant, key)] = data
+            assert loop.run_until_complete(store.get(tenant, key)) == data
+            start = int(a * (len(data) - 1))
+            end = start + 1 + int(b * (len(data) - start - 1))
+            got = loop.run_until_complete(store.get_range(tenant, key, start, end))
+            assert got == data[start:end]
+
+        check()
+        # Everything written is still there, and identical, after a reopen.
+        loop.run_until_complete(store.close())
+        store = loop.run_until_complete(Store.open(config, master))
+        for (tenant, key), data in written.items():
+            assert loop.run_until_complete(store.get(tenant, key)) == data
+        report = loop.run_until_complete(store.verify(deep=True))
+        assert report.ok, report.errors
+    finally:
+        loop.run_until_complete(store.close())
+        loop.close()
+
+
+@pytest.mark.parametrize("tenant", ["alice", "direct"])
+async def test_frame_boundaries(store: Store, tenant: str) -> None:
+    data = block("fb", 3 * FS + 5)
+    await store.put(tenant, "fb", data)
+    cuts = [0, 1, FS - 1, FS, FS + 1, 2 * FS, 3 * FS, 3 * FS + 4, 3 * FS + 5]
+    for i, s in enumerate(cuts):
+        for e in cuts[i + 1 :]:
+            assert await store.get_range(tenant, "fb", s, e) == data[s:e], (s, e)
+    assert await store.get_range(tenant, "fb", 2 * FS) == data[2 * FS :]
+    assert await store.get_range(tenant, "fb", 5, 10**9) == data[5:]  # end clamped
+
+
+async def test_size_limits(store: Store) -> None:
+    maximum = store.config.max_block_size
+    big = block("max", maximum)
+    assert await store.put("alice", "max", big)
+    assert await store.get("alice", "max") == big
+    with pytest.raises(BlockTooLarge, match=str(maximum)):
+        await store.put("alice", "too-big", big + b"x")
+    with pytest.raises(InvalidInput, match="empty"):
+        await store.put("alice", "empty", b"")
+    assert not await store.exists("alice", "too-big") and not await store.exists("alice", "empty")
+
+
+async def test_bad_input_is_precise(store: Store) -> None:
+    with pytest.raises(InvalidKey, match="'/'"):
+        await store.put("alice", "a/b", b"x")
+    with pytest.raises(TenantNotFound, match="nobody"):
+        await store.get("nobody", "k")
+    await store.put("alice", "k", b"12345")
+    with pytest.raises(InvalidRange) as e:
+        await store.get_range("alice", "k", 5, 6)
+    assert e.value.size == 5 and e.value.status == 416
+    with pytest.raises(InvalidInput):
+        await store.get_range("alice", "k", -1, 3)
+    with pytest.raises(InvalidInput):
+        await store.get_range("alice", "k", 3, 3)
+    with pytest.raises(NotFound):
+        await store.get("alice", "absent")
+
+
+async def test_first_write_wins(store: Store) -> None:
+    assert await store.put("alice", "k", b"first")
+    etag = (await store.head("alice", "k")).etag
+    assert not await store.put("alice", "k", b"second")
+    assert await store.get("alice", "k") == b"first"
+    assert (await store.head("alice", "k")).etag == etag
+    assert (await store.stats("alice")).blocks == 1
+
+
+async def test_concurrent_puts_of_one_key_write_once(store: Store) -> None:
+    results = await asyncio.gather(*(store.put("alice", "same", block(f"v{i}", 1000)) for i in range(10)))
+    assert results.count(True) == 1
+    winner = results.index(True)
+    assert await store.get("alice", "same") == block(f"v{winner}", 1000)
+    assert (await store.stats("alice")).blocks == 1
+
+
+async def test_group_commit_batches_concurrent_puts(store: Store) -> None:
+    n = 64
+    await asyncio.gather(*(store.put("alice", f"g{i}", block(f"g{i}", 5000)) for i in range(n)))
+    text = store.metrics.render()
+    fsyncs = int(next(line.split()[1] for line in text.splitlines() if line.startswith("kvstore_fsync_seconds_count")))
+    assert fsyncs < n, f"{fsyncs} fsyncs for {n} concurrent puts: no batching"
+    for i in range(n):
+        assert await store.get("alice", f"g{i}") == block(f"g{i}", 5000)
+
+
+async def test_put_many_lookup_delete_iterate_stats(store: Store) -> None:
+    chain = [f"chain-{i:03d}" for i in range(10)]
+    created = await store.put_many("alice", [(k, block(k, 3000)) for k in chain[:6]])
+    assert created == [True] * 6
+    assert await store.put_many("alice", [(chain[0], b"x"), (chain[6], block(chain[6], 3000))]) == [False, True]
+    r = await store.lookup("alice", chain)
+    assert r.prefix == 7 and r.present == [True] * 7 + [False] * 3
+    assert await store.delete("alice", chain[2])
+    assert not await store.delete("alice", chain[2])
+    r = await store.lookup("alice", chain)
+    assert r.prefix == 2 and r.present[2] is False and r.present[3] is True
+    assert (await store.lookup("alice", [])).prefix == 0
+    keys = [k async for k in store.iter_keys("alice", page=3)]
+    assert keys == sorted(set(chain[:7]) - {chain[2]})
+    s = await store.stats("alice")
+    assert s.blocks == 6 and s.logical_bytes == 6 * 3000 and s.stored_bytes >= 6 * 4096
+    with pytest.raises(InvalidKey):
+        await store.put_many("alice", [("ok", b"x"), ("not ok", b"y")])
+    assert not await store.exists("alice", "ok")  # validated before anything was written
+    # A deleted key can be written again, with new content.
+    assert await store.put("alice", chain[2], b"new")
+    assert await store.get("alice", chain[2]) == b"new"
+
+
+async def test_head(store: Store) -> None:
+    await store.put("alice", "h", block("h", 10_000))
+    await store.put("direct", "h", block("h", 10_000))
+    a, d = await store.head("alice", "h"), await store.head("direct", "h")
+    assert a.size == d.size == 10_000
+    assert a.sealed and not d.sealed and a.etag != d.etag and a.key_version == 1
+
+
+async def test_interval_durability(open_store: OpenStore, config: StoreConfig) -> None:
+    s = await open_store(durability="interval", sync_interval_ms=5)
+    await s.create_tenant("t")
+    await asyncio.gather(*(s.put("t", f"k{i}", block(f"k{i}", 2000)) for i in range(20)))
+    await asyncio.sleep(0.05)
+    await s.close()
+    s = await open_store(durability="interval")
+    for i in range(20):
+        assert await s.get("t", f"k{i}") == block(f"k{i}", 2000)
+    assert not s.recovery.truncated
+
+
+async def test_segments_roll_over_and_seal(store: Store) -> None:
+    for i in range(12):  # 12 x 200 KB > the test's 1 MiB segments
+        await store.put("alice", f"r{i}", block(f"r{i}", 200_000))
+    await store.flush()
+    seg_dir = store.config.data_dir / "segments" / "alice"
+    assert len(list(seg_dir.glob("*.seg"))) >= 2
+    for i in range(12):
+        assert await store.get("alice", f"r{i}") == block(f"r{i}", 200_000)
+    assert (await store.verify()).ok
+
+
+async def test_store_wide_compression_default(open_store: OpenStore) -> None:
+    s = await open_store(compression="zstd")
+    assert (await s.create_tenant("t"))["compression"] == "zstd"
+    assert (await s.create_tenant("d", "direct"))["compression"] == "none"
+    assert (await s.create_tenant("u", "sealed", "none"))["compression"] == "none"
