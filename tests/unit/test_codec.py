@@ -23,7 +23,7 @@ def _round_trip(data: bytes, compression: str) -> tuple[int, int]:
 
 @given(st.binary(min_size=1, max_size=5000), st.sampled_from(COMPRESSIONS))
 def test_round_trip_any_bytes(data: bytes, compression: str) -> None:
-    codec, stored_len = _round_trip(data, compression)
+    _, stored_len = _round_trip(data, compression)
     assert stored_len <= len(data)  # never grows: raw fallback
 
 
