@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 from kvstore.crypto import RecordCipher
 from kvstore.errors import CorruptionError
-from kvstore.format import KIND_BLOCK, RecordHeader, decode_record_header
+from kvstore.format import CODEC_RAW, KIND_BLOCK, REC_FLAG_DIRECT, RecordHeader, checksum, decode_record_header
 from kvstore.index import IndexEntry
 from kvstore.record import open_frame
 from kvstore.registry import Registry
 from kvstore.segment import SegmentFile
+
+__all__ = ["REC_FLAG_DIRECT", "Loaded", "decode_into", "load", "read_all_inline", "read_direct_whole"]
 
 # Records up to this size are read with a single pread, header and all.
 WHOLE_READ_MAX = 4 << 20
@@ -48,14 +50,7 @@ def load(
     else:
         raw = None
         header = seg.read_header_at(entry.offset)
-    if (
-        header.kind != KIND_BLOCK
-        or header.tenant != tenant
-        or header.key != key
-        or header.record_id != entry.record_id
-        or header.logical_size != entry.logical_size
-    ):
-        raise CorruptionError(f"the index entry of key {key!r} points at a different record", where, entry.offset)
+    _check_identity(header, entry, tenant, key, where)
     fs = header.frame_size
     first, last = start // fs, (end - 1) // fs
     offsets = header.frame_offsets()
@@ -79,6 +74,18 @@ def load(
     return Loaded(seg, entry, header, first, last, stored, [o - lo for o in offsets[first : last + 1]], cipher)
 
 
+def _check_identity(header: RecordHeader, entry: IndexEntry, tenant: str, key: str, where: str) -> None:
+    if (
+        header.kind != KIND_BLOCK
+        or header.tenant != tenant
+        or header.key != key
+        or header.record_id != entry.record_id
+        or header.logical_size != entry.logical_size
+        or header.payload_offset != entry.payload_offset
+    ):
+        raise CorruptionError(f"the index entry of key {key!r} points at a different record", where, entry.offset)
+
+
 def decode_into(ld: Loaded, i: int, start: int, end: int, out: memoryview) -> None:
     """Decode frame ``i`` and place its part of [start, end) into ``out``
     (which holds exactly bytes [start, end) of the block)."""
@@ -95,6 +102,27 @@ def decode_into(ld: Loaded, i: int, start: int, end: int, out: memoryview) -> No
     tmp = bytearray(f_hi - f_lo)
     open_frame(ld.cipher, h, i, stored, memoryview(tmp), where, offset)
     out[lo - start : hi - start] = memoryview(tmp)[lo - f_lo : hi - f_lo]
+
+
+def read_direct_whole(seg: SegmentFile, entry: IndexEntry, tenant: str, key: str) -> bytearray:
+    """A whole direct (raw, unsealed) block: one preadv of the header and the
+    payload straight into the output buffer, frame checksums checked in place."""
+    out = bytearray(entry.logical_size)
+    head = bytearray(entry.payload_offset)
+    seg.preadv_into([memoryview(head), memoryview(out)], entry.offset)
+    header = decode_record_header(head, seg.name, entry.offset)
+    _check_identity(header, entry, tenant, key, seg.name)
+    view = memoryview(out)
+    pos = 0
+    for i, f in enumerate(header.frames):
+        if f.codec != CODEC_RAW or header.sealed:
+            raise CorruptionError(f"direct record of key {key!r} has an encoded frame {i}", seg.name, entry.offset)
+        if checksum(view[pos : pos + f.stored_len]) != f.checksum:
+            raise CorruptionError(f"frame {i} of key {key!r} fails its checksum", seg.name, entry.offset)
+        pos += f.stored_len
+    if pos != len(out):
+        raise CorruptionError(f"direct record of key {key!r} has {pos} payload bytes, expected {len(out)}")
+    return out
 
 
 def read_all_inline(

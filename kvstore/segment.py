@@ -150,14 +150,19 @@ class SegmentFile:
         return buf
 
     def preadinto(self, buf: memoryview, offset: int) -> None:
-        got = 0
-        while got < len(buf):
-            n = os.preadv(self.fd, [buf[got:]], offset + got)
+        self.preadv_into([buf], offset)
+
+    def preadv_into(self, buffers: list[memoryview], offset: int) -> None:
+        """Fill ``buffers`` from the file at ``offset`` (one preadv when it can)."""
+        views = [b for b in buffers if len(b)]
+        pos = offset
+        while views:
+            n = os.preadv(self.fd, views, pos)
             if n == 0:
-                raise CorruptionError(
-                    f"segment ends after {offset + got} bytes; expected {len(buf) - got} more", self.name, offset
-                )
-            got += n
+                missing = sum(len(v) for v in views)
+                raise CorruptionError(f"segment ends at {pos}; expected {missing} more bytes", self.name, offset)
+            pos += n
+            _consume(views, n)
 
     def read_header_at(self, offset: int) -> RecordHeader:
         first = self.pread(offset, min(ALIGN, max(0, self.size - offset))) if offset < self.size else b""
@@ -248,12 +253,17 @@ def _pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
     while views:
         n = os.pwritev(fd, views[:_IOV_MAX], offset + written)
         written += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        _consume(views, n)
     return total
+
+
+def _consume(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from ``views`` (after a short read or write)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if n:
+        views[0] = views[0][n:]
 
 
 def padding(n: int) -> bytes:

@@ -407,7 +407,9 @@ class Store:
     async def _read(self, tenant: str, key: str, entry: IndexEntry, start: int, end: int) -> bytearray:
         fs = self.config.frame_size
         seg_of = functools.partial(self._segment, tenant, entry.segment_id)
-        if end - start <= fs:
+        if entry.flags & reader.REC_FLAG_DIRECT and start == 0 and end == entry.logical_size:
+            out = await self._run(lambda: reader.read_direct_whole(seg_of(), entry, tenant, key))
+        elif end - start <= fs:
             out = await self._run(
                 lambda: reader.read_all_inline(seg_of(), entry, tenant, key, start, end, self._registry)
             )
