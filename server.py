@@ -18,6 +18,7 @@ from kvstore.config import StoreConfig
 from kvstore.crypto import load_master_key
 from kvstore.errors import KVStoreError
 from kvstore.store import Store
+from kvstore.tuning import keep_freed_memory
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -51,6 +52,7 @@ def vars_of(obj: object) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_freed_memory()
     try:
         return asyncio.run(run(parse_args(sys.argv[1:] if argv is None else argv)))
     except KVStoreError as e:

@@ -175,7 +175,7 @@ class Appender:
         try:
             seg = self._segment_for(nbytes)
         except OSError as e:
-            raise _io_error(e, "creating a segment") from None
+            raise _io_error(e, "sealing the full segment or creating the next one") from None
         start = seg.size
         buffers = [b for item in batch for b in item.record.buffers]
         fsync = self._cfg.durability == "fsync"

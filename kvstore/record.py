@@ -8,6 +8,7 @@ and xxhash release the GIL).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -119,6 +120,18 @@ def tombstone(tenant: str, key: str) -> EncodedRecord:
     return EncodedRecord(header, [raw, padding(len(raw))])
 
 
+_local = threading.local()
+
+
+def _scratch(n: int) -> memoryview:
+    """A per-thread buffer of ``n`` bytes, reused from call to call (a fresh
+    multi-megabyte buffer per frame costs more than decrypting it)."""
+    buf: bytearray | None = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = bytearray(max(n, 1 << 20))
+    return memoryview(buf)[:n]
+
+
 def open_frame(
     cipher: RecordCipher | None,
     header: RecordHeader,
@@ -138,9 +151,9 @@ def open_frame(
         elif entry.codec == CODEC_RAW:
             cipher.open_into(index, stored, out)
         else:
-            plain = bytearray(len(stored) - 16)
+            plain = _scratch(len(stored) - 16)
             cipher.open_into(index, stored, plain)
-            codec.decode_frame(entry.codec, memoryview(plain), out)
+            codec.decode_frame(entry.codec, plain, out)
     except CorruptionError as e:
         raise CorruptionError(f"key {header.key!r}: {e}", where, offset) from None
 

@@ -7,6 +7,8 @@ Nothing here knows about tenants' keys, the index, or asyncio.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -84,16 +86,24 @@ class SegmentFile:
 
     @classmethod
     def create(cls, directory: Path, tenant: str, segment_id: int, direct: bool) -> SegmentFile:
+        """A new segment holding just its header. The header is written and synced
+        under a ``.tmp`` name (recovery removes those) and then renamed into place,
+        so a crash never leaves a segment file without a complete header."""
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / segment_name(segment_id)
+        if path.exists():
+            raise FileExistsError(errno.EEXIST, "segment file exists", str(path))
+        tmp = path.with_name(path.name + ".tmp")
         header = SegmentHeader(segment_id, tenant, direct, time.time_ns())
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             _pwrite_all(fd, [header.encode()], 0)
             os.fdatasync(fd)
+            os.rename(tmp, path)
             fsync_dir(directory)
         except BaseException:
             os.close(fd)
+            tmp.unlink(missing_ok=True)
             path.unlink(missing_ok=True)
             raise
         return cls(path, header, fd, ALIGN, sealed=False)
@@ -103,7 +113,7 @@ class SegmentFile:
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            header = SegmentHeader.decode(os.pread(fd, ALIGN, 0), str(path))
+            header = SegmentHeader.decode(os.pread(fd, ALIGN, 0), f"{path.parent.name}/{path.name}")
             seg = cls(path, header, fd, size, sealed=False)
             seg.sealed = seg.read_trailer() is not None
             return seg
@@ -137,8 +147,15 @@ class SegmentFile:
         footer = encode_footer(entries)
         offset = self.size
         trailer = Trailer(offset, len(footer), len(entries), checksum(footer), time.time_ns())
-        _pwrite_all(self.fd, [footer, trailer.encode()], offset)
-        os.fdatasync(self.fd)
+        try:
+            _pwrite_all(self.fd, [footer, trailer.encode()], offset)
+            os.fdatasync(self.fd)
+        except BaseException:
+            # The segment stays open: cut the footer and trailer off, or records
+            # appended later would lie inside what a stale trailer calls its footer.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, offset)
+            raise
         self.size = offset + len(footer) + TRAILER.size
         self.sealed = True
 
