@@ -106,7 +106,8 @@ class StoreConfig:
         return cls(data_dir=Path(data_dir), **values)
 
     def with_(self, **changes: Any) -> StoreConfig:
-        return replace(self, **changes)
+        """A copy with ``changes`` applied, parsed like environment values."""
+        return replace(self, **{name: _parse_field(name, name, value) for name, value in changes.items()})
 
 
 def _parse_field(label: str, name: str, value: object) -> Any:

@@ -201,3 +201,15 @@ async def test_store_wide_compression_default(open_store: OpenStore) -> None:
     assert (await s.create_tenant("t"))["compression"] == "zstd"
     assert (await s.create_tenant("d", "direct"))["compression"] == "none"
     assert (await s.create_tenant("u", "sealed", "none"))["compression"] == "none"
+
+
+async def test_end_to_end_ratio_on_real_bf16_kv(open_store: OpenStore) -> None:
+    """Headers, GCM tags and padding included, with the default 1 MiB frames."""
+    s = await open_store(frame_size="1MiB", max_block_size="64MiB")
+    await s.create_tenant("kv")
+    for name in ("minilm-l6-v2.bf16.first2MiB.bin", "gemma3-270m.bf16.layers8-9.bin"):
+        data = kv_sample(name)
+        for i in range(0, len(data), 2 << 20):
+            await s.put("kv", f"{name}-{i}", data[i : i + (2 << 20)])
+    st = await s.stats("kv")
+    assert st.logical_bytes / st.stored_bytes >= 1.45
