@@ -100,17 +100,17 @@ class StoreConfig:
                 continue
             var = "KVSTORE_" + f.name.upper()
             if var in env:
-                values[f.name] = _parse_field(var, f.name, env[var])
+                values[f.name] = parse_field(var, f.name, env[var])
         for name, value in overrides.items():
-            values[name] = _parse_field(name, name, value)
+            values[name] = parse_field(name, name, value)
         return cls(data_dir=Path(data_dir), **values)
 
     def with_(self, **changes: Any) -> StoreConfig:
         """A copy with ``changes`` applied, parsed like environment values."""
-        return replace(self, **{name: _parse_field(name, name, value) for name, value in changes.items()})
+        return replace(self, **{name: parse_field(name, name, value) for name, value in changes.items()})
 
 
-def _parse_field(label: str, name: str, value: object) -> Any:
+def parse_field(label: str, name: str, value: object) -> Any:
     if name in ("segment_size", "frame_size", "max_block_size", "max_batch_bytes"):
         return parse_size(label, value)
     if name in ("sync_interval_ms", "zstd_level", "io_threads"):

@@ -1,0 +1,164 @@
+"""The daemon's configuration: defaults < TOML file < ``KVSTORE_*`` env < flags.
+
+Every setting has one flat name, used as the TOML key, as the environment
+variable ``KVSTORE_<NAME>`` and as the flag ``--<name-with-dashes>``. An
+unknown TOML key or a bad value stops start-up with the name and the value;
+nothing falls back to a default silently. ``deploy/kvstore.toml`` lists every
+setting with its default.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import StoreConfig, parse_field, parse_choice, parse_int
+from kvstore.errors import ConfigError
+
+DEFAULT_PORT = 8420
+
+
+def _str(name: str, value: object) -> str:
+    if isinstance(value, str) and value:
+        return value
+    raise ConfigError(f"{name}={value!r}: expected a non-empty string")
+
+
+def _listen(name: str, value: object) -> str:
+    text = _str(name, value)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{name}={value!r}: expected HOST:PORT, such as 127.0.0.1:{DEFAULT_PORT}")
+    return text
+
+
+def _positive(name: str, value: object) -> int:
+    n = parse_int(name, value)
+    if n < 1:
+        raise ConfigError(f"{name}={value!r}: expected a positive integer")
+    return n
+
+
+def _log_level(name: str, value: object) -> str:
+    return parse_choice(name, value, ("debug", "info", "warning", "error"))
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Settings of the daemon; ``store`` holds the storage engine's."""
+
+    store: StoreConfig
+    listen: str = f"127.0.0.1:{DEFAULT_PORT}"
+    workers: int = 1
+    admin_token: str | None = field(default=None, repr=False)
+    admin_token_file: str | None = None
+    master_key_file: str | None = None
+    master_key: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_lookup_keys: int = 4096
+    max_batch_keys: int = 1024
+    max_concurrency: int = 512
+    request_timeout_s: int = 60
+    keepalive_timeout_s: int = 75
+    shutdown_timeout_s: int = 30
+    log_level: str = "info"
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+    def admin_secret(self) -> str | None:
+        """The admin token, from ``admin_token`` or the file ``admin_token_file``."""
+        if self.admin_token:
+            return self.admin_token
+        if self.admin_token_file:
+            try:
+                token = Path(self.admin_token_file).read_text().strip()
+            except OSError as e:
+                raise ConfigError(f"admin_token_file={self.admin_token_file!r}: {e.strerror}") from None
+            if not token:
+                raise ConfigError(f"admin_token_file={self.admin_token_file!r}: the file is empty")
+            return token
+        return None
+
+
+_SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
+    "listen": _listen,
+    "workers": _positive,
+    "admin_token": _str,
+    "admin_token_file": _str,
+    "master_key_file": _str,
+    "master_key": _str,
+    "tls_cert": _str,
+    "tls_key": _str,
+    "max_lookup_keys": _positive,
+    "max_batch_keys": _positive,
+    "max_concurrency": _positive,
+    "request_timeout_s": _positive,
+    "keepalive_timeout_s": _positive,
+    "shutdown_timeout_s": _positive,
+    "log_level": _log_level,
+}
+_STORE_FIELDS = {f.name for f in fields(StoreConfig)} - {"data_dir"}
+SETTINGS: tuple[str, ...] = ("data_dir", *_SERVER_PARSERS, *sorted(_STORE_FIELDS))
+# Secrets may come from the environment or a file, never from a config file
+# that is likely to be world-readable or committed.
+_NOT_IN_TOML = {"admin_token", "master_key"}
+
+
+def _parse(label: str, name: str, value: object) -> Any:
+    if name == "data_dir":
+        return _str(label, value)
+    if name in _SERVER_PARSERS:
+        return _SERVER_PARSERS[name](label, value)
+    return parse_field(label, name, value)
+
+
+def load(
+    toml_path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, object] | None = None,
+) -> ServerConfig:
+    """Build the configuration from its three sources, each overriding the last."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = toml_path or env.get("KVSTORE_CONFIG")
+    if path:
+        try:
+            doc = tomllib.loads(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        for key, value in doc.items():
+            if key not in SETTINGS:
+                raise ConfigError(f"config file {str(path)!r}: unknown key {key!r}")
+            if key in _NOT_IN_TOML:
+                raise ConfigError(f"config file {str(path)!r}: {key!r} is a secret; use {key}_file or the environment")
+            values[key] = _parse(key, key, value)
+    for name in SETTINGS:
+        var = "KVSTORE_" + name.upper()
+        if var in env:
+            values[name] = _parse(var, name, env[var])
+    for name, value in (flags or {}).items():
+        if value is None:
+            continue
+        if name not in SETTINGS:
+            raise ConfigError(f"unknown setting {name!r}")
+        values[name] = _parse("--" + name.replace("_", "-"), name, value)
+    data_dir = values.pop("data_dir", "data")
+    store_values = {k: values.pop(k) for k in list(values) if k in _STORE_FIELDS}
+    store = StoreConfig(data_dir=Path(data_dir), **store_values)
+    cfg = ServerConfig(store=store, **values)
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise ConfigError("tls_cert and tls_key must be set together")
+    return cfg
