@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Set up .venv and start kvstore on a local default: data in ./local/data,
-# a master key generated once in ./local/master.key (mode 0600).
+# Set up .venv and start the kvstore daemon on a local default:
+#   http://127.0.0.1:8420, data in ./local/data,
+#   a master key generated once in ./local/master.key (mode 0600),
+#   an admin token generated once in ./local/admin.token (mode 0600).
+# Extra arguments go to server.py (e.g. --listen 127.0.0.1:9000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/setup-venv.sh
 mkdir -p local
-if [ ! -f local/master.key ]; then
-  (umask 077 && head -c 32 /dev/urandom > local/master.key)
-fi
+(umask 077
+ [ -f local/master.key ] || head -c 32 /dev/urandom > local/master.key
+ [ -f local/admin.token ] || .venv/bin/python -c "import secrets; print(secrets.token_urlsafe(32))" > local/admin.token)
 export KVSTORE_MASTER_KEY_FILE="${KVSTORE_MASTER_KEY_FILE:-$PWD/local/master.key}"
-exec .venv/bin/python server.py --data-dir "${KVSTORE_DATA_DIR:-local/data}" --create-tenant default "$@"
+export KVSTORE_ADMIN_TOKEN_FILE="${KVSTORE_ADMIN_TOKEN_FILE:-$PWD/local/admin.token}"
+echo "admin token: $(cat "$KVSTORE_ADMIN_TOKEN_FILE")  (from $KVSTORE_ADMIN_TOKEN_FILE)"
+exec .venv/bin/python server.py --data-dir "${KVSTORE_DATA_DIR:-local/data}" --listen "${KVSTORE_LISTEN:-127.0.0.1:8420}" "$@"

@@ -141,3 +141,41 @@ class TenantKeyDestroyed(CorruptionError):
 
     status = 404
     code = "not_found"
+
+
+# -- HTTP-level errors ---------------------------------------------------------
+
+
+class Unauthorized(KVStoreError):
+    """No bearer token, or one that names no tenant (or no admin)."""
+
+    status = 401
+    code = "unauthorized"
+
+
+class LengthRequired(KVStoreError):
+    status = 411
+    code = "length_required"
+
+
+class RequestTimeout(KVStoreError):
+    status = 408
+    code = "request_timeout"
+    retryable = True
+
+
+class Overloaded(KVStoreError):
+    status = 503
+    code = "overloaded"
+    retryable = True
+
+
+# -- batch framing -------------------------------------------------------------
+
+
+class BadFraming(InvalidInput):
+    """A batch stream (``application/x-kvstore-batch``, see kvstore/batchframe.py)
+    that breaks the framing; the message names the item, the byte offset and what
+    was wrong."""
+
+    code = "bad_framing"

@@ -9,7 +9,10 @@ removes its keys from here first: from then on its records cannot be opened
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +24,7 @@ from kvstore.crypto import MasterKey, new_data_key
 from kvstore.errors import (
     InvalidInput,
     MasterKeyError,
+    NotFound,
     TenantExists,
     TenantKeyDestroyed,
     TenantNotFound,
@@ -31,6 +35,11 @@ from kvstore.names import validate_tenant
 Policy = Literal["sealed", "direct"]
 POLICIES: tuple[Policy, ...] = ("sealed", "direct")
 REGISTRY_VERSION = 1
+TOKEN_PREFIX = "kvs_"
+
+
+def _token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 @dataclass(slots=True)
@@ -41,6 +50,7 @@ class Tenant:
     created_ns: int
     key_version: int = 0  # current data key version; 0 for direct tenants
     wrapped_keys: dict[int, str] = field(default_factory=dict)
+    tokens: dict[str, dict[str, Any]] = field(default_factory=dict)  # token id -> {"sha256", "created_ns"}
 
     @property
     def sealed(self) -> bool:
@@ -54,6 +64,7 @@ class Tenant:
             "compression": self.compression,
             "created_ns": self.created_ns,
             "key_version": self.key_version,
+            "tokens": [{"id": tid, "created_ns": t["created_ns"]} for tid, t in sorted(self.tokens.items())],
         }
 
 
@@ -64,10 +75,12 @@ class Registry:
         self._lock = threading.Lock()
         self._tenants: dict[str, Tenant] = {}
         self._keys: dict[tuple[str, int], bytes] = {}
+        self._by_hash: dict[str, tuple[str, str]] = {}
         if path.exists():
             self._load()
         else:
             self._save()
+        self._reindex()
 
     # -- persistence ----------------------------------------------------------
 
@@ -91,6 +104,7 @@ class Registry:
                 created_ns=t["created_ns"],
                 key_version=t["key_version"],
                 wrapped_keys={int(v): w for v, w in t["keys"].items()},
+                tokens=dict(t.get("token_hashes", {})),
             )
             self._tenants[name] = tenant
             for version, wrapped in tenant.wrapped_keys.items():
@@ -103,8 +117,9 @@ class Registry:
                 "master_key_id": master.key_id,
                 "tenants": {
                     t.name: {
-                        **t.public(),
+                        **{k: v for k, v in t.public().items() if k != "tokens"},
                         "keys": {str(v): w for v, w in t.wrapped_keys.items()},
+                        "token_hashes": t.tokens,
                     }
                     for t in self._tenants.values()
                 },
@@ -129,6 +144,15 @@ class Registry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._tenants
+
+    def tenant_for_token(self, token: str) -> str | None:
+        """The tenant a bearer token belongs to, or None. Tokens are stored as
+        SHA-256 hashes only; the hash is compared in constant time."""
+        digest = _token_hash(token)
+        found = self._by_hash.get(digest)
+        if found is None or not hmac.compare_digest(found[1], digest):
+            return None
+        return found[0]
 
     def data_key(self, name: str, version: int) -> bytes:
         k = self._keys.get((name, version))
@@ -164,6 +188,33 @@ class Registry:
         t.key_version = version
         self._keys[(t.name, version)] = key
 
+    def issue_token(self, name: str) -> tuple[str, str]:
+        """A new bearer token for ``name``: (token id, token). The token itself
+        is returned once and never stored."""
+        with self._lock:
+            t = self.get(name)
+            token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+            digest = _token_hash(token)
+            token_id = digest[:16]
+            t.tokens[token_id] = {"sha256": digest, "created_ns": time.time_ns()}
+            self._save()
+            self._reindex()
+            return token_id, token
+
+    def revoke_token(self, name: str, token_id: str) -> None:
+        with self._lock:
+            t = self.get(name)
+            if token_id not in t.tokens:
+                raise NotFound(f"tenant {name!r} has no token {token_id!r}")
+            del t.tokens[token_id]
+            self._save()
+            self._reindex()
+
+    def _reindex(self) -> None:
+        self._by_hash = {
+            tok["sha256"]: (t.name, tok["sha256"]) for t in self._tenants.values() for tok in t.tokens.values()
+        }
+
     def rotate_data_key(self, name: str) -> int:
         """New records of ``name`` use a new data key; old ones keep theirs."""
         with self._lock:
@@ -182,6 +233,7 @@ class Registry:
             for k in [k for k in self._keys if k[0] == name]:
                 del self._keys[k]
             self._save()
+            self._reindex()
 
     def rotate_master(self, new_master: MasterKey) -> None:
         """Rewrap every data key under ``new_master``; no data is rewritten."""

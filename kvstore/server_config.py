@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvstore.config import StoreConfig, parse_field, parse_choice, parse_int
+from kvstore.config import StoreConfig, parse_choice, parse_field, parse_int
 from kvstore.errors import ConfigError
 
 DEFAULT_PORT = 8420

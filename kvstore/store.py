@@ -35,12 +35,14 @@ from kvstore.config import StoreConfig
 from kvstore.crypto import MasterKey, RecordCipher
 from kvstore.errors import (
     BlockTooLarge,
+    CorruptionError,
     IndexUnusable,
     InvalidInput,
     InvalidRange,
     NotFound,
     StoreClosed,
     StoreLocked,
+    TenantKeyDestroyed,
     TenantNotFound,
 )
 from kvstore.index import Index, IndexEntry
@@ -286,6 +288,21 @@ class Store:
         finally:
             self._deleting.discard(name)
 
+    def authenticate(self, token: str) -> str | None:
+        """The tenant a bearer token names, or None (unknown, revoked, deleted)."""
+        self._check_open()
+        name = self._registry.tenant_for_token(token)
+        return None if name is None or name in self._deleting else name
+
+    async def issue_token(self, name: str) -> tuple[str, str]:
+        """A new bearer token for the tenant: (token id, token), shown once."""
+        self._tenant(name)
+        return await self._run(self._registry.issue_token, name)
+
+    async def revoke_token(self, name: str, token_id: str) -> None:
+        self._tenant(name)
+        await self._run(self._registry.revoke_token, name, token_id)
+
     async def rotate_tenant_key(self, name: str) -> int:
         self._tenant(name)
         return await self._run(self._registry.rotate_data_key, name)
@@ -405,6 +422,16 @@ class Store:
         return await self._read(tenant, key, entry, start, size if end is None else min(end, size))
 
     async def _read(self, tenant: str, key: str, entry: IndexEntry, start: int, end: int) -> bytearray:
+        try:
+            return await self._read_unchecked(tenant, key, entry, start, end)
+        except TenantKeyDestroyed:
+            raise
+        except CorruptionError as e:
+            self.metrics.inc("kvstore_corruption_total")
+            log.error("corrupt read of tenant %s: %s", tenant, e)
+            raise
+
+    async def _read_unchecked(self, tenant: str, key: str, entry: IndexEntry, start: int, end: int) -> bytearray:
         fs = self.config.frame_size
         seg_of = functools.partial(self._segment, tenant, entry.segment_id)
         if entry.flags & reader.REC_FLAG_DIRECT and start == 0 and end == entry.logical_size:

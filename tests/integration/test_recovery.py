@@ -130,6 +130,7 @@ async def test_flipped_payload_byte_is_a_corruption_error(store: Store) -> None:
     with pytest.raises(CorruptionError, match=r"segment alice/0000000000000001\.seg, offset 4096"):
         await store.get("alice", "victim")
     assert entry.size == 100_000
+    assert store.metrics.counter("kvstore_corruption_total") == 1
     assert await store.get("alice", "bystander") == block("bystander", 100_000)
     report = await store.verify()
     assert [e[1] for e in report.errors] == [4096]

@@ -1,0 +1,1 @@
+"""Transports that serve the store: HTTP today; RDMA and GDS where hardware allows."""

@@ -1,0 +1,159 @@
+"""The HTTP application: middlewares, health, metrics, and start-up/shutdown.
+
+Start-up and shutdown live in one ordered place (``cleanup_ctx``): the store
+opens (running recovery) before the first request is accepted and closes,
+draining its write queues, after the last in-flight request has finished.
+Errors are mapped to ``{"error": {"code", "message"}}`` bodies in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.crypto import MasterKey
+from kvstore.errors import InvalidRange, KVStoreError, Overloaded, Unauthorized
+from kvstore.server_config import ServerConfig
+from kvstore.store import Store
+from kvstore.transport import http_admin, http_batch, http_blocks
+from kvstore.transport.http_common import CONFIG, METRICS, STATE, STORE, error_body, error_response
+
+log = logging.getLogger("kvstore.http")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_UNMETERED = {"/healthz", "/readyz", "/metrics"}
+_HTTP_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    411: "length_required",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
+
+
+def _route(request: web.Request) -> str:
+    info = request.match_info
+    resource = info.route.resource if info.route is not None else None
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except KVStoreError as e:
+        headers: dict[str, str] = {}
+        if isinstance(e, InvalidRange):
+            headers["Content-Range"] = f"bytes */{e.size}"
+        if isinstance(e, Unauthorized):
+            headers["WWW-Authenticate"] = 'Bearer realm="kvstore"'
+        if isinstance(e, Overloaded):
+            headers["Retry-After"] = "1"
+        if e.status >= 500:
+            log.error("%s %s: %s", request.method, _route(request), e)
+            request.app[METRICS].inc("kvstore_errors_total", code=e.code)
+        return error_response(e, headers)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = _HTTP_CODES.get(e.status, "http_error")
+        return web.json_response(
+            error_body(code, e.reason),
+            status=e.status,
+            headers={"Allow": e.headers["Allow"]} if "Allow" in e.headers else None,
+        )
+    except Exception:
+        log.exception("%s %s failed", request.method, _route(request))
+        request.app[METRICS].inc("kvstore_errors_total", code="internal")
+        return web.json_response(error_body("internal", "internal error"), status=500)
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    route = _route(request)
+    if route in _UNMETERED:
+        return await handler(request)
+    state = request.app[STATE]
+    if state["inflight"] >= request.app[CONFIG].max_concurrency:
+        raise Overloaded(f"over {request.app[CONFIG].max_concurrency} requests in flight; retry")
+    state["inflight"] += 1
+    t0 = time.perf_counter()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    finally:
+        state["inflight"] -= 1
+        metrics = request.app[METRICS]
+        metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=str(status))
+        metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=request.method)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    if request.app[STATE]["ready"]:
+        return web.json_response({"status": "ready", "recovery": request.app[STORE].recovery.as_dict()})
+    return web.json_response(error_body("not_ready", "the store is not open"), status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    m = request.app[METRICS]
+    blocks = stored = logical = 0
+    for t in store.tenants():
+        s = await store.stats(t["name"])
+        blocks, stored, logical = blocks + s.blocks, stored + s.stored_bytes, logical + s.logical_bytes
+    m.set("kvstore_blocks", blocks, tier="g3")
+    m.set("kvstore_bytes_stored", stored, tier="g3")
+    m.set("kvstore_bytes_logical", logical, tier="g3")
+    m.set("kvstore_tenants", len(store.tenants()))
+    m.set("kvstore_http_inflight", request.app[STATE]["inflight"])
+    return web.Response(
+        text=m.render(), content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"}
+    )
+
+
+def make_app(config: ServerConfig, master: MasterKey) -> web.Application:
+    app = web.Application(
+        middlewares=[errors_middleware, metrics_middleware],
+        client_max_size=4 << 20,  # JSON bodies (lookup, batch get); block bodies are streamed
+    )
+    app[CONFIG] = config
+    app[STATE] = {"ready": False, "inflight": 0}
+
+    async def store_ctx(app: web.Application) -> AsyncIterator[None]:
+        store = await Store.open(config.store, master)
+        app[STORE] = store
+        app[METRICS] = store.metrics
+        app[STATE]["ready"] = True
+        log.info("store open at %s: %s", config.store.data_dir, store.recovery.as_dict())
+        yield
+        app[STATE]["ready"] = False
+        await store.close()
+        log.info("store closed")
+
+    async def not_ready_on_shutdown(app: web.Application) -> None:
+        app[STATE]["ready"] = False
+
+    app.cleanup_ctx.append(store_ctx)
+    app.on_shutdown.append(not_ready_on_shutdown)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_routes(http_blocks.routes)
+    app.router.add_routes(http_batch.routes)
+    app.router.add_routes(http_admin.routes)
+    return app
+
+
+def describe(app: web.Application) -> dict[str, Any]:
+    return {"routes": sorted({r.resource.canonical for r in app.router.routes() if r.resource is not None})}

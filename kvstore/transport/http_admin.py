@@ -1,0 +1,110 @@
+"""Admin routes (admin token): tenants, tokens, key rotation, flush, scrub."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from kvstore.crypto import load_master_key
+from kvstore.errors import InvalidInput, MasterKeyError
+from kvstore.transport.http_common import json_body, require_admin, store_of
+
+routes = web.RouteTableDef()
+
+
+@routes.post("/v1/admin/tenants")
+async def create_tenant(request: web.Request) -> web.Response:
+    require_admin(request)
+    body = await json_body(request)
+    name, policy, compression = body.get("name"), body.get("policy", "sealed"), body.get("compression")
+    if not isinstance(name, str):
+        raise InvalidInput("field 'name' must be a string")
+    if not isinstance(policy, str):
+        raise InvalidInput("field 'policy' must be 'sealed' or 'direct'")
+    if compression is not None and not isinstance(compression, str):
+        raise InvalidInput("field 'compression' must be a string")
+    unknown = set(body) - {"name", "policy", "compression"}
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
+    store = store_of(request)
+    tenant = await store.create_tenant(name, policy, compression)
+    token_id, token = await store.issue_token(name)
+    return web.json_response({**tenant, "token": token, "token_id": token_id}, status=201)
+
+
+@routes.get("/v1/admin/tenants")
+async def list_tenants(request: web.Request) -> web.Response:
+    require_admin(request)
+    return web.json_response({"tenants": store_of(request).tenants()})
+
+
+@routes.get("/v1/admin/tenants/{name}")
+async def get_tenant(request: web.Request) -> web.Response:
+    require_admin(request)
+    store = store_of(request)
+    name = request.match_info["name"]
+    s = await store.stats(name)
+    return web.json_response(
+        {**store.tenant(name), "blocks": s.blocks, "bytes_stored": s.stored_bytes, "bytes_logical": s.logical_bytes}
+    )
+
+
+@routes.delete("/v1/admin/tenants/{name}")
+async def delete_tenant(request: web.Request) -> web.Response:
+    require_admin(request)
+    await store_of(request).delete_tenant(request.match_info["name"])
+    return web.Response(status=204)
+
+
+@routes.post("/v1/admin/tenants/{name}/tokens")
+async def issue_token(request: web.Request) -> web.Response:
+    require_admin(request)
+    name = request.match_info["name"]
+    token_id, token = await store_of(request).issue_token(name)
+    return web.json_response({"name": name, "token": token, "token_id": token_id}, status=201)
+
+
+@routes.delete("/v1/admin/tenants/{name}/tokens/{token_id}")
+async def revoke_token(request: web.Request) -> web.Response:
+    require_admin(request)
+    await store_of(request).revoke_token(request.match_info["name"], request.match_info["token_id"])
+    return web.Response(status=204)
+
+
+@routes.post("/v1/admin/tenants/{name}/rotate-key")
+async def rotate_tenant_key(request: web.Request) -> web.Response:
+    require_admin(request)
+    version = await store_of(request).rotate_tenant_key(request.match_info["name"])
+    return web.json_response({"name": request.match_info["name"], "key_version": version})
+
+
+@routes.post("/v1/admin/master-key")
+async def rotate_master_key(request: web.Request) -> web.Response:
+    """Rewrap every data key under the master key in ``key_file`` (a path on
+    this host, mode 0600). Key material never travels in the request; point
+    KVSTORE_MASTER_KEY_FILE at the new file before the next restart."""
+    require_admin(request)
+    body = await json_body(request)
+    key_file = body.get("key_file")
+    if not isinstance(key_file, str) or not key_file:
+        raise InvalidInput("field 'key_file' must be the path of the new master key file")
+    try:
+        new = load_master_key(key_file)
+    except MasterKeyError as e:
+        raise InvalidInput(f"key_file: {e}") from None
+    await store_of(request).rotate_master_key(new)
+    return web.json_response({"master_key_id": new.key_id})
+
+
+@routes.post("/v1/admin/flush")
+async def flush(request: web.Request) -> web.Response:
+    require_admin(request)
+    await store_of(request).flush()
+    return web.json_response({"flushed": True})
+
+
+@routes.post("/v1/admin/verify")
+async def verify(request: web.Request) -> web.Response:
+    require_admin(request)
+    deep = request.query.get("deep", "false").lower() in ("1", "true", "yes")
+    report = await store_of(request).verify(deep=deep)
+    return web.json_response(report.as_dict(), status=200)

@@ -1,0 +1,108 @@
+"""Batch routes: many blocks per request, streamed both ways.
+
+The byte layout is specified in docs/batch-framing.md (kvstore/batchframe.py).
+Memory stays bounded: a batch put holds at most ``_WINDOW`` blocks at once
+(read one, store it while the next is read); a batch get reads at most
+``_WINDOW`` blocks ahead of what it has written to the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+from aiohttp import web
+
+from kvstore import batchframe
+from kvstore.errors import KVStoreError
+from kvstore.transport.http_blocks import keys_field
+from kvstore.transport.http_common import BATCH_TYPE, METRICS, config_of, error_body, json_body, store_of, tenant_of
+
+routes = web.RouteTableDef()
+_WINDOW = 4
+
+
+def _result(key: str, status: int, error: KVStoreError | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"key": key, "status": status}
+    if error is not None:
+        out["error"] = {"code": error.code, "message": str(error)}
+    return out
+
+
+@routes.post("/v1/batch/put")
+async def batch_put(request: web.Request) -> web.Response:
+    tenant = tenant_of(request)
+    store = store_of(request)
+    cfg = config_of(request)
+    metrics = request.app[METRICS]
+    results: list[dict[str, Any]] = []
+    pending: list[tuple[str, asyncio.Task[bool]]] = []
+
+    async def settle(upto: int) -> None:
+        while len(pending) > upto:
+            key, task = pending.pop(0)
+            try:
+                results.append(_result(key, 201 if await task else 200))
+            except KVStoreError as e:
+                results.append(_result(key, e.status, e))
+
+    try:
+        async with asyncio.timeout(cfg.request_timeout_s * max(1, cfg.max_batch_keys // 16)):
+            async for key, data in batchframe.read_put_items(
+                request.content, store.config.max_block_size, cfg.max_batch_keys
+            ):
+                metrics.inc("kvstore_http_bytes_in_total", len(data))
+                pending.append((key, asyncio.ensure_future(store.put(tenant, key, data))))
+                await settle(_WINDOW - 1)
+            await settle(0)
+    except KVStoreError as e:
+        await settle(0)  # what was already accepted is reported, never lost silently
+        body = error_body(e.code, str(e))
+        body["results"] = results
+        return web.json_response(body, status=e.status)
+    except TimeoutError:
+        await settle(0)
+        body = error_body("request_timeout", "batch body not received in time")
+        body["results"] = results
+        return web.json_response(body, status=408)
+    metrics.observe("kvstore_http_batch_records", len(results), op="put")
+    return web.json_response({"results": results})
+
+
+@routes.post("/v1/batch/get")
+async def batch_get(request: web.Request) -> web.StreamResponse:
+    tenant = tenant_of(request)
+    store = store_of(request)
+    keys = keys_field(await json_body(request), config_of(request).max_batch_keys)
+    metrics = request.app[METRICS]
+    resp = web.StreamResponse(status=200, headers={"Content-Type": BATCH_TYPE})
+    await resp.prepare(request)
+    await resp.write(batchframe.MAGIC)
+
+    def fetch(key: str) -> asyncio.Task[bytearray]:
+        coro: Awaitable[bytearray] = store.get(tenant, key)
+        return asyncio.ensure_future(coro)
+
+    window = [fetch(k) for k in keys[:_WINDOW]]
+    try:
+        for i, key in enumerate(keys):
+            task = window.pop(0)
+            if i + _WINDOW < len(keys):
+                window.append(fetch(keys[i + _WINDOW]))
+            try:
+                data: bytes | bytearray = await task
+                status = 200
+            except KVStoreError as e:
+                data, status = batchframe.error_payload(e.code, str(e)), e.status
+            await resp.write(batchframe.get_item_header(key, status, len(data)))
+            await resp.write(data)
+            if status == 200:
+                metrics.inc("kvstore_http_bytes_out_total", len(data))
+        await resp.write(batchframe.END)
+    finally:
+        for t in window:
+            t.cancel()
+    await resp.write_eof()
+    metrics.observe("kvstore_http_batch_records", len(keys), op="get")
+    return resp

@@ -1,0 +1,150 @@
+"""Block routes: PUT/GET/HEAD/DELETE /v1/blocks/{key}, lookup, stats.
+
+GET follows RFC 9110: a strong ETag (the stored record's id) with
+If-None-Match -> 304 (§13.1.2), single byte ranges -> 206 with Content-Range
+(§14), several ranges -> 200 with the whole block (allowed by §14.2), an
+unsatisfiable range -> 416 with ``Content-Range: bytes */size`` (§15.5.17),
+and a malformed Range header ignored (§14.2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.errors import BlockTooLarge, InvalidInput, LengthRequired, NotFound, RequestTimeout
+from kvstore.names import validate_key
+from kvstore.ranges import etag_matches, parse_range
+from kvstore.transport.http_common import METRICS, config_of, json_body, store_of, tenant_of
+
+routes = web.RouteTableDef()
+
+
+def _etag(record_etag: str) -> str:
+    return f'"{record_etag}"'
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """Exactly Content-Length bytes of body, within the request timeout."""
+    length = request.content_length
+    if length is None:
+        raise LengthRequired("Content-Length is required (chunked uploads are not accepted)")
+    if length > limit:
+        raise BlockTooLarge(f"body is {length} bytes; the maximum block size is {limit}")
+    if length == 0:
+        raise InvalidInput("body is empty; blocks are 1 byte or more")
+    try:
+        async with asyncio.timeout(config_of(request).request_timeout_s):
+            data = await request.content.readexactly(length)
+    except TimeoutError:
+        raise RequestTimeout(f"body not received within {config_of(request).request_timeout_s} s") from None
+    except asyncio.IncompleteReadError as e:
+        raise InvalidInput(f"body ended after {len(e.partial)} of {length} bytes (Content-Length)") from None
+    request.app[METRICS].inc("kvstore_http_bytes_in_total", length)
+    return data
+
+
+@routes.put("/v1/blocks/{key}")
+async def put_block(request: web.Request) -> web.Response:
+    tenant = tenant_of(request)
+    key = validate_key(request.match_info["key"])
+    store = store_of(request)
+    data = await read_body(request, store.config.max_block_size)
+    created = await store.put(tenant, key, data)
+    info = await store.head(tenant, key)
+    return web.json_response(
+        {"key": key, "size": info.size, "created": created},
+        status=201 if created else 200,
+        headers={"ETag": _etag(info.etag)},
+    )
+
+
+@routes.get("/v1/blocks/{key}", allow_head=False)
+async def get_block(request: web.Request) -> web.StreamResponse:
+    tenant = tenant_of(request)
+    key = validate_key(request.match_info["key"])
+    store = store_of(request)
+    info = await store.head(tenant, key)
+    headers = {"ETag": _etag(info.etag), "Accept-Ranges": "bytes"}
+    if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
+        return web.Response(status=304, headers=headers)
+    ranges = parse_range(request.headers.get("Range"), info.size)
+    if ranges is not None and len(ranges) == 1:
+        r = ranges[0]
+        data = await store.get_range(tenant, key, r.start, r.end)
+        headers["Content-Range"] = r.content_range(info.size)
+        status = 206
+    else:
+        data = await store.get(tenant, key)
+        status = 200
+    request.app[METRICS].inc("kvstore_http_bytes_out_total", len(data))
+    return await send_bytes(request, data, status, headers)
+
+
+async def send_bytes(
+    request: web.Request, data: bytes | bytearray, status: int, headers: dict[str, str]
+) -> web.StreamResponse:
+    """Send ``data`` with a Content-Length, handing the buffer to the transport
+    as it is (no copy into a payload object)."""
+    resp = web.StreamResponse(status=status, headers={**headers, "Content-Type": "application/octet-stream"})
+    resp.content_length = len(data)
+    await resp.prepare(request)
+    await resp.write(data)
+    await resp.write_eof()
+    return resp
+
+
+@routes.head("/v1/blocks/{key}")
+async def head_block(request: web.Request) -> web.StreamResponse:
+    tenant = tenant_of(request)
+    key = validate_key(request.match_info["key"])
+    info = await store_of(request).head(tenant, key)
+    headers = {"ETag": _etag(info.etag), "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+    if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
+        return web.Response(status=304, headers=headers)
+    resp = web.StreamResponse(status=200, headers=headers)
+    resp.content_length = info.size
+    return resp
+
+
+@routes.delete("/v1/blocks/{key}")
+async def delete_block(request: web.Request) -> web.Response:
+    tenant = tenant_of(request)
+    key = validate_key(request.match_info["key"])
+    if not await store_of(request).delete(tenant, key):
+        raise NotFound(f"key {key!r} not found")
+    return web.Response(status=204)
+
+
+def keys_field(body: dict[str, Any], limit: int) -> list[str]:
+    """The request's ``keys``: a list of valid keys, at most ``limit``."""
+    keys = body.get("keys")
+    if not isinstance(keys, list):
+        raise InvalidInput("field 'keys' must be a list of keys")
+    if len(keys) > limit:
+        raise InvalidInput(f"field 'keys' has {len(keys)} keys; the maximum is {limit}")
+    for i, k in enumerate(keys):
+        try:
+            validate_key(k)
+        except InvalidInput as e:
+            raise type(e)(f"keys[{i}]: {e}") from None
+    return keys
+
+
+@routes.post("/v1/lookup")
+async def lookup(request: web.Request) -> web.Response:
+    tenant = tenant_of(request)
+    keys = keys_field(await json_body(request), config_of(request).max_lookup_keys)
+    r = await store_of(request).lookup(tenant, keys)
+    return web.json_response({"prefix": r.prefix, "present": r.present})
+
+
+@routes.get("/v1/stats")
+async def stats(request: web.Request) -> web.Response:
+    tenant = tenant_of(request)
+    s = await store_of(request).stats(tenant)
+    return web.json_response(
+        {"tenant": tenant, "blocks": s.blocks, "bytes_stored": s.stored_bytes, "bytes_logical": s.logical_bytes}
+    )

@@ -1,0 +1,75 @@
+"""What every HTTP route shares: app keys, auth, JSON bodies, error bodies."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.errors import InvalidInput, KVStoreError, Unauthorized
+from kvstore.metrics import Metrics
+from kvstore.server_config import ServerConfig
+from kvstore.store import Store
+
+STORE = web.AppKey("store", Store)
+CONFIG = web.AppKey("config", ServerConfig)
+METRICS = web.AppKey("metrics", Metrics)
+STATE = web.AppKey("state", dict[str, Any])
+BATCH_TYPE = "application/x-kvstore-batch"
+
+
+def store_of(request: web.Request) -> Store:
+    return request.app[STORE]
+
+
+def config_of(request: web.Request) -> ServerConfig:
+    return request.app[CONFIG]
+
+
+def _bearer(request: web.Request) -> str:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
+    return token.strip()
+
+
+def tenant_of(request: web.Request) -> str:
+    """The tenant named by the request's bearer token (401 when none)."""
+    tenant = store_of(request).authenticate(_bearer(request))
+    if tenant is None:
+        raise Unauthorized("unknown or revoked token")
+    return tenant
+
+
+def require_admin(request: web.Request) -> None:
+    secret = config_of(request).admin_secret()
+    token = _bearer(request)
+    # Compare fixed-length digests in constant time: no early exit, no length leak.
+    if secret is None or not hmac.compare_digest(_digest(token), _digest(secret)):
+        raise Unauthorized("admin token required")
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+async def json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidInput(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def error_body(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+def error_response(e: KVStoreError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(e.code, str(e)), status=e.status, headers=headers)

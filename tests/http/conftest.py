@@ -1,0 +1,146 @@
+"""A real kvstore HTTP server on 127.0.0.1: in-process (fast) or as a process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from kvstore.crypto import MasterKey
+from kvstore.server_config import ServerConfig, load
+from kvstore.transport.http import make_app
+
+ROOT = Path(__file__).resolve().parents[2]
+ADMIN = "admin-token-for-tests-0123456789"
+
+
+@dataclass
+class Api:
+    """A running server and a client session; ``admin`` and tenant helpers."""
+
+    base: str
+    session: aiohttp.ClientSession
+    config: ServerConfig
+    tokens: dict[str, str] = field(default_factory=dict)
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+    @staticmethod
+    def auth(token: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token}"}
+
+    async def tenant(self, name: str, policy: str = "sealed") -> str:
+        async with self.session.post(
+            self.url("/v1/admin/tenants"), json={"name": name, "policy": policy}, headers=self.auth(ADMIN)
+        ) as r:
+            assert r.status == 201, await r.text()
+            token: str = (await r.json())["token"]
+        self.tokens[name] = token
+        return token
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def server_config(data_dir: Path, **flags: Any) -> ServerConfig:
+    base = {
+        "data_dir": str(data_dir),
+        "segment_size": "1MiB",
+        "frame_size": "64KiB",
+        "max_block_size": "4MiB",
+        "max_lookup_keys": "256",
+        "max_batch_keys": "64",
+    }
+    return load(None, env={"KVSTORE_ADMIN_TOKEN": ADMIN}, flags={**base, **flags})
+
+
+@pytest.fixture
+async def api(tmp_path: Path) -> AsyncIterator[Api]:
+    cfg = server_config(tmp_path / "data")
+    server = TestServer(make_app(cfg, MasterKey(os.urandom(32))), host="127.0.0.1", port=free_port())
+    await server.start_server()
+    async with aiohttp.ClientSession() as session:
+        yield Api(f"http://127.0.0.1:{server.port}", session, cfg)
+    await server.close()
+
+
+@dataclass
+class Daemon:
+    """``server.py`` running as its own process, per the start-up contract."""
+
+    data_dir: Path
+    port: int
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def base(self) -> str:
+        scheme = "https" if "--tls-cert" in self.extra else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30) -> None:
+        cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(self.data_dir)]
+        cmd += ["--listen", f"127.0.0.1:{self.port}", *self.extra]
+        with self.log.open("ab") as log:  # a file, not a pipe: a full pipe would stall the server
+            self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log.read_text()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError("server did not start listening")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout)
+        self.output = self.log.read_text()
+        self.proc = None
+        return rc
+
+    output: str = ""
+
+    @property
+    def log(self) -> Path:
+        return self.data_dir.parent / "server.log"
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    key = tmp_path / "master.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "KVSTORE_ADMIN_TOKEN": ADMIN,
+        "KVSTORE_MASTER_KEY_FILE": str(key),
+        "KVSTORE_SEGMENT_SIZE": "1MiB",
+        "KVSTORE_FRAME_SIZE": "64KiB",
+        "PYTHONPATH": str(ROOT),
+    }
+    d = Daemon(tmp_path / "data", free_port(), env)
+    yield d
+    if d.proc is not None:
+        d.stop(signal.SIGKILL)
