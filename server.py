@@ -7,6 +7,7 @@ master key from KVSTORE_MASTER_KEY_FILE (a 0600 file of 32 random bytes) or
 KVSTORE_MASTER_KEY. Every setting is also a TOML key and a KVSTORE_* variable
 (see deploy/kvstore.toml). SIGTERM drains in-flight requests and queued writes,
 then exits; under systemd (Type=notify) it reports READY, STOPPING, WATCHDOG.
+With --workers N, N processes share the port (see :func:`supervise`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,16 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import os
+import shutil
 import signal
 import ssl
 import sys
+import tempfile
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import uvloop
@@ -29,7 +37,7 @@ from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server_config import SETTINGS, ServerConfig, load
 from kvstore.transport.http import make_app
 from kvstore.transport.http_common import STATE
-from kvstore.tuning import keep_freed_memory
+from kvstore.tuning import die_with_parent, keep_freed_memory
 
 log = logging.getLogger("kvstore.server")
 
@@ -57,12 +65,17 @@ def tls_context(cfg: ServerConfig) -> ssl.SSLContext | None:
     return ctx
 
 
-async def serve(cfg: ServerConfig, master: MasterKey) -> None:
-    if cfg.workers != 1:
-        raise ConfigError(f"workers={cfg.workers}: only 1 worker process is supported so far")
-    if cfg.admin_secret() is None:
+async def serve(
+    cfg: ServerConfig,
+    master: MasterKey,
+    role: str = "single",
+    writer_socket: str | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """Run one server process until SIGTERM/SIGINT. ``role`` as in make_app."""
+    if cfg.admin_secret() is None and role != "reader":
         log.warning("no admin token configured (KVSTORE_ADMIN_TOKEN): the admin API refuses every request")
-    app = make_app(cfg, master)
+    app = make_app(cfg, master, role, writer_socket)
     runner = web.AppRunner(
         app,
         keepalive_timeout=cfg.keepalive_timeout_s,
@@ -71,30 +84,120 @@ async def serve(cfg: ServerConfig, master: MasterKey) -> None:
     )
     await runner.setup()  # opens the store: recovery runs before the port opens
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=tls_context(cfg), backlog=1024)
+        if role == "writer" and writer_socket:
+            await web.UnixSite(runner, writer_socket).start()
+        site = web.TCPSite(
+            runner, cfg.host, cfg.port, ssl_context=tls_context(cfg), backlog=1024, reuse_port=cfg.workers > 1
+        )
         await site.start()
-        scheme = "https" if cfg.tls_cert else "http"
-        log.info("kvstore serving on %s://%s", scheme, cfg.listen)
-        print(f"kvstore serving on {scheme}://{cfg.listen}", flush=True)
-        sdnotify.notify("READY=1", f"STATUS=serving on {cfg.listen}")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        scheme = "https" if cfg.tls_cert else "http"
+        log.info("%s serving on %s://%s", role, scheme, cfg.listen)
+        if on_ready is not None:
+            on_ready()
+        else:
+            print(f"kvstore serving on {scheme}://{cfg.listen}", flush=True)
+            sdnotify.notify("READY=1", f"STATUS=serving on {cfg.listen}")
         watchdog = None
-        interval = sdnotify.watchdog_interval()
+        interval = sdnotify.watchdog_interval() if on_ready is None else None
         if interval is not None:
             watchdog = asyncio.create_task(sdnotify.watchdog_loop(interval, lambda: bool(app[STATE]["ready"])))
         await stop.wait()
-        log.info("stopping: draining in-flight requests and queued writes")
-        sdnotify.notify("STOPPING=1")
+        log.info("%s stopping: draining in-flight requests and queued writes", role)
+        if on_ready is None:
+            sdnotify.notify("STOPPING=1")
         if watchdog is not None:
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog
     finally:
         await runner.cleanup()  # stop accepting, finish requests, then close the store
+    log.info("%s stopped", role)
+
+
+def _worker(cfg: ServerConfig, secret: bytes, role: str, sock: str, ready: Connection, supervisor: int) -> None:
+    """A worker process of a multi-worker daemon (forked by :func:`supervise`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops workers in order
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != supervisor:  # it died before prctl took effect
+        sys.exit(1)
+    try:
+        uvloop.run(serve(cfg, MasterKey(secret), role, sock, lambda: ready.send("ready")))
+    except KVStoreError as e:
+        print(f"kvstore {role}: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def supervise(cfg: ServerConfig, master: MasterKey) -> int:
+    """Run ``cfg.workers`` processes sharing the port (SO_REUSEPORT): one writer
+    that owns the store's writes, and readers that serve reads from the same
+    files and forward writes to the writer over a unix socket. Readers stop
+    before the writer, so forwarded writes in flight still land; if any worker
+    dies, the rest are stopped and the daemon exits (systemd restarts it)."""
+    ctx = multiprocessing.get_context("fork")  # before any thread or event loop exists here
+    sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # mode 0700: only this user reaches the writer
+    sock = os.path.join(sock_dir, "writer.sock")
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    procs: list[tuple[str, BaseProcess]] = []
+
+    def start(role: str) -> bool:
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_worker, args=(cfg, master.secret, role, sock, child, os.getpid()), name=f"kvstore-{role}"
+        )
+        p.start()
+        child.close()
+        procs.append((role, p))
+        while not stopping:
+            if parent.poll(0.2):
+                return bool(parent.recv() == "ready")
+            if not p.is_alive():
+                return False
+        return False
+
+    rc = 0
+    try:
+        ok = start("writer") and all(start("reader") for _ in range(cfg.workers - 1))
+        if not ok:
+            rc = 0 if stopping else 1
+        else:
+            print(f"kvstore serving on {cfg.listen} with {cfg.workers} workers", flush=True)
+            sdnotify.notify("READY=1", f"STATUS=serving on {cfg.listen} with {cfg.workers} workers")
+            interval = sdnotify.watchdog_interval()
+            while not stopping:
+                wait([p.sentinel for _, p in procs], timeout=min(interval or 1.0, 1.0))
+                dead = [f"{role} (pid {p.pid}, exit {p.exitcode})" for role, p in procs if not p.is_alive()]
+                if dead:
+                    log.error("worker died: %s; stopping the others", ", ".join(dead))
+                    rc = 1
+                    break
+                if interval is not None:
+                    sdnotify.notify("WATCHDOG=1")
+            sdnotify.notify("STOPPING=1")
+    finally:
+        for role in ("reader", "writer"):  # readers first: they forward writes to the writer
+            group = [p for r, p in procs if r == role]
+            for p in group:
+                if p.is_alive() and p.pid is not None:
+                    os.kill(p.pid, signal.SIGTERM)
+            for p in group:
+                p.join(cfg.shutdown_timeout_s + 10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        shutil.rmtree(sock_dir, ignore_errors=True)
     log.info("stopped")
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         keep_freed_memory()
         master = load_master_key(cfg.master_key_file, cfg.master_key)
+        if cfg.workers > 1:
+            return supervise(cfg, master)
         uvloop.run(serve(cfg, master))
         return 0
     except KVStoreError as e:

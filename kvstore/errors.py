@@ -97,6 +97,14 @@ class StoreClosed(KVStoreError):
     retryable = True
 
 
+class ReadOnlyStore(KVStoreError):
+    """A write reached a process that opened the store for reads only."""
+
+    status = 503
+    code = "read_only"
+    retryable = True
+
+
 class StorageFull(KVStoreError):
     """ENOSPC while writing a batch: nothing of the batch was acknowledged."""
 

@@ -87,9 +87,12 @@ def _skey(tenant: str, segment_id: int) -> bytes:
 
 
 class Index:
-    def __init__(self, path: Path, sync: bool = True, map_size: int = 64 << 30) -> None:
+    def __init__(self, path: Path, sync: bool = True, map_size: int = 64 << 30, readonly: bool = False) -> None:
+        """Open (or create) the index. ``readonly``: another process owns the
+        writes (a reader worker); LMDB lets both share the environment."""
         self.path = path
-        path.mkdir(parents=True, exist_ok=True)
+        if not readonly:
+            path.mkdir(parents=True, exist_ok=True)
         try:
             self.env = lmdb.open(
                 str(path),
@@ -100,11 +103,15 @@ class Index:
                 metasync=False,  # the last commit may be lost in a crash; recovery replays it
                 readahead=False,
                 max_readers=1024,
+                readonly=readonly,
+                create=not readonly,
             )
-            self._blocks = self.env.open_db(b"blocks")
-            self._segments = self.env.open_db(b"segments")
-            self._stats = self.env.open_db(b"stats")
-            self._meta = self.env.open_db(b"meta")
+            self._blocks = self.env.open_db(b"blocks", create=not readonly)
+            self._segments = self.env.open_db(b"segments", create=not readonly)
+            self._stats = self.env.open_db(b"stats", create=not readonly)
+            self._meta = self.env.open_db(b"meta", create=not readonly)
+            if readonly:
+                return
             with self.env.begin(write=True) as txn:
                 fmt = txn.get(b"format", db=self._meta)
                 if fmt is None:

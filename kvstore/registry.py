@@ -25,6 +25,7 @@ from kvstore.errors import (
     InvalidInput,
     MasterKeyError,
     NotFound,
+    ReadOnlyStore,
     TenantExists,
     TenantKeyDestroyed,
     TenantNotFound,
@@ -69,23 +70,46 @@ class Tenant:
 
 
 class Registry:
-    def __init__(self, path: Path, master: MasterKey) -> None:
+    def __init__(self, path: Path, master: MasterKey, readonly: bool = False) -> None:
+        """``readonly``: another process makes the changes; :meth:`refresh`
+        picks them up (the file is replaced atomically, never edited)."""
         self._path = path
+        self._readonly = readonly
+        self._stamp: tuple[int, int, int] | None = None
         self._master = master
         self._lock = threading.Lock()
         self._tenants: dict[str, Tenant] = {}
         self._keys: dict[tuple[str, int], bytes] = {}
         self._by_hash: dict[str, tuple[str, str]] = {}
-        if path.exists():
+        if path.exists() or readonly:
             self._load()
         else:
             self._save()
         self._reindex()
 
+    def _file_stamp(self) -> tuple[int, int, int]:
+        st = self._path.stat()
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def refresh(self) -> bool:
+        """Reload the file if another process replaced it; True when it did."""
+        try:
+            stamp = self._file_stamp()
+        except OSError:
+            return False
+        if stamp == self._stamp:
+            return False
+        with self._lock:
+            fresh = Registry(self._path, self._master, readonly=True)
+            self._tenants, self._keys, self._by_hash = fresh._tenants, fresh._keys, fresh._by_hash
+            self._stamp = fresh._stamp
+        return True
+
     # -- persistence ----------------------------------------------------------
 
     def _load(self) -> None:
         try:
+            self._stamp = self._file_stamp()
             doc = json.loads(self._path.read_bytes())
         except (OSError, ValueError) as e:
             raise MasterKeyError(f"tenant registry {str(self._path)!r} cannot be read: {e}") from None
@@ -129,6 +153,8 @@ class Registry:
         ).encode()
 
     def _save(self) -> None:
+        if self._readonly:
+            raise ReadOnlyStore("this process serves reads only; changes go to the writer")
         atomic_write(self._path, self._doc(self._master))
 
     # -- queries --------------------------------------------------------------
@@ -234,6 +260,10 @@ class Registry:
                 del self._keys[k]
             self._save()
             self._reindex()
+
+    def use_master(self, master: MasterKey) -> None:
+        """A reader: unwrap with ``master`` from now on (after a rotation)."""
+        self._master = master
 
     def rotate_master(self, new_master: MasterKey) -> None:
         """Rewrap every data key under ``new_master``; no data is rewritten."""

@@ -32,19 +32,22 @@ from typing import Any, TypeVar
 from kvstore import reader
 from kvstore.appender import Appender, OpenSegment
 from kvstore.config import StoreConfig
-from kvstore.crypto import MasterKey, RecordCipher
+from kvstore.crypto import MasterKey, RecordCipher, load_master_key
 from kvstore.errors import (
     BlockTooLarge,
     CorruptionError,
     IndexUnusable,
     InvalidInput,
     InvalidRange,
+    MasterKeyError,
     NotFound,
+    ReadOnlyStore,
     StoreClosed,
     StoreLocked,
     TenantKeyDestroyed,
     TenantNotFound,
 )
+from kvstore.fsutil import atomic_write
 from kvstore.index import Index, IndexEntry
 from kvstore.metrics import Metrics
 from kvstore.names import validate_key, validate_tenant
@@ -55,6 +58,7 @@ from kvstore.segment import SegmentFile, segment_name
 from kvstore.verify import VerifyReport, verify_segments
 
 log = logging.getLogger("kvstore.store")
+MASTER_KEY_HINT = "master-key.path"  # where the last rotation's new key file is (a path, never a key)
 T = TypeVar("T")
 Data = bytes | bytearray | memoryview
 
@@ -105,6 +109,7 @@ class Store:
         self._retired: list[SegmentFile] = []
         self._seg_lock = threading.Lock()
         self._deleting: set[str] = set()
+        self.readonly = False
 
     # -- life cycle -----------------------------------------------------------
 
@@ -119,6 +124,26 @@ class Store:
             raise
         store._closed = False
         return store
+
+    @classmethod
+    async def open_reader(cls, config: StoreConfig, master: MasterKey) -> Store:
+        """Open a store that another process (the writer) has open, for reads
+        only: no lock, no recovery; registry changes are picked up as the
+        writer makes them. Writes raise :class:`ReadOnlyStore`."""
+        store = cls(config, master)
+        store.readonly = True
+        try:
+            await store._run(store._open_reader_sync)
+        except BaseException:
+            await store._run(store._release_after_failed_open)
+            store._pool.shutdown(wait=False)
+            raise
+        store._closed = False
+        return store
+
+    def _open_reader_sync(self) -> None:
+        self._registry = Registry(self._root / "registry.json", self._master, readonly=True)
+        self._index = Index(self._root / "index", readonly=True)
 
     def _open_sync(self) -> None:
         self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -178,9 +203,12 @@ class Store:
         for seg in [*self._segments.values(), *self._retired]:
             seg.close()
         self._segments.clear()
-        self._index.sync()
+        if not self.readonly:
+            self._index.sync()
         self._index.close()
-        os.close(self._lock_fd)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     async def __aenter__(self) -> Store:
         return self
@@ -196,6 +224,29 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed("the store is not open")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyStore("this process serves reads only; writes go to the writer process")
+
+    def refresh(self) -> None:
+        """A reader: pick up the writer's registry changes (tenants, tokens,
+        keys), following a master-key rotation through the path it left."""
+        if not self.readonly:
+            return
+        try:
+            self._registry.refresh()
+        except MasterKeyError:
+            hint = self._root / MASTER_KEY_HINT
+            try:
+                new = load_master_key(hint.read_text().strip())
+            except (OSError, MasterKeyError) as e:
+                log.error("registry changed under a new master key, which this process cannot load: %s", e)
+                return
+            self._registry.use_master(new)
+            self._master = new
+            self._registry.refresh()
 
     def _tenant(self, name: str) -> Tenant:
         self._check_open()
@@ -222,6 +273,7 @@ class Store:
             self._segments[(seg.header.tenant, seg.segment_id)] = seg
 
     def _appender(self, t: Tenant) -> Appender:
+        self._check_writable()
         app = self._appenders.get(t.name)
         if app is None:
             tail = self._tails.setdefault(t.name, OpenSegment(None))
@@ -255,7 +307,7 @@ class Store:
     # -- tenants --------------------------------------------------------------
 
     async def create_tenant(self, name: str, policy: str = "sealed", compression: str | None = None) -> dict[str, Any]:
-        self._check_open()
+        self._check_writable()
         if compression is None and policy == "sealed":
             compression = self.config.compression
         t = await self._run(self._registry.create, name, policy, compression)
@@ -271,6 +323,7 @@ class Store:
 
     async def delete_tenant(self, name: str) -> None:
         """Crypto-shred: destroy the tenant's keys, then drop its index and files."""
+        self._check_writable()
         self._tenant(name)
         self._deleting.add(name)
         try:
@@ -291,27 +344,35 @@ class Store:
     def authenticate(self, token: str) -> str | None:
         """The tenant a bearer token names, or None (unknown, revoked, deleted)."""
         self._check_open()
+        self.refresh()
         name = self._registry.tenant_for_token(token)
         return None if name is None or name in self._deleting else name
 
     async def issue_token(self, name: str) -> tuple[str, str]:
         """A new bearer token for the tenant: (token id, token), shown once."""
+        self._check_writable()
         self._tenant(name)
         return await self._run(self._registry.issue_token, name)
 
     async def revoke_token(self, name: str, token_id: str) -> None:
+        self._check_writable()
         self._tenant(name)
         await self._run(self._registry.revoke_token, name, token_id)
 
     async def rotate_tenant_key(self, name: str) -> int:
+        self._check_writable()
         self._tenant(name)
         return await self._run(self._registry.rotate_data_key, name)
 
-    async def rotate_master_key(self, new_master: MasterKey) -> None:
-        """Rewrap every data key under ``new_master``; start with it from now on."""
-        self._check_open()
+    async def rotate_master_key(self, new_master: MasterKey, key_file: str | None = None) -> None:
+        """Rewrap every data key under ``new_master``; start with it from now on.
+        ``key_file``, the new key's path, is recorded (the path, never the key)
+        for reader processes of this store to follow."""
+        self._check_writable()
         await self._run(self._registry.rotate_master, new_master)
         self._master = new_master
+        if key_file:
+            await self._run(atomic_write, self._root / MASTER_KEY_HINT, os.path.abspath(key_file).encode())
 
     # -- writes ---------------------------------------------------------------
 
@@ -390,7 +451,7 @@ class Store:
 
     async def flush(self) -> None:
         """Seal every open segment (each becomes immutable, with its footer)."""
-        self._check_open()
+        self._check_writable()
         for app in list(self._appenders.values()):
             await app.seal()
 

@@ -1,4 +1,4 @@
-"""Process-level tuning for a storage daemon's allocation pattern.
+"""Process-level tuning: allocation pattern and process lifetime.
 
 Every read allocates megabyte-sized buffers. glibc serves those with mmap and
 hands them back on free, so each read touches fresh pages that the kernel
@@ -34,3 +34,22 @@ def keep_freed_memory(mmap_threshold: int = 64 << 20, trim_threshold: int = 1 <<
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent exits
+    (Linux prctl PR_SET_PDEATHSIG): a worker never outlives its supervisor,
+    even one killed with SIGKILL. Returns False where unsupported."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        prctl = ctypes.CDLL(name, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return bool(prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0)

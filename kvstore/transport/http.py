@@ -9,10 +9,12 @@ Errors are mapped to ``{"error": {"code", "message"}}`` bodies in one place.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from kvstore.crypto import MasterKey
@@ -21,6 +23,7 @@ from kvstore.server_config import ServerConfig
 from kvstore.store import Store
 from kvstore.transport import http_admin, http_batch, http_blocks
 from kvstore.transport.http_common import CONFIG, METRICS, STATE, STORE, error_body, error_response
+from kvstore.transport.http_forward import WRITER, forward, is_write
 
 log = logging.getLogger("kvstore.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -96,7 +99,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "role": request.app[STATE]["role"], "pid": os.getpid()})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -122,16 +125,33 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
-def make_app(config: ServerConfig, master: MasterKey) -> web.Application:
+@web.middleware
+async def forward_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if is_write(request):
+        return await forward(request)
+    return await handler(request)
+
+
+def make_app(
+    config: ServerConfig, master: MasterKey, role: str = "single", writer_socket: str | None = None
+) -> web.Application:
+    """The application. ``role``: "single" (the only process), "writer" (owns
+    the writes of a multi-worker daemon) or "reader" (serves reads, forwards
+    writes to the writer listening on ``writer_socket``)."""
+    reader = role == "reader"
+    if role not in ("single", "writer", "reader"):
+        raise ValueError(f"role={role!r}: expected single, writer or reader")
+    if reader and not writer_socket:
+        raise ValueError("a reader needs the writer's socket")
     app = web.Application(
-        middlewares=[errors_middleware, metrics_middleware],
+        middlewares=[errors_middleware, metrics_middleware, *([forward_middleware] if reader else [])],
         client_max_size=4 << 20,  # JSON bodies (lookup, batch get); block bodies are streamed
     )
     app[CONFIG] = config
-    app[STATE] = {"ready": False, "inflight": 0}
+    app[STATE] = {"ready": False, "inflight": 0, "role": role}
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
-        store = await Store.open(config.store, master)
+        store = await (Store.open_reader if reader else Store.open)(config.store, master)
         app[STORE] = store
         app[METRICS] = store.metrics
         app[STATE]["ready"] = True
@@ -144,7 +164,15 @@ def make_app(config: ServerConfig, master: MasterKey) -> web.Application:
     async def not_ready_on_shutdown(app: web.Application) -> None:
         app[STATE]["ready"] = False
 
+    async def writer_ctx(app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.UnixConnector(path=str(writer_socket))
+        async with aiohttp.ClientSession(connector=connector) as session:
+            app[WRITER] = session
+            yield
+
     app.cleanup_ctx.append(store_ctx)
+    if reader:
+        app.cleanup_ctx.append(writer_ctx)
     app.on_shutdown.append(not_ready_on_shutdown)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -91,7 +91,7 @@ async def rotate_master_key(request: web.Request) -> web.Response:
         new = load_master_key(key_file)
     except MasterKeyError as e:
         raise InvalidInput(f"key_file: {e}") from None
-    await store_of(request).rotate_master_key(new)
+    await store_of(request).rotate_master_key(new, key_file)
     return web.json_response({"master_key_id": new.key_id})
 
 

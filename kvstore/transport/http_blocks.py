@@ -26,8 +26,8 @@ def _etag(record_etag: str) -> str:
     return f'"{record_etag}"'
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """Exactly Content-Length bytes of body, within the request timeout."""
+def check_length(request: web.Request, limit: int) -> int:
+    """The request's Content-Length, if it is acceptable for a block."""
     length = request.content_length
     if length is None:
         raise LengthRequired("Content-Length is required (chunked uploads are not accepted)")
@@ -35,6 +35,12 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         raise BlockTooLarge(f"body is {length} bytes; the maximum block size is {limit}")
     if length == 0:
         raise InvalidInput("body is empty; blocks are 1 byte or more")
+    return length
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """Exactly Content-Length bytes of body, within the request timeout."""
+    length = check_length(request, limit)
     try:
         async with asyncio.timeout(config_of(request).request_timeout_s):
             data = await request.content.readexactly(length)

@@ -196,3 +196,83 @@ def test_unknown_toml_key_stops_startup(daemon: Daemon, tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(daemon.data_dir), "--config", str(cfg)]
     out = subprocess.run(cmd, env=daemon.env, capture_output=True, timeout=60)
     assert out.returncode == 2 and "unknown key 'segmnet_size'" in out.stderr.decode()
+
+
+async def test_two_workers_share_the_port_and_the_store(daemon: Daemon) -> None:
+    daemon.extra = ["--workers", "2"]
+    daemon.start()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        await _ready(daemon.base, s)
+        adm = {"Authorization": f"Bearer {ADMIN}"}
+        async with s.post(daemon.base + "/v1/admin/tenants", json={"name": "t"}, headers=adm) as r:
+            assert r.status == 201
+            token = (await r.json())["token"]
+        h = {"Authorization": f"Bearer {token}"}
+        blocks = {f"k{i}": hashlib.sha256(str(i).encode()).digest() * (500 + i) for i in range(40)}
+        # New connections each time: SO_REUSEPORT spreads them over both workers,
+        # so writes arrive at the reader too and are forwarded to the writer.
+        for k, v in blocks.items():
+            async with s.put(f"{daemon.base}/v1/blocks/{k}", data=v, headers=h) as r:
+                assert r.status == 201, await r.text()
+                assert r.headers["ETag"]
+        for k, v in blocks.items():
+            async with s.get(f"{daemon.base}/v1/blocks/{k}", headers=h) as r:
+                assert r.status == 200 and await r.read() == v
+            async with s.get(f"{daemon.base}/v1/blocks/{k}", headers={**h, "Range": "bytes=0-9"}) as r:
+                assert r.status == 206 and await r.read() == v[:10]
+        async with s.post(daemon.base + "/v1/lookup", json={"keys": ["k0", "k1", "nope"]}, headers=h) as r:
+            assert (await r.json())["prefix"] == 2
+        async with s.put(f"{daemon.base}/v1/blocks/bad%2Fkey", data=b"x", headers=h) as r:
+            assert r.status == 400
+        # A revoked token fails on every worker.
+        async with s.post(daemon.base + "/v1/admin/tenants/t/tokens", headers=adm) as r:
+            extra = await r.json()
+        async with s.delete(f"{daemon.base}/v1/admin/tenants/t/tokens/{extra['token_id']}", headers=adm) as r:
+            assert r.status == 204
+        for _ in range(10):
+            async with s.get(f"{daemon.base}/v1/stats", headers={"Authorization": f"Bearer {extra['token']}"}) as r:
+                assert r.status == 401
+        seen = set()
+        for _ in range(30):
+            async with s.get(daemon.base + "/healthz") as r:
+                doc = await r.json()
+                seen.add((doc["role"], doc["pid"]))
+        assert {role for role, _ in seen} == {"writer", "reader"}, f"connections went to {seen} only"
+    assert daemon.stop(signal.SIGTERM) == 0
+    daemon.extra = []
+    daemon.start()  # the single-process daemon finds everything the two workers wrote
+    async with aiohttp.ClientSession() as s:
+        await _ready(daemon.base, s)
+        for k, v in blocks.items():
+            async with s.get(f"{daemon.base}/v1/blocks/{k}", headers=h) as r:
+                assert await r.read() == v
+    daemon.stop()
+
+
+def test_workers_do_not_outlive_a_killed_supervisor(daemon: Daemon) -> None:
+    import time
+
+    daemon.extra = ["--workers", "2"]
+    daemon.start()
+    assert daemon.proc is not None
+    deadline = time.monotonic() + 30
+    children: list[int] = []
+    while time.monotonic() < deadline and len(children) < 2:
+        out = subprocess.run(["pgrep", "-P", str(daemon.proc.pid)], capture_output=True, text=True)
+        children = [int(x) for x in out.stdout.split()]
+        time.sleep(0.1)
+    assert len(children) == 2
+    daemon.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    alive = children
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+        time.sleep(0.1)
+    assert alive == [], "workers outlived their supervisor"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return "Z"
