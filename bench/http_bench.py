@@ -113,17 +113,18 @@ def group_pids(pgid: int) -> list[int]:
     return pids
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU seconds of the live processes of a group (and of the
-    children they have reaped)."""
-    total = 0
+def group_cpu_seconds(pgid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of the live processes of a group, each with the
+    children it has reaped."""
+    user = system = 0
     for pid in group_pids(pgid):
         try:
-            fields_ = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            f = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         except OSError:
             continue
-        total += sum(int(x) for x in fields_[11:15])  # utime stime cutime cstime
-    return total / CLK_TCK
+        user += int(f[11]) + int(f[13])  # utime + cutime
+        system += int(f[12]) + int(f[14])  # stime + cstime
+    return user / CLK_TCK, system / CLK_TCK
 
 
 class Processes:
@@ -156,10 +157,12 @@ class Processes:
                 os.killpg(pgid, sig)
 
     def stop(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        """Signal the process's group, wait for the leader (then SIGKILL the group on
-        a timeout), and SIGKILL anything left in the group."""
+        """Signal the leader (a server stops its own workers, in its own order), wait
+        for it (SIGKILL the whole group on a timeout), then SIGKILL anything left
+        in its group."""
         if proc.poll() is None:
-            self._signal_group(proc.pid, sig)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -371,6 +374,7 @@ class Kvstore:
     tokens: dict[str, str] = field(default_factory=dict)
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         key = self.root / "master.key"
@@ -700,14 +704,15 @@ def run_wrk(load: Load, opts: Options, workdir: Path, procs: Processes) -> Figur
     cmd = ["wrk", "-t", str(load.threads), "-c", str(load.connections), "-d", f"{opts.duration}s"]
     cmd += ["--timeout", "60s", "-s", str(script), f"http://127.0.0.1:{load.port}/"]
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu0, w0 = group_cpu_seconds(load.pgid), time.perf_counter()
+    (u0, s0), w0 = group_cpu_seconds(load.pgid), time.perf_counter()
     proc = procs.spawn(cmd, None)
     try:
         out, _ = proc.communicate(timeout=opts.duration + 120)
     finally:
         procs.stop(proc, signal.SIGKILL, timeout=10)
     wall = time.perf_counter() - w0
-    srv_cpu = group_cpu_seconds(load.pgid) - cpu0
+    u1, s1 = group_cpu_seconds(load.pgid)
+    srv_cpu = (u1 - u0) + (s1 - s0)
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     text = out.decode(errors="replace")
     line = next((x for x in text.splitlines() if x.startswith("WRK_JSON ")), None)
@@ -734,6 +739,8 @@ def run_wrk(load: Load, opts: Options, workdir: Path, procs: Processes) -> Figur
         "mean_ms": lat["mean"] / 1e3,
         "max_ms": lat["max"] / 1e3,
         "server_cpu_s": srv_cpu,
+        "server_cpu_user_s": u1 - u0,
+        "server_cpu_system_s": s1 - s0,
         "server_cpu_cores": srv_cpu / wall,
         "server_cpu_ms_per_request": 1e3 * srv_cpu / reqs if reqs else float("nan"),
         "client_cpu_cores": client_cpu / wall,
@@ -742,8 +749,6 @@ def run_wrk(load: Load, opts: Options, workdir: Path, procs: Processes) -> Figur
         figs[f"errors_{k}"] = v
     if load.body_size:
         figs["gbps"] = ok * load.body_size / dur / GB
-        if load.method == "GET" and reqs:
-            figs["response_header_bytes"] = (doc["bytes"] - reqs * load.body_size) / reqs
     if bad:
         print(f"  WARNING: {load.name}: {bad} failed requests ({errs})", flush=True)
     return figs
@@ -1025,7 +1030,10 @@ def render(results: dict[str, Any], opts: Options) -> str:
         if not res.get("available"):
             out.append(f"workers = {w}: not available ({res.get('reason')})")
             continue
-        out.append(f"workers = {w} (kvstore --workers {w}, nginx worker_processes {w}); {conns}")
+        with_nginx = [ph for ph in ("get", "range") if ph in res]
+        nginx_ran = any("nginx" in res[ph] for ph in with_nginx)
+        ng = f", nginx worker_processes {w}" if nginx_ran else (", nginx skipped" if with_nginx else "")
+        out.append(f"workers = {w} (kvstore --workers {w}{ng}); {conns}")
         out.append(row("", "", cols))
         tg = targets_of(res, opts.connections)
         size = f"{opts.block_size / MiB:g} MiB"
@@ -1075,7 +1083,7 @@ def render(results: dict[str, Any], opts: Options) -> str:
             t = targets_of(res, opts.connections)[key]
             v = t["value"]
             shown = "-" if v is None else (f"{v:.2f} ms" if "ms" in t["target"] else f"{v:.2f}x")
-            vals += f"{shown + ' ' + verdict(t['met']):>18}"
+            vals += f"{shown if v is None else shown + ' ' + verdict(t['met']):>18}"
         out.append(f"  {key:<34}{target:>12}{vals}")
     out.append("")
     out.append("  GB/s: 1e9 body bytes/s of successful requests (PUT: request bodies). srv cores / srv ms/req: CPU of")

@@ -276,3 +276,39 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
     except OSError:
         return "Z"
+
+
+async def test_stalled_clients_time_out(daemon: Daemon) -> None:
+    daemon.env = {**daemon.env, "KVSTORE_KEEPALIVE_TIMEOUT_S": "1", "KVSTORE_REQUEST_TIMEOUT_S": "1"}
+    daemon.start()
+    async with aiohttp.ClientSession() as s:
+        await _ready(daemon.base, s)
+        async with s.post(
+            daemon.base + "/v1/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
+        ) as r:
+            token = (await r.json())["token"]
+    loop = asyncio.get_running_loop()
+    # Headers that never finish: the connection is closed, not held.
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(b"GET /v1/stats HTTP/1.1\r\nHost: x\r\n")
+    t0 = loop.time()
+    assert await asyncio.wait_for(reader.read(), 15) == b""
+    assert loop.time() - t0 < 10
+    writer.close()
+    # A body that stalls: 408, and nothing is stored.
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(
+        f"PUT /v1/blocks/slow HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        "Content-Length: 100000\r\n\r\n".encode()
+        + b"x" * 10
+    )
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 15)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+    async with (
+        aiohttp.ClientSession() as s,
+        s.head(daemon.base + "/v1/blocks/slow", headers={"Authorization": f"Bearer {token}"}) as r,
+    ):
+        assert r.status == 404
+    daemon.stop()
