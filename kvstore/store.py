@@ -122,25 +122,21 @@ class Store:
 
     @classmethod
     async def open(cls, config: StoreConfig, master: MasterKey) -> Store:
-        store = cls(config, master)
-        try:
-            await store._run(store._open_sync)
-        except BaseException:
-            await store._run(store._release_after_failed_open)
-            store._pool.shutdown(wait=False)
-            raise
-        store._closed = False
-        return store
+        """Open the store for reads and writes: take its lock, run recovery."""
+        return await cls._opened(cls(config, master), readonly=False)
 
     @classmethod
     async def open_reader(cls, config: StoreConfig, master: MasterKey) -> Store:
         """Open a store that another process (the writer) has open, for reads
         only: no lock, no recovery; registry changes are picked up as the
         writer makes them. Writes raise :class:`ReadOnlyStore`."""
-        store = cls(config, master)
-        store.readonly = True
+        return await cls._opened(cls(config, master), readonly=True)
+
+    @staticmethod
+    async def _opened(store: Store, readonly: bool) -> Store:
+        store.readonly = readonly
         try:
-            await store._run(store._open_reader_sync)
+            await store._run(store._open_reader_sync if readonly else store._open_sync)
         except BaseException:
             await store._run(store._release_after_failed_open)
             store._pool.shutdown(wait=False)

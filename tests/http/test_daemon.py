@@ -38,6 +38,15 @@ async def _ready(base: str, session: aiohttp.ClientSession, timeout: float = 30)
     raise TimeoutError("not ready")
 
 
+async def _tenant_token(base: str, session: aiohttp.ClientSession, name: str = "t") -> str:
+    async with session.post(
+        base + "/v1/admin/tenants", json={"name": name}, headers={"Authorization": f"Bearer {ADMIN}"}
+    ) as r:
+        assert r.status == 201, await r.text()
+        token: str = (await r.json())["token"]
+        return token
+
+
 @pytest.mark.skipif(not Path("/usr/bin/curl").exists(), reason="curl is not installed")
 def test_startup_contract_and_curl(daemon: Daemon) -> None:
     daemon.start()
@@ -79,10 +88,7 @@ async def test_sigterm_finishes_in_flight_and_sigkill_loses_nothing_acked(daemon
     daemon.start()
     async with aiohttp.ClientSession() as s:
         await _ready(daemon.base, s)
-        async with s.post(
-            daemon.base + "/v1/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
-        ) as r:
-            token = (await r.json())["token"]
+        token = await _tenant_token(daemon.base, s)
         h = {"Authorization": f"Bearer {token}"}
         acked: dict[str, bytes] = {}
 
@@ -283,10 +289,7 @@ async def test_stalled_clients_time_out(daemon: Daemon) -> None:
     daemon.start()
     async with aiohttp.ClientSession() as s:
         await _ready(daemon.base, s)
-        async with s.post(
-            daemon.base + "/v1/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
-        ) as r:
-            token = (await r.json())["token"]
+        token = await _tenant_token(daemon.base, s)
     loop = asyncio.get_running_loop()
     # Headers that never finish: the connection is closed, not held.
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
