@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -70,6 +72,8 @@ class SegmentFile:
         self.fd = fd
         self.size = size
         self.sealed = sealed
+        self._map: mmap.mmap | None = None
+        self._map_lock = threading.Lock()
 
     @property
     def segment_id(self) -> int:
@@ -122,6 +126,7 @@ class SegmentFile:
             raise
 
     def close(self) -> None:
+        self._map = None  # views still being sent keep their mapping alive
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -180,6 +185,21 @@ class SegmentFile:
                 raise CorruptionError(f"segment ends at {pos}; expected {missing} more bytes", self.name, offset)
             pos += n
             _consume(views, n)
+
+    def mapped(self, end: int) -> memoryview:
+        """A read-only view of the file's first ``end`` bytes, from a shared
+        mapping (remapped when the segment has grown past it). Only bytes the
+        index points at may be touched: they are never truncated while open."""
+        m = self._map
+        if m is None or len(m) < end:
+            with self._map_lock:
+                m = self._map
+                if m is None or len(m) < end:
+                    size = os.fstat(self.fd).st_size
+                    if size < end:
+                        raise CorruptionError(f"segment is {size} bytes; a record ends at {end}", self.name, end)
+                    m = self._map = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ)
+        return memoryview(m)[:end]
 
     def read_header_at(self, offset: int) -> RecordHeader:
         first = self.pread(offset, min(ALIGN, max(0, self.size - offset))) if offset < self.size else b""

@@ -472,7 +472,14 @@ class Store:
 
     async def get(self, tenant: str, key: str) -> bytearray:
         entry = await self._entry(tenant, key)
-        return await self._read(tenant, key, entry, 0, entry.logical_size)
+        return _owned(await self._read(tenant, key, entry, 0, entry.logical_size))
+
+    async def get_buffer(self, tenant: str, key: str) -> bytearray | memoryview:
+        """The whole block, to send on: for direct tenants a read-only view into
+        the segment's mapping, checksums verified (no copy, no allocation);
+        otherwise the decoded bytes, as :meth:`get`."""
+        entry = await self._entry(tenant, key)
+        return await self._read(tenant, key, entry, 0, entry.logical_size, view_ok=True)
 
     async def get_range(self, tenant: str, key: str, start: int, end: int | None = None) -> bytearray:
         """Bytes [start, end) of the block; ``end`` past the size is clamped.
@@ -483,11 +490,13 @@ class Store:
         size = entry.logical_size
         if start >= size:
             raise InvalidRange(f"range starts at {start}, past the end of a {size}-byte block", size)
-        return await self._read(tenant, key, entry, start, size if end is None else min(end, size))
+        return _owned(await self._read(tenant, key, entry, start, size if end is None else min(end, size)))
 
-    async def _read(self, tenant: str, key: str, entry: IndexEntry, start: int, end: int) -> bytearray:
+    async def _read(
+        self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool = False
+    ) -> bytearray | memoryview:
         try:
-            return await self._read_unchecked(tenant, key, entry, start, end)
+            return await self._read_unchecked(tenant, key, entry, start, end, view_ok)
         except TenantKeyDestroyed:
             raise
         except CorruptionError as e:
@@ -495,10 +504,16 @@ class Store:
             log.error("corrupt read of tenant %s: %s", tenant, e)
             raise
 
-    async def _read_unchecked(self, tenant: str, key: str, entry: IndexEntry, start: int, end: int) -> bytearray:
+    async def _read_unchecked(
+        self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool
+    ) -> bytearray | memoryview:
         fs = self.config.frame_size
         seg_of = functools.partial(self._segment, tenant, entry.segment_id)
-        if entry.flags & reader.REC_FLAG_DIRECT and start == 0 and end == entry.logical_size:
+        out: bytearray | memoryview
+        whole_direct = bool(entry.flags & reader.REC_FLAG_DIRECT) and start == 0 and end == entry.logical_size
+        if whole_direct and view_ok:
+            out = await self._run(lambda: reader.direct_view(seg_of(), entry, tenant, key))
+        elif whole_direct:
             out = await self._run(lambda: reader.read_direct_whole(seg_of(), entry, tenant, key))
         elif end - start <= fs:
             out = await self._run(
@@ -561,6 +576,11 @@ class Store:
         opens every live frame (GCM tags, decompression)."""
         self._check_open()
         return await self._run(verify_segments, self._seg_root, self._registry, self._index, deep)
+
+
+def _owned(data: bytearray | memoryview) -> bytearray:
+    """A buffer the caller owns (reads without ``view_ok`` already are)."""
+    return data if isinstance(data, bytearray) else bytearray(data)
 
 
 def _raise_nofile_limit() -> None:

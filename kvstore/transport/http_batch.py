@@ -80,8 +80,8 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     await resp.write(batchframe.MAGIC)
 
-    def fetch(key: str) -> asyncio.Task[bytearray]:
-        coro: Awaitable[bytearray] = store.get(tenant, key)
+    def fetch(key: str) -> asyncio.Task[bytearray | memoryview]:
+        coro: Awaitable[bytearray | memoryview] = store.get_buffer(tenant, key)
         return asyncio.ensure_future(coro)
 
     window = [fetch(k) for k in keys[:_WINDOW]]
@@ -91,7 +91,7 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
             if i + _WINDOW < len(keys):
                 window.append(fetch(keys[i + _WINDOW]))
             try:
-                data: bytes | bytearray = await task
+                data: bytes | bytearray | memoryview = await task
                 status = 200
             except KVStoreError as e:
                 data, status = batchframe.error_payload(e.code, str(e)), e.status

@@ -77,20 +77,21 @@ async def get_block(request: web.Request) -> web.StreamResponse:
     if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
         return web.Response(status=304, headers=headers)
     ranges = parse_range(request.headers.get("Range"), info.size)
+    data: bytearray | memoryview
     if ranges is not None and len(ranges) == 1:
         r = ranges[0]
         data = await store.get_range(tenant, key, r.start, r.end)
         headers["Content-Range"] = r.content_range(info.size)
         status = 206
     else:
-        data = await store.get(tenant, key)
+        data = await store.get_buffer(tenant, key)
         status = 200
     request.app[METRICS].inc("kvstore_http_bytes_out_total", len(data))
     return await send_bytes(request, data, status, headers)
 
 
 async def send_bytes(
-    request: web.Request, data: bytes | bytearray, status: int, headers: dict[str, str]
+    request: web.Request, data: bytes | bytearray | memoryview, status: int, headers: dict[str, str]
 ) -> web.StreamResponse:
     """Send ``data`` with a Content-Length, handing the buffer to the transport
     as it is (no copy into a payload object)."""

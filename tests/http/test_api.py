@@ -269,3 +269,19 @@ async def test_client_can_close_mid_batch_get(api: Api) -> None:
     async with api.session.get(api.url("/v1/blocks/k3"), headers=h) as r:
         assert r.status == 200 and await r.read() == KV
     _ = aiohttp  # the client library the test speaks through
+
+
+async def test_corrupt_direct_block_is_a_500_never_wrong_bytes(api: Api) -> None:
+    h = api.auth(await api.tenant("d", "direct"))
+    async with api.session.put(api.url("/v1/blocks/x"), data=KV, headers=h) as r:
+        assert r.status == 201
+    seg = next((api.config.store.data_dir / "segments" / "d").glob("*.seg"))
+    at = seg.read_bytes().index(KV[:64]) + 5000
+    with seg.open("r+b") as f:
+        f.seek(at)
+        f.write(b"\x00" if KV[5000] else b"\x01")
+    async with api.session.get(api.url("/v1/blocks/x"), headers=h) as r:
+        assert r.status == 500 and (await r.json())["error"]["code"] == "corruption"
+    async with api.session.post(api.url("/v1/batch/get"), json={"keys": ["x"]}, headers=h) as r:
+        got = [item async for item in batchframe.read_get_items(r.content)]
+    assert [(k, s) for k, s, _ in got] == [("x", 500)]

@@ -213,3 +213,33 @@ async def test_end_to_end_ratio_on_real_bf16_kv(open_store: OpenStore) -> None:
             await s.put("kv", f"{name}-{i}", data[i : i + (2 << 20)])
     st = await s.stats("kv")
     assert st.logical_bytes / st.stored_bytes >= 1.45
+
+
+async def test_get_buffer_of_direct_blocks_is_a_verified_view(store: Store) -> None:
+    from kvstore.errors import CorruptionError
+
+    a = block("va", 150_000)
+    await store.put("direct", "a", a)
+    view = await store.get_buffer("direct", "a")
+    assert isinstance(view, memoryview) and view.readonly and view == a
+    # The segment grows after it was mapped: the mapping follows.
+    b = block("vb", 150_000)
+    await store.put("direct", "b", b)
+    assert await store.get_buffer("direct", "b") == b
+    await store.put("alice", "a", a)
+    assert isinstance(await store.get_buffer("alice", "a"), bytearray)  # sealed: decoded, not mapped
+    # A flipped byte in the file (patched in place, as a disk would) is a
+    # corruption error, never wrong data.
+    seg = next((store.config.data_dir / "segments" / "direct").glob("*.seg"))
+    at = seg.read_bytes().index(b[:64]) + 1000
+    with seg.open("r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x01]))
+    with pytest.raises(CorruptionError, match="checksum"):
+        await store.get_buffer("direct", "b")
+    with pytest.raises(CorruptionError, match="checksum"):
+        await store.get("direct", "b")
+    assert await store.get_buffer("direct", "a") == a
+    assert store.metrics.counter("kvstore_corruption_total") == 2
