@@ -19,7 +19,7 @@ from kvstore.record import open_frame
 from kvstore.registry import Registry
 from kvstore.segment import SegmentFile
 
-__all__ = ["REC_FLAG_DIRECT", "Loaded", "decode_into", "load", "read_all_inline", "read_direct_whole"]
+__all__ = ["REC_FLAG_DIRECT", "Loaded", "decode_into", "direct_view", "load", "read_all_inline", "read_direct_whole"]
 
 # Records up to this size are read with a single pread, header and all.
 WHOLE_READ_MAX = 4 << 20
@@ -116,29 +116,45 @@ def read_direct_whole(seg: SegmentFile, entry: IndexEntry, tenant: str, key: str
     return out
 
 
-def direct_view(seg: SegmentFile, entry: IndexEntry, tenant: str, key: str) -> memoryview:
-    """A whole direct block as a read-only view into the segment's mapping,
-    its frame checksums verified over the mapped bytes: no copy, no allocation.
-    The caller sends it as it is (the bytes need no transformation)."""
-    end = entry.offset + entry.payload_offset + entry.logical_size
-    view = seg.mapped(end)
-    header = decode_record_header(view[entry.offset : entry.offset + entry.payload_offset], seg.name, entry.offset)
+def direct_view(seg: SegmentFile, entry: IndexEntry, tenant: str, key: str, start: int, end: int) -> memoryview:
+    """Bytes [start, end) of a direct block as a read-only view into the
+    segment's mapping: the frames that cover them are verified over the mapped
+    bytes (no copy, no allocation); the caller sends the view as it is."""
+    base = entry.offset + entry.payload_offset
+    view = seg.mapped(base + entry.logical_size)
+    header = decode_record_header(view[entry.offset : base], seg.name, entry.offset)
     _check_identity(header, entry, tenant, key, seg.name)
-    payload = view[entry.offset + entry.payload_offset : end]
-    _verify_raw_frames(header, payload, key, seg.name, entry.offset)
-    return payload
+    fs = header.frame_size
+    first, last = start // fs, (end - 1) // fs
+    lo, hi = first * fs, min(entry.logical_size, (last + 1) * fs)
+    _verify_raw_frames(header, view[base:], key, seg.name, entry.offset, first, last, lo, hi)
+    return view[base + start : base + end]
 
 
-def _verify_raw_frames(header: RecordHeader, payload: memoryview, key: str, where: str, offset: int) -> None:
-    pos = 0
-    for i, f in enumerate(header.frames):
-        if f.codec != CODEC_RAW or header.sealed:
+def _verify_raw_frames(
+    header: RecordHeader,
+    payload: memoryview,
+    key: str,
+    where: str,
+    offset: int,
+    first: int = 0,
+    last: int | None = None,
+    lo: int = 0,
+    hi: int | None = None,
+) -> None:
+    """Check raw frames ``first``..``last`` (payload bytes [lo, hi)) of a direct record."""
+    last = len(header.frames) - 1 if last is None else last
+    hi = header.logical_size if hi is None else hi
+    pos = lo
+    for i in range(first, last + 1):
+        f = header.frames[i]
+        if f.codec != CODEC_RAW or header.sealed or f.stored_len != header.frame_plain_len(i):
             raise CorruptionError(f"direct record of key {key!r} has an encoded frame {i}", where, offset)
         if checksum(payload[pos : pos + f.stored_len]) != f.checksum:
             raise CorruptionError(f"frame {i} of key {key!r} fails its checksum", where, offset)
         pos += f.stored_len
-    if pos != len(payload):
-        raise CorruptionError(f"direct record of key {key!r} has {pos} payload bytes, expected {len(payload)}")
+    if pos != hi:
+        raise CorruptionError(f"direct record of key {key!r}: frames end at {pos}, expected {hi}", where, offset)
 
 
 def read_all_inline(

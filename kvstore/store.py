@@ -474,23 +474,28 @@ class Store:
         entry = await self._entry(tenant, key)
         return _owned(await self._read(tenant, key, entry, 0, entry.logical_size))
 
-    async def get_buffer(self, tenant: str, key: str) -> bytearray | memoryview:
-        """The whole block, to send on: for direct tenants a read-only view into
-        the segment's mapping, checksums verified (no copy, no allocation);
-        otherwise the decoded bytes, as :meth:`get`."""
-        entry = await self._entry(tenant, key)
-        return await self._read(tenant, key, entry, 0, entry.logical_size, view_ok=True)
+    async def get_buffer(self, tenant: str, key: str, start: int = 0, end: int | None = None) -> bytearray | memoryview:
+        """Bytes [start, end) of the block (all of it by default), to send on:
+        for direct tenants a read-only view into the segment's mapping, the
+        covering frames verified (no copy, no allocation); otherwise decoded
+        bytes, as :meth:`get_range`."""
+        entry, start, end = await self._range(tenant, key, start, end)
+        return await self._read(tenant, key, entry, start, end, view_ok=True)
 
     async def get_range(self, tenant: str, key: str, start: int, end: int | None = None) -> bytearray:
         """Bytes [start, end) of the block; ``end`` past the size is clamped.
         Raises InvalidRange (416) when ``start`` is at or past the size."""
+        entry, start, end = await self._range(tenant, key, start, end)
+        return _owned(await self._read(tenant, key, entry, start, end))
+
+    async def _range(self, tenant: str, key: str, start: int, end: int | None) -> tuple[IndexEntry, int, int]:
         if start < 0 or (end is not None and end <= start):
             raise InvalidInput(f"range [{start}, {end}) is not a non-empty range of non-negative offsets")
         entry = await self._entry(tenant, key)
         size = entry.logical_size
         if start >= size:
             raise InvalidRange(f"range starts at {start}, past the end of a {size}-byte block", size)
-        return _owned(await self._read(tenant, key, entry, start, size if end is None else min(end, size)))
+        return entry, start, size if end is None else min(end, size)
 
     async def _read(
         self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool = False
@@ -510,9 +515,10 @@ class Store:
         fs = self.config.frame_size
         seg_of = functools.partial(self._segment, tenant, entry.segment_id)
         out: bytearray | memoryview
-        whole_direct = bool(entry.flags & reader.REC_FLAG_DIRECT) and start == 0 and end == entry.logical_size
-        if whole_direct and view_ok:
-            out = await self._run(lambda: reader.direct_view(seg_of(), entry, tenant, key))
+        direct = bool(entry.flags & reader.REC_FLAG_DIRECT)
+        whole_direct = direct and start == 0 and end == entry.logical_size
+        if direct and view_ok:
+            out = await self._run(lambda: reader.direct_view(seg_of(), entry, tenant, key, start, end))
         elif whole_direct:
             out = await self._run(lambda: reader.read_direct_whole(seg_of(), entry, tenant, key))
         elif end - start <= fs:

@@ -80,7 +80,7 @@ async def get_block(request: web.Request) -> web.StreamResponse:
     data: bytearray | memoryview
     if ranges is not None and len(ranges) == 1:
         r = ranges[0]
-        data = await store.get_range(tenant, key, r.start, r.end)
+        data = await store.get_buffer(tenant, key, r.start, r.end)
         headers["Content-Range"] = r.content_range(info.size)
         status = 206
     else:

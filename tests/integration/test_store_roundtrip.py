@@ -222,6 +222,9 @@ async def test_get_buffer_of_direct_blocks_is_a_verified_view(store: Store) -> N
     await store.put("direct", "a", a)
     view = await store.get_buffer("direct", "a")
     assert isinstance(view, memoryview) and view.readonly and view == a
+    for lo, hi in ((0, 1), (FS - 1, FS + 1), (FS, 2 * FS), (2 * FS + 7, 150_000), (100, 149_999)):
+        part = await store.get_buffer("direct", "a", lo, hi)
+        assert isinstance(part, memoryview) and part == a[lo:hi], (lo, hi)
     # The segment grows after it was mapped: the mapping follows.
     b = block("vb", 150_000)
     await store.put("direct", "b", b)
@@ -241,5 +244,8 @@ async def test_get_buffer_of_direct_blocks_is_a_verified_view(store: Store) -> N
         await store.get_buffer("direct", "b")
     with pytest.raises(CorruptionError, match="checksum"):
         await store.get("direct", "b")
+    with pytest.raises(CorruptionError, match="checksum"):
+        await store.get_buffer("direct", "b", 990, 1010)  # a range inside the damaged frame
+    assert await store.get_buffer("direct", "b", 2 * FS, 2 * FS + 10) == b[2 * FS : 2 * FS + 10]  # another frame
     assert await store.get_buffer("direct", "a") == a
-    assert store.metrics.counter("kvstore_corruption_total") == 2
+    assert store.metrics.counter("kvstore_corruption_total") == 3
