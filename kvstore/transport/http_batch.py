@@ -23,6 +23,19 @@ routes = web.RouteTableDef()
 _WINDOW = 4
 
 
+class _Inactivity:
+    """A body reader whose every read must complete within ``seconds``: a
+    batch may take as long as it needs, but a stalled client is cut off."""
+
+    def __init__(self, inner: batchframe.ByteReader, seconds: float) -> None:
+        self._inner = inner
+        self._seconds = seconds
+
+    async def readexactly(self, n: int, /) -> bytes:
+        async with asyncio.timeout(self._seconds):
+            return await self._inner.readexactly(n)
+
+
 def _result(key: str, status: int, error: KVStoreError | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"key": key, "status": status}
     if error is not None:
@@ -48,14 +61,12 @@ async def batch_put(request: web.Request) -> web.Response:
                 results.append(_result(key, e.status, e))
 
     try:
-        async with asyncio.timeout(cfg.request_timeout_s * max(1, cfg.max_batch_keys // 16)):
-            async for key, data in batchframe.read_put_items(
-                request.content, store.config.max_block_size, cfg.max_batch_keys
-            ):
-                metrics.inc("kvstore_http_bytes_in_total", len(data))
-                pending.append((key, asyncio.ensure_future(store.put(tenant, key, data))))
-                await settle(_WINDOW - 1)
-            await settle(0)
+        stream = _Inactivity(request.content, cfg.request_timeout_s)
+        async for key, data in batchframe.read_put_items(stream, store.config.max_block_size, cfg.max_batch_keys):
+            metrics.inc("kvstore_http_bytes_in_total", len(data))
+            pending.append((key, asyncio.ensure_future(store.put(tenant, key, data))))
+            await settle(_WINDOW - 1)
+        await settle(0)
     except KVStoreError as e:
         await settle(0)  # what was already accepted is reported, never lost silently
         body = error_body(e.code, str(e))
@@ -63,7 +74,7 @@ async def batch_put(request: web.Request) -> web.Response:
         return web.json_response(body, status=e.status)
     except TimeoutError:
         await settle(0)
-        body = error_body("request_timeout", "batch body not received in time")
+        body = error_body("request_timeout", f"batch body stalled for {cfg.request_timeout_s} s")
         body["results"] = results
         return web.json_response(body, status=408)
     metrics.observe("kvstore_http_batch_records", len(results), op="put")

@@ -315,3 +315,29 @@ async def test_stalled_clients_time_out(daemon: Daemon) -> None:
     ):
         assert r.status == 404
     daemon.stop()
+
+
+async def test_stalled_batch_body_times_out_and_reports_what_landed(daemon: Daemon) -> None:
+    from kvstore import batchframe
+
+    daemon.env = {**daemon.env, "KVSTORE_REQUEST_TIMEOUT_S": "1"}
+    daemon.start()
+    async with aiohttp.ClientSession() as s:
+        await _ready(daemon.base, s)
+        token = await _tenant_token(daemon.base, s)
+    first = batchframe.encode_put_stream([("a", b"1" * 1000)])[: -len(batchframe.END)]
+    body = first + batchframe.put_item_header("b", 1000) + b"2" * 10  # then nothing more
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(
+        f"POST /v1/batch/put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Length: {len(body) + 5000}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 20)
+    writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408")
+    doc = json.loads(payload)
+    assert doc["results"] == [{"key": "a", "status": 201}]
+    daemon.stop()
