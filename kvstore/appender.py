@@ -96,7 +96,7 @@ class Appender:
         self._closing = True
         self._wake.set()
         await self._task
-        await self._call(self._final_sync)
+        await self._call(self._interval_sync)
 
     # -- the worker -----------------------------------------------------------
 
@@ -228,9 +228,6 @@ class Appender:
         self._tail.synced_upto = seg.size
         self._index.set_segment(self.tenant, seg.segment_id, SegmentState(SEG_OPEN, seg.size, seg.size))
         self._dirty = False
-
-    def _final_sync(self) -> None:
-        self._interval_sync()
 
     def _seal_current(self) -> None:
         seg = self._tail.segment

@@ -12,7 +12,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -181,7 +180,3 @@ def make_app(
     app.router.add_routes(http_batch.routes)
     app.router.add_routes(http_admin.routes)
     return app
-
-
-def describe(app: web.Application) -> dict[str, Any]:
-    return {"routes": sorted({r.resource.canonical for r in app.router.routes() if r.resource is not None})}
