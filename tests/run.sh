@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/setup-venv.sh test
+.venv/bin/python -m pip install --quiet -e clients  # the client library is its own package
 export PYTHONHASHSEED="${PYTHONHASHSEED:-0}"
 echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy

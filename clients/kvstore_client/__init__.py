@@ -1,0 +1,33 @@
+"""Client library of the kvstore KV-cache block daemon (HTTP v1)."""
+
+from kvstore_client.client import AsyncClient, CircuitBreaker, rank_endpoints
+from kvstore_client.errors import (
+    BufferTooSmall,
+    CircuitOpenError,
+    DeadlineExceeded,
+    InvalidKeyError,
+    KVStoreClientError,
+    ProtocolError,
+    ServerError,
+    UnavailableError,
+)
+from kvstore_client.keys import block_keys, model_fingerprint
+from kvstore_client.sync import Client
+
+__all__ = [
+    "AsyncClient",
+    "BufferTooSmall",
+    "CircuitBreaker",
+    "CircuitOpenError",
+    "Client",
+    "DeadlineExceeded",
+    "InvalidKeyError",
+    "KVStoreClientError",
+    "ProtocolError",
+    "ServerError",
+    "UnavailableError",
+    "block_keys",
+    "model_fingerprint",
+    "rank_endpoints",
+]
+__version__ = "0.1.0"

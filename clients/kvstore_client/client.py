@@ -1,0 +1,759 @@
+"""The asyncio client: fail-open, deadlines, retries, circuit breakers, sharding.
+
+Contract: every call has a deadline (``timeout`` seconds, retries included).
+Retryable failures (connection errors, 429, 502, 503, 504, 507) are retried
+with exponential backoff and full jitter while the deadline allows. Each
+endpoint has a circuit breaker: after ``breaker_threshold`` consecutive
+failures (connection errors, timeouts, 502/503/504) it opens and calls to that
+endpoint return at once; after ``breaker_cooldown`` seconds one probe is let
+through, and its success closes the breaker again.
+
+In the default, non-strict mode a call never raises (except for the caller's
+own cancellation): a failure is a miss (``get`` -> None, ``exists`` -> False,
+``lookup`` -> 0, ``put`` -> False), counted in :attr:`AsyncClient.stats` and
+logged (at most one line per ``log_interval`` seconds). With ``strict=True``
+failures raise :class:`~kvstore_client.errors.KVStoreClientError` subclasses.
+
+Keys are spread over the endpoints by rendezvous (highest random weight)
+hashing; with ``replicas`` = R > 1 a block is written to its top R endpoints
+and reads try them in rank order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import random
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import aiohttp
+import aiohttp.abc
+import aiohttp.payload
+
+from kvstore_client import framing
+from kvstore_client.errors import (
+    BufferTooSmall,
+    CircuitOpenError,
+    DeadlineExceeded,
+    KVStoreClientError,
+    ProtocolError,
+    ServerError,
+    UnavailableError,
+)
+
+log = logging.getLogger("kvstore_client")
+
+T = TypeVar("T")
+
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504, 507})
+BREAKER_STATUSES = frozenset({502, 503, 504})
+_STAT_NAMES = (
+    "calls",
+    "hits",
+    "misses",
+    "errors",
+    "timeouts",
+    "retries",
+    "breaker_open",
+    "breaker_trips",
+    "puts",
+    "put_failures",
+)
+
+
+def _normalize(endpoint: str) -> str:
+    endpoint = endpoint.strip().rstrip("/")
+    if "://" not in endpoint:
+        endpoint = "http://" + endpoint
+    return endpoint
+
+
+def rank_endpoints(endpoints: Sequence[str], key: str) -> list[str]:
+    """``endpoints`` ordered by rendezvous weight for ``key``: blake2b-64 of
+    ``endpoint + "\\n" + key``, highest first (stable across processes)."""
+
+    def weight(ep: str) -> int:
+        digest = hashlib.blake2b(f"{ep}\n{key}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big")
+
+    return sorted(endpoints, key=weight, reverse=True)
+
+
+class CircuitBreaker:
+    """closed -> open after ``threshold`` consecutive failures -> half-open after
+    ``cooldown`` s (one probe at a time) -> closed on the probe's success, open again on its failure."""
+
+    def __init__(self, threshold: int, cooldown: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.threshold = threshold
+        self.cooldown = cooldown
+        self.clock = clock
+        self.state = "closed"
+        self.failures = 0
+        self.opened_at = 0.0
+        self.probe_at: float | None = None
+        self.trips = 0
+
+    def allow(self) -> bool:
+        if self.state == "closed":
+            return True
+        now = self.clock()
+        if self.state == "open":
+            if now - self.opened_at < self.cooldown:
+                return False
+            self.state = "half-open"
+        # half-open: one probe; a probe that never reported (cancelled) expires after the cooldown
+        if self.probe_at is not None and now - self.probe_at < self.cooldown:
+            return False
+        self.probe_at = now
+        return True
+
+    def success(self) -> None:
+        self.state = "closed"
+        self.failures = 0
+        self.probe_at = None
+
+    def failure(self) -> None:
+        self.probe_at = None
+        if self.state == "half-open":
+            self._open()
+            return
+        self.failures += 1
+        if self.state == "closed" and self.failures >= self.threshold:
+            self._open()
+
+    def _open(self) -> None:
+        self.state = "open"
+        self.opened_at = self.clock()
+        self.trips += 1
+
+
+@dataclass
+class _Endpoint:
+    url: str
+    breaker: CircuitBreaker
+    session: aiohttp.ClientSession | None = None
+
+
+@dataclass
+class _RateLimitedLog:
+    interval: float
+    last: float = field(default=-1e18)
+    suppressed: int = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            self.suppressed += 1
+            return
+        extra = f" ({self.suppressed} similar messages suppressed)" if self.suppressed else ""
+        self.last, self.suppressed = now, 0
+        log.warning(msg + extra, *args)
+
+
+class _Miss(Exception):
+    """Internal: an endpoint definitively does not have the key (404)."""
+
+
+class _BuffersPayload(aiohttp.payload.Payload):
+    """A request body made of buffers (bytes, memoryviews, numpy arrays), sent
+    as they are: no join, no copy; written in slices so that flow control applies."""
+
+    _CHUNK = 1 << 20
+
+    def __init__(self, parts: Sequence[Any], content_type: str) -> None:
+        views = [_byte_view(p) for p in parts]
+        super().__init__(views, content_type=content_type)
+        self._views = views
+        self._size = sum(v.nbytes for v in views)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._views).decode(encoding, errors)
+
+    async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
+        for v in self._views:
+            for at in range(0, v.nbytes, self._CHUNK):
+                await writer.write(v[at : at + self._CHUNK])
+
+
+def _byte_view(buf: Any) -> memoryview:
+    mv = memoryview(buf)
+    if not mv.c_contiguous:
+        raise TypeError("blocks must be C-contiguous buffers")
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def _writable_view(buf: Any) -> memoryview:
+    mv = memoryview(buf)
+    if mv.readonly:
+        raise TypeError("get_into needs a writable buffer")
+    if not mv.c_contiguous:
+        raise TypeError("get_into needs a C-contiguous buffer")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+class AsyncClient:
+    """Client of one or more kvstore daemons (``endpoints``: ``http[s]://host:port``).
+
+    The token is ``token``, else ``$KVSTORE_TOKEN``, else the content of
+    ``token_file`` or ``$KVSTORE_TOKEN_FILE``. ``token`` may also map endpoints
+    to their own tokens (tenants are per daemon); unmapped endpoints use the default.
+    """
+
+    def __init__(
+        self,
+        endpoints: list[str] | str,
+        token: str | Mapping[str, str] | None = None,
+        *,
+        token_file: str | None = None,
+        timeout: float = 2.0,
+        retries: int = 2,
+        backoff: float = 0.05,
+        backoff_max: float = 1.0,
+        strict: bool = False,
+        ca_file: str | None = None,
+        replicas: int = 1,
+        breaker_threshold: int = 5,
+        breaker_cooldown: float = 5.0,
+        pool_size: int = 64,
+        max_batch_keys: int = 1024,
+        max_lookup_keys: int = 4096,
+        log_interval: float = 10.0,
+    ) -> None:
+        eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not eps:
+            raise ValueError("at least one endpoint is needed")
+        urls = [_normalize(e) for e in eps]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"duplicate endpoints in {urls}")
+        if not 1 <= replicas <= len(urls):
+            raise ValueError(f"replicas must be 1 to {len(urls)} (the number of endpoints), got {replicas}")
+        if timeout <= 0 or retries < 0:
+            raise ValueError("timeout must be > 0 and retries >= 0")
+        self._tokens: dict[str, str] = {}
+        if isinstance(token, Mapping):
+            self._tokens = {_normalize(k): v for k, v in token.items()}
+            token = None
+        self.token = token or os.environ.get("KVSTORE_TOKEN") or self._read_token(token_file)
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.backoff_max = backoff_max
+        self.strict = strict
+        self.replicas = replicas
+        self.pool_size = pool_size
+        self.max_batch_keys = max_batch_keys
+        self.max_lookup_keys = max_lookup_keys
+        self._ssl: ssl.SSLContext | None = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        self._endpoints = {u: _Endpoint(u, CircuitBreaker(breaker_threshold, breaker_cooldown)) for u in urls}
+        self._urls = urls
+        self._log = _RateLimitedLog(log_interval)
+        self.stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
+        self._closed = False
+
+    @staticmethod
+    def _read_token(token_file: str | None) -> str | None:
+        path = token_file or os.environ.get("KVSTORE_TOKEN_FILE")
+        if not path:
+            return None
+        return Path(path).read_text().strip()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._closed = True
+        for ep in self._endpoints.values():
+            if ep.session is not None:
+                await ep.session.close()
+                ep.session = None
+
+    @property
+    def endpoints(self) -> list[str]:
+        return list(self._urls)
+
+    def breaker_state(self, endpoint: str) -> str:
+        return self._endpoints[_normalize(endpoint)].breaker.state
+
+    def owners(self, key: str) -> list[str]:
+        """The endpoints that hold ``key``, in the order reads try them."""
+        if len(self._urls) == 1:
+            return list(self._urls)
+        return rank_endpoints(self._urls, key)[: self.replicas]
+
+    def _session(self, ep: _Endpoint) -> aiohttp.ClientSession:
+        if self._closed:
+            raise KVStoreClientError("the client is closed", code="closed")
+        if ep.session is None or ep.session.closed:
+            token = self._tokens.get(ep.url, self.token)
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            connector = aiohttp.TCPConnector(limit=self.pool_size, ssl=self._ssl if self._ssl else True)
+            ep.session = aiohttp.ClientSession(
+                ep.url, connector=connector, headers=headers, timeout=aiohttp.ClientTimeout(total=None)
+            )
+        return ep.session
+
+    # -- the machinery ---------------------------------------------------------
+
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self.timeout
+
+    async def _attempts(self, ep: _Endpoint, fn: Callable[[aiohttp.ClientSession], Awaitable[T]], deadline: float) -> T:
+        """``fn`` against one endpoint with retries, the breaker and the deadline."""
+        loop = asyncio.get_running_loop()
+        attempt = 0
+        while True:
+            if not ep.breaker.allow():
+                self.stats["breaker_open"] += 1
+                raise CircuitOpenError("circuit breaker open", endpoint=ep.url)
+            err: KVStoreClientError
+            try:
+                async with asyncio.timeout_at(deadline):
+                    result = await fn(self._session(ep))
+            except _Miss:
+                ep.breaker.success()
+                raise
+            except TimeoutError:
+                self._breaker_failure(ep)
+                self.stats["timeouts"] += 1
+                raise DeadlineExceeded(f"no answer within {self.timeout} s", endpoint=ep.url) from None
+            except KVStoreClientError as e:
+                e.endpoint = e.endpoint or ep.url
+                err = e
+            except (aiohttp.ClientError, OSError) as e:
+                err = UnavailableError(f"{type(e).__name__}: {e}", endpoint=ep.url)
+            else:
+                ep.breaker.success()
+                return result
+            if err.breaker_failure:
+                self._breaker_failure(ep)
+            else:
+                ep.breaker.success()
+            if not err.retryable or attempt >= self.retries:
+                raise err
+            delay = random.uniform(0, min(self.backoff_max, self.backoff * 2**attempt))
+            if loop.time() + delay >= deadline:
+                raise err
+            self.stats["retries"] += 1
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    def _breaker_failure(self, ep: _Endpoint) -> None:
+        before = ep.breaker.state
+        ep.breaker.failure()
+        if ep.breaker.state == "open" and before != "open":
+            self.stats["breaker_trips"] += 1
+            self._log.warning("kvstore endpoint %s: circuit breaker opened", ep.url)
+
+    async def _on_owners(
+        self, key: str, fn: Callable[[aiohttp.ClientSession], Awaitable[T]], deadline: float
+    ) -> T | None:
+        """Try ``key``'s owners in order until one has it; None if the ones that
+        answered do not have it; raises the last error if none answered."""
+        last: KVStoreClientError | None = None
+        missed = False
+        for url in self.owners(key):
+            try:
+                return await self._attempts(self._endpoints[url], fn, deadline)
+            except _Miss:
+                missed = True
+            except DeadlineExceeded:
+                raise
+            except KVStoreClientError as e:
+                last = e
+        if missed or last is None:
+            return None
+        raise last
+
+    async def _guard(self, op: str, default: T, call: Awaitable[T]) -> T:
+        """Fail-open: a failure is ``default`` plus a counter and a log line, unless strict."""
+        self.stats["calls"] += 1
+        try:
+            return await call
+        except KVStoreClientError as e:
+            self.stats["errors"] += 1
+            if self.strict:
+                raise
+            self._log.warning("kvstore %s failed (fail-open): %s", op, e)
+            return default
+        except Exception as e:  # the fail-open contract: never raise
+            self.stats["errors"] += 1
+            if self.strict:
+                raise KVStoreClientError(f"{type(e).__name__}: {e}", code="client_error") from e
+            self._log.warning("kvstore %s failed (fail-open): %r", op, e)
+            return default
+
+    def _count(self, hit: bool) -> None:
+        self.stats["hits" if hit else "misses"] += 1
+
+    # -- single-key calls ------------------------------------------------------
+
+    async def get(self, key: str) -> bytes | None:
+        """The block, or None if absent (or on any failure, in non-strict mode)."""
+        result = await self._guard("get", None, self._get(key, None))
+        self._count(result is not None)
+        return result
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        """Bytes ``start`` (inclusive) to ``end`` (exclusive) of the block, like ``block[start:end]``
+        (shorter at the block's end); None if absent or ``start`` is past the end."""
+        if not 0 <= start < end:
+            raise ValueError(f"need 0 <= start < end, got {start}, {end}")
+        result = await self._guard("get_range", None, self._get(key, (start, end)))
+        self._count(result is not None)
+        return result
+
+    async def _get(self, key: str, rng: tuple[int, int] | None) -> bytes | None:
+        framing.check_key(key)
+        headers = {"Range": f"bytes={rng[0]}-{rng[1] - 1}"} if rng else {}
+
+        async def fn(s: aiohttp.ClientSession) -> bytes:
+            async with s.get(f"/v1/blocks/{key}", headers=headers) as r:
+                if rng is not None and r.status == 416:
+                    raise _Miss
+                await _check(r, ok=(200, 206))
+                data = await r.read()
+                if rng is not None and r.status == 200:  # range ignored by the server
+                    data = data[rng[0] : rng[1]]
+                return data
+
+        return await self._on_owners(key, fn, self._deadline())
+
+    async def get_into(self, key: str, buf: Any) -> int | None:
+        """Read the block straight into ``buf`` (bytearray, memoryview, numpy
+        array: any writable C-contiguous buffer), chunk by chunk, without a
+        whole-block copy. Returns the bytes written, None if absent. A block
+        larger than ``buf`` is an error (BufferTooSmall; a miss if not strict)."""
+        mv = _writable_view(buf)
+        result = await self._guard("get_into", None, self._get_into(key, mv))
+        self._count(result is not None)
+        return result
+
+    async def _get_into(self, key: str, mv: memoryview) -> int | None:
+        framing.check_key(key)
+
+        async def fn(s: aiohttp.ClientSession) -> int:
+            async with s.get(f"/v1/blocks/{key}") as r:
+                await _check(r, ok=(200,))
+                size = r.content_length
+                if size is not None and size > mv.nbytes:
+                    raise BufferTooSmall(f"block {key} is {size} bytes; the buffer holds {mv.nbytes}")
+                n = 0
+                async for chunk in r.content.iter_any():
+                    end = n + len(chunk)
+                    if end > mv.nbytes:
+                        raise BufferTooSmall(f"block {key} is over {n} bytes; the buffer holds {mv.nbytes}")
+                    mv[n:end] = chunk
+                    n = end
+                if size is not None and n != size:
+                    raise UnavailableError(f"block {key}: body ended after {n} of {size} bytes")
+                return n
+
+        return await self._on_owners(key, fn, self._deadline())
+
+    async def exists(self, key: str) -> bool:
+        async def run() -> bool:
+            framing.check_key(key)
+
+            async def fn(s: aiohttp.ClientSession) -> bool:
+                async with s.head(f"/v1/blocks/{key}") as r:
+                    await _check(r, ok=(200,))
+                    return True
+
+            return bool(await self._on_owners(key, fn, self._deadline()))
+
+        result = await self._guard("exists", False, run())
+        self._count(result)
+        return result
+
+    async def put(self, key: str, data: framing.BufferLike) -> bool:
+        """Store ``data`` under ``key`` on its owner(s); True if at least one stored
+        it (or already had it: first write wins)."""
+        result = await self._guard("put", False, self._put(key, data))
+        self.stats["puts"] += 1
+        if not result:
+            self.stats["put_failures"] += 1
+        return result
+
+    async def _put(self, key: str, data: framing.BufferLike) -> bool:
+        framing.check_key(key)
+        if memoryview(data).nbytes == 0:
+            raise KVStoreClientError("blocks are 1 byte or more", code="invalid_input")
+        deadline = self._deadline()
+
+        async def fn(s: aiohttp.ClientSession) -> bool:
+            body = _BuffersPayload([data], "application/octet-stream")
+            async with s.put(f"/v1/blocks/{key}", data=body) as r:
+                await _check(r, ok=(200, 201))
+                return True
+
+        return await self._on_all_owners(self.owners(key), fn, deadline)
+
+    async def _on_all_owners(
+        self, urls: list[str], fn: Callable[[aiohttp.ClientSession], Awaitable[bool]], deadline: float
+    ) -> bool:
+        """``fn`` on every endpoint in ``urls`` at once; True if any returned True;
+        raises the first error if all failed."""
+        results = await asyncio.gather(
+            *(self._attempts(self._endpoints[u], fn, deadline) for u in urls), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, _Miss)]
+        if any(r is True for r in results):
+            return True
+        if errors and len(errors) == len(results):
+            raise errors[0]
+        return False
+
+    async def delete(self, key: str) -> bool:
+        """Delete ``key`` from its owners; True if any had it."""
+
+        async def run() -> bool:
+            framing.check_key(key)
+
+            async def fn(s: aiohttp.ClientSession) -> bool:
+                async with s.delete(f"/v1/blocks/{key}") as r:
+                    await _check(r, ok=(204,))
+                    return True
+
+            return await self._on_all_owners(self.owners(key), fn, self._deadline())
+
+        return await self._guard("delete", False, run())
+
+    # -- lookup ----------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[str]) -> int:
+        """How many keys from the start of ``keys`` are stored (0 on failure)."""
+        present = await self.lookup_detail(keys)
+        n = 0
+        for p in present:
+            if not p:
+                break
+            n += 1
+        return n
+
+    async def lookup_detail(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, whether it is stored (False on failure)."""
+        keys = list(keys)
+        return await self._guard("lookup", [False] * len(keys), self._lookup(keys))
+
+    async def _lookup(self, keys: list[str]) -> list[bool]:
+        for k in keys:
+            framing.check_key(k)
+        deadline = self._deadline()
+        present = [False] * len(keys)
+        owners = [self.owners(k) for k in keys]
+        errors: list[KVStoreClientError] = []
+        answered = [False] * len(keys)
+        for rank in range(self.replicas):
+            groups: dict[str, list[int]] = {}
+            for i, o in enumerate(owners):
+                if not present[i] and rank < len(o):
+                    groups.setdefault(o[rank], []).append(i)
+            calls = []
+            for url, idx in groups.items():
+                for c in range(0, len(idx), self.max_lookup_keys):
+                    calls.append(self._lookup_chunk(url, keys, idx[c : c + self.max_lookup_keys], deadline))
+            for result in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(result, KVStoreClientError):
+                    errors.append(result)
+                    continue
+                if isinstance(result, BaseException):
+                    raise result
+                for i, p in result:
+                    present[i] = present[i] or p
+                    answered[i] = True
+        if errors and not any(answered):
+            raise errors[0]
+        if errors:
+            self._log.warning("kvstore lookup: %d partial failures, first: %s", len(errors), errors[0])
+        return present
+
+    async def _lookup_chunk(self, url: str, keys: list[str], idx: list[int], deadline: float) -> list[tuple[int, bool]]:
+        body = {"keys": [keys[i] for i in idx]}
+
+        async def fn(s: aiohttp.ClientSession) -> list[tuple[int, bool]]:
+            async with s.post("/v1/lookup", json=body) as r:
+                await _check(r, ok=(200,))
+                doc = await _json(r)
+                flags = doc.get("present")
+                if not isinstance(flags, list) or len(flags) != len(idx):
+                    raise ProtocolError(f"lookup answer has no 'present' list of {len(idx)} flags")
+                return [(i, bool(p)) for i, p in zip(idx, flags, strict=True)]
+
+        return await self._attempts(self._endpoints[url], fn, deadline)
+
+    # -- batches ---------------------------------------------------------------
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The blocks of ``keys`` (None where absent or failed), via ``/v1/batch/get``."""
+        keys = list(keys)
+        misses: list[bytes | None] = [None] * len(keys)
+        result = await self._guard("get_many", misses, self._get_many(keys))
+        for r in result:
+            self._count(r is not None)
+        return result
+
+    async def _get_many(self, keys: list[str]) -> list[bytes | None]:
+        for k in keys:
+            framing.check_key(k)
+        deadline = self._deadline()
+        out: list[bytes | None] = [None] * len(keys)
+        owners = [self.owners(k) for k in keys]
+        errors: list[KVStoreClientError] = []
+        answered = False
+        for rank in range(self.replicas):
+            groups: dict[str, list[int]] = {}
+            for i, o in enumerate(owners):
+                if out[i] is None and rank < len(o):
+                    groups.setdefault(o[rank], []).append(i)
+            calls = [
+                self._get_chunk(url, keys, idx[c : c + self.max_batch_keys], out, deadline)
+                for url, idx in groups.items()
+                for c in range(0, len(idx), self.max_batch_keys)
+            ]
+            for result in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(result, KVStoreClientError):
+                    errors.append(result)
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    answered = True
+        if errors and (self.strict or not answered):
+            raise errors[0]
+        if errors:
+            self._log.warning("kvstore get_many: %d partial failures, first: %s", len(errors), errors[0])
+        return out
+
+    async def _get_chunk(
+        self, url: str, keys: list[str], idx: list[int], out: list[bytes | None], deadline: float
+    ) -> None:
+        """One batch get; a retry after a cut stream asks only for the keys not yet received."""
+        pending = list(idx)
+
+        async def fn(s: aiohttp.ClientSession) -> None:
+            nonlocal pending
+            body = {"keys": [keys[i] for i in pending]}
+            async with s.post("/v1/batch/get", json=body) as r:
+                await _check(r, ok=(200,))
+                if r.content_type != framing.CONTENT_TYPE:
+                    raise ProtocolError(f"batch get answered {r.content_type}, not {framing.CONTENT_TYPE}")
+                item_error: KVStoreClientError | None = None
+                async for key, status, payload in framing.read_get_items(r.content):
+                    if not pending or key != keys[pending[0]]:
+                        raise ProtocolError(f"batch get answered key {key!r} out of order")
+                    i = pending.pop(0)
+                    if status == 200:
+                        out[i] = payload
+                    elif status != 404 and item_error is None:
+                        item_error = _error_from(status, payload)
+                if pending:
+                    raise ProtocolError(f"batch get did not answer {len(pending)} keys")
+                if item_error is not None and self.strict:
+                    raise item_error
+
+        await self._attempts(self._endpoints[url], fn, deadline)
+
+    async def put_many(self, items: Iterable[tuple[str, framing.BufferLike]]) -> list[bool]:
+        """Store many blocks with ``/v1/batch/put``; per item, whether it is stored."""
+        items = list(items)
+        result = await self._guard("put_many", [False] * len(items), self._put_many(items))
+        self.stats["puts"] += len(items)
+        self.stats["put_failures"] += result.count(False)
+        return result
+
+    async def _put_many(self, items: list[tuple[str, framing.BufferLike]]) -> list[bool]:
+        for k, _ in items:
+            framing.check_key(k)
+        deadline = self._deadline()
+        ok = [False] * len(items)
+        groups: dict[str, list[int]] = {}
+        for i, (k, _) in enumerate(items):
+            for url in self.owners(k):
+                groups.setdefault(url, []).append(i)
+        calls = [
+            self._put_chunk(url, items, idx[c : c + self.max_batch_keys], ok, deadline)
+            for url, idx in groups.items()
+            for c in range(0, len(idx), self.max_batch_keys)
+        ]
+        errors = [r for r in await asyncio.gather(*calls, return_exceptions=True) if isinstance(r, BaseException)]
+        for e in errors:
+            if not isinstance(e, KVStoreClientError):
+                raise e
+        if errors and (self.strict or not any(ok)):
+            raise errors[0]
+        return ok
+
+    async def _put_chunk(
+        self, url: str, items: list[tuple[str, framing.BufferLike]], idx: list[int], ok: list[bool], deadline: float
+    ) -> None:
+        async def fn(s: aiohttp.ClientSession) -> None:
+            body = _BuffersPayload(framing.encode_put_stream(items[i] for i in idx), framing.CONTENT_TYPE)
+            async with s.post("/v1/batch/put", data=body) as r:
+                if r.status in (200, 400, 413) and r.content_type == "application/json":
+                    doc = await _json(r)
+                    results = doc.get("results")
+                    if isinstance(results, list):
+                        for i, res in zip(idx, results, strict=False):
+                            if isinstance(res, dict) and res.get("status") in (200, 201):
+                                ok[i] = True
+                        if r.status == 200:
+                            return
+                await _check(r, ok=())
+
+        await self._attempts(self._endpoints[url], fn, deadline)
+
+
+async def _json(r: aiohttp.ClientResponse) -> dict[str, Any]:
+    try:
+        doc = json.loads(await r.read())
+    except ValueError as e:
+        raise ProtocolError(f"bad JSON answer: {e}", status=r.status) from None
+    if not isinstance(doc, dict):
+        raise ProtocolError("JSON answer is not an object", status=r.status)
+    return doc
+
+
+def _error_from(status: int, body: bytes, r: aiohttp.ClientResponse | None = None) -> ServerError:
+    code, message = f"http_{status}", (r.reason if r is not None and r.reason else "")
+    try:
+        doc = json.loads(body) if body else None
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        err = doc.get("error", doc)
+        if isinstance(err, dict):
+            code = str(err.get("code", code))
+            message = str(err.get("message", message))
+    return ServerError(
+        message or f"HTTP {status}",
+        status=status,
+        code=code,
+        retryable=status in RETRYABLE_STATUSES,
+    )
+
+
+async def _check(r: aiohttp.ClientResponse, ok: tuple[int, ...]) -> None:
+    """Return if ``r.status`` is in ``ok``; raise _Miss on 404, else the server's error."""
+    if r.status in ok:
+        return
+    if r.status == 404:
+        raise _Miss
+    body = await r.read() if r.method != "HEAD" else b""
+    err = _error_from(r.status, body, r)
+    err.breaker_failure = r.status in BREAKER_STATUSES
+    raise err

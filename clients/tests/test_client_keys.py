@@ -1,0 +1,128 @@
+"""Key helpers (test vectors, stable across processes) and the batch framing."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+from kvstore_client import block_keys, model_fingerprint, rank_endpoints
+from kvstore_client.errors import InvalidKeyError, ProtocolError
+from kvstore_client.framing import check_key, encode_get_stream, encode_put_stream, read_get_items
+
+FP = "cb6557cd55954638b164799b4bf9c64c"
+VECTORS = {
+    "fp": FP,
+    "keys_0_9_bs4": ["38043a16be460428ab016d0c479d98aa", "1aa40ac97a401e37072885002a937c43"],
+    "keys_fp_1_8_bs4": ["afb70b589207a8f9588a004bc50e3c0c", "3aacc3f320e877b6ad52077587206d3d"],
+}
+
+SCRIPT = """
+import json
+from kvstore_client import block_keys, model_fingerprint, rank_endpoints
+fp = model_fingerprint("meta-llama/Llama-3.1-8B@main", "bfloat16", "vllm-paged-v1", 0, 2)
+print(json.dumps({
+    "fp": fp,
+    "keys_0_9_bs4": block_keys(fp, list(range(10)), 4),
+    "keys_fp_1_8_bs4": block_keys("fp", [1, 2, 3, 4, 5, 6, 7, 8], 4),
+    "rank": rank_endpoints(["http://a:1", "http://b:2", "http://c:3"], "k1"),
+}))
+"""
+
+
+def test_vectors() -> None:
+    assert model_fingerprint("meta-llama/Llama-3.1-8B@main", "bfloat16", "vllm-paged-v1", 0, 2) == FP
+    assert block_keys(FP, list(range(10)), 4) == VECTORS["keys_0_9_bs4"]
+    assert block_keys("fp", [1, 2, 3, 4, 5, 6, 7, 8], 4) == VECTORS["keys_fp_1_8_bs4"]
+
+
+def test_spec() -> None:
+    """The documented construction, written out independently."""
+
+    def lp(b: bytes) -> bytes:
+        return struct.pack("<I", len(b)) + b
+
+    parent = b""
+    expected = []
+    for block in ([1, 2, 3, 4], [5, 6, 7, 8]):
+        h = hashlib.blake2b(b"kvstore-key-v1", digest_size=16)
+        h.update(lp(b"fp") + lp(parent) + struct.pack("<I", 4) + struct.pack("<4I", *block))
+        expected.append(h.hexdigest())
+        parent = expected[-1].encode()
+    assert block_keys("fp", [1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == expected
+
+
+def test_properties() -> None:
+    keys = block_keys(FP, list(range(100)), 16)
+    assert len(keys) == 6  # only full blocks
+    assert all(check_key(k) == k and len(k) == 32 for k in keys)
+    assert block_keys(FP, list(range(64)), 16) == keys[:4]  # a prefix of tokens -> a prefix of keys
+    assert block_keys(FP, [0, *list(range(1, 100))], 16) == keys
+    changed = block_keys(FP, [999, *list(range(1, 100))], 16)
+    assert all(a != b for a, b in zip(changed, keys, strict=True))  # chained: the first block changes all
+    assert block_keys(model_fingerprint("m", "bf16", "l", 1, 2), list(range(32)), 16) != block_keys(
+        model_fingerprint("m", "bf16", "l", 0, 2), list(range(32)), 16
+    )
+    assert block_keys(FP, [], 16) == []
+    with pytest.raises(ValueError):
+        block_keys(FP, [-1, 2], 2)
+    with pytest.raises(ValueError):
+        model_fingerprint("m", "bf16", "l", 2, 2)
+
+
+def test_numpy_tokens() -> None:
+    np = pytest.importorskip("numpy")
+    assert block_keys(FP, np.arange(10, dtype=np.int64), 4) == VECTORS["keys_0_9_bs4"]
+
+
+def test_stable_across_processes() -> None:
+    outs = []
+    for seed in ("1", "4242"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, check=True, text=True)
+        outs.append(json.loads(out.stdout))
+    assert outs[0] == outs[1]
+    assert {k: outs[0][k] for k in VECTORS} == VECTORS
+    assert outs[0]["rank"] == rank_endpoints(["http://a:1", "http://b:2", "http://c:3"], "k1")
+
+
+def test_framing_matches_the_spec_example() -> None:
+    body = b"".join(encode_put_stream([("a1", b"hi"), ("b", b"\x00\xff\x10")]))
+    assert body.hex() == "4b56423102006131020000000000000068690100620300000000000000" + "00ff100000"
+    stream = bytes.fromhex(
+        "4b56423102006131c8000200000000000000686902007a7a94012f0000000000000"
+        "07b22636f6465223a20226e6f745f666f756e64222c20226d657373616765223a20226e6f20626c6f636b207a7a227d0000"
+    )
+    assert stream == encode_get_stream(
+        [("a1", 200, b"hi"), ("zz", 404, b'{"code": "not_found", "message": "no block zz"}')]
+    )
+
+    async def decode(data: bytes) -> list[tuple[str, int, bytes]]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return [item async for item in read_get_items(reader)]
+
+    items = asyncio.run(decode(stream))
+    assert [(k, s) for k, s, _ in items] == [("a1", 200), ("zz", 404)]
+    assert items[0][2] == b"hi"
+    with pytest.raises(ProtocolError, match="truncated"):
+        asyncio.run(decode(stream[:-2]))
+    with pytest.raises(ProtocolError, match="bad magic"):
+        asyncio.run(decode(b"KVB2" + stream[4:]))
+    with pytest.raises(InvalidKeyError):
+        encode_put_stream([("a/b", b"x")])
+
+
+def test_no_server_package_imported() -> None:
+    code = (
+        "import sys, kvstore_client; "
+        "print([m for m in sys.modules if m.split('.')[0] in ('kvstore', 'lmdb', 'zstandard', 'numpy')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, text=True)
+    assert out.stdout.strip() == "[]"
