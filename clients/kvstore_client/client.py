@@ -22,7 +22,6 @@ and reads try them in rank order.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ import aiohttp.abc
 import aiohttp.payload
 
 from kvstore_client import framing
+from kvstore_client.breaker import CircuitBreaker
 from kvstore_client.errors import (
     BufferTooSmall,
     CircuitOpenError,
@@ -49,6 +49,8 @@ from kvstore_client.errors import (
     ServerError,
     UnavailableError,
 )
+from kvstore_client.sharding import normalize as _normalize
+from kvstore_client.sharding import rank_endpoints
 
 log = logging.getLogger("kvstore_client")
 
@@ -68,72 +70,6 @@ _STAT_NAMES = (
     "puts",
     "put_failures",
 )
-
-
-def _normalize(endpoint: str) -> str:
-    endpoint = endpoint.strip().rstrip("/")
-    if "://" not in endpoint:
-        endpoint = "http://" + endpoint
-    return endpoint
-
-
-def rank_endpoints(endpoints: Sequence[str], key: str) -> list[str]:
-    """``endpoints`` ordered by rendezvous weight for ``key``: blake2b-64 of
-    ``endpoint + "\\n" + key``, highest first (stable across processes)."""
-
-    def weight(ep: str) -> int:
-        digest = hashlib.blake2b(f"{ep}\n{key}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big")
-
-    return sorted(endpoints, key=weight, reverse=True)
-
-
-class CircuitBreaker:
-    """closed -> open after ``threshold`` consecutive failures -> half-open after
-    ``cooldown`` s (one probe at a time) -> closed on the probe's success, open again on its failure."""
-
-    def __init__(self, threshold: int, cooldown: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.threshold = threshold
-        self.cooldown = cooldown
-        self.clock = clock
-        self.state = "closed"
-        self.failures = 0
-        self.opened_at = 0.0
-        self.probe_at: float | None = None
-        self.trips = 0
-
-    def allow(self) -> bool:
-        if self.state == "closed":
-            return True
-        now = self.clock()
-        if self.state == "open":
-            if now - self.opened_at < self.cooldown:
-                return False
-            self.state = "half-open"
-        # half-open: one probe; a probe that never reported (cancelled) expires after the cooldown
-        if self.probe_at is not None and now - self.probe_at < self.cooldown:
-            return False
-        self.probe_at = now
-        return True
-
-    def success(self) -> None:
-        self.state = "closed"
-        self.failures = 0
-        self.probe_at = None
-
-    def failure(self) -> None:
-        self.probe_at = None
-        if self.state == "half-open":
-            self._open()
-            return
-        self.failures += 1
-        if self.state == "closed" and self.failures >= self.threshold:
-            self._open()
-
-    def _open(self) -> None:
-        self.state = "open"
-        self.opened_at = self.clock()
-        self.trips += 1
 
 
 @dataclass
