@@ -7,12 +7,19 @@ Subcommands (no store, no GPU; arithmetic on the inputs):
 * ``ttft``: time to load a prefix's KV cache from the store vs. to recompute
   it, the speedup, and the break-even context length (see ``bench.ttft``).
 
+And one that measures (see ``bench.run``):
+
+* ``run``: throughput and latency of a kvstore daemon (started here, or
+  ``--endpoint``) through the client library, on blocks sized from the model
+  geometry, with Redis and nginx as peers on the same data when installed.
+
 Examples::
 
     .venv/bin/python -m bench.cli size --model llama-3.1-405b --context 127188
     .venv/bin/python -m bench.cli size --model llama-3.1-70b --tp 8 --users 100000 --per-user-gb 30 --retention 15
     .venv/bin/python -m bench.cli size --model layers=40,kv_heads=8,head_dim=128,dtype=fp8 --json
     .venv/bin/python -m bench.cli ttft --model llama-3.1-70b --throughput-gbps 10 --prefill-tps 20000 --latency-ms 5
+    .venv/bin/python -m bench.cli run --model llama-3.1-8b --tp 8 --duration 10 --json r.json --png r.png
 
 Bad input exits 2 with a message naming the option.
 """
@@ -24,6 +31,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from bench.models import DTYPE_BYTES, ModelGeometry, dtype_bytes, resolve_model
 from bench.sizing import (
@@ -119,7 +127,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{size,ttft}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{size,ttft,run}")
 
     size = sub.add_parser("size", help="KV bytes per token, block, TP rank, session; fleet capacity")
     _add_model_args(size)
@@ -160,7 +168,46 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help=f"prefix lengths in tokens (default {' '.join(map(str, DEFAULT_TTFT_TOKENS))})",
     )
     ttft.add_argument("--latency-ms", type=_nonneg_float, default=0.0, help="fixed latency per load (default 0)")
-    return parser, {"size": size, "ttft": ttft}
+
+    run = sub.add_parser("run", help="measure a kvstore daemon's throughput and latency (and Redis, nginx)")
+    run.add_argument(
+        "--model",
+        type=_model,
+        default=resolve_model("Llama-3.1-8B"),
+        help="a preset name or 'layers=N,kv_heads=N,head_dim=N[,dtype=...]' (default Llama-3.1-8B)",
+    )
+    run.add_argument("--dtype", type=_dtype, help=f"KV-cache dtype, overriding the model's ({', '.join(DTYPE_BYTES)})")
+    run.add_argument(
+        "--tokens-per-block",
+        type=_positive_int,
+        help=f"tokens per engine block (default {DEFAULT_TOKENS_PER_BLOCK}; --short 16)",
+    )
+    run.add_argument(
+        "--tp", type=_positive_int, default=1, help="TP ranks: one kvstore block per engine block per rank (default 1)"
+    )
+    run.add_argument("--blocks", type=_positive_int, help="blocks loaded before the run (default 256; --short 8)")
+    run.add_argument("--concurrency", type=_positive_int, help="operations in flight (default 8; --short 4)")
+    run.add_argument("--duration", type=_positive_float, help="seconds per system measured (default 20; --short 2)")
+    run.add_argument("--ops", type=_positive_int, help="operations per system measured, instead of --duration")
+    run.add_argument("--read-ratio", type=_nonneg_float, default=0.9, help="fraction of reads (default 0.9)")
+    run.add_argument(
+        "--hit-ratio", type=_nonneg_float, default=1.0, help="fraction of reads of stored keys (default 1.0)"
+    )
+    run.add_argument("--endpoint", help="an existing daemon's URL (default: start a local one)")
+    run.add_argument("--token", help="the tenant token for --endpoint (default $KVSTORE_TOKEN)")
+    run.add_argument("--policy", choices=("sealed", "direct"), help="the local daemon's tenant policy (default sealed)")
+    run.add_argument("--peers", help="redis,nginx or none (default: both when installed; none with --short)")
+    run.add_argument(
+        "--context", type=_positive_int, default=32768, help="tokens for the TTFT model line (default 32768)"
+    )
+    run.add_argument("--prefill-tps", type=_positive_float, help="prefill rate in tokens/s for the TTFT line")
+    run.add_argument("--timeout", type=_positive_float, default=30.0, help="per-operation deadline, s (default 30)")
+    run.add_argument("--seed", type=_nonneg_int, default=1, help="seed of the operation mix (default 1)")
+    run.add_argument("--short", action="store_true", help="a ~2 s smoke run: few small blocks, no peers")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is no TTY)")
+    run.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the time series as JSON")
+    run.add_argument("--png", type=Path, metavar="PATH", help="write a chart: throughput and p50/p99 over time")
+    return parser, {"size": size, "ttft": ttft, "run": run}
 
 
 def _model_of(args: argparse.Namespace) -> ModelGeometry:
@@ -349,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "size":
         return run_size(args, subparsers["size"])
+    if args.command == "run":
+        from bench.run import run_bench  # imports the client library and aiohttp only when measuring
+
+        return run_bench(args, subparsers["run"])
     return run_ttft(args, subparsers["ttft"])
 
 
