@@ -187,3 +187,47 @@ class BadFraming(InvalidInput):
     was wrong."""
 
     code = "bad_framing"
+
+
+# -- the object-storage tier (G4) ----------------------------------------------
+
+
+class TierError(KVStoreError):
+    """An object-storage tier (kvstore/tier/) failed in a way retrying will not fix:
+    denied access, a missing bucket, a bad request. Each backend maps its own
+    errors into this branch in one place."""
+
+    code = "tier_error"
+
+
+class TierUnavailable(TierError):
+    """The tier cannot be reached now: connection refused or reset, timeouts,
+    5xx answers, throttling. Retrying later can succeed."""
+
+    status = 503
+    code = "tier_unavailable"
+    retryable = True
+
+
+class TierNotFound(TierError):
+    """The object does not exist in the tier."""
+
+    status = 404
+    code = "tier_not_found"
+
+
+class TierRangeError(TierError):
+    """A ranged read past the end of the object; ``size`` is its size (-1 if unknown)."""
+
+    code = "tier_range"
+
+    def __init__(self, message: str, size: int = -1) -> None:
+        super().__init__(message)
+        self.size = size
+
+
+class InvalidObjectName(TierError):
+    """An object name or prefix outside ``[A-Za-z0-9._/-]``, with an empty, ``.`` or
+    ``..`` path segment, or a leading ``/``."""
+
+    code = "invalid_object_name"
