@@ -30,6 +30,7 @@ block needs one kvstore block from each of the TP ranks).
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import contextlib
@@ -293,24 +294,25 @@ class Progress:
         self.draw(final=True)
 
 
-class Target:
+class Target(abc.ABC):
     """One system under test: load the blocks, then get/put single blocks."""
 
     name = ""
     writes = True
 
-    async def open(self) -> None:
-        pass
+    async def open(self) -> None:  # noqa: B027 - optional hook: most targets need no set-up
+        """Connect; the default needs nothing."""
 
-    async def close(self) -> None:
-        pass
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; the default holds none."""
 
+    @abc.abstractmethod
     async def put(self, key: str, data: bytes) -> None:
-        raise NotImplementedError
+        """Store ``data`` under ``key``."""
 
+    @abc.abstractmethod
     async def get_into(self, key: str, buf: bytearray) -> int | None:
         """Bytes read into ``buf``, None when absent."""
-        raise NotImplementedError
 
     async def preload(self, blocks: Blocks, concurrency: int) -> None:
         sem = asyncio.Semaphore(concurrency)
