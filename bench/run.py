@@ -402,6 +402,9 @@ class NginxTarget(Target):
     async def preload(self, blocks: Blocks, concurrency: int) -> None:
         pass  # the files are written before nginx starts
 
+    async def put(self, key: str, data: bytes) -> None:
+        raise TypeError("nginx serves static files: the benchmark does not write to it")
+
     async def get_into(self, key: str, buf: bytearray) -> int | None:
         assert self.session is not None
         async with self.session.get(f"/blk/{key}") as r:
