@@ -36,7 +36,7 @@ def is_write(request: web.Request) -> bool:
 async def forward(request: web.Request) -> web.StreamResponse:
     if request.method == "PUT" and request.path.startswith("/v1/blocks/"):
         # Refuse what the writer would refuse before streaming a body to it.
-        validate_key(request.match_info.get("key", request.path.rsplit("/", 1)[-1]))
+        validate_key(request.match_info["key"])
         check_length(request, store_of(request).config.max_block_size)
     headers = {h: request.headers[h] for h in _SENT if h in request.headers}
     body = request.content if request.body_exists else None

@@ -6,6 +6,8 @@ import asyncio
 import hashlib
 import io
 import json
+import os
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -214,9 +216,6 @@ async def test_admin_routes(api: Api, tmp_path: object) -> None:
 
 
 async def test_master_key_rotation(api: Api, tmp_path: object) -> None:
-    import os
-    from pathlib import Path
-
     h = api.auth(await api.tenant("alice"))
     await api.session.put(api.url("/v1/blocks/k"), data=b"v" * 1000, headers=h)
     new_key = Path(str(tmp_path)) / "new.key"

@@ -5,16 +5,23 @@ from __future__ import annotations
 import asyncio
 import datetime
 import hashlib
+import ipaddress
 import json
 import signal
 import ssl
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
+from kvstore import batchframe
 from tests.http.conftest import ADMIN, ROOT, Daemon
 
 
@@ -133,16 +140,10 @@ async def test_sigterm_finishes_in_flight_and_sigkill_loses_nothing_acked(daemon
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.UTC)
-    import ipaddress
-
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -256,8 +257,6 @@ async def test_two_workers_share_the_port_and_the_store(daemon: Daemon) -> None:
 
 
 def test_workers_do_not_outlive_a_killed_supervisor(daemon: Daemon) -> None:
-    import time
-
     daemon.extra = ["--workers", "2"]
     daemon.start()
     assert daemon.proc is not None
@@ -318,8 +317,6 @@ async def test_stalled_clients_time_out(daemon: Daemon) -> None:
 
 
 async def test_stalled_batch_body_times_out_and_reports_what_landed(daemon: Daemon) -> None:
-    from kvstore import batchframe
-
     daemon.env = {**daemon.env, "KVSTORE_REQUEST_TIMEOUT_S": "1"}
     daemon.start()
     async with aiohttp.ClientSession() as s:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
+from kvstore.errors import CorruptionError
 from kvstore.format import ALIGN
 from kvstore.store import Store
 from tests.conftest import OpenStore
@@ -123,10 +126,6 @@ async def test_flipped_payload_byte_is_a_corruption_error(store: Store) -> None:
     at = raw.index(b"victim") + 2000  # inside the first record's payload
     raw[at] ^= 0x10
     seg.write_bytes(raw)
-    import pytest
-
-    from kvstore.errors import CorruptionError
-
     with pytest.raises(CorruptionError, match=r"segment alice/0000000000000001\.seg, offset 4096"):
         await store.get("alice", "victim")
     assert entry.size == 100_000

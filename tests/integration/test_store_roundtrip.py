@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 
 from kvstore.config import StoreConfig
 from kvstore.crypto import MasterKey
-from kvstore.errors import BlockTooLarge, InvalidInput, InvalidKey, InvalidRange, NotFound, TenantNotFound
+from kvstore.errors import (
+    BlockTooLarge,
+    CorruptionError,
+    InvalidInput,
+    InvalidKey,
+    InvalidRange,
+    NotFound,
+    TenantNotFound,
+)
 from kvstore.store import Store
 from tests.conftest import OpenStore, kv_sample
 
@@ -216,8 +224,6 @@ async def test_end_to_end_ratio_on_real_bf16_kv(open_store: OpenStore) -> None:
 
 
 async def test_get_buffer_of_direct_blocks_is_a_verified_view(store: Store) -> None:
-    from kvstore.errors import CorruptionError
-
     a = block("va", 150_000)
     await store.put("direct", "a", a)
     view = await store.get_buffer("direct", "a")
