@@ -60,6 +60,7 @@ class Appender:
         executor: Executor,
         metrics: Metrics,
         on_segment: Callable[[SegmentFile], None],
+        on_sealed: Callable[[int], None] | None = None,
     ) -> None:
         self.tenant = tenant
         self._dir = directory
@@ -70,6 +71,7 @@ class Appender:
         self._executor = executor
         self._metrics = metrics
         self._on_segment = on_segment
+        self._on_sealed = on_sealed
         self._queue: deque[_Item] = deque()
         self._wake = asyncio.Event()
         self._closing = False
@@ -240,6 +242,8 @@ class Appender:
         self._tail.footer = []
         self._dirty = False
         self._metrics.inc("kvstore_segments_sealed_total")
+        if self._on_sealed is not None:
+            self._on_sealed(seg.segment_id)
 
 
 def _io_error(e: OSError, doing: str) -> KVStoreError:

@@ -18,6 +18,9 @@ from kvstore.errors import ConfigError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 Durability = Literal["fsync", "interval"]
+DurabilityClass = Literal["persistent", "ephemeral"]
+DURABILITY_CLASSES: tuple[DurabilityClass, ...] = ("persistent", "ephemeral")
+S3_ADDRESSING = ("auto", "path", "virtual")
 
 _SIZE_RE = re.compile(r"(\d+)\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": KiB, "m": MiB, "g": GiB, "t": GiB << 10}
@@ -44,6 +47,20 @@ def parse_int(name: str, value: object) -> int:
     raise ConfigError(f"{name}={value!r}: expected an integer")
 
 
+def parse_bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise ConfigError(f"{name}={value!r}: expected true or false")
+
+
+def parse_text(name: str, value: object) -> str:
+    if isinstance(value, str):
+        return value.strip()
+    raise ConfigError(f"{name}={value!r}: expected a string")
+
+
 def parse_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     if isinstance(value, str) and value in choices:
         return value
@@ -64,6 +81,25 @@ class StoreConfig:
     zstd_level: int = 1
     max_batch_bytes: int = 64 * MiB
     io_threads: int = max(4, 2 * (os.cpu_count() or 2))
+    # Local space: the data directory may use ``capacity`` bytes (0: its whole
+    # filesystem). Above ``high_watermark`` percent of it, droppable segments
+    # are dropped, least recently read first, down to ``low_watermark``.
+    capacity: int = 0
+    high_watermark: int = 90
+    low_watermark: int = 80
+    default_durability: DurabilityClass = "persistent"
+    # G4, the object tier: no bucket means G3 only. Credentials come from the
+    # standard AWS variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...).
+    s3_bucket: str = ""
+    s3_endpoint: str = ""
+    s3_prefix: str = ""
+    s3_region: str = ""
+    s3_addressing: str = "auto"
+    s3_upload_concurrency: int = 4
+    s3_read_timeout_ms: int = 5000
+    s3_readonly: bool = False
+    s3_refresh_s: int = 30
+    rehydrate_reads: int = 3
 
     def __post_init__(self) -> None:
         self.validate()
@@ -87,6 +123,42 @@ class StoreConfig:
         need(-7 <= self.zstd_level <= 22, "zstd_level", self.zstd_level, "must be -7 to 22")
         need(1 * MiB <= self.max_batch_bytes, "max_batch_bytes", self.max_batch_bytes, "must be at least 1 MiB")
         need(1 <= self.io_threads <= 256, "io_threads", self.io_threads, "must be 1 to 256")
+        need(self.capacity >= 0, "capacity", self.capacity, "must be 0 (the whole filesystem) or a size")
+        need(1 <= self.high_watermark <= 100, "high_watermark", self.high_watermark, "must be a percentage 1 to 100")
+        need(
+            1 <= self.low_watermark < self.high_watermark,
+            "low_watermark",
+            self.low_watermark,
+            f"must be a percentage from 1 to below high_watermark ({self.high_watermark})",
+        )
+        need(
+            self.default_durability in DURABILITY_CLASSES,
+            "default_durability",
+            self.default_durability,
+            f"expected one of {', '.join(DURABILITY_CLASSES)}",
+        )
+        need(self.s3_addressing in S3_ADDRESSING, "s3_addressing", self.s3_addressing, "expected auto, path or virtual")
+        need(
+            not self.s3_endpoint or self.s3_endpoint.startswith(("http://", "https://")),
+            "s3_endpoint",
+            self.s3_endpoint,
+            "expected an http:// or https:// URL",
+        )
+        need(bool(self.s3_bucket) or not self.s3_readonly, "s3_readonly", self.s3_readonly, "needs s3_bucket")
+        need(
+            1 <= self.s3_upload_concurrency <= 64,
+            "s3_upload_concurrency",
+            self.s3_upload_concurrency,
+            "must be 1 to 64",
+        )
+        need(
+            100 <= self.s3_read_timeout_ms <= 600_000,
+            "s3_read_timeout_ms",
+            self.s3_read_timeout_ms,
+            "must be 100 to 600000",
+        )
+        need(1 <= self.s3_refresh_s <= 86_400, "s3_refresh_s", self.s3_refresh_s, "must be 1 to 86400")
+        need(self.rehydrate_reads >= 0, "rehydrate_reads", self.rehydrate_reads, "must be 0 (never) or more")
 
     @classmethod
     def from_env(
@@ -111,10 +183,28 @@ class StoreConfig:
 
 
 def parse_field(label: str, name: str, value: object) -> Any:
-    if name in ("segment_size", "frame_size", "max_block_size", "max_batch_bytes"):
+    if name in ("segment_size", "frame_size", "max_block_size", "max_batch_bytes", "capacity"):
         return parse_size(label, value)
-    if name in ("sync_interval_ms", "zstd_level", "io_threads"):
+    if name in (
+        "sync_interval_ms",
+        "zstd_level",
+        "io_threads",
+        "high_watermark",
+        "low_watermark",
+        "s3_upload_concurrency",
+        "s3_read_timeout_ms",
+        "s3_refresh_s",
+        "rehydrate_reads",
+    ):
         return parse_int(label, value)
+    if name in ("s3_bucket", "s3_endpoint", "s3_prefix", "s3_region"):
+        return parse_text(label, value)
+    if name == "s3_addressing":
+        return parse_choice(label, value, S3_ADDRESSING)
+    if name == "s3_readonly":
+        return parse_bool(label, value)
+    if name == "default_durability":
+        return parse_choice(label, value, DURABILITY_CLASSES)
     if name == "durability":
         return cast(Durability, parse_choice(label, value, ("fsync", "interval")))
     if name == "compression":

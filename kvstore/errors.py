@@ -106,10 +106,27 @@ class ReadOnlyStore(KVStoreError):
 
 
 class StorageFull(KVStoreError):
-    """ENOSPC while writing a batch: nothing of the batch was acknowledged."""
+    """No room: ENOSPC while writing a batch, or the data directory is at its
+    capacity with nothing it may drop. Nothing of the write was acknowledged."""
 
     status = 507
     code = "storage_full"
+    retryable = True
+
+
+class ReadOnlyNode(KVStoreError):
+    """A write reached a node that adopted a bucket read-only (``s3_readonly``)."""
+
+    status = 403
+    code = "read_only_node"
+
+
+class FlushIncomplete(KVStoreError):
+    """``POST /v1/admin/flush`` ran out of time before every sealed segment was
+    in the object tier; the message says how many wait."""
+
+    status = 503
+    code = "flush_incomplete"
     retryable = True
 
 

@@ -9,6 +9,8 @@ Databases (all keys are bytes):
     blocks    tenant 0x00 key            -> ENTRY
     segments  tenant 0x00 u64be(seg id)  -> SEGMENT
     stats     tenant                     -> STATS (live blocks, stored, logical bytes)
+    tiers     tenant 0x00 u64be(seg id)  -> TIER (sealed segments known to the object
+                                            tier: mirrored? local copy? size)
     meta      b"format"                  -> u32 index format version
 """
 
@@ -27,11 +29,15 @@ from kvstore.errors import IndexUnusable
 ENTRY = struct.Struct("<QQQIQHI16sQ")
 SEGMENT = struct.Struct("<BQQ")
 STATS = struct.Struct("<qqq")
+TIER = struct.Struct("<BQQ")  # flags, object size, when the upload was confirmed (ns)
 INDEX_FORMAT = 1
 _SEP = b"\x00"
 
 SEG_OPEN = 0
 SEG_SEALED = 1
+
+TIER_MIRRORED = 1  # the object tier holds the whole sealed segment (upload confirmed)
+TIER_REMOTE_ONLY = 2  # no local copy: reads go to the object tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,21 @@ class SegmentState:
     state: int
     indexed_upto: int
     synced_upto: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierState:
+    flags: int
+    size: int
+    mirrored_ns: int
+
+    @property
+    def mirrored(self) -> bool:
+        return bool(self.flags & TIER_MIRRORED)
+
+    @property
+    def local(self) -> bool:
+        return not self.flags & TIER_REMOTE_ONLY
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +131,7 @@ class Index:
             self._segments = self.env.open_db(b"segments", create=not readonly)
             self._stats = self.env.open_db(b"stats", create=not readonly)
             self._meta = self.env.open_db(b"meta", create=not readonly)
+            self._tiers = self.env.open_db(b"tiers", create=not readonly)
             if readonly:
                 return
             with self.env.begin(write=True) as txn:
@@ -173,6 +195,20 @@ class Index:
                     out[int.from_bytes(k[len(prefix) :], "big")] = SegmentState(*SEGMENT.unpack(v))
         return out
 
+    def tier_state(self, tenant: str, segment_id: int) -> TierState | None:
+        with self.env.begin(db=self._tiers) as txn:
+            raw = txn.get(_skey(tenant, segment_id))
+        return TierState(*TIER.unpack(raw)) if raw is not None else None
+
+    def tier_states(self) -> dict[tuple[str, int], TierState]:
+        """Every segment's tier state, by (tenant, segment id)."""
+        out: dict[tuple[str, int], TierState] = {}
+        with self.env.begin(db=self._tiers) as txn:
+            for k, v in txn.cursor():
+                tenant, sid = k.split(_SEP, 1)
+                out[(tenant.decode(), int.from_bytes(sid, "big"))] = TierState(*TIER.unpack(v))
+        return out
+
     def tenants(self) -> set[str]:
         """Tenants that have anything in the index."""
         names: set[str] = set()
@@ -219,9 +255,14 @@ class Index:
     def set_segment(self, tenant: str, segment_id: int, state: SegmentState) -> None:
         self.apply(tenant, (), segment_id, state)
 
+    def set_tier_state(self, tenant: str, segment_id: int, state: TierState) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.put(_skey(tenant, segment_id), TIER.pack(state.flags, state.size, state.mirrored_ns), db=self._tiers)
+
     def forget_segment(self, tenant: str, segment_id: int) -> None:
         with self.env.begin(write=True) as txn:
             txn.delete(_skey(tenant, segment_id), db=self._segments)
+            txn.delete(_skey(tenant, segment_id), db=self._tiers)
 
     def drop_entries(self, tenant: str, doomed: Callable[[IndexEntry], bool]) -> int:
         """Delete the tenant's entries for which ``doomed(entry)``; return how many."""
@@ -242,7 +283,7 @@ class Index:
     def drop_tenant(self, tenant: str) -> None:
         prefix = tenant.encode() + _SEP
         with self.env.begin(write=True) as txn:
-            for db in (self._blocks, self._segments):
+            for db in (self._blocks, self._segments, self._tiers):
                 cur = txn.cursor(db=db)
                 if cur.set_range(prefix):
                     while cur.key().startswith(prefix):

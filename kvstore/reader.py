@@ -10,6 +10,7 @@ inside the range are decoded in place, with no intermediate copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvstore.crypto import RecordCipher
 from kvstore.errors import CorruptionError
@@ -25,11 +26,23 @@ __all__ = ["REC_FLAG_DIRECT", "Loaded", "decode_into", "direct_view", "load", "r
 WHOLE_READ_MAX = 4 << 20
 
 
+class RecordSource(Protocol):
+    """What :func:`load` reads a record from: a local :class:`SegmentFile`, or
+    a record fetched from the object tier (remote.FetchedRecord)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def pread(self, offset: int, length: int) -> bytearray | memoryview: ...
+
+    def read_header_at(self, offset: int) -> RecordHeader: ...
+
+
 @dataclass(slots=True)
 class Loaded:
     """Stored frames [first, last] of a record, read from its segment."""
 
-    seg: SegmentFile
+    seg: RecordSource
     entry: IndexEntry
     header: RecordHeader
     first: int
@@ -40,7 +53,7 @@ class Loaded:
 
 
 def load(
-    seg: SegmentFile, entry: IndexEntry, tenant: str, key: str, start: int, end: int, registry: Registry
+    seg: RecordSource, entry: IndexEntry, tenant: str, key: str, start: int, end: int, registry: Registry
 ) -> Loaded:
     """Read the header and the stored frames covering [start, end)."""
     where = seg.name
@@ -158,7 +171,7 @@ def _verify_raw_frames(
 
 
 def read_all_inline(
-    seg: SegmentFile, entry: IndexEntry, tenant: str, key: str, start: int, end: int, registry: Registry
+    seg: RecordSource, entry: IndexEntry, tenant: str, key: str, start: int, end: int, registry: Registry
 ) -> bytearray:
     """Load and decode [start, end) on the calling thread (small reads)."""
     out = bytearray(end - start)

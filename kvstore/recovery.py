@@ -15,22 +15,39 @@ Rules (the index is a cache; segments are the truth):
   failed write: it is cut back to what the index acknowledged, and sealed.
 - Index entries that point into missing segments or past a truncation are
   dropped; segments and index entries of tenants that no longer exist
-  (crypto-shredded) are removed.
+  (crypto-shredded) are removed. A segment the object tier holds is not
+  missing when its local copy is gone: its entries stay, and reads go there.
+- With an object tier, segments in the bucket that the index does not know
+  (a new node, a lost index) are indexed from their footers, fetched with
+  ranged reads, in segment order together with the local ones; new segment
+  ids start past every id in the bucket, so no upload can overwrite one.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.appender import OpenSegment
-from kvstore.errors import CorruptionError
+from kvstore.errors import CorruptionError, TierError, TierUnavailable
 from kvstore.format import ALIGN, FooterEntry
-from kvstore.index import SEG_OPEN, SEG_SEALED, Index, IndexEntry, SegmentState
+from kvstore.index import (
+    SEG_OPEN,
+    SEG_SEALED,
+    TIER_MIRRORED,
+    TIER_REMOTE_ONLY,
+    Index,
+    IndexEntry,
+    SegmentState,
+    TierState,
+)
 from kvstore.record import footer_entry, index_entry
 from kvstore.registry import Registry
+from kvstore.remote import RemoteFooter
 from kvstore.segment import SegmentFile, parse_segment_name
 
 log = logging.getLogger("kvstore.recovery")
@@ -41,6 +58,7 @@ class RecoveryReport:
     index_rebuilt: bool = False
     segments: int = 0
     segments_from_footer: int = 0
+    segments_from_tier: int = 0  # indexed from footers in the object tier
     records_replayed: int = 0
     entries_dropped: int = 0
     truncated: list[tuple[str, int, int]] = field(default_factory=list)  # segment, offset, bytes cut
@@ -53,6 +71,7 @@ class RecoveryReport:
         return bool(
             self.index_rebuilt
             or self.segments_from_footer
+            or self.segments_from_tier
             or self.records_replayed
             or self.entries_dropped
             or self.truncated
@@ -65,6 +84,7 @@ class RecoveryReport:
             "index_rebuilt": self.index_rebuilt,
             "segments": self.segments,
             "segments_from_footer": self.segments_from_footer,
+            "segments_from_tier": self.segments_from_tier,
             "records_replayed": self.records_replayed,
             "entries_dropped": self.entries_dropped,
             "truncated": [{"segment": s, "offset": o, "bytes": n} for s, o, n in self.truncated],
@@ -74,8 +94,27 @@ class RecoveryReport:
         }
 
 
-def recover(root: Path, index: Index, registry: Registry, report: RecoveryReport) -> dict[str, OpenSegment]:
-    """Repair ``root`` (the segments directory) and ``index``; return each tenant's tail."""
+@dataclass(frozen=True, slots=True)
+class RemoteSegments:
+    """One tenant's segments in the object tier (its current incarnation)."""
+
+    objects: dict[int, int]  # segment id -> object size
+    fetch: Callable[[int, int], RemoteFooter]  # (segment id, size) -> its footer; blocking
+
+
+def recover(
+    root: Path,
+    index: Index,
+    registry: Registry,
+    report: RecoveryReport,
+    remote: Mapping[str, RemoteSegments] | None = None,
+    id_floor: int = 0,
+) -> dict[str, OpenSegment]:
+    """Repair ``root`` (the segments directory) and ``index``; return each tenant's tail.
+
+    ``remote``: what the object tier holds, by tenant (None: no tier, or its
+    listing failed; then the index's tier states are trusted). ``id_floor``:
+    the lowest id a new segment may take."""
     root.mkdir(parents=True, exist_ok=True)
     on_disk = {p.name for p in root.iterdir() if p.is_dir()}
     for name in sorted(on_disk - set(registry.names())):
@@ -87,11 +126,18 @@ def recover(root: Path, index: Index, registry: Registry, report: RecoveryReport
         index.drop_tenant(name)
     tails: dict[str, OpenSegment] = {}
     for name in registry.names():
-        tails[name] = _recover_tenant(root / name, name, index, report)
+        rem = None if remote is None else remote.get(name, RemoteSegments({}, _no_fetch))
+        tails[name] = _recover_tenant(root / name, name, index, report, rem, id_floor)
     return tails
 
 
-def _recover_tenant(directory: Path, tenant: str, index: Index, report: RecoveryReport) -> OpenSegment:
+def _no_fetch(sid: int, size: int) -> RemoteFooter:
+    raise TierError(f"segment {sid:016x} is not in the object tier")
+
+
+def _recover_tenant(
+    directory: Path, tenant: str, index: Index, report: RecoveryReport, remote: RemoteSegments | None, id_floor: int
+) -> OpenSegment:
     files: dict[int, Path] = {}
     if directory.is_dir():
         for p in directory.iterdir():
@@ -101,16 +147,35 @@ def _recover_tenant(directory: Path, tenant: str, index: Index, report: Recovery
             elif p.name.endswith(".tmp"):
                 p.unlink()
     known = index.segments(tenant)
-    missing = set(known) - set(files)
+    objects = remote.objects if remote is not None else {}
+
+    def in_tier(sid: int) -> bool:
+        if remote is not None:
+            return sid in objects
+        ts = index.tier_state(tenant, sid)
+        return ts is not None and ts.mirrored
+
+    for sid in set(known) - set(files):
+        if in_tier(sid):  # its local copy was dropped: reads go to the tier
+            ts = index.tier_state(tenant, sid)
+            if ts is None or ts.local or not ts.mirrored:
+                size = objects.get(sid, ts.size if ts else 0)
+                index.set_tier_state(tenant, sid, TierState(TIER_MIRRORED | TIER_REMOTE_ONLY, size, time.time_ns()))
+    missing = {sid for sid in set(known) - set(files) if not in_tier(sid)}
     if missing:
         report.entries_dropped += index.drop_entries(tenant, lambda e: e.segment_id in missing)
         for sid in missing:
             index.forget_segment(tenant, sid)
             report.corrupt.append((f"{tenant}/{sid:016x}.seg", 0, "segment file is missing"))
-    tail = OpenSegment(None, next_id=max([*files, *known, 0]) + 1)
+    tail = OpenSegment(None, next_id=max([*files, *known, *objects, id_floor - 1, 0]) + 1)
     newest = max(files) if files else None
-    for sid in sorted(files):
+    from_tier = set(objects) - set(known) - set(files)
+    for sid in sorted(set(files) | from_tier):
         report.segments += 1
+        if sid in from_tier:
+            assert remote is not None
+            _index_from_tier(tenant, sid, objects[sid], remote, index, report)
+            continue
         try:
             seg = SegmentFile.open(files[sid], writable=True)
         except CorruptionError as e:
@@ -126,6 +191,10 @@ def _recover_tenant(directory: Path, tenant: str, index: Index, report: Recovery
         state = known.get(sid)
         if seg.sealed:
             _recover_sealed(seg, state, index, report)
+            ts = index.tier_state(tenant, sid)
+            if (ts is not None and not ts.local) or (ts is None and objects.get(sid) == seg.size):
+                # a local copy after all (eviction cut short), or an upload the index never heard of
+                index.set_tier_state(tenant, sid, TierState(TIER_MIRRORED, seg.size, time.time_ns()))
             seg.close()
             continue
         footer = _recover_unsealed(seg, state, sid == newest, index, report)
@@ -137,6 +206,24 @@ def _recover_tenant(directory: Path, tenant: str, index: Index, report: Recovery
             report.sealed.append(seg.name)
             seg.close()
     return tail
+
+
+def _index_from_tier(
+    tenant: str, sid: int, size: int, remote: RemoteSegments, index: Index, report: RecoveryReport
+) -> None:
+    name = f"{tenant}/{sid:016x}.seg (object tier)"
+    try:
+        footer = remote.fetch(sid, size)
+    except TierUnavailable:
+        raise  # start-up fails and is retried: indexing without it would lose its blocks
+    except (CorruptionError, TierError) as e:
+        report.corrupt.append((name, 0, str(e)))
+        return
+    end = footer.records_end
+    index.apply(tenant, _ops(sid, footer.entries), sid, SegmentState(SEG_SEALED, end, end))
+    index.set_tier_state(tenant, sid, TierState(TIER_MIRRORED | TIER_REMOTE_ONLY, size, time.time_ns()))
+    report.segments_from_tier += 1
+    report.records_replayed += len(footer.entries)
 
 
 def _recover_sealed(seg: SegmentFile, state: SegmentState | None, index: Index, report: RecoveryReport) -> None:

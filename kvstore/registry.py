@@ -15,11 +15,13 @@ import json
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from kvstore.codec import COMPRESSIONS, Compression
+from kvstore.config import DURABILITY_CLASSES, DurabilityClass
 from kvstore.crypto import MasterKey, new_data_key
 from kvstore.errors import (
     InvalidInput,
@@ -52,6 +54,9 @@ class Tenant:
     key_version: int = 0  # current data key version; 0 for direct tenants
     wrapped_keys: dict[int, str] = field(default_factory=dict)
     tokens: dict[str, dict[str, Any]] = field(default_factory=dict)  # token id -> {"sha256", "created_ns"}
+    # persistent: never dropped before it is in the object tier; ephemeral:
+    # G3 only, its sealed segments may be dropped under disk pressure.
+    durability: DurabilityClass = "persistent"
 
     @property
     def sealed(self) -> bool:
@@ -65,6 +70,7 @@ class Tenant:
             "compression": self.compression,
             "created_ns": self.created_ns,
             "key_version": self.key_version,
+            "durability": self.durability,
             "tokens": [{"id": tid, "created_ns": t["created_ns"]} for tid, t in sorted(self.tokens.items())],
         }
 
@@ -81,6 +87,9 @@ class Registry:
         self._tenants: dict[str, Tenant] = {}
         self._keys: dict[tuple[str, int], bytes] = {}
         self._by_hash: dict[str, tuple[str, str]] = {}
+        # Called (on the changing thread) after every change is on disk: the
+        # object tier keeps a copy of the registry.
+        self.on_change: Callable[[], None] | None = None
         if path.exists() or readonly:
             self._load()
         else:
@@ -129,6 +138,7 @@ class Registry:
                 key_version=t["key_version"],
                 wrapped_keys={int(v): w for v, w in t["keys"].items()},
                 tokens=dict(t.get("token_hashes", {})),
+                durability=t.get("durability", "persistent"),
             )
             self._tenants[name] = tenant
             for version, wrapped in tenant.wrapped_keys.items():
@@ -156,6 +166,16 @@ class Registry:
         if self._readonly:
             raise ReadOnlyStore("this process serves reads only; changes go to the writer")
         atomic_write(self._path, self._doc(self._master))
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def document(self) -> bytes:
+        """The registry as stored (data keys wrapped, tokens as hashes only)."""
+        with self._lock:
+            return self._doc(self._master)
 
     # -- queries --------------------------------------------------------------
 
@@ -188,10 +208,14 @@ class Registry:
 
     # -- changes --------------------------------------------------------------
 
-    def create(self, name: str, policy: str = "sealed", compression: str | None = None) -> Tenant:
+    def create(
+        self, name: str, policy: str = "sealed", compression: str | None = None, durability: str = "persistent"
+    ) -> Tenant:
         validate_tenant(name)
         if policy not in POLICIES:
             raise InvalidInput(f"policy={policy!r}: expected one of {', '.join(POLICIES)}")
+        if durability not in DURABILITY_CLASSES:
+            raise InvalidInput(f"durability={durability!r}: expected one of {', '.join(DURABILITY_CLASSES)}")
         comp = compression or ("none" if policy == "direct" else "zstd-bp2")
         if comp not in COMPRESSIONS:
             raise InvalidInput(f"compression={compression!r}: expected one of {', '.join(COMPRESSIONS)}")
@@ -200,7 +224,7 @@ class Registry:
         with self._lock:
             if name in self._tenants:
                 raise TenantExists(f"tenant {name!r} already exists")
-            t = Tenant(name, policy, comp, time.time_ns())
+            t = Tenant(name, policy, comp, time.time_ns(), durability=durability)
             if policy == "sealed":
                 self._add_key(t)
             self._tenants[name] = t
@@ -273,3 +297,4 @@ class Registry:
                     t.wrapped_keys[version] = new_master.wrap(self._keys[(t.name, version)], t.name, version)
             atomic_write(self._path, self._doc(new_master))
             self._master = new_master
+        self._changed()

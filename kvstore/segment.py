@@ -74,6 +74,8 @@ class SegmentFile:
         self.sealed = sealed
         self._map: mmap.mmap | None = None
         self._map_lock = threading.Lock()
+        self._users = 0  # reads in progress (acquire/release)
+        self._retired = False
 
     @property
     def segment_id(self) -> int:
@@ -130,6 +132,30 @@ class SegmentFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    # -- sharing with readers whose file may be dropped -----------------------
+
+    def acquire(self) -> bool:
+        """Hold the file open for a read; False once it is retired (dropped)."""
+        with self._map_lock:
+            if self._retired or self.fd < 0:
+                return False
+            self._users += 1
+            return True
+
+    def release(self) -> None:
+        with self._map_lock:
+            self._users -= 1
+            if self._retired and self._users == 0:
+                self.close()
+
+    def retire(self) -> None:
+        """No new reads; close the file once the reads in progress end (so its
+        descriptor is never reused under a read, and its space comes back)."""
+        with self._map_lock:
+            self._retired = True
+            if self._users == 0:
+                self.close()
 
     # -- writing --------------------------------------------------------------
 

@@ -7,6 +7,11 @@ Data directory layout::
     DATA/index/             LMDB index, rebuildable from segments (index.py)
     DATA/segments/TENANT/   that tenant's segment files (segment.py)
 
+With an object tier (G4: S3 or a shared directory), sealed segments of
+persistent tenants are mirrored there, local copies may be dropped under disk
+pressure and read back by ranged GETs, and a node on an empty disk rebuilds
+from the bucket (tiering.py, mirror.py, space.py).
+
 CPU and disk work runs on a bounded thread pool; the event loop only routes
 and does index lookups (LMDB reads of a memory map, microseconds each).
 Writes of one key are serialized (first write wins: a second put of a key is
@@ -23,7 +28,7 @@ import logging
 import os
 import resource
 import shutil
-import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,27 +41,38 @@ from kvstore.config import StoreConfig
 from kvstore.crypto import MasterKey, RecordCipher, load_master_key
 from kvstore.errors import (
     BlockTooLarge,
+    ConfigError,
     CorruptionError,
+    FlushIncomplete,
     IndexUnusable,
     InvalidInput,
     InvalidKey,
     InvalidRange,
     MasterKeyError,
     NotFound,
+    ReadOnlyNode,
     ReadOnlyStore,
     StoreClosed,
     StoreLocked,
     TenantKeyDestroyed,
     TenantNotFound,
+    TierError,
 )
 from kvstore.fsutil import atomic_write
 from kvstore.index import Index, IndexEntry
 from kvstore.metrics import Metrics
+from kvstore.mirror import Mirror
 from kvstore.names import validate_key, validate_tenant
 from kvstore.record import EncodedRecord, assemble, encode_frame, frame_count, new_record_id, tombstone
-from kvstore.recovery import RecoveryReport, recover
+from kvstore.recovery import RecoveryReport, RemoteSegments, recover
 from kvstore.registry import Registry, Tenant
-from kvstore.segment import SegmentFile, segment_name
+from kvstore.remote import RemoteFooter, fetch_footer
+from kvstore.segcache import SegmentCache
+from kvstore.segment import SegmentFile
+from kvstore.tier.base import Tier
+from kvstore.tier.factory import tier_from_config
+from kvstore.tier.layout import segment_object, tenant_prefix
+from kvstore.tiering import Tiering, fetch_registry, list_bucket
 from kvstore.verify import VerifyReport, verify_segments
 
 log = logging.getLogger("kvstore.store")
@@ -68,6 +84,8 @@ INLINE_LOOKUP_KEYS = 1024
 MASTER_KEY_HINT = "master-key.path"  # where the last rotation's new key file is (a path, never a key)
 T = TypeVar("T")
 Data = bytes | bytearray | memoryview
+Listing = dict[str, dict[int, dict[int, int]]]  # tenant -> incarnation -> segment id -> size
+FOOTER_FETCH_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +115,7 @@ class TenantStats:
 class Store:
     """Open with :meth:`open`; close with :meth:`close` (drains queued writes)."""
 
-    def __init__(self, config: StoreConfig, master: MasterKey) -> None:
+    def __init__(self, config: StoreConfig, master: MasterKey, tier: Tier | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
         self.recovery = RecoveryReport()
@@ -112,43 +130,138 @@ class Store:
         self._tails: dict[str, OpenSegment] = {}
         self._appenders: dict[str, Appender] = {}
         self._inflight: dict[tuple[str, str], asyncio.Future[None]] = {}
-        self._segments: dict[tuple[str, int], SegmentFile] = {}
-        self._retired: list[SegmentFile] = []
-        self._seg_lock = threading.Lock()
+        self._cache = SegmentCache(self._seg_root)
         self._deleting: set[str] = set()
         self.readonly = False
+        self.adopted = config.s3_readonly  # serves a bucket another node writes
+        self.tier = tier if tier is not None else tier_from_config(config)
+        self._own_tier = tier is None and self.tier is not None
+        self._tiering: Tiering
+        self._stale: list[str] = []
 
     # -- life cycle -----------------------------------------------------------
 
     @classmethod
-    async def open(cls, config: StoreConfig, master: MasterKey) -> Store:
-        """Open the store for reads and writes: take its lock, run recovery."""
-        return await cls._opened(cls(config, master), readonly=False)
+    async def open(cls, config: StoreConfig, master: MasterKey, tier: Tier | None = None) -> Store:
+        """Open the store for reads and writes: take its lock, run recovery.
+        ``tier``: the object tier (default: the one the config names, if any)."""
+        return await cls._opened(cls(config, master, tier), readonly=False)
 
     @classmethod
-    async def open_reader(cls, config: StoreConfig, master: MasterKey) -> Store:
+    async def open_reader(cls, config: StoreConfig, master: MasterKey, tier: Tier | None = None) -> Store:
         """Open a store that another process (the writer) has open, for reads
         only: no lock, no recovery; registry changes are picked up as the
         writer makes them. Writes raise :class:`ReadOnlyStore`."""
-        return await cls._opened(cls(config, master), readonly=True)
+        return await cls._opened(cls(config, master, tier), readonly=True)
 
     @staticmethod
     async def _opened(store: Store, readonly: bool) -> Store:
         store.readonly = readonly
         try:
-            await store._run(store._open_reader_sync if readonly else store._open_sync)
+            if readonly:
+                await store._run(store._open_reader_sync)
+            else:
+                listing, id_floor = await store._survey_bucket()
+                await store._run(store._open_sync, listing, id_floor, asyncio.get_running_loop())
+            await store._start_tiering(readonly)
         except BaseException:
             await store._run(store._release_after_failed_open)
             store._pool.shutdown(wait=False)
+            if store._own_tier and store.tier is not None:
+                await store.tier.close()
             raise
         store._closed = False
         return store
+
+    async def _survey_bucket(self) -> tuple[Listing | None, int]:
+        """What the object tier holds, before recovery; restores (or, adopting,
+        takes) the tenant registry from it. (None, id floor) when it cannot be
+        listed: new segment ids then start past the current time in
+        microseconds, past any id an earlier run of this node can have used."""
+        if self.tier is None:
+            return None, 0
+        reg_path = self._root / "registry.json"
+        try:
+            listing = await list_bucket(self.tier)
+            doc = await fetch_registry(self.tier) if self.adopted or not reg_path.exists() else None
+        except TierError as e:
+            if self.adopted:
+                raise ConfigError(f"s3_readonly: the bucket cannot be read, so there is nothing to serve: {e}") from e
+            log.error("object tier unreachable at start-up (%s); starting from local data", e)
+            return None, time.time_ns() // 1000
+        if doc is None and self.adopted:
+            raise ConfigError("s3_readonly: the bucket holds no registry.json: no node has written to it")
+        if doc is not None:
+            await self._run(self._root.mkdir, 0o700, True, True)
+            await self._run(atomic_write, reg_path, doc)
+            if not self.adopted:
+                log.warning("restored the tenant registry from the object tier")
+        return listing, 0
+
+    async def _start_tiering(self, readonly: bool) -> None:
+        self._tiering = Tiering(
+            self.config,
+            self._index,
+            self._registry,
+            self._cache,
+            self.metrics,
+            self._run,
+            self.tier,
+            writer=not readonly,
+            adopted=self.adopted,
+        )
+        mirror = None
+        if self.tier is not None and not readonly and not self.adopted:
+            mirror = Mirror(
+                self.tier,
+                self._index,
+                self.metrics,
+                self._run,
+                self._registry.document,
+                self.config.s3_upload_concurrency,
+                self._tiering.mirrored,
+            )
+            self._registry.on_change = mirror.registry_changed
+            mirror.registry_changed()  # the bucket gets this node's registry now
+        await self._tiering.start(mirror)
+        if mirror is not None:
+            for prefix in self._stale:
+                log.warning("deleting objects of a deleted tenant under %s", prefix)
+                mirror.delete_prefix(prefix)
 
     def _open_reader_sync(self) -> None:
         self._registry = Registry(self._root / "registry.json", self._master, readonly=True)
         self._index = Index(self._root / "index", readonly=True)
 
-    def _open_sync(self) -> None:
+    def _remote_view(
+        self, listing: Listing | None, loop: asyncio.AbstractEventLoop
+    ) -> dict[str, RemoteSegments] | None:
+        tier = self.tier
+        if listing is None or tier is None:
+            return None
+
+        def fetcher(tenant: str, incarnation: int) -> Callable[[int, int], RemoteFooter]:
+            def fetch(sid: int, size: int) -> RemoteFooter:
+                coro = fetch_footer(tier, segment_object(tenant, incarnation, sid), size, tenant, sid)
+                return asyncio.run_coroutine_threadsafe(coro, loop).result(FOOTER_FETCH_TIMEOUT_S)
+
+            return fetch
+
+        view: dict[str, RemoteSegments] = {}
+        for name in self._registry.names():
+            inc = self._registry.get(name).created_ns
+            view[name] = RemoteSegments(listing.get(name, {}).get(inc, {}), fetcher(name, inc))
+        return view
+
+    def _stale_prefixes(self, listing: Listing) -> list[str]:
+        """Bucket prefixes of deleted tenants (or deleted incarnations)."""
+        out = []
+        for name, incarnations in listing.items():
+            current = self._registry.get(name).created_ns if name in self._registry else None
+            out += [tenant_prefix(name, inc) for inc in incarnations if inc != current]
+        return out
+
+    def _open_sync(self, listing: Listing | None, id_floor: int, loop: asyncio.AbstractEventLoop) -> None:
         self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = os.open(self._root / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -158,7 +271,7 @@ class Store:
             self._lock_fd = -1
             raise StoreLocked(f"data directory {str(self._root)!r} is in use by another process") from None
         _raise_nofile_limit()
-        self._registry = Registry(self._root / "registry.json", self._master)
+        self._registry = Registry(self._root / "registry.json", self._master, readonly=self.adopted)
         index_dir = self._root / "index"
         has_segments = self._seg_root.is_dir() and any(self._seg_root.iterdir())
         rebuilt = has_segments and not (index_dir / "data.mdb").exists()
@@ -170,10 +283,12 @@ class Store:
             self._index = Index(index_dir, sync=True)
             rebuilt = has_segments
         self.recovery.index_rebuilt = rebuilt
-        self._tails = recover(self._seg_root, self._index, self._registry, self.recovery)
-        for name, tail in self._tails.items():
+        remote = self._remote_view(listing, loop)
+        self._tails = recover(self._seg_root, self._index, self._registry, self.recovery, remote, id_floor)
+        for tail in self._tails.values():
             if tail.segment is not None:
-                self._segments[(name, tail.segment.segment_id)] = tail.segment
+                self._cache.register(tail.segment)
+        self._stale = self._stale_prefixes(listing) if listing is not None and not self.adopted else []
         r = self.recovery
         self.metrics.set("kvstore_recovery_records_replayed", r.records_replayed)
         self.metrics.set("kvstore_recovery_entries_dropped", r.entries_dropped)
@@ -183,9 +298,10 @@ class Store:
             log.warning("recovery: %s", r.as_dict())
 
     def _release_after_failed_open(self) -> None:
-        for seg in self._segments.values():
-            seg.close()
-        self._segments.clear()
+        for tail in self._tails.values():
+            if tail.segment is not None:
+                tail.segment.close()
+        self._cache.close()
         if hasattr(self, "_index"):
             self._index.close()
         if self._lock_fd >= 0:
@@ -199,13 +315,14 @@ class Store:
         for app in list(self._appenders.values()):
             await app.close()
         self._appenders.clear()
+        await self._tiering.close()
         await self._run(self._close_sync)
         self._pool.shutdown(wait=True)
+        if self._own_tier and self.tier is not None:
+            await self.tier.close()
 
     def _close_sync(self) -> None:
-        for seg in [*self._segments.values(), *self._retired]:
-            seg.close()
-        self._segments.clear()
+        self._cache.close()
         if not self.readonly:
             self._index.sync()
         self._index.close()
@@ -230,6 +347,8 @@ class Store:
 
     def _check_writable(self) -> None:
         self._check_open()
+        if self.adopted:
+            raise ReadOnlyNode("this node serves a bucket read-only (s3_readonly); write to the node that owns it")
         if self.readonly:
             raise ReadOnlyStore("this process serves reads only; writes go to the writer process")
 
@@ -258,23 +377,6 @@ class Store:
             raise TenantNotFound(f"tenant {name!r} does not exist")
         return self._registry.get(name)
 
-    def _segment(self, tenant: str, segment_id: int) -> SegmentFile:
-        """The segment for reads (runs on executor threads)."""
-        seg = self._segments.get((tenant, segment_id))
-        if seg is not None:
-            return seg
-        with self._seg_lock:
-            seg = self._segments.get((tenant, segment_id))
-            if seg is None:
-                path = self._seg_root / tenant / segment_name(segment_id)
-                seg = SegmentFile.open(path, writable=False)
-                self._segments[(tenant, segment_id)] = seg
-            return seg
-
-    def _register_segment(self, seg: SegmentFile) -> None:
-        with self._seg_lock:
-            self._segments[(seg.header.tenant, seg.segment_id)] = seg
-
     def _appender(self, t: Tenant) -> Appender:
         self._check_writable()
         app = self._appenders.get(t.name)
@@ -289,10 +391,15 @@ class Store:
                 self.config,
                 self._pool,
                 self.metrics,
-                self._register_segment,
+                self._cache.register,
+                functools.partial(self._sealed_elsewhere, asyncio.get_running_loop(), t.name),
             )
             self._appenders[t.name] = app
         return app
+
+    def _sealed_elsewhere(self, loop: asyncio.AbstractEventLoop, tenant: str, segment_id: int) -> None:
+        """An appender thread sealed a segment: tell the tiering, on the loop."""
+        loop.call_soon_threadsafe(self._tiering.sealed, tenant, segment_id)
 
     async def _serialize(self, tenant: str, key: str) -> asyncio.Future[None]:
         """Wait for any write in flight on (tenant, key), then claim it."""
@@ -309,11 +416,17 @@ class Store:
 
     # -- tenants --------------------------------------------------------------
 
-    async def create_tenant(self, name: str, policy: str = "sealed", compression: str | None = None) -> dict[str, Any]:
+    async def create_tenant(
+        self, name: str, policy: str = "sealed", compression: str | None = None, durability: str | None = None
+    ) -> dict[str, Any]:
+        """``durability``: persistent (never dropped before it is in the object
+        tier) or ephemeral (may be dropped when the disk is full); default the
+        ``default_durability`` setting."""
         self._check_writable()
         if compression is None and policy == "sealed":
             compression = self.config.compression
-        t = await self._run(self._registry.create, name, policy, compression)
+        durability = durability or self.config.default_durability
+        t = await self._run(self._registry.create, name, policy, compression, durability)
         self._tails[name] = OpenSegment(None)
         return t.public()
 
@@ -327,7 +440,7 @@ class Store:
     async def delete_tenant(self, name: str) -> None:
         """Crypto-shred: destroy the tenant's keys, then drop its index and files."""
         self._check_writable()
-        self._tenant(name)
+        incarnation = self._tenant(name).created_ns
         self._deleting.add(name)
         try:
             app = self._appenders.pop(name, None)
@@ -335,10 +448,8 @@ class Store:
                 await app.close()
             await self._run(self._registry.delete, name)
             await self._run(self._index.drop_tenant, name)
-            with self._seg_lock:
-                for k in [k for k in self._segments if k[0] == name]:
-                    # Readers may still hold it: close at store close, not now.
-                    self._retired.append(self._segments.pop(k))
+            self._cache.forget_tenant(name)  # closed once the reads in progress end
+            self._tiering.tenant_deleted(name, incarnation)
             await self._run(functools.partial(shutil.rmtree, self._seg_root / name, ignore_errors=True))
             self._tails.pop(name, None)
         finally:
@@ -423,8 +534,10 @@ class Store:
             if self._index.get(tenant, key) is not None:
                 self.metrics.inc("kvstore_puts_total", result="exists")
                 return False
+            await self._tiering.admit(len(view))
             record = await self._encode(t, key, view)
             await self._appender(t).submit(record)
+            self._tiering.space.wrote(record.length)
             self.metrics.inc("kvstore_puts_total", result="created")
             self.metrics.inc("kvstore_bytes_in_total", len(view))
             return True
@@ -452,11 +565,38 @@ class Store:
         finally:
             self._release(tenant, key, claim)
 
-    async def flush(self) -> None:
-        """Seal every open segment (each becomes immutable, with its footer)."""
+    async def flush(self, upload_timeout_s: float = 0) -> dict[str, Any]:
+        """Seal every open segment (each becomes immutable, with its footer);
+        with an object tier, then wait up to ``upload_timeout_s`` until every
+        sealed segment (and the registry) is in it: what an operator runs
+        before draining a node. Raises :class:`FlushIncomplete` on timeout."""
         self._check_writable()
         for app in list(self._appenders.values()):
             await app.seal()
+        mirror = self._tiering.mirror
+        if mirror is None:
+            return {"flushed": True, "tier": None}
+        mirror.kick()
+        if not await mirror.wait_drained(upload_timeout_s):
+            n, nbytes = mirror.backlog
+            raise FlushIncomplete(
+                f"{n} sealed segments ({nbytes} bytes) are not in the object tier yet after {upload_timeout_s:g} s; "
+                "they stay queued (and local) and keep being retried"
+            )
+        return {"flushed": True, "tier": "mirrored"}
+
+    async def evict(self) -> int:
+        """Run one eviction pass now (normally the evictor runs it)."""
+        self._check_open()
+        return await self._tiering.evict()
+
+    async def follow_bucket(self) -> int:
+        """A node adopting a bucket read-only: pick up the owner's changes now
+        (normally every ``s3_refresh_s``). Returns how many segments were added."""
+        self._check_open()
+        if not self.adopted:
+            raise InvalidInput("follow_bucket is for a node started with s3_readonly")
+        return await self._tiering.follow_bucket()
 
     # -- reads ----------------------------------------------------------------
 
@@ -512,27 +652,40 @@ class Store:
     async def _read_unchecked(
         self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool
     ) -> bytearray | memoryview:
-        fs = self.config.frame_size
-        seg_of = functools.partial(self._segment, tenant, entry.segment_id)
+        seg = await self._tiering.local(tenant, entry, key)
         out: bytearray | memoryview
-        direct = bool(entry.flags & reader.REC_FLAG_DIRECT)
-        whole_direct = direct and start == 0 and end == entry.logical_size
-        if direct and view_ok:
-            out = await self._run(lambda: reader.direct_view(seg_of(), entry, tenant, key, start, end))
-        elif whole_direct:
-            out = await self._run(lambda: reader.read_direct_whole(seg_of(), entry, tenant, key))
-        elif end - start <= fs:
-            out = await self._run(
-                lambda: reader.read_all_inline(seg_of(), entry, tenant, key, start, end, self._registry)
-            )
+        if seg is None:
+            source = await self._tiering.fetch(tenant, key, entry)
+            out = await self._decode(source, tenant, key, entry, start, end)
         else:
-            ld = await self._run(lambda: reader.load(seg_of(), entry, tenant, key, start, end, self._registry))
-            out = bytearray(end - start)
-            view = memoryview(out)
-            await asyncio.gather(
-                *(self._run(reader.decode_into, ld, i, start, end, view) for i in range(ld.first, ld.last + 1))
-            )
+            try:
+                out = await self._read_local(seg, tenant, key, entry, start, end, view_ok)
+            finally:
+                seg.release()
         self.metrics.inc("kvstore_bytes_out_total", end - start)
+        return out
+
+    async def _read_local(
+        self, seg: SegmentFile, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool
+    ) -> bytearray | memoryview:
+        direct = bool(entry.flags & reader.REC_FLAG_DIRECT)
+        if direct and view_ok:
+            return await self._run(reader.direct_view, seg, entry, tenant, key, start, end)
+        if direct and start == 0 and end == entry.logical_size:
+            return await self._run(reader.read_direct_whole, seg, entry, tenant, key)
+        return await self._decode(seg, tenant, key, entry, start, end)
+
+    async def _decode(
+        self, source: reader.RecordSource, tenant: str, key: str, entry: IndexEntry, start: int, end: int
+    ) -> bytearray:
+        if end - start <= self.config.frame_size:
+            return await self._run(reader.read_all_inline, source, entry, tenant, key, start, end, self._registry)
+        ld = await self._run(reader.load, source, entry, tenant, key, start, end, self._registry)
+        out = bytearray(end - start)
+        view = memoryview(out)
+        await asyncio.gather(
+            *(self._run(reader.decode_into, ld, i, start, end, view) for i in range(ld.first, ld.last + 1))
+        )
         return out
 
     async def head(self, tenant: str, key: str) -> BlockInfo:

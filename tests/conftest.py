@@ -1,17 +1,22 @@
-"""Shared fixtures: a real store on a real temporary directory."""
+"""Shared fixtures: a real store on a real temporary directory, and a real S3
+endpoint (moto's server on 127.0.0.1) with dummy credentials."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 
 from kvstore.config import StoreConfig
 from kvstore.crypto import MasterKey
 from kvstore.store import Store
+
+from .moto_s3 import REGION, MotoEndpoint, S3Env
 
 KV_DIR = Path(__file__).parent / "data" / "kv"
 
@@ -63,3 +68,33 @@ async def store(open_store: OpenStore) -> Store:
     await s.create_tenant("bob")
     await s.create_tenant("direct", "direct")
     return s
+
+
+@pytest.fixture(scope="session")
+def aws_env() -> Iterator[None]:
+    """Dummy credentials from the standard variables; no metadata service, no
+    profile or config file of the machine's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        mp.setenv("AWS_DEFAULT_REGION", REGION)
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        mp.setenv("AWS_CONFIG_FILE", "/dev/null")
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+        for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            mp.delenv(var, raising=False)
+        yield
+
+
+@pytest.fixture(scope="session")
+def s3(aws_env: None) -> Iterator[S3Env]:
+    endpoint = MotoEndpoint()
+    endpoint.start()
+    bucket = f"kvstore-test-{uuid.uuid4().hex[:12]}"
+    client = boto3.client("s3", endpoint_url=endpoint.url, region_name=REGION)
+    client.create_bucket(Bucket=bucket)
+    client.close()
+    try:
+        yield S3Env(endpoint, bucket)
+    finally:
+        endpoint.stop()

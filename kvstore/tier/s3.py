@@ -89,14 +89,18 @@ class S3Tier:
         multipart_threshold: int = 64 * MiB,
         part_size: int = 16 * MiB,
         max_attempts: int = 5,
+        read_max_attempts: int = 2,
         connect_timeout: float = 5.0,
         read_timeout: float = 30.0,
+        range_read_timeout: float = 10.0,
         list_page_size: int = 1000,
     ) -> None:
         if not bucket:
             raise TierError("S3 tier: the bucket name is empty")
-        if max_concurrency < 1 or part_concurrency < 1 or max_attempts < 1:
-            raise TierError("S3 tier: max_concurrency, part_concurrency and max_attempts must be >= 1")
+        if min(max_concurrency, part_concurrency, max_attempts, read_max_attempts) < 1:
+            raise TierError(
+                "S3 tier: max_concurrency, part_concurrency, max_attempts and read_max_attempts must be >= 1"
+            )
         if part_size < 5 * MiB or multipart_threshold < 5 * MiB:
             raise TierError("S3 tier: part_size and multipart_threshold must be >= 5 MiB (S3's smallest part)")
         if not 1 <= list_page_size <= 1000:
@@ -125,6 +129,18 @@ class S3Tier:
             region_name=region,
         )
         self._client: Any = session.client("s3", endpoint_url=endpoint_url, config=config)
+        # Ranged reads serve a waiting request: fewer attempts, so a dead
+        # endpoint fails the read fast (the caller's retry policy decides).
+        self._read_client: Any = session.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            config=config.merge(
+                Config(
+                    retries={"mode": "standard", "total_max_attempts": read_max_attempts},
+                    read_timeout=range_read_timeout,
+                )
+            ),
+        )
         self._transfer = TransferConfig(
             multipart_threshold=multipart_threshold,
             multipart_chunksize=part_size,
@@ -197,7 +213,7 @@ class S3Tier:
             with _map_error(name):
                 try:
                     rng = f"bytes={start}-{start + length - 1}"
-                    resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)
+                    resp = self._read_client.get_object(Bucket=self.bucket, Key=key, Range=rng)
                 except ClientError as e:
                     if _error_code(e) != "InvalidRange" and _status(e) != 416:
                         raise
@@ -257,6 +273,7 @@ class S3Tier:
     async def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._client.close()
+        self._read_client.close()
 
 
 def _total_from_content_range(value: object) -> int:

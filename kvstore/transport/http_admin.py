@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from kvstore.config import DURABILITY_CLASSES
 from kvstore.crypto import load_master_key
 from kvstore.errors import InvalidInput, MasterKeyError
 from kvstore.transport.http_common import json_body, require_admin, store_of
 
 routes = web.RouteTableDef()
+FLUSH_TIMEOUT_S = 600
 
 
 @routes.post("/v1/admin/tenants")
@@ -16,17 +18,20 @@ async def create_tenant(request: web.Request) -> web.Response:
     require_admin(request)
     body = await json_body(request)
     name, policy, compression = body.get("name"), body.get("policy", "sealed"), body.get("compression")
+    durability = body.get("durability")
     if not isinstance(name, str):
         raise InvalidInput("field 'name' must be a string")
     if not isinstance(policy, str):
         raise InvalidInput("field 'policy' must be 'sealed' or 'direct'")
     if compression is not None and not isinstance(compression, str):
         raise InvalidInput("field 'compression' must be a string")
-    unknown = set(body) - {"name", "policy", "compression"}
+    if durability is not None and durability not in DURABILITY_CLASSES:
+        raise InvalidInput(f"field 'durability' must be one of {', '.join(DURABILITY_CLASSES)}")
+    unknown = set(body) - {"name", "policy", "compression", "durability"}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
     store = store_of(request)
-    tenant = await store.create_tenant(name, policy, compression)
+    tenant = await store.create_tenant(name, policy, compression, durability)
     token_id, token = await store.issue_token(name)
     return web.json_response({**tenant, "token": token, "token_id": token_id}, status=201)
 
@@ -97,9 +102,18 @@ async def rotate_master_key(request: web.Request) -> web.Response:
 
 @routes.post("/v1/admin/flush")
 async def flush(request: web.Request) -> web.Response:
+    """Seal the open segments; with an object tier, answer once every sealed
+    segment is in it (or 503 flush_incomplete after ``timeout_s``, default 600)."""
     require_admin(request)
-    await store_of(request).flush()
-    return web.json_response({"flushed": True})
+    raw = request.query.get("timeout_s", str(FLUSH_TIMEOUT_S))
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = -1.0
+    if not 0 <= timeout <= 86_400:
+        raise InvalidInput(f"query parameter 'timeout_s'={raw!r}: expected seconds, 0 to 86400")
+    report = await store_of(request).flush(upload_timeout_s=timeout)
+    return web.json_response(report)
 
 
 @routes.post("/v1/admin/verify")

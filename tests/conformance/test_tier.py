@@ -22,7 +22,7 @@ from kvstore.errors import InvalidObjectName, TierError, TierNotFound, TierRange
 from kvstore.tier import LocalTier, ObjectInfo, Tier
 from kvstore.tier.s3 import S3Tier
 
-from .conftest import MotoEndpoint, S3Env
+from ..moto_s3 import MotoEndpoint, S3Env
 
 MiB = 1 << 20
 MakeTier = Callable[[str], Tier]

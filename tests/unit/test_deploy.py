@@ -26,9 +26,9 @@ SECRETS = {"admin_token", "master_key"}
 PUBLIC = [name for name in SETTINGS if name not in SECRETS]
 # "# name = value": a setting commented out at its default. "# e.g. name = value":
 # a setting unset by default (or machine-dependent), with an example value.
-COMMENTED = re.compile(r"^# (?P<name>[a-z_]+) = (?P<value>.+)$", re.MULTILINE)
-EXAMPLE = re.compile(r"^# e\.g\. (?P<name>[a-z_]+) = (?P<value>.+)$", re.MULTILINE)
-ACTIVE = re.compile(r"^(?P<name>[a-z_]+) = (?P<value>.+)$", re.MULTILINE)
+COMMENTED = re.compile(r"^# (?P<name>[a-z0-9_]+) = (?P<value>.+)$", re.MULTILINE)
+EXAMPLE = re.compile(r"^# e\.g\. (?P<name>[a-z0-9_]+) = (?P<value>.+)$", re.MULTILINE)
+ACTIVE = re.compile(r"^(?P<name>[a-z0-9_]+) = (?P<value>.+)$", re.MULTILINE)
 
 
 def defaults() -> ServerConfig:
@@ -73,13 +73,16 @@ def test_uncommenting_every_setting_yields_the_defaults(tmp_path: Path) -> None:
 def test_examples_are_the_unset_and_machine_dependent_settings(tmp_path: Path) -> None:
     text = TOML.read_text()
     server_none = {f.name for f in fields(ServerConfig) if f.default is None} - SECRETS
-    assert set(names(EXAMPLE, text)) == server_none | {"io_threads"}
+    store_unset = {f.name for f in fields(StoreConfig) if f.default == ""}
+    assert store_unset == {"s3_bucket", "s3_endpoint", "s3_prefix", "s3_region"}
+    assert set(names(EXAMPLE, text)) == server_none | store_unset | {"io_threads"}
     # The examples are valid values too.
     path = tmp_path / "examples.toml"
     path.write_text(EXAMPLE.sub(r"\g<name> = \g<value>", text))
     cfg = load(path, env={})
     assert cfg.tls_cert and cfg.tls_key and cfg.master_key_file and cfg.admin_token_file
     assert cfg.store.io_threads == 16
+    assert cfg.store.s3_bucket and cfg.store.s3_endpoint.startswith("https://")
 
 
 def unit_directives(text: str) -> list[tuple[str, str, str]]:

@@ -1,0 +1,263 @@
+"""Background uploads to the object tier: sealed segments and the registry.
+
+- Each sealed segment of a persistent tenant is queued once; ``concurrency``
+  workers upload (the tier does multipart for large objects). Before an upload
+  the object is looked up: one of the same size is ours from an upload whose
+  confirmation was lost; one of another size is never overwritten (an error,
+  kept in the backlog). After the upload a HEAD confirms the size, and only
+  then does the index record the segment as mirrored. Nothing local may be
+  dropped before that (space.py drops mirrored copies only).
+- Failures keep the segment in the backlog and retry it after a backoff with
+  full jitter (0.5 s doubling, capped), so an outage builds a backlog that
+  drains when the tier is back; :meth:`Mirror.kick` retries at once.
+- The registry (wrapped data keys, token hashes, policies) is uploaded after
+  every change, newest version wins.
+- A deleted tenant's objects are deleted in the background (they cannot be
+  opened anyway: the tenant's keys are gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import TierError
+from kvstore.index import TIER_MIRRORED, Index, TierState
+from kvstore.metrics import Metrics
+from kvstore.tier.base import Tier
+from kvstore.tier.layout import REGISTRY_OBJECT
+
+log = logging.getLogger("kvstore.mirror")
+SegmentKey = tuple[str, int]
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 15.0
+
+
+def backoff(attempt: int) -> float:
+    """Full jitter: uniform in [0, min(cap, base * 2**attempt)]."""
+    return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * (2 ** min(attempt, 16))))
+
+
+@dataclass(slots=True)
+class Upload:
+    key: SegmentKey
+    path: Path
+    name: str  # object name
+    size: int
+    attempts: int = 0
+    retry: asyncio.TimerHandle | None = None
+
+
+class Mirror:
+    def __init__(
+        self,
+        tier: Tier,
+        index: Index,
+        metrics: Metrics,
+        run: Callable[..., Awaitable[Any]],
+        registry_doc: Callable[[], bytes],
+        concurrency: int,
+        on_mirrored: Callable[[SegmentKey], None],
+    ) -> None:
+        self._tier = tier
+        self._index = index
+        self._metrics = metrics
+        self._run = run
+        self._registry_doc = registry_doc
+        self._concurrency = concurrency
+        self._on_mirrored = on_mirrored
+        self._pending: dict[SegmentKey, Upload] = {}
+        self._queue: asyncio.Queue[SegmentKey] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._progress = asyncio.Event()
+        self._registry_version = 0
+        self._registry_uploaded = 0
+        self._registry_wake = asyncio.Event()
+        self._registry_attempts = 0
+        self._loop = asyncio.get_running_loop()
+
+    # -- life cycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        for i in range(self._concurrency):
+            self._tasks.append(self._loop.create_task(self._worker(), name=f"mirror-upload-{i}"))
+        self._tasks.append(self._loop.create_task(self._registry_worker(), name="mirror-registry"))
+
+    async def close(self) -> None:
+        for up in self._pending.values():
+            if up.retry is not None:
+                up.retry.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    # -- what to upload -------------------------------------------------------
+
+    def enqueue(self, key: SegmentKey, path: Path, name: str, size: int) -> None:
+        if key in self._pending:
+            return
+        self._pending[key] = Upload(key, path, name, size)
+        self._queue.put_nowait(key)
+        self._gauges()
+
+    def registry_changed(self) -> None:
+        """Thread-safe: the registry file changed; upload the new version."""
+        self._loop.call_soon_threadsafe(self._bump_registry)
+
+    def _bump_registry(self) -> None:
+        self._registry_version += 1
+        self._registry_wake.set()
+
+    def forget_tenant(self, tenant: str, prefix: str | None) -> None:
+        """Stop uploading the tenant's segments; delete its objects under ``prefix``."""
+        for key in [k for k in self._pending if k[0] == tenant]:
+            up = self._pending.pop(key)
+            if up.retry is not None:
+                up.retry.cancel()
+        self._gauges()
+        self._progress.set()
+        if prefix is not None:
+            self.delete_prefix(prefix)
+
+    def delete_prefix(self, prefix: str) -> None:
+        task = self._loop.create_task(self._delete_prefix(prefix), name=f"mirror-delete:{prefix}")
+        self._tasks.append(task)
+
+    @property
+    def backlog(self) -> tuple[int, int]:
+        """Segments and bytes waiting for upload."""
+        return len(self._pending), sum(u.size for u in self._pending.values())
+
+    def kick(self) -> None:
+        """Retry every upload that waits out a backoff now (an operator's flush)."""
+        for up in self._pending.values():
+            if up.retry is not None:
+                up.retry.cancel()
+                up.retry = None
+                self._queue.put_nowait(up.key)
+        if self._registry_uploaded < self._registry_version:
+            self._registry_wake.set()
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """True once nothing waits for upload (the registry included)."""
+        deadline = time.monotonic() + timeout
+        while self._pending or self._registry_uploaded < self._registry_version:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), min(left, 1.0))
+        return True
+
+    # -- workers --------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self._queue.get()
+            up = self._pending.get(key)
+            if up is None or up.retry is not None:
+                continue
+            try:
+                await self._upload(up)
+            except TierError as e:
+                self._failed(up, e)
+                continue
+            except OSError as e:
+                self._failed(up, TierError(f"reading {up.path.name}: {e.strerror or e}"))
+                continue
+            if self._pending.get(key) is up:
+                del self._pending[key]
+            self._metrics.inc("kvstore_tier_uploads_total")
+            self._metrics.inc("kvstore_tier_upload_bytes_total", up.size)
+            self._gauges()
+            self._progress.set()
+            self._on_mirrored(key)
+
+    async def _upload(self, up: Upload) -> None:
+        info = await self._tier.head(up.name)
+        if info is not None and info.size != up.size:
+            raise TierError(
+                f"object {up.name!r} exists with {info.size} bytes, not {up.size}: refusing to overwrite it"
+            )
+        if info is None:
+            if not up.path.exists():
+                raise TierError(f"local segment {up.path.name} is gone before its upload")
+            t0 = time.perf_counter()
+            await self._tier.put_file(up.name, up.path)
+            self._metrics.observe("kvstore_tier_upload_seconds", time.perf_counter() - t0)
+            info = await self._tier.head(up.name)
+            if info is None or info.size != up.size:
+                raise TierError(f"upload of {up.name!r} not confirmed: the object has {info and info.size} bytes")
+        tenant, sid = up.key
+        if self._pending.get(up.key) is not up:
+            return  # the tenant was deleted meanwhile
+        await self._run(self._index.set_tier_state, tenant, sid, TierState(TIER_MIRRORED, up.size, time.time_ns()))
+
+    def _failed(self, up: Upload, e: TierError) -> None:
+        up.attempts += 1
+        self._metrics.inc("kvstore_tier_errors_total", op="upload")
+        delay = backoff(up.attempts)
+        if up.attempts == 1 or up.attempts % 10 == 0:
+            log.warning("upload of %s failed (attempt %d, retrying in %.1fs): %s", up.name, up.attempts, delay, e)
+        if self._pending.get(up.key) is not up:
+            return
+
+        def again() -> None:
+            up.retry = None
+            if self._pending.get(up.key) is up:
+                self._queue.put_nowait(up.key)
+
+        up.retry = self._loop.call_later(delay, again)
+
+    async def _registry_worker(self) -> None:
+        while True:
+            await self._registry_wake.wait()
+            self._registry_wake.clear()
+            version = self._registry_version
+            if self._registry_uploaded >= version:
+                continue
+            try:
+                doc = await self._run(self._registry_doc)
+                await self._tier.put_bytes(REGISTRY_OBJECT, doc)
+            except (TierError, OSError) as e:
+                self._registry_attempts += 1
+                self._metrics.inc("kvstore_tier_errors_total", op="registry")
+                if self._registry_attempts == 1 or self._registry_attempts % 10 == 0:
+                    log.warning("registry upload failed (attempt %d): %s", self._registry_attempts, e)
+                self._loop.call_later(backoff(self._registry_attempts), self._registry_wake.set)
+                continue
+            self._registry_attempts = 0
+            self._registry_uploaded = max(self._registry_uploaded, version)
+            self._progress.set()
+
+    async def _delete_prefix(self, prefix: str) -> None:
+        attempt = 0
+        while True:
+            try:
+                names = [info.name async for info in self._tier.list(prefix)]
+                for name in names:
+                    await self._tier.delete(name)
+                log.info("deleted %d objects under %s", len(names), prefix)
+                return
+            except TierError as e:
+                attempt += 1
+                self._metrics.inc("kvstore_tier_errors_total", op="delete")
+                if attempt == 1 or attempt % 10 == 0:
+                    log.warning("deleting objects under %s failed (attempt %d): %s", prefix, attempt, e)
+                await asyncio.sleep(backoff(attempt))
+
+    def _gauges(self) -> None:
+        n, nbytes = self.backlog
+        self._metrics.set("kvstore_tier_upload_backlog_segments", n)
+        self._metrics.set("kvstore_tier_upload_backlog_bytes", nbytes)

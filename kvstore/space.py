@@ -1,0 +1,123 @@
+"""Local space: how full the data directory is, and which segments to drop first.
+
+Usage is measured one of two ways:
+- ``capacity`` set: the bytes of the segment files under the data directory
+  (rescanned at each eviction pass, plus what was written since), against it;
+- ``capacity`` 0: the data directory's filesystem as ``statvfs`` reports it
+  (used = size - available to this user), against its size.
+
+Above ``high_watermark`` percent, droppable segments are dropped until usage
+is at or below ``low_watermark`` percent: first local copies of segments the
+object tier holds (nothing is lost), then sealed segments of ephemeral tenants
+(their blocks become misses), each group least recently read first. A write
+that would take usage past 100% with nothing left to drop is refused (507).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.segment import parse_segment_name
+
+SegmentKey = tuple[str, int]  # (tenant, segment id)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    used: int
+    capacity: int
+
+    def percent(self, extra: int = 0) -> float:
+        return 100.0 * (self.used + extra) / self.capacity if self.capacity else 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    key: SegmentKey
+    size: int
+    mirrored: bool  # True: dropping the local copy loses nothing
+
+
+class Space:
+    def __init__(self, root: Path, seg_root: Path, capacity: int, high: int, low: int) -> None:
+        self._root = root
+        self._seg_root = seg_root
+        self.capacity = capacity
+        self.high = high
+        self.low = low
+        self._lock = threading.Lock()
+        self._scanned = 0
+        self._since_scan = 0
+        self._last_read: dict[SegmentKey, float] = {}
+
+    # -- measurement ----------------------------------------------------------
+
+    def rescan(self) -> Usage:
+        """Measure from scratch (file sizes or statvfs); runs on a thread."""
+        if self.capacity:
+            total = 0
+            if self._seg_root.is_dir():
+                for tenant_dir in os.scandir(self._seg_root):
+                    if tenant_dir.is_dir():
+                        for f in os.scandir(tenant_dir.path):
+                            total += f.stat().st_size
+            with self._lock:
+                self._scanned, self._since_scan = total, 0
+        return self.usage()
+
+    def usage(self) -> Usage:
+        if not self.capacity:
+            st = os.statvfs(self._root)
+            size = st.f_blocks * st.f_frsize
+            return Usage(size - st.f_bavail * st.f_frsize, size)
+        with self._lock:
+            return Usage(self._scanned + self._since_scan, self.capacity)
+
+    def wrote(self, nbytes: int) -> None:
+        """Bytes just added under the data directory (counted until the next rescan)."""
+        with self._lock:
+            self._since_scan += nbytes
+
+    def removed(self, nbytes: int) -> None:
+        with self._lock:
+            self._since_scan -= nbytes
+
+    def over_high(self, extra: int = 0) -> bool:
+        return self.usage().percent(extra) > self.high
+
+    def fits(self, nbytes: int) -> bool:
+        u = self.usage()
+        return u.used + nbytes <= u.capacity
+
+    # -- recency --------------------------------------------------------------
+
+    def touch(self, key: SegmentKey) -> None:
+        self._last_read[key] = time.monotonic()
+
+    def forget(self, key: SegmentKey) -> None:
+        self._last_read.pop(key, None)
+
+    def victims(self, candidates: list[Candidate], usage: Usage) -> list[Candidate]:
+        """The candidates to drop, in order, to bring ``usage`` down to the low
+        watermark: mirrored copies first, then ephemeral segments; each group
+        least recently read first (never read since start: oldest id first)."""
+        target = usage.capacity * self.low / 100
+        order = sorted(candidates, key=lambda c: (not c.mirrored, self._last_read.get(c.key, 0.0), c.key[1]))
+        out: list[Candidate] = []
+        used = usage.used
+        for c in order:
+            if used <= target:
+                break
+            out.append(c)
+            used -= c.size
+        return out
+
+
+def local_segment_ids(tenant_dir: Path) -> set[int]:
+    if not tenant_dir.is_dir():
+        return set()
+    return {sid for p in tenant_dir.iterdir() if (sid := parse_segment_name(p.name)) is not None}

@@ -1,0 +1,444 @@
+"""G3 and G4 together: where a segment is read from, what is uploaded, what is
+dropped under disk pressure, and what is brought back.
+
+One :class:`Tiering` per open store. In the process that owns the store it
+runs the mirror (mirror.py), the evictor (space.py's policy) and
+rehydration; in a reader worker (``writer=False``) it only routes reads,
+learning from the index which segments another process has dropped.
+
+Reads of a segment with no local copy fetch just the record with one ranged
+GET (remote.py). They fail fast with a retryable error (503
+``tier_unavailable``) when the tier cannot answer within
+``s3_read_timeout_ms``, and for a second after that without trying, so a dead
+endpoint does not hold every read for the whole timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvstore.config import StoreConfig
+from kvstore.errors import (
+    CorruptionError,
+    NotFound,
+    StorageFull,
+    TierError,
+    TierNotFound,
+    TierRangeError,
+    TierUnavailable,
+)
+from kvstore.fsutil import atomic_write
+from kvstore.index import SEG_SEALED, TIER_MIRRORED, TIER_REMOTE_ONLY, Index, IndexEntry, SegmentState, TierState
+from kvstore.metrics import Metrics
+from kvstore.mirror import Mirror
+from kvstore.record import index_entry
+from kvstore.registry import Registry
+from kvstore.remote import FetchedRecord, download_segment, fetch_footer
+from kvstore.segcache import SegmentCache
+from kvstore.segment import SegmentFile
+from kvstore.space import Candidate, Space
+from kvstore.tier.base import Tier
+from kvstore.tier.layout import REGISTRY_OBJECT, parse_segment_object, segment_object, tenant_prefix
+
+log = logging.getLogger("kvstore.tiering")
+SegmentKey = tuple[str, int]
+EVICT_INTERVAL_S = 2.0
+FAIL_FAST_S = 1.0
+
+
+class Tiering:
+    def __init__(
+        self,
+        config: StoreConfig,
+        index: Index,
+        registry: Registry,
+        cache: SegmentCache,
+        metrics: Metrics,
+        run: Callable[..., Awaitable[Any]],
+        tier: Tier | None,
+        writer: bool,
+        adopted: bool = False,
+    ) -> None:
+        self.config = config
+        self.tier = tier
+        self.writer = writer
+        self.adopted = adopted
+        self.space = Space(
+            config.data_dir, config.data_dir / "segments", config.capacity, config.high_watermark, config.low_watermark
+        )
+        self._index = index
+        self._registry = registry
+        self._cache = cache
+        self._metrics = metrics
+        self._run = run
+        self._remote_only: set[SegmentKey] = set()
+        self._remote_reads: collections.Counter[SegmentKey] = collections.Counter()
+        self._rehydrating: set[SegmentKey] = set()
+        self._down_until = 0.0
+        self._evict_lock = asyncio.Lock()
+        self._evict_wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.mirror: Mirror | None = None  # when this process uploads
+
+    # -- life cycle -----------------------------------------------------------
+
+    async def start(self, mirror: Mirror | None) -> None:
+        """After recovery: learn which segments are remote only, queue what is
+        not mirrored yet, start the evictor."""
+        states = await self._run(self._index.tier_states)
+        self._remote_only = {k for k, st in states.items() if not st.local}
+        self.mirror = mirror
+        if mirror is not None:
+            mirror.start()
+            await self._run(self._queue_unmirrored, states)
+        loop = asyncio.get_running_loop()
+        if self.writer:
+            self._tasks.append(loop.create_task(self._evictor(), name="evictor"))
+        if self.adopted:
+            self._tasks.append(loop.create_task(self._follow_bucket(), name="follow-bucket"))
+        await self.refresh_gauges()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self.mirror is not None:
+            await self.mirror.close()
+
+    def _queue_unmirrored(self, states: dict[SegmentKey, TierState]) -> None:
+        for name in self._registry.names():
+            t = self._registry.get(name)
+            if t.durability != "persistent":
+                continue
+            for sid, st in self._index.segments(name).items():
+                ts = states.get((name, sid))
+                if st.state == SEG_SEALED and (ts is None or not ts.mirrored):
+                    self._queue_upload(name, sid)
+
+    def _queue_upload(self, tenant: str, sid: int) -> None:
+        path = self._cache.path(tenant, sid)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            log.error("sealed segment %s/%016x is neither local nor mirrored", tenant, sid)
+            return
+        incarnation = self._registry.get(tenant).created_ns
+        assert self.mirror is not None
+        self.mirror.enqueue((tenant, sid), path, segment_object(tenant, incarnation, sid), size)
+
+    # -- events from the store ------------------------------------------------
+
+    def sealed(self, tenant: str, sid: int) -> None:
+        """On the event loop: a segment of ``tenant`` was sealed."""
+        mirror_it = self.mirror is not None and tenant in self._registry
+        if mirror_it and self._registry.get(tenant).durability == "persistent":
+            self._queue_upload(tenant, sid)
+        self._evict_wake.set()
+
+    def mirrored(self, key: SegmentKey) -> None:
+        self._evict_wake.set()
+
+    def tenant_deleted(self, tenant: str, incarnation: int) -> None:
+        for key in [k for k in self._remote_only if k[0] == tenant]:
+            self._remote_only.discard(key)
+            self.space.forget(key)
+            self._remote_reads.pop(key, None)
+        if self.mirror is not None:
+            self.mirror.forget_tenant(tenant, tenant_prefix(tenant, incarnation))
+
+    # -- reads ----------------------------------------------------------------
+
+    async def local(self, tenant: str, entry: IndexEntry, key: str) -> SegmentFile | None:
+        """The block's segment, acquired (the caller releases it), or None when
+        the read must go to the object tier."""
+        k = (tenant, entry.segment_id)
+        if self.writer:
+            if k in self._remote_only:
+                return None
+        else:  # another process owns the store: ask the index what it dropped
+            ts = self._index.tier_state(*k)
+            if ts is not None and not ts.local:
+                self._cache.forget(k)
+                return None
+        seg = self._cache.acquire_cached(k)
+        if seg is None:
+            seg = await self._run(self._cache.acquire, k)
+        if seg is not None:
+            self.space.touch(k)
+            return seg
+        ts = self._index.tier_state(*k)
+        if ts is not None and ts.mirrored:
+            return None
+        if self._index.get(tenant, key) != entry:
+            raise NotFound(f"key {key!r} not found (its segment was dropped under disk pressure)")
+        raise CorruptionError("segment file is missing", f"{tenant}/{entry.segment_id:016x}.seg", 0)
+
+    async def fetch(self, tenant: str, key: str, entry: IndexEntry) -> FetchedRecord:
+        """The record of ``key`` from the object tier (one ranged GET)."""
+        k = (tenant, entry.segment_id)
+        if self.tier is None:
+            raise CorruptionError(
+                "segment has no local copy and no object tier is configured", f"{tenant}/{entry.segment_id:016x}.seg", 0
+            )
+        if time.monotonic() < self._down_until:
+            raise TierUnavailable("the object tier did not answer just now; retry shortly")
+        name = segment_object(tenant, self._registry.get(tenant).created_ns, entry.segment_id)
+        t0 = time.perf_counter()
+        try:
+            data = await asyncio.wait_for(
+                self.tier.read_range(name, entry.offset, entry.record_len), self.config.s3_read_timeout_ms / 1000
+            )
+        except TimeoutError:
+            self._down(f"no answer in {self.config.s3_read_timeout_ms} ms")
+            raise TierUnavailable(f"the object tier did not answer in {self.config.s3_read_timeout_ms} ms") from None
+        except TierUnavailable as e:
+            self._down(str(e))
+            raise
+        except (TierNotFound, TierRangeError) as e:
+            self._metrics.inc("kvstore_tier_errors_total", op="read")
+            raise CorruptionError(f"the object tier lacks the record of key {key!r}: {e}", name, entry.offset) from None
+        except TierError:
+            self._metrics.inc("kvstore_tier_errors_total", op="read")
+            raise
+        self._metrics.observe("kvstore_tier_read_seconds", time.perf_counter() - t0)
+        self._metrics.inc("kvstore_tier_download_bytes_total", len(data))
+        self._metrics.inc("kvstore_tier_reads_total")
+        self.space.touch(k)
+        self._maybe_rehydrate(k)
+        return FetchedRecord(data, entry.offset, name)
+
+    def _down(self, why: str) -> None:
+        self._metrics.inc("kvstore_tier_errors_total", op="read")
+        self._down_until = time.monotonic() + FAIL_FAST_S
+        log.warning("object tier read failed: %s", why)
+
+    # -- rehydration ----------------------------------------------------------
+
+    def _maybe_rehydrate(self, k: SegmentKey) -> None:
+        n = self.config.rehydrate_reads
+        if not self.writer or not n or k in self._rehydrating:
+            return
+        self._remote_reads[k] += 1
+        if self._remote_reads[k] < n:
+            return
+        ts = self._index.tier_state(*k)
+        if ts is None or self.space.usage().percent(ts.size) > self.config.high_watermark:
+            return  # it would only be dropped again: keep reading it remotely
+        self._rehydrating.add(k)
+        task = asyncio.get_running_loop().create_task(self._rehydrate(k, ts), name=f"rehydrate:{k[0]}/{k[1]:x}")
+        self._tasks.append(task)
+
+    async def _rehydrate(self, k: SegmentKey, ts: TierState) -> None:
+        tenant, sid = k
+        assert self.tier is not None
+        try:
+            name = segment_object(tenant, self._registry.get(tenant).created_ns, sid)
+            dest = self._cache.path(tenant, sid)
+            await self._run(lambda: dest.parent.mkdir(parents=True, exist_ok=True))
+            await download_segment(self.tier, name, ts.size, dest, self._run)
+            await self._run(self._index.set_tier_state, tenant, sid, TierState(TIER_MIRRORED, ts.size, ts.mirrored_ns))
+            self._remote_only.discard(k)
+            self.space.wrote(ts.size)
+            self._metrics.inc("kvstore_tier_rehydrations_total")
+            self._metrics.inc("kvstore_tier_download_bytes_total", ts.size)
+            log.info("rehydrated %s/%016x (%d bytes)", tenant, sid, ts.size)
+        except (TierError, OSError, CorruptionError) as e:
+            self._metrics.inc("kvstore_tier_errors_total", op="rehydrate")
+            log.warning("rehydrating %s/%016x failed: %s", tenant, sid, e)
+        finally:
+            self._rehydrating.discard(k)
+            self._remote_reads.pop(k, None)
+
+    # -- space ----------------------------------------------------------------
+
+    async def admit(self, nbytes: int) -> None:
+        """Refuse (507) a write of ``nbytes`` that would not fit even after
+        dropping everything droppable; wake the evictor above the high mark."""
+        sp = self.space
+        if sp.fits(nbytes):
+            if sp.over_high(nbytes):
+                self._evict_wake.set()
+            return
+        await self.evict()
+        if not sp.fits(nbytes):
+            waiting = self.mirror.backlog[0] if self.mirror is not None else 0
+            u = sp.usage()
+            raise StorageFull(
+                f"the data directory is full ({u.used} of {u.capacity} bytes) and nothing can be dropped: "
+                f"persistent data is kept until it is in the object tier ({waiting} segments wait for upload)"
+            )
+
+    async def _evictor(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._evict_wake.wait(), EVICT_INTERVAL_S)
+            self._evict_wake.clear()
+            try:
+                await self.evict()
+                await self.refresh_gauges()
+            except Exception:
+                log.exception("eviction pass failed")
+
+    async def evict(self) -> int:
+        """One pass: if usage is above the high watermark, drop segments down
+        to the low one. Returns how many were dropped."""
+        async with self._evict_lock:
+            usage = await self._run(self.space.rescan)
+            if usage.percent() <= self.config.high_watermark:
+                return 0
+            candidates = await self._run(self._candidates)
+            victims = self.space.victims(candidates, usage)
+            for c in victims:
+                await self._run(self._drop, c)
+            if victims:
+                log.info(
+                    "dropped %d segments (%d bytes) under disk pressure", len(victims), sum(c.size for c in victims)
+                )
+            return len(victims)
+
+    def _candidates(self) -> list[Candidate]:
+        states = self._index.tier_states()
+        out: list[Candidate] = []
+        for name in self._registry.names():
+            ephemeral = self._registry.get(name).durability == "ephemeral"
+            for sid, st in self._index.segments(name).items():
+                ts = states.get((name, sid))
+                if st.state != SEG_SEALED or (ts is not None and not ts.local):
+                    continue
+                mirrored = ts is not None and ts.mirrored
+                if not (mirrored or ephemeral):
+                    continue  # persistent and not yet in the tier: never dropped
+                try:
+                    size = self._cache.path(name, sid).stat().st_size
+                except FileNotFoundError:
+                    continue
+                out.append(Candidate((name, sid), size, mirrored))
+        return out
+
+    def _drop(self, c: Candidate) -> None:
+        tenant, sid = c.key
+        if c.mirrored:
+            ts = self._index.tier_state(tenant, sid)
+            if ts is None or not ts.mirrored:
+                return
+            self._index.set_tier_state(
+                tenant, sid, TierState(TIER_MIRRORED | TIER_REMOTE_ONLY, ts.size, ts.mirrored_ns)
+            )
+            self._remote_only.add(c.key)
+            kind = "mirrored"
+        else:
+            self._index.drop_entries(tenant, lambda e: e.segment_id == sid)
+            self._index.forget_segment(tenant, sid)
+            kind = "ephemeral"
+        self._cache.forget(c.key, unlink=True)
+        self.space.removed(c.size)
+        self._metrics.inc("kvstore_evictions_total", kind=kind)
+        self._metrics.inc("kvstore_evicted_bytes_total", c.size, kind=kind)
+
+    async def refresh_gauges(self) -> None:
+        states = await self._run(self._index.tier_states)
+        u = self.space.usage()
+        m = self._metrics
+        m.set("kvstore_disk_used_bytes", u.used)
+        m.set("kvstore_disk_capacity_bytes", u.capacity)
+        local = [s for s in states.values() if s.local]
+        mirrored = [s for s in states.values() if s.mirrored]
+        m.set("kvstore_tier_segments", len(mirrored), tier="s3")
+        m.set("kvstore_tier_bytes", sum(s.size for s in mirrored), tier="s3")
+        m.set("kvstore_tier_segments_remote_only", len(states) - len(local))
+        if self.mirror is not None:
+            n, nbytes = self.mirror.backlog
+            m.set("kvstore_tier_upload_backlog_segments", n)
+            m.set("kvstore_tier_upload_backlog_bytes", nbytes)
+        local_bytes = await self._run(self._local_bytes)
+        m.set("kvstore_tier_bytes", local_bytes[1], tier="local")
+        m.set("kvstore_tier_segments", local_bytes[0], tier="local")
+
+    def _local_bytes(self) -> tuple[int, int]:
+        root = self.config.data_dir / "segments"
+        n = total = 0
+        if root.is_dir():
+            for d in os.scandir(root):
+                if d.is_dir():
+                    for f in os.scandir(d.path):
+                        if f.name.endswith(".seg"):
+                            n += 1
+                            total += f.stat().st_size
+        return n, total
+
+    # -- adopting a bucket read-only ------------------------------------------
+
+    async def _follow_bucket(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.s3_refresh_s)
+            try:
+                await self.follow_bucket()
+            except (TierError, CorruptionError, OSError) as e:
+                log.warning("following the bucket failed (will retry): %s", e)
+
+    async def follow_bucket(self) -> int:
+        """An adopted node: take the owner's registry changes and index the
+        segments it sealed since; forget deleted tenants. Returns how many
+        segments were added."""
+        assert self.tier is not None
+        doc = await fetch_registry(self.tier)
+        reg_path = self.config.data_dir / "registry.json"
+        if doc is not None and doc != await self._run(reg_path.read_bytes):
+            await self._run(atomic_write, reg_path, doc)
+            await self._run(self._registry.refresh)
+        listing = await list_bucket(self.tier)
+        names = set(self._registry.names())
+        for gone in await self._run(self._index.tenants) - names:
+            await self._run(self._index.drop_tenant, gone)
+            self._cache.forget_tenant(gone)
+            await self._run(shutil.rmtree, self.config.data_dir / "segments" / gone, True)
+            self._remote_only = {k for k in self._remote_only if k[0] != gone}
+        added = 0
+        for name in sorted(names):
+            inc = self._registry.get(name).created_ns
+            objects = listing.get(name, {}).get(inc, {})
+            known = await self._run(self._index.segments, name)
+            for sid in sorted(set(objects) - set(known)):
+                footer = await fetch_footer(self.tier, segment_object(name, inc, sid), objects[sid], name, sid)
+                end = footer.records_end
+                ops = [(fe.key, index_entry(sid, fe)) for fe in footer.entries]
+                await self._run(self._index.apply, name, ops, sid, SegmentState(SEG_SEALED, end, end))
+                state = TierState(TIER_MIRRORED | TIER_REMOTE_ONLY, objects[sid], time.time_ns())
+                await self._run(self._index.set_tier_state, name, sid, state)
+                self._remote_only.add((name, sid))
+                added += 1
+        return added
+
+
+# -- the bucket at start-up ---------------------------------------------------
+
+
+async def list_bucket(tier: Tier) -> dict[str, dict[int, dict[int, int]]]:
+    """Segment objects by tenant, incarnation and id (-> size)."""
+    out: dict[str, dict[int, dict[int, int]]] = {}
+    async for info in tier.list("segments/"):
+        obj = parse_segment_object(info.name)
+        if obj is not None:
+            out.setdefault(obj.tenant, {}).setdefault(obj.incarnation, {})[obj.segment_id] = info.size
+    return out
+
+
+async def fetch_registry(tier: Tier) -> bytes | None:
+    info = await tier.head(REGISTRY_OBJECT)
+    if info is None:
+        return None
+    return await tier.read_range(REGISTRY_OBJECT, 0, info.size)
+
+
+__all__ = ["Tiering", "fetch_footer", "fetch_registry", "list_bucket"]
