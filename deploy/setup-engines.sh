@@ -53,8 +53,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   pipq install -c "$pin" orjson psutil pybase64 requests packaging pillow starlette msgspec \
     pydantic_core pyzmq tqdm IPython pydantic aiohttp triton
 fi
-step "kvstore (the daemon the tests start), its client library, test tools"
-pipq install -c "$pin" -e . -e clients "pytest>=8" "pytest-timeout>=2.3" "pytest-asyncio>=0.24"
+step "kvstore with its test extras (the daemon the tests start, the shared conftest), the client library"
+pipq install -c "$pin" -e ".[test]" -e clients
 pipq uninstall -y torchvision torchaudio torchcodec
 "$PY" - <<'PY'
 import importlib.metadata as md

@@ -27,6 +27,16 @@ for _k, _v in ENGINE_ENV.items():
     os.environ.setdefault(_k, _v)
 
 
+# Warnings the engines' own imports raise (third-party code; the repository's
+# pytest settings turn warnings into errors): ignored by exact message.
+ENGINE_WARNINGS = (r"ignore:`LoggingHandler` in `opentelemetry-sdk` is deprecated:DeprecationWarning",)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in ENGINE_WARNINGS:
+        config.addinivalue_line("filterwarnings", line)
+
+
 @dataclass
 class Kvstore:
     """A running daemon and a tenant token."""
