@@ -124,8 +124,17 @@ def _worker(cfg: ServerConfig, secret: bytes, role: str, sock: str, ready: Conne
     die_with_parent(signal.SIGTERM)
     if os.getppid() != supervisor:  # it died before prctl took effect
         sys.exit(1)
+
+    def on_ready() -> None:
+        # SIGTERM from a supervisor that died while this worker was opening the
+        # store can be lost before the loop's handler is installed: look again.
+        if os.getppid() != supervisor:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        ready.send("ready")
+
     try:
-        uvloop.run(serve(cfg, MasterKey(secret), role, sock, lambda: ready.send("ready")))
+        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready))
     except KVStoreError as e:
         print(f"kvstore {role}: {e}", file=sys.stderr)
         sys.exit(2)

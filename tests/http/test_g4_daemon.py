@@ -13,7 +13,7 @@ import time
 import aiohttp
 
 from tests.http.conftest import ADMIN, Daemon
-from tests.http.test_daemon import _ready
+from tests.http.test_daemon import _ready, test_workers_do_not_outlive_a_killed_supervisor
 from tests.integration.test_g4 import new_bucket
 from tests.moto_s3 import REGION, S3Env
 
@@ -95,3 +95,10 @@ async def test_daemon_mirrors_drops_and_rebuilds(daemon: Daemon, s3: S3Env) -> N
             assert "kvstore_tier_reads_total" in text
     assert daemon.stop() == 0
     assert (daemon.data_dir / "registry.json").exists()
+
+
+def test_workers_with_a_bucket_do_not_outlive_a_killed_supervisor(daemon: Daemon, s3: S3Env) -> None:
+    """The supervisor is killed while the reader still opens its store (the
+    S3 set-up makes that window wide): the reader must not serve on, orphaned."""
+    _s3_env(daemon, s3, new_bucket(s3.url))
+    test_workers_do_not_outlive_a_killed_supervisor(daemon)
