@@ -12,8 +12,9 @@ import time
 
 import aiohttp
 
+from tests.http import test_daemon
 from tests.http.conftest import ADMIN, Daemon
-from tests.http.test_daemon import _ready, test_workers_do_not_outlive_a_killed_supervisor
+from tests.http.test_daemon import _ready
 from tests.integration.test_g4 import new_bucket
 from tests.moto_s3 import REGION, S3Env
 
@@ -101,4 +102,4 @@ def test_workers_with_a_bucket_do_not_outlive_a_killed_supervisor(daemon: Daemon
     """The supervisor is killed while the reader still opens its store (the
     S3 set-up makes that window wide): the reader must not serve on, orphaned."""
     _s3_env(daemon, s3, new_bucket(s3.url))
-    test_workers_do_not_outlive_a_killed_supervisor(daemon)
+    test_daemon.test_workers_do_not_outlive_a_killed_supervisor(daemon)
