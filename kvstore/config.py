@@ -91,6 +91,8 @@ class StoreConfig:
     # G4, the object tier: no bucket means G3 only. Credentials come from the
     # standard AWS variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...).
     s3_bucket: str = ""
+    # ...or a directory (NFS or other shared storage) as the object tier.
+    tier_dir: str = ""
     s3_endpoint: str = ""
     s3_prefix: str = ""
     s3_region: str = ""
@@ -144,7 +146,13 @@ class StoreConfig:
             self.s3_endpoint,
             "expected an http:// or https:// URL",
         )
-        need(bool(self.s3_bucket) or not self.s3_readonly, "s3_readonly", self.s3_readonly, "needs s3_bucket")
+        need(not (self.s3_bucket and self.tier_dir), "tier_dir", self.tier_dir, "set s3_bucket or tier_dir, not both")
+        need(
+            bool(self.s3_bucket or self.tier_dir) or not self.s3_readonly,
+            "s3_readonly",
+            self.s3_readonly,
+            "needs s3_bucket or tier_dir",
+        )
         need(
             1 <= self.s3_upload_concurrency <= 64,
             "s3_upload_concurrency",
@@ -197,7 +205,7 @@ def parse_field(label: str, name: str, value: object) -> Any:
         "rehydrate_reads",
     ):
         return parse_int(label, value)
-    if name in ("s3_bucket", "s3_endpoint", "s3_prefix", "s3_region"):
+    if name in ("s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "tier_dir"):
         return parse_text(label, value)
     if name == "s3_addressing":
         return parse_choice(label, value, S3_ADDRESSING)

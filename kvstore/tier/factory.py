@@ -1,9 +1,13 @@
-"""The object tier the configuration names: S3 (``s3_bucket``), or none."""
+"""The object tier the configuration names: S3 (``s3_bucket``), a directory
+(``tier_dir``: NFS or other shared storage), or none."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvstore.config import StoreConfig
 from kvstore.tier.base import Tier
+from kvstore.tier.local import LocalTier
 from kvstore.tier.s3 import S3Tier
 
 
@@ -12,6 +16,8 @@ def tier_from_config(config: StoreConfig) -> Tier | None:
     variables), or None: the daemon then runs G3 only. Path-style addressing
     is used when ``s3_addressing`` says so, or (``auto``) when an endpoint other
     than AWS's is given: most S3-compatible stores need it."""
+    if config.tier_dir:
+        return LocalTier(Path(config.tier_dir))
     if not config.s3_bucket:
         return None
     path_style = config.s3_addressing == "path" or (config.s3_addressing == "auto" and bool(config.s3_endpoint))

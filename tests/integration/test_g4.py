@@ -367,3 +367,35 @@ async def test_g3_only_drops_ephemeral_data_and_refuses_persistent_when_full(tmp
         await check(s, "keep", kept)
     finally:
         await s.close()
+
+
+async def test_a_shared_directory_as_the_object_tier(tmp_path: Path, master: MasterKey) -> None:
+    """``tier_dir`` (NFS-style shared storage): the same mirroring, dropping and rebuild."""
+    cfg = StoreConfig.from_env(
+        tmp_path / "node",
+        env={},
+        segment_size="1MiB",
+        frame_size="64KiB",
+        tier_dir=str(tmp_path / "shared"),
+        capacity="8MiB",
+        high_watermark=2,
+        low_watermark=1,
+        rehydrate_reads=0,
+    )
+    s = await Store.open(cfg, master)
+    await s.create_tenant("alice")
+    blocks = await fill(s, "alice", 12)
+    await s.flush(upload_timeout_s=60)
+    await s.evict()
+    assert local_segments(cfg.data_dir, "alice") == []
+    assert (tmp_path / "shared" / "registry.json").exists()
+    assert not any(CANARY in p.read_bytes() for p in (tmp_path / "shared").rglob("*.seg"))
+    await check(s, "alice", blocks)
+    await s.close()
+    shutil.rmtree(cfg.data_dir)
+    s = await Store.open(cfg, master)
+    try:
+        assert s.recovery.segments_from_tier >= 2
+        await check(s, "alice", blocks)
+    finally:
+        await s.close()

@@ -74,11 +74,15 @@ def test_examples_are_the_unset_and_machine_dependent_settings(tmp_path: Path) -
     text = TOML.read_text()
     server_none = {f.name for f in fields(ServerConfig) if f.default is None} - SECRETS
     store_unset = {f.name for f in fields(StoreConfig) if f.default == ""}
-    assert store_unset == {"s3_bucket", "s3_endpoint", "s3_prefix", "s3_region"}
+    assert store_unset == {"s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "tier_dir"}
     assert set(names(EXAMPLE, text)) == server_none | store_unset | {"io_threads"}
-    # The examples are valid values too.
+    # The examples are valid values too (tier_dir on its own: it excludes s3_bucket).
+    alone = re.search(r"^# e\.g\. (tier_dir = .+)$", text, re.MULTILINE)
+    assert alone is not None
+    (tmp_path / "tier_dir.toml").write_text(alone.group(1) + "\n")
+    assert load(tmp_path / "tier_dir.toml", env={}).store.tier_dir
     path = tmp_path / "examples.toml"
-    path.write_text(EXAMPLE.sub(r"\g<name> = \g<value>", text))
+    path.write_text(EXAMPLE.sub(r"\g<name> = \g<value>", text.replace(alone.group(0), "")))
     cfg = load(path, env={})
     assert cfg.tls_cert and cfg.tls_key and cfg.master_key_file and cfg.admin_token_file
     assert cfg.store.io_threads == 16
