@@ -64,6 +64,7 @@ import hashlib
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +102,7 @@ SETTINGS = (
 )
 HEADER_MAGIC = b"kvsvllm1"  # 8 bytes, then 8 bytes of blake2b(layout description)
 HEADER_SIZE = 16
+IDLE_WAIT = 0.05  # s: the longest an idle engine step waits for an async load (see get_finished)
 
 
 # -- metadata: scheduler -> workers (pickled between processes) -------------------
@@ -396,6 +398,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._save_client = self._client(self.save_timeout)
         self._lock = threading.Lock()
         self._inflight_loads: dict[str, concurrent.futures.Future[set[int]]] = {}
+        self._idle_step = False
         self._errors: set[int] = set()
         self._pending_save_bytes = 0
         self._pending_saves: set[concurrent.futures.Future[Any]] = set()
@@ -473,6 +476,9 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # -- loads -------------------------------------------------------------------
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # vLLM runs a step without a forward pass (no attention metadata) when no
+        # request can run, e.g. all wait for their KV: get_finished may then wait.
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         if not self._ready():
             return
         meta = self._get_connector_metadata()
@@ -515,6 +521,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._copy_in(buf, block_id)
                 done.add(block_id)
 
+        t0 = time.monotonic()
         try:
             async with asyncio.timeout(self.load_timeout):
                 await asyncio.gather(*(one(k, b) for k, b in zip(keys, load.block_ids, strict=True)))
@@ -523,6 +530,13 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except Exception:
             log.exception("kvstore: loading request %s failed", load.req_id)
         failed = set(load.block_ids) - done
+        log.debug(
+            "kvstore: request %s: %d blocks loaded, %d failed, in %.3f s",
+            load.req_id,
+            len(done),
+            len(failed),
+            time.monotonic() - t0,
+        )
         self.stats["loaded_blocks"] += len(done)
         self.stats["load_failed_blocks"] += len(failed)
         return failed
@@ -534,6 +548,14 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.role != KVConnectorRole.WORKER or self.disabled:
             return None, None
         done: set[str] = set()
+        with self._lock:
+            inflight = list(self._inflight_loads.values())
+        if inflight and self._idle_step:
+            # An idle engine loop spins through steps holding the GIL, which
+            # starves the loading thread (each socket read must win the GIL
+            # back: the convoy effect made a 0.4 s load take 12 s). Nothing
+            # else runs this step, so wait here, GIL released, for a load.
+            concurrent.futures.wait(inflight, timeout=IDLE_WAIT, return_when=concurrent.futures.FIRST_COMPLETED)
         with self._lock:
             for req_id, fut in list(self._inflight_loads.items()):
                 if not fut.done():
