@@ -10,7 +10,6 @@ block as a load error and vLLM recompute them.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from kvstore_client.adapters.vllm import KVStoreConnector
 from kvstore_client.client import AsyncClient
@@ -31,9 +30,3 @@ class DaemonGoneBeforeLoad(KVStoreConnector):
             with open(os.environ["KVSTORE_TEST_FAULT_LOG"], "a") as f:
                 f.write(f"{len(errors)}\n")
         return errors
-
-    def __repr__(self) -> str:  # pragma: no cover
-        return f"DaemonGoneBeforeLoad({self.role})"
-
-
-__all__: list[Any] = ["DaemonGoneBeforeLoad"]
