@@ -315,11 +315,11 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         st = self._reqs.get(request.request_id)
         if st is None or num_external_tokens <= 0 or st.load_queued:
             return
+        # vLLM now counts these tokens as coming from kvstore: the load must be
+        # queued whatever happens (blocks it cannot fill are reported as errors).
         n = num_external_tokens // self.block_size
         start = st.load_start
         ids = blocks.get_block_ids()[0]
-        if n <= 0 or start + n > len(ids):
-            return
         st.load_end = start + n
         st.block_ids = list(ids)
         st.load_queued = True
