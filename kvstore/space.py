@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.segment import parse_segment_name
-
 SegmentKey = tuple[str, int]  # (tenant, segment id)
 
 
@@ -59,12 +57,7 @@ class Space:
     def rescan(self) -> Usage:
         """Measure from scratch (file sizes or statvfs); runs on a thread."""
         if self.capacity:
-            total = 0
-            if self._seg_root.is_dir():
-                for tenant_dir in os.scandir(self._seg_root):
-                    if tenant_dir.is_dir():
-                        for f in os.scandir(tenant_dir.path):
-                            total += f.stat().st_size
+            total = sum(size for _, size in segment_files(self._seg_root, suffix=""))
             with self._lock:
                 self._scanned, self._since_scan = total, 0
         return self.usage()
@@ -117,7 +110,26 @@ class Space:
         return out
 
 
-def local_segment_ids(tenant_dir: Path) -> set[int]:
-    if not tenant_dir.is_dir():
-        return set()
-    return {sid for p in tenant_dir.iterdir() if (sid := parse_segment_name(p.name)) is not None}
+def segment_files(seg_root: Path, suffix: str = ".seg") -> list[tuple[str, int]]:
+    """(path, size) of the files under ``seg_root``/TENANT/ whose names end with
+    ``suffix``. Files and directories may come and go meanwhile (segments being
+    created under ``.tmp`` names, dropped, or a tenant deleted): those are skipped."""
+    out: list[tuple[str, int]] = []
+    try:
+        tenants = list(os.scandir(seg_root))
+    except FileNotFoundError:
+        return out
+    for tenant_dir in tenants:
+        try:
+            if not tenant_dir.is_dir():
+                continue
+            entries = list(os.scandir(tenant_dir.path))
+        except FileNotFoundError:
+            continue
+        for f in entries:
+            if f.name.endswith(suffix):
+                try:
+                    out.append((f.path, f.stat().st_size))
+                except FileNotFoundError:
+                    continue
+    return out

@@ -19,7 +19,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
@@ -44,7 +43,7 @@ from kvstore.registry import Registry
 from kvstore.remote import FetchedRecord, download_segment, fetch_footer
 from kvstore.segcache import SegmentCache
 from kvstore.segment import SegmentFile
-from kvstore.space import Candidate, Space
+from kvstore.space import Candidate, Space, segment_files
 from kvstore.tier.base import Tier
 from kvstore.tier.layout import REGISTRY_OBJECT, parse_segment_object, segment_object, tenant_prefix
 
@@ -366,16 +365,8 @@ class Tiering:
         m.set("kvstore_tier_segments", local_bytes[0], tier="local")
 
     def _local_bytes(self) -> tuple[int, int]:
-        root = self.config.data_dir / "segments"
-        n = total = 0
-        if root.is_dir():
-            for d in os.scandir(root):
-                if d.is_dir():
-                    for f in os.scandir(d.path):
-                        if f.name.endswith(".seg"):
-                            n += 1
-                            total += f.stat().st_size
-        return n, total
+        files = segment_files(self.config.data_dir / "segments")
+        return len(files), sum(size for _, size in files)
 
     # -- adopting a bucket read-only ------------------------------------------
 
