@@ -23,7 +23,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,7 @@ class Mirror:
         self._on_mirrored = on_mirrored
         self._pending: dict[SegmentKey, Upload] = {}
         self._queue: asyncio.Queue[SegmentKey] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
         self._progress = asyncio.Event()
         self._registry_version = 0
         self._registry_uploaded = 0
@@ -87,19 +87,25 @@ class Mirror:
 
     def start(self) -> None:
         for i in range(self._concurrency):
-            self._tasks.append(self._loop.create_task(self._worker(), name=f"mirror-upload-{i}"))
-        self._tasks.append(self._loop.create_task(self._registry_worker(), name="mirror-registry"))
+            self._spawn(self._worker(), f"mirror-upload-{i}")
+        self._spawn(self._registry_worker(), "mirror-registry")
+        self._gauges()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = self._loop.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         for up in self._pending.values():
             if up.retry is not None:
                 up.retry.cancel()
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._tasks.clear()
 
     # -- what to upload -------------------------------------------------------
 
@@ -130,8 +136,7 @@ class Mirror:
             self.delete_prefix(prefix)
 
     def delete_prefix(self, prefix: str) -> None:
-        task = self._loop.create_task(self._delete_prefix(prefix), name=f"mirror-delete:{prefix}")
-        self._tasks.append(task)
+        self._spawn(self._delete_prefix(prefix), f"mirror-delete:{prefix}")
 
     @property
     def backlog(self) -> tuple[int, int]:

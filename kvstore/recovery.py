@@ -219,11 +219,16 @@ def _index_from_tier(
     except (CorruptionError, TierError) as e:
         report.corrupt.append((name, 0, str(e)))
         return
+    index_tier_segment(index, tenant, sid, size, footer)
+    report.segments_from_tier += 1
+    report.records_replayed += len(footer.entries)
+
+
+def index_tier_segment(index: Index, tenant: str, sid: int, size: int, footer: RemoteFooter) -> None:
+    """Index a sealed segment that is only in the object tier, from its footer."""
     end = footer.records_end
     index.apply(tenant, _ops(sid, footer.entries), sid, SegmentState(SEG_SEALED, end, end))
     index.set_tier_state(tenant, sid, TierState(TIER_MIRRORED | TIER_REMOTE_ONLY, size, time.time_ns()))
-    report.segments_from_tier += 1
-    report.records_replayed += len(footer.entries)
 
 
 def _recover_sealed(seg: SegmentFile, state: SegmentState | None, index: Index, report: RecoveryReport) -> None:

@@ -51,13 +51,18 @@ class Space:
         self._scanned = 0
         self._since_scan = 0
         self._last_read: dict[SegmentKey, float] = {}
+        self.local = (0, 0)  # segment files and their bytes, as of the last rescan
 
     # -- measurement ----------------------------------------------------------
 
     def rescan(self) -> Usage:
-        """Measure from scratch (file sizes or statvfs); runs on a thread."""
+        """Measure from scratch (file sizes or statvfs); runs on a thread. Also
+        remembers how many segment files are local, and their bytes (``local``)."""
+        files = segment_files(self._seg_root, suffix="")
+        segs = [size for path, size in files if path.endswith(".seg")]
+        self.local = (len(segs), sum(segs))
         if self.capacity:
-            total = sum(size for _, size in segment_files(self._seg_root, suffix=""))
+            total = sum(size for _, size in files)
             with self._lock:
                 self._scanned, self._since_scan = total, 0
         return self.usage()

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from kvstore.config import StoreConfig
@@ -35,15 +35,15 @@ from kvstore.errors import (
     TierUnavailable,
 )
 from kvstore.fsutil import atomic_write
-from kvstore.index import SEG_SEALED, TIER_MIRRORED, TIER_REMOTE_ONLY, Index, IndexEntry, SegmentState, TierState
+from kvstore.index import SEG_SEALED, TIER_MIRRORED, TIER_REMOTE_ONLY, Index, IndexEntry, TierState
 from kvstore.metrics import Metrics
 from kvstore.mirror import Mirror
-from kvstore.record import index_entry
+from kvstore.recovery import index_tier_segment
 from kvstore.registry import Registry
 from kvstore.remote import FetchedRecord, download_segment, fetch_footer
 from kvstore.segcache import SegmentCache
 from kvstore.segment import SegmentFile
-from kvstore.space import Candidate, Space, segment_files
+from kvstore.space import Candidate, Space
 from kvstore.tier.base import Tier
 from kvstore.tier.layout import REGISTRY_OBJECT, parse_segment_object, segment_object, tenant_prefix
 
@@ -84,7 +84,7 @@ class Tiering:
         self._down_until = 0.0
         self._evict_lock = asyncio.Lock()
         self._evict_wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
         self.mirror: Mirror | None = None  # when this process uploads
 
     # -- life cycle -----------------------------------------------------------
@@ -98,20 +98,25 @@ class Tiering:
         if mirror is not None:
             mirror.start()
             await self._run(self._queue_unmirrored, states)
-        loop = asyncio.get_running_loop()
         if self.writer:
-            self._tasks.append(loop.create_task(self._evictor(), name="evictor"))
+            self._spawn(self._evictor(), "evictor")
         if self.adopted:
-            self._tasks.append(loop.create_task(self._follow_bucket(), name="follow-bucket"))
+            self._spawn(self._follow_bucket(), "follow-bucket")
+        await self._run(self.space.rescan)
         await self.refresh_gauges()
 
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._tasks.clear()
         if self.mirror is not None:
             await self.mirror.close()
 
@@ -235,8 +240,7 @@ class Tiering:
         if ts is None or self.space.usage().percent(ts.size) > self.config.high_watermark:
             return  # it would only be dropped again: keep reading it remotely
         self._rehydrating.add(k)
-        task = asyncio.get_running_loop().create_task(self._rehydrate(k, ts), name=f"rehydrate:{k[0]}/{k[1]:x}")
-        self._tasks.append(task)
+        self._spawn(self._rehydrate(k, ts), f"rehydrate:{k[0]}/{k[1]:x}")
 
     async def _rehydrate(self, k: SegmentKey, ts: TierState) -> None:
         tenant, sid = k
@@ -346,27 +350,19 @@ class Tiering:
         self._metrics.inc("kvstore_evicted_bytes_total", c.size, kind=kind)
 
     async def refresh_gauges(self) -> None:
+        """Tier and disk gauges; local segment counts are the last rescan's.
+        (The mirror keeps the upload backlog gauges itself.)"""
         states = await self._run(self._index.tier_states)
         u = self.space.usage()
         m = self._metrics
         m.set("kvstore_disk_used_bytes", u.used)
         m.set("kvstore_disk_capacity_bytes", u.capacity)
-        local = [s for s in states.values() if s.local]
         mirrored = [s for s in states.values() if s.mirrored]
         m.set("kvstore_tier_segments", len(mirrored), tier="s3")
         m.set("kvstore_tier_bytes", sum(s.size for s in mirrored), tier="s3")
-        m.set("kvstore_tier_segments_remote_only", len(states) - len(local))
-        if self.mirror is not None:
-            n, nbytes = self.mirror.backlog
-            m.set("kvstore_tier_upload_backlog_segments", n)
-            m.set("kvstore_tier_upload_backlog_bytes", nbytes)
-        local_bytes = await self._run(self._local_bytes)
-        m.set("kvstore_tier_bytes", local_bytes[1], tier="local")
-        m.set("kvstore_tier_segments", local_bytes[0], tier="local")
-
-    def _local_bytes(self) -> tuple[int, int]:
-        files = segment_files(self.config.data_dir / "segments")
-        return len(files), sum(size for _, size in files)
+        m.set("kvstore_tier_segments_remote_only", sum(not s.local for s in states.values()))
+        m.set("kvstore_tier_segments", self.space.local[0], tier="local")
+        m.set("kvstore_tier_bytes", self.space.local[1], tier="local")
 
     # -- adopting a bucket read-only ------------------------------------------
 
@@ -402,11 +398,7 @@ class Tiering:
             known = await self._run(self._index.segments, name)
             for sid in sorted(set(objects) - set(known)):
                 footer = await fetch_footer(self.tier, segment_object(name, inc, sid), objects[sid], name, sid)
-                end = footer.records_end
-                ops = [(fe.key, index_entry(sid, fe)) for fe in footer.entries]
-                await self._run(self._index.apply, name, ops, sid, SegmentState(SEG_SEALED, end, end))
-                state = TierState(TIER_MIRRORED | TIER_REMOTE_ONLY, objects[sid], time.time_ns())
-                await self._run(self._index.set_tier_state, name, sid, state)
+                await self._run(index_tier_segment, self._index, name, sid, objects[sid], footer)
                 self._remote_only.add((name, sid))
                 added += 1
         return added
