@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.http.conftest import ADMIN, Daemon, free_port
+from tests.http.conftest import ADMIN, Daemon, daemon_env, free_port
 
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -74,17 +74,7 @@ class Kvstore:
 
 def make_kvstore(workdir: Path) -> Kvstore:
     workdir.mkdir(parents=True, exist_ok=True)
-    key = workdir / "master.key"
-    key.write_bytes(os.urandom(32))
-    key.chmod(0o600)
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "KVSTORE_ADMIN_TOKEN": ADMIN,
-        "KVSTORE_MASTER_KEY_FILE": str(key),
-        "KVSTORE_SEGMENT_SIZE": "16MiB",
-        "KVSTORE_DURABILITY": "interval",
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-    }
+    env = daemon_env(workdir, segment_size="16MiB", durability="interval")
     kv = Kvstore(Daemon(workdir / "data", free_port(), env)).start()
     kv.create_tenant()
     return kv

@@ -127,19 +127,24 @@ class Daemon:
         return self.data_dir.parent / "server.log"
 
 
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    key = tmp_path / "master.key"
+def daemon_env(workdir: Path, **settings: str) -> dict[str, str]:
+    """The environment of a test daemon: a fresh master key file (mode 0600) in
+    ``workdir``, the admin token, and ``settings`` as KVSTORE_<NAME> variables."""
+    key = workdir / "master.key"
     key.write_bytes(os.urandom(32))
     key.chmod(0o600)
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "KVSTORE_ADMIN_TOKEN": ADMIN,
         "KVSTORE_MASTER_KEY_FILE": str(key),
-        "KVSTORE_SEGMENT_SIZE": "1MiB",
-        "KVSTORE_FRAME_SIZE": "64KiB",
         "PYTHONPATH": str(ROOT),
     }
+    return env | {"KVSTORE_" + name.upper(): value for name, value in settings.items()}
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    env = daemon_env(tmp_path, segment_size="1MiB", frame_size="64KiB")
     d = Daemon(tmp_path / "data", free_port(), env)
     yield d
     if d.proc is not None:
