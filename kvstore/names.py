@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from kvstore.errors import InvalidKey, InvalidTenant
+from kvstore.errors import InvalidInput, InvalidKey, InvalidTenant
 
 KEY_MAX_LEN = 256
 TENANT_MAX_LEN = 64
@@ -40,3 +40,20 @@ def validate_tenant(name: object) -> str:
             "[A-Za-z0-9._-] starting with a letter or digit"
         )
     return name
+
+
+_TOKEN_ID_RE = re.compile(r"[0-9a-f]{16}")
+
+
+def validate_token_id(token_id: object) -> str:
+    """Return ``token_id`` if it has the form of a token id (16 hex digits)."""
+    if not isinstance(token_id, str) or _TOKEN_ID_RE.fullmatch(token_id) is None:
+        shown = token_id[:40] if isinstance(token_id, str) else type(token_id).__name__
+        raise InvalidInput(f"token id {shown!r} is invalid; expected 16 lowercase hex digits")
+    return token_id
+
+
+# Every path parameter of every route, and how it is checked. Every worker
+# checks the decoded parameters with these before it answers or relays a
+# request, so a route means the same on every worker.
+PATH_PARAMS = {"key": validate_key, "name": validate_tenant, "token_id": validate_token_id}

@@ -18,11 +18,22 @@ from aiohttp import web
 
 from kvstore.crypto import MasterKey
 from kvstore.errors import InvalidRange, KVStoreError, Overloaded, Unauthorized
+from kvstore.names import PATH_PARAMS
 from kvstore.server_config import ServerConfig
 from kvstore.store import Store
 from kvstore.transport import http_admin, http_batch, http_blocks
-from kvstore.transport.http_common import CONFIG, METRICS, STATE, STORE, error_body, error_response
-from kvstore.transport.http_forward import WRITER, forward, is_write
+from kvstore.transport.http_common import (
+    CONFIG,
+    METRICS,
+    STATE,
+    STORE,
+    error_body,
+    error_response,
+    require_admin,
+    route_of,
+    tenant_of,
+)
+from kvstore.transport.http_forward import WRITER, forward, relayed
 
 log = logging.getLogger("kvstore.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -38,14 +49,42 @@ _HTTP_CODES = {
 }
 
 
-def _route(request: web.Request) -> str:
-    info = request.match_info
-    resource = info.route.resource if info.route is not None else None
-    return resource.canonical if resource is not None else "unmatched"
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outermost: counts every answer by the status the client gets (errors
+    are already mapped to responses inside), and bounds requests in flight."""
+    route = route_of(request)
+    if route in _UNMETERED:
+        return await handler(request)
+    state = request.app[STATE]
+    metrics = request.app[METRICS]
+    t0 = time.perf_counter()
+    if state["inflight"] >= request.app[CONFIG].max_concurrency:
+        e = Overloaded(f"over {request.app[CONFIG].max_concurrency} requests in flight; retry")
+        metrics.inc("kvstore_errors_total", code=e.code)
+        metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=str(e.status))
+        return error_response(e, {"Retry-After": "1"})
+    state["inflight"] += 1
+    status = "disconnected"  # what is left when the handler ends without a response
+    try:
+        resp = await handler(request)
+        status = str(resp.status)
+        return resp
+    finally:
+        state["inflight"] -= 1
+        metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=status)
+        metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=request.method)
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error becomes a JSON body, in one place. A client that went away
+    mid-answer is counted, not logged as a failure."""
     try:
         return await handler(request)
     except KVStoreError as e:
@@ -57,7 +96,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if isinstance(e, Overloaded):
             headers["Retry-After"] = "1"
         if e.status >= 500:
-            log.error("%s %s: %s", request.method, _route(request), e)
+            log.error("%s %s: %s", request.method, route_of(request), e)
             request.app[METRICS].inc("kvstore_errors_total", code=e.code)
         return error_response(e, headers)
     except web.HTTPException as e:
@@ -69,32 +108,38 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             status=e.status,
             headers={"Allow": e.headers["Allow"]} if "Allow" in e.headers else None,
         )
-    except Exception:
-        log.exception("%s %s failed", request.method, _route(request))
-        request.app[METRICS].inc("kvstore_errors_total", code="internal")
+    except ConnectionError:
+        if not _client_gone(request):
+            raise_internal(request)
+            raise
+        request.app[METRICS].inc("kvstore_http_client_disconnects_total", route=route_of(request))
+        log.debug("%s %s: the client disconnected", request.method, route_of(request))
+        raise
+    except Exception:  # noqa: BLE001 - the one place an unexpected failure becomes a 500
+        raise_internal(request)
         return web.json_response(error_body("internal", "internal error"), status=500)
 
 
+def raise_internal(request: web.Request) -> None:
+    """Log and count an unexpected failure (the traceback goes to the log)."""
+    log.exception("%s %s failed", request.method, route_of(request))
+    request.app[METRICS].inc("kvstore_errors_total", code="internal")
+
+
 @web.middleware
-async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    route = _route(request)
-    if route in _UNMETERED:
-        return await handler(request)
-    state = request.app[STATE]
-    if state["inflight"] >= request.app[CONFIG].max_concurrency:
-        raise Overloaded(f"over {request.app[CONFIG].max_concurrency} requests in flight; retry")
-    state["inflight"] += 1
-    t0 = time.perf_counter()
-    status = 500
-    try:
-        resp = await handler(request)
-        status = resp.status
-        return resp
-    finally:
-        state["inflight"] -= 1
-        metrics = request.app[METRICS]
-        metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=str(status))
-        metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=request.method)
+async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The same checks, in the same order, on every worker, before a route is
+    answered or relayed: the token (admin for /v1/admin, else a tenant's),
+    then every path parameter. Unmatched paths pass through to their 404/405."""
+    if request.match_info.http_exception is None:
+        route = route_of(request)
+        if route.startswith("/v1/admin/"):
+            require_admin(request)
+        elif route.startswith("/v1/"):
+            tenant_of(request)
+        for name, value in request.match_info.items():
+            PATH_PARAMS[name](value)
+    return await handler(request)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -126,7 +171,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 @web.middleware
 async def forward_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if is_write(request):
+    if relayed(request):
         return await forward(request)
     return await handler(request)
 
@@ -143,7 +188,12 @@ def make_app(
     if reader and not writer_socket:
         raise ValueError("a reader needs the writer's socket")
     app = web.Application(
-        middlewares=[errors_middleware, metrics_middleware, *([forward_middleware] if reader else [])],
+        middlewares=[
+            metrics_middleware,
+            errors_middleware,
+            gate_middleware,
+            *([forward_middleware] if reader else []),
+        ],
         client_max_size=4 << 20,  # JSON bodies (lookup, batch get); block bodies are streamed
     )
     app[CONFIG] = config

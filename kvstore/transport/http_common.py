@@ -29,19 +29,38 @@ def config_of(request: web.Request) -> ServerConfig:
     return request.app[CONFIG]
 
 
+def route_of(request: web.Request) -> str:
+    """The matched route's pattern (``/v1/blocks/{key}``), or "unmatched"."""
+    info = request.match_info
+    resource = info.route.resource if info.route is not None else None
+    return resource.canonical if resource is not None else "unmatched"
+
+
 def _bearer(request: web.Request) -> str:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    token = token.strip(" \t")
+    if scheme.lower() != "bearer" or not token:
         raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
-    return token.strip()
+    # Tokens are visible ASCII (RFC 6750's b64token is a subset); anything else
+    # cannot name a tenant. Never echo it: it may be a secret with a typo.
+    if not token.isascii() or not token.isprintable() or " " in token:
+        raise Unauthorized("malformed bearer token: expected visible ASCII characters")
+    return token
+
+
+_TENANT = web.RequestKey("tenant", str)
 
 
 def tenant_of(request: web.Request) -> str:
     """The tenant named by the request's bearer token (401 when none)."""
+    cached: str | None = request.get(_TENANT)
+    if cached is not None:
+        return cached
     tenant = store_of(request).authenticate(_bearer(request))
     if tenant is None:
         raise Unauthorized("unknown or revoked token")
+    request[_TENANT] = tenant
     return tenant
 
 

@@ -1,57 +1,95 @@
-"""Reader workers forward writes to the writer worker over a unix socket.
+"""Reader workers relay writes to the writer worker over a unix socket.
 
 With several worker processes, one (the writer) owns the store's writes:
 segment appends, index commits, the registry. The others open the store for
-reads and serve GET, HEAD, lookup, batch get and stats themselves; every
-write and every admin call is relayed, body streamed, to the writer, which
-authenticates and answers it as if it had come in directly.
+reads and serve GET, HEAD, lookup, batch get and stats themselves; every other
+route is relayed, body streamed, to the writer, which answers it as if it had
+come in directly.
+
+A route must mean the same on every worker. So the reader decides what to
+relay by the route its own router matched (never by a prefix of the decoded
+path), answers unmatched paths itself exactly as the writer would (404/405),
+relays only after the same authentication and path checks the writer makes
+(``gate_middleware`` in http.py runs on every worker), and relays the path as
+it was received, still percent-encoded: a decoded ``%2F``, ``%3F``, ``%23`` or
+``..`` never becomes path syntax on the writer.
 """
 
 from __future__ import annotations
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from kvstore.errors import StoreClosed
-from kvstore.names import validate_key
 from kvstore.transport.http_blocks import check_length
-from kvstore.transport.http_common import config_of, store_of
+from kvstore.transport.http_common import config_of, route_of, store_of
 
 WRITER = web.AppKey("writer", aiohttp.ClientSession)
 _SENT = ("Authorization", "Content-Type", "Content-Length", "If-None-Match", "Range")
 _RETURNED = ("Content-Type", "ETag", "WWW-Authenticate", "Retry-After", "Content-Range", "Allow")
-_READS = {("POST", "/v1/lookup"), ("POST", "/v1/batch/get"), ("GET", "/v1/stats")}
+# Routes every worker answers itself; every other matched route goes to the writer.
+LOCAL_ROUTES = frozenset(
+    {
+        ("GET", "/v1/blocks/{key}"),
+        ("HEAD", "/v1/blocks/{key}"),
+        ("POST", "/v1/lookup"),
+        ("POST", "/v1/batch/get"),
+        ("GET", "/v1/stats"),
+        ("GET", "/healthz"),
+        ("HEAD", "/healthz"),
+        ("GET", "/readyz"),
+        ("HEAD", "/readyz"),
+        ("GET", "/metrics"),
+        ("HEAD", "/metrics"),
+    }
+)
 
 
-def is_write(request: web.Request) -> bool:
-    """Whether the request changes the store (and so belongs to the writer)."""
-    path, method = request.path, request.method
-    if path.startswith("/v1/admin/"):
-        return True
-    if path.startswith("/v1/blocks/"):
-        return method in ("PUT", "DELETE")
-    return path.startswith("/v1/") and (method, path) not in _READS and method not in ("GET", "HEAD")
+def relayed(request: web.Request) -> bool:
+    """Whether the writer must answer ``request``: a matched route that is not
+    one of the reads every worker serves. Unmatched paths and methods are
+    answered where they arrive (the same 404/405 the writer would give)."""
+    if request.match_info.http_exception is not None:
+        return False
+    return (request.method, route_of(request)) not in LOCAL_ROUTES
+
+
+def writer_url(request: web.Request) -> URL:
+    """The writer's URL for ``request``: the path and query exactly as they
+    arrived (percent-encoded), never re-normalized."""
+    return URL("http://writer" + request.rel_url.raw_path_qs, encoded=True)
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
-    if request.method == "PUT" and request.path.startswith("/v1/blocks/"):
+    if request.method == "PUT" and route_of(request) == "/v1/blocks/{key}":
         # Refuse what the writer would refuse before streaming a body to it.
-        validate_key(request.match_info["key"])
         check_length(request, store_of(request).config.max_block_size)
     headers = {h: request.headers[h] for h in _SENT if h in request.headers}
     body = request.content if request.body_exists else None
     timeout = aiohttp.ClientTimeout(total=None, sock_read=config_of(request).request_timeout_s)
     try:
-        async with request.app[WRITER].request(
-            request.method, "http://writer" + request.rel_url.path_qs, headers=headers, data=body, timeout=timeout
-        ) as r:
-            resp = web.StreamResponse(status=r.status, headers={h: r.headers[h] for h in _RETURNED if h in r.headers})
-            if r.content_length is not None:
-                resp.content_length = r.content_length
-            await resp.prepare(request)
-            async for chunk in r.content.iter_chunked(1 << 20):
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
+        upstream = await request.app[WRITER].request(
+            request.method, writer_url(request), headers=headers, data=body, timeout=timeout
+        )
     except (aiohttp.ClientError, ConnectionError) as e:
         raise StoreClosed(f"the writer process is unavailable ({type(e).__name__}); retry") from None
+    async with upstream as r:
+        resp = web.StreamResponse(status=r.status, headers={h: r.headers[h] for h in _RETURNED if h in r.headers})
+        if r.content_length is not None:
+            resp.content_length = r.content_length
+        await resp.prepare(request)
+        while True:
+            try:
+                chunk = await r.content.read(1 << 20)
+            except (aiohttp.ClientError, ConnectionError):
+                # The writer went away mid-answer: the headers are sent, so the
+                # only honest signal left is a cut connection.
+                if request.transport is not None:
+                    request.transport.close()
+                raise
+            if not chunk:
+                break
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
