@@ -1,30 +1,47 @@
-"""Group commit: one appender per tenant drains a queue of encoded records.
+"""Group commit: one appender per tenant owns the tenant's open segment and
+every change to the tenant's index entries.
 
-Each batch is written with one ``pwritev``, synced once (``fsync`` policy),
-then its index entries are committed in one LMDB transaction, and only then
-are its callers acknowledged. On any failure (ENOSPC, EIO on write or sync, an
-index error) the segment is truncated back to where the batch began and the
-whole batch fails: nothing acknowledged is ever lost, nothing half-written is
-ever indexed. Under the ``interval`` policy, batches are acknowledged after
-the index commit and synced by the same worker every ``sync_interval_ms``.
+Everything that changes a tenant's open segment or its block entries goes
+through its appender's queue, in order: puts and tombstones, records copied
+by compaction, entries dropped by eviction, quota or expiry, and seals (a
+flush asks the appender; it never touches the file itself). The appender's
+task runs one step at a time on the executor, so no two of these ever run at
+once on the same segment or interleave inside a batch.
+
+Each batch of records is written with one ``pwritev``, synced once (``fsync``
+policy), then its index entries are committed in one LMDB transaction, and
+only then are its callers acknowledged. On any failure (ENOSPC, EIO on write
+or sync, an index error) the segment is truncated back to where the batch
+began and the whole batch fails: nothing acknowledged is ever lost, nothing
+half-written is ever indexed. Under the ``interval`` policy, batches are
+acknowledged after the index commit and synced (segment and index) by the
+same task every ``sync_interval_ms``.
+
+A copied record (compaction) is conditional: it is written only if the key's
+entry still points at the record it copies, taking into account the ops
+before it in the same batch; otherwise it is skipped (the block was deleted,
+replaced or evicted meanwhile) and its caller gets None.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvstore.config import StoreConfig
 from kvstore.errors import KVStoreError, StorageFull, StorageIOError, StoreClosed
 from kvstore.format import ALIGN, FooterEntry
-from kvstore.index import SEG_OPEN, SEG_SEALED, Index, IndexEntry, SegmentState
+from kvstore.index import Index, IndexEntry
+from kvstore.lifecycle import Lifecycle
 from kvstore.metrics import Metrics
 from kvstore.record import EncodedRecord, footer_entry, index_entry
 from kvstore.segment import SegmentFile
@@ -43,9 +60,21 @@ class OpenSegment:
 
 
 @dataclass(slots=True)
-class _Item:
+class _Write:
+    """A record to append. ``expect`` set: a copy, written only if the key's
+    entry is still ``expect``."""
+
     record: EncodedRecord
     future: asyncio.Future[IndexEntry | None]
+    expect: IndexEntry | None = None
+
+
+@dataclass(slots=True)
+class _Step:
+    """Anything else the appender does in order with its writes."""
+
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
 
 
 class Appender:
@@ -56,6 +85,7 @@ class Appender:
         direct: bool,
         tail: OpenSegment,
         index: Index,
+        lifecycle: Lifecycle,
         config: StoreConfig,
         executor: Executor,
         metrics: Metrics,
@@ -67,12 +97,13 @@ class Appender:
         self._direct = direct
         self._tail = tail
         self._index = index
+        self._life = lifecycle
         self._cfg = config
         self._executor = executor
         self._metrics = metrics
         self._on_segment = on_segment
         self._on_sealed = on_sealed
-        self._queue: deque[_Item] = deque()
+        self._queue: deque[_Write | _Step] = deque()
         self._wake = asyncio.Event()
         self._closing = False
         self._dirty = False
@@ -80,18 +111,34 @@ class Appender:
 
     # -- public ---------------------------------------------------------------
 
-    async def submit(self, record: EncodedRecord) -> IndexEntry | None:
-        """Append ``record``; return once it is durable under the policy and indexed."""
-        if self._closing:
-            raise StoreClosed(f"tenant {self.tenant!r} is closing; no more writes")
-        fut: asyncio.Future[IndexEntry | None] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(record, fut))
+    async def submit(self, record: EncodedRecord, expect: IndexEntry | None = None) -> IndexEntry | None:
+        """Append ``record``; return once it is durable under the policy and
+        indexed. With ``expect`` (a compaction copy): None when it was skipped."""
+        fut: asyncio.Future[IndexEntry | None] = self._future()
+        self._queue.append(_Write(record, fut, expect))
         self._wake.set()
         return await fut
 
-    async def seal(self) -> None:
-        """Seal the open segment now (no-op when it holds no records)."""
-        await self._call(self._seal_current)
+    async def seal(self) -> int | None:
+        """Seal the open segment now, in order with the writes queued before
+        this call. Returns the sealed segment's id (None: nothing to seal)."""
+        result: int | None = await self.step(self._seal_current)
+        return result
+
+    async def drop(self, victims: Sequence[tuple[str, IndexEntry]]) -> list[str]:
+        """Remove the entries of ``victims`` (key, the entry expected) that are
+        still what the index holds; returns the keys removed. No record is
+        written: evicted and expired blocks may reappear after an index
+        rebuild, with their own bytes, until compaction reclaims them."""
+        removed: list[str] = await self.step(lambda: self._index.drop_if_current(self.tenant, victims))
+        return removed
+
+    async def step(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the executor in order with the writes (blocking I/O)."""
+        fut: asyncio.Future[Any] = self._future()
+        self._queue.append(_Step(fn, fut))
+        self._wake.set()
+        return await fut
 
     async def close(self) -> None:
         """Finish every queued write, sync, and stop. The segment stays open on disk."""
@@ -100,10 +147,20 @@ class Appender:
         await self._task
         await self._call(self._interval_sync)
 
+    @property
+    def open_segment(self) -> int | None:
+        seg = self._tail.segment
+        return seg.segment_id if seg is not None else None
+
     # -- the worker -----------------------------------------------------------
 
-    async def _call(self, fn: Callable[[], object]) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+    def _future(self) -> asyncio.Future[Any]:
+        if self._closing:
+            raise StoreClosed(f"tenant {self.tenant!r} is closing; no more writes")
+        return asyncio.get_running_loop().create_future()
+
+    async def _call(self, fn: Callable[[], object]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     async def _run(self) -> None:
         interval = self._cfg.sync_interval_ms / 1000
@@ -120,18 +177,19 @@ class Appender:
                     continue
                 await self._wake.wait()
                 continue
+            head = self._queue[0]
+            if isinstance(head, _Step):
+                self._queue.popleft()
+                await self._run_step(head)
+                continue
             batch = self._take_batch()
             try:
-                entries = await asyncio.get_running_loop().run_in_executor(self._executor, self._write_batch, batch)
+                entries = await self._call(functools.partial(self._write_batch, batch))
             except KVStoreError as e:
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(e)
+                _fail(batch, e)
                 continue
             except BaseException as e:
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(StorageIOError(f"batch write failed: {e!r}"))
+                _fail(batch, StorageIOError(f"batch write failed: {e!r}"))
                 if isinstance(e, asyncio.CancelledError):
                     raise
                 continue
@@ -139,13 +197,30 @@ class Appender:
                 if not item.future.done():
                     item.future.set_result(entry)
 
-    def _take_batch(self) -> list[_Item]:
-        batch = [self._queue.popleft()]
-        size = batch[0].record.length
-        while self._queue and size + self._queue[0].record.length <= self._cfg.max_batch_bytes:
-            item = self._queue.popleft()
-            size += item.record.length
-            batch.append(item)
+    async def _run_step(self, step: _Step) -> None:
+        try:
+            result = await self._call(step.fn)
+        except BaseException as e:
+            if not step.future.done():
+                step.future.set_exception(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        if not step.future.done():
+            step.future.set_result(result)
+
+    def _take_batch(self) -> list[_Write]:
+        first = self._queue.popleft()
+        assert isinstance(first, _Write)
+        batch = [first]
+        size = first.record.length
+        while self._queue:
+            nxt = self._queue[0]
+            if not isinstance(nxt, _Write) or size + nxt.record.length > self._cfg.max_batch_bytes:
+                break
+            self._queue.popleft()
+            size += nxt.record.length
+            batch.append(nxt)
         return batch
 
     async def _sync_in_background(self) -> None:
@@ -167,19 +242,35 @@ class Appender:
             self._tail.segment = seg
             self._tail.footer = []
             self._tail.synced_upto = seg.size
-            self._index.set_segment(self.tenant, seg.segment_id, SegmentState(SEG_OPEN, seg.size, seg.size))
+            self._life.opened(self.tenant, seg.segment_id, seg.size)
             self._on_segment(seg)
             self._metrics.inc("kvstore_segments_created_total")
         return seg
 
-    def _write_batch(self, batch: list[_Item]) -> list[IndexEntry | None]:
-        nbytes = sum(item.record.length for item in batch)
+    def _current(self, batch: list[_Write]) -> list[_Write]:
+        """The writes of ``batch`` to make: copies whose block is no longer
+        where they copy it from are left out (their caller gets None)."""
+        touched: set[str] = set()
+        out: list[_Write] = []
+        for item in batch:
+            key = item.record.header.key
+            if item.expect is not None and (key in touched or self._index.get(self.tenant, key) != item.expect):
+                continue
+            touched.add(key)
+            out.append(item)
+        return out
+
+    def _write_batch(self, batch: list[_Write]) -> list[IndexEntry | None]:
+        todo = self._current(batch)
+        if not todo:
+            return [None] * len(batch)
+        nbytes = sum(item.record.length for item in todo)
         try:
             seg = self._segment_for(nbytes)
         except OSError as e:
             raise _io_error(e, "sealing the full segment or creating the next one") from None
         start = seg.size
-        buffers = [b for item in batch for b in item.record.buffers]
+        buffers = [b for item in todo for b in item.record.buffers]
         fsync = self._cfg.durability == "fsync"
         try:
             seg.append(buffers)
@@ -190,24 +281,23 @@ class Appender:
                 self._tail.synced_upto = seg.size
             footer, ops = [], []
             pos = start
-            for item in batch:
+            for item in todo:
                 fe = footer_entry(pos, item.record.header)
                 footer.append(fe)
                 ops.append((fe.key, index_entry(seg.segment_id, fe)))
                 pos += item.record.length
-            self._index.apply(
-                self.tenant, ops, seg.segment_id, SegmentState(SEG_OPEN, seg.size, self._tail.synced_upto)
-            )
+            self._life.appended(self.tenant, seg.segment_id, ops, seg.size, self._tail.synced_upto)
         except Exception as e:  # noqa: BLE001 - any failure (OSError, LMDB) must undo the batch
             self._undo(seg, start)
             if isinstance(e, OSError):
-                raise _io_error(e, f"writing a batch of {len(batch)} records to {seg.name}") from None
+                raise _io_error(e, f"writing a batch of {len(todo)} records to {seg.name}") from None
             raise StorageIOError(f"index commit failed for a batch on {seg.name}: {e}") from None
         self._tail.footer.extend(footer)
         self._dirty = not fsync
-        self._metrics.observe("kvstore_batch_records", len(batch))
+        self._metrics.observe("kvstore_batch_records", len(todo))
         self._metrics.inc("kvstore_bytes_written_total", nbytes)
-        return [op[1] for op in ops]
+        written = {id(item): op[1] for item, op in zip(todo, ops, strict=True)}
+        return [written.get(id(item)) for item in batch]
 
     def _undo(self, seg: SegmentFile, start: int) -> None:
         """Cut the failed batch off; if even that fails, abandon the segment."""
@@ -228,22 +318,30 @@ class Appender:
         seg.sync()
         self._metrics.observe("kvstore_fsync_seconds", time.perf_counter() - t0)
         self._tail.synced_upto = seg.size
-        self._index.set_segment(self.tenant, seg.segment_id, SegmentState(SEG_OPEN, seg.size, seg.size))
+        self._life.synced(self.tenant, seg.segment_id, seg.size)
+        self._index.sync()  # under "interval" the index is synced here, not per commit
         self._dirty = False
 
-    def _seal_current(self) -> None:
+    def _seal_current(self) -> int | None:
         seg = self._tail.segment
         if seg is None or seg.size <= ALIGN:
-            return
+            return None
         end = seg.size
         seg.seal(self._tail.footer)
-        self._index.set_segment(self.tenant, seg.segment_id, SegmentState(SEG_SEALED, end, end))
+        self._life.sealed(self.tenant, seg.segment_id, end)
         self._tail.segment = None
         self._tail.footer = []
         self._dirty = False
         self._metrics.inc("kvstore_segments_sealed_total")
         if self._on_sealed is not None:
             self._on_sealed(seg.segment_id)
+        return seg.segment_id
+
+
+def _fail(batch: list[_Write], e: KVStoreError) -> None:
+    for item in batch:
+        if not item.future.done():
+            item.future.set_exception(e)
 
 
 def _io_error(e: OSError, doing: str) -> KVStoreError:

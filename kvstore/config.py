@@ -102,6 +102,19 @@ class StoreConfig:
     s3_readonly: bool = False
     s3_refresh_s: int = 30
     rehydrate_reads: int = 3
+    # Start-up: delete the data of tenants the registry does not know, instead
+    # of refusing to start (the registry was lost or replaced by an old copy).
+    discard_unknown_tenants: bool = False
+    # Tenants created without them get these (0: none); PATCH changes them.
+    default_quota_bytes: int = 0
+    default_ttl_s: int = 0
+    # Compaction: sealed segments whose dead bytes (deleted, expired, evicted
+    # records) are at least compact_dead_percent of their records are rewritten
+    # by the background compactor every compact_interval_s (0: on demand only),
+    # reading at most compact_rate bytes per second.
+    compact_dead_percent: int = 50
+    compact_interval_s: int = 60
+    compact_rate: int = 64 * MiB
 
     def __post_init__(self) -> None:
         self.validate()
@@ -167,6 +180,28 @@ class StoreConfig:
         )
         need(1 <= self.s3_refresh_s <= 86_400, "s3_refresh_s", self.s3_refresh_s, "must be 1 to 86400")
         need(self.rehydrate_reads >= 0, "rehydrate_reads", self.rehydrate_reads, "must be 0 (never) or more")
+        need(
+            self.default_quota_bytes >= 0, "default_quota_bytes", self.default_quota_bytes, "must be 0 (none) or a size"
+        )
+        need(
+            0 <= self.default_ttl_s <= 10 * 365 * 86_400,
+            "default_ttl_s",
+            self.default_ttl_s,
+            "must be 0 (none) or seconds up to 10 years",
+        )
+        need(
+            1 <= self.compact_dead_percent <= 100,
+            "compact_dead_percent",
+            self.compact_dead_percent,
+            "must be a percentage 1 to 100",
+        )
+        need(
+            0 <= self.compact_interval_s <= 86_400,
+            "compact_interval_s",
+            self.compact_interval_s,
+            "must be 0 (on demand only) to 86400",
+        )
+        need(self.compact_rate >= 1 * MiB, "compact_rate", self.compact_rate, "must be at least 1 MiB (per second)")
 
     @classmethod
     def from_env(
@@ -191,7 +226,15 @@ class StoreConfig:
 
 
 def parse_field(label: str, name: str, value: object) -> Any:
-    if name in ("segment_size", "frame_size", "max_block_size", "max_batch_bytes", "capacity"):
+    if name in (
+        "segment_size",
+        "frame_size",
+        "max_block_size",
+        "max_batch_bytes",
+        "capacity",
+        "default_quota_bytes",
+        "compact_rate",
+    ):
         return parse_size(label, value)
     if name in (
         "sync_interval_ms",
@@ -203,13 +246,16 @@ def parse_field(label: str, name: str, value: object) -> Any:
         "s3_read_timeout_ms",
         "s3_refresh_s",
         "rehydrate_reads",
+        "default_ttl_s",
+        "compact_dead_percent",
+        "compact_interval_s",
     ):
         return parse_int(label, value)
     if name in ("s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "tier_dir"):
         return parse_text(label, value)
     if name == "s3_addressing":
         return parse_choice(label, value, S3_ADDRESSING)
-    if name == "s3_readonly":
+    if name in ("s3_readonly", "discard_unknown_tenants"):
         return parse_bool(label, value)
     if name == "default_durability":
         return parse_choice(label, value, DURABILITY_CLASSES)

@@ -195,6 +195,21 @@ class Overloaded(KVStoreError):
     retryable = True
 
 
+class BodyTooLarge(KVStoreError):
+    """A request body (other than a block) over its limit, e.g. a JSON body over 4 MiB."""
+
+    status = 413
+    code = "body_too_large"
+
+
+class UnsupportedMediaType(KVStoreError):
+    """A request body in an encoding the route does not accept (a JSON body
+    in a charset other than UTF-8)."""
+
+    status = 415
+    code = "unsupported_media_type"
+
+
 # -- batch framing -------------------------------------------------------------
 
 
@@ -248,3 +263,23 @@ class InvalidObjectName(TierError):
     ``..`` path segment, or a leading ``/``."""
 
     code = "invalid_object_name"
+
+
+# -- the segment lifecycle ---------------------------------------------------------
+
+
+class SegmentMoved(KVStoreError):
+    """A read found its segment gone because the block moved (compaction) or
+    went (eviction) meanwhile; the store retries with the index's new answer.
+    Reaching a client, it is retryable."""
+
+    status = 503
+    code = "retry"
+    retryable = True
+
+
+class QuotaExceeded(KVStoreError):
+    """A single block larger than its tenant's whole quota (``quota_bytes``)."""
+
+    status = 507
+    code = "quota_exceeded"

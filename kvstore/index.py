@@ -11,7 +11,16 @@ Databases (all keys are bytes):
     stats     tenant                     -> STATS (live blocks, stored, logical bytes)
     tiers     tenant 0x00 u64be(seg id)  -> TIER (sealed segments known to the object
                                             tier: mirrored? local copy? size)
+    live      tenant 0x00 u64be(seg id)  -> LIVE (records and bytes of the segment that
+                                            entries point at: the rest is dead, for compaction)
+    access    tenant 0x00 key            -> u32 unix seconds of the block's last read or write,
+                                            checkpointed from memory (access.py); absent: created_ns
     meta      b"format"                  -> u32 index format version
+              b"epoch"                   -> u64, bumped whenever a segment's local file goes away
+                                            (dropped, retired, deleted): readers poll it (lifecycle.py)
+
+Every change of a segment's state goes through lifecycle.py; this module only
+stores what it is told, in one transaction per call.
 """
 
 from __future__ import annotations
@@ -30,11 +39,15 @@ ENTRY = struct.Struct("<QQQIQHI16sQ")
 SEGMENT = struct.Struct("<BQQ")
 STATS = struct.Struct("<qqq")
 TIER = struct.Struct("<BQQ")  # flags, object size, when the upload was confirmed (ns)
-INDEX_FORMAT = 1
+LIVE = struct.Struct("<qq")  # live records, live record bytes
+ACCESS = struct.Struct("<I")
+EPOCH = struct.Struct("<Q")
+INDEX_FORMAT = 2  # 2: live and access dbs, the epoch, the retired state
 _SEP = b"\x00"
 
 SEG_OPEN = 0
 SEG_SEALED = 1
+SEG_RETIRED = 2  # compacted: nothing points into it; its files go once no lease holds them
 
 TIER_MIRRORED = 1  # the object tier holds the whole sealed segment (upload confirmed)
 TIER_REMOTE_ONLY = 2  # no local copy: reads go to the object tier
@@ -66,7 +79,7 @@ class IndexEntry:
         )
 
     @classmethod
-    def unpack(cls, raw: bytes) -> IndexEntry:
+    def unpack(cls, raw: bytes | memoryview) -> IndexEntry:
         return cls(*ENTRY.unpack(raw))
 
 
@@ -132,6 +145,8 @@ class Index:
             self._stats = self.env.open_db(b"stats", create=not readonly)
             self._meta = self.env.open_db(b"meta", create=not readonly)
             self._tiers = self.env.open_db(b"tiers", create=not readonly)
+            self._live = self.env.open_db(b"live", create=not readonly)
+            self._access = self.env.open_db(b"access", create=not readonly)
             if readonly:
                 return
             with self.env.begin(write=True) as txn:
@@ -152,6 +167,17 @@ class Index:
 
     def sync(self) -> None:
         self.env.sync(True)
+
+    # -- the lifecycle epoch --------------------------------------------------
+
+    def epoch(self) -> int:
+        with self.env.begin(db=self._meta) as txn:
+            raw = txn.get(b"epoch")
+        return EPOCH.unpack(raw)[0] if raw else 0
+
+    def _bump_epoch(self, txn: lmdb.Transaction) -> None:
+        raw = txn.get(b"epoch", db=self._meta)
+        txn.put(b"epoch", EPOCH.pack((EPOCH.unpack(raw)[0] if raw else 0) + 1), db=self._meta)
 
     # -- reads ----------------------------------------------------------------
 
@@ -195,6 +221,56 @@ class Index:
                     out[int.from_bytes(k[len(prefix) :], "big")] = SegmentState(*SEGMENT.unpack(v))
         return out
 
+    def segment(self, tenant: str, segment_id: int) -> SegmentState | None:
+        with self.env.begin(db=self._segments) as txn:
+            raw = txn.get(_skey(tenant, segment_id))
+        return SegmentState(*SEGMENT.unpack(raw)) if raw is not None else None
+
+    def live(self, tenant: str) -> dict[int, tuple[int, int]]:
+        """Live (records, bytes) of each of the tenant's segments that entries point into."""
+        prefix = tenant.encode() + _SEP
+        out: dict[int, tuple[int, int]] = {}
+        with self.env.begin(db=self._live) as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if not k.startswith(prefix):
+                        break
+                    out[int.from_bytes(k[len(prefix) :], "big")] = LIVE.unpack(v)
+        return out
+
+    def entries(self, tenant: str, start_after: str | None, limit: int) -> list[tuple[str, IndexEntry]]:
+        """A page of the tenant's (key, entry) pairs in key order."""
+        prefix = tenant.encode() + _SEP
+        out: list[tuple[str, IndexEntry]] = []
+        with self.env.begin(db=self._blocks) as txn:
+            cur = txn.cursor()
+            start = prefix + (start_after.encode() + b"\x00" if start_after is not None else b"")
+            if not cur.set_range(start):
+                return out
+            for k, v in cur:
+                if not k.startswith(prefix) or len(out) >= limit:
+                    break
+                out.append((k[len(prefix) :].decode(), IndexEntry.unpack(v)))
+        return out
+
+    def accessed(self, tenant: str, keys: Sequence[str]) -> list[int]:
+        """Checkpointed last-access seconds of ``keys`` (0 where none is recorded)."""
+        with self.env.begin(db=self._access, buffers=True) as txn:
+            out = []
+            for k in keys:
+                raw = txn.get(_bkey(tenant, k))
+                out.append(ACCESS.unpack(raw)[0] if raw is not None else 0)
+            return out
+
+    def record_access(self, tenant: str, times: Iterable[tuple[str, int]]) -> None:
+        """Checkpoint last-access seconds (only for keys that still exist)."""
+        with self.env.begin(write=True) as txn:
+            for key, sec in times:
+                bk = _bkey(tenant, key)
+                if txn.get(bk, db=self._blocks) is not None:
+                    txn.put(bk, ACCESS.pack(min(sec, 0xFFFFFFFF)), db=self._access)
+
     def tier_state(self, tenant: str, segment_id: int) -> TierState | None:
         with self.env.begin(db=self._tiers) as txn:
             raw = txn.get(_skey(tenant, segment_id))
@@ -213,7 +289,7 @@ class Index:
         """Tenants that have anything in the index."""
         names: set[str] = set()
         with self.env.begin() as txn:
-            for db in (self._segments, self._stats):
+            for db in (self._segments, self._stats, self._blocks):
                 for k in txn.cursor(db=db).iternext(keys=True, values=False):
                     names.add(k.split(_SEP, 1)[0].decode())
         return names
@@ -228,29 +304,69 @@ class Index:
         segment: SegmentState | None,
     ) -> None:
         """Apply puts (entry) and deletes (None) in order, in one transaction,
-        together with the segment's new state and the tenant's usage."""
+        together with the segment's new state, the tenant's usage and the
+        live bytes of every segment the ops point into or away from."""
         with self.env.begin(write=True) as txn:
-            raw = txn.get(tenant.encode(), db=self._stats)
-            blocks, stored, logical = STATS.unpack(raw) if raw else (0, 0, 0)
-            for key, entry in ops:
-                bk = _bkey(tenant, key)
-                old = txn.get(bk, db=self._blocks)
-                if old is not None:
-                    o = IndexEntry.unpack(old)
-                    blocks, stored, logical = blocks - 1, stored - o.record_len, logical - o.logical_size
-                if entry is None:
-                    if old is not None:
-                        txn.delete(bk, db=self._blocks)
-                else:
-                    txn.put(bk, entry.pack(), db=self._blocks)
-                    blocks, stored, logical = blocks + 1, stored + entry.record_len, logical + entry.logical_size
-            txn.put(tenant.encode(), STATS.pack(blocks, stored, logical), db=self._stats)
+            self._apply(txn, tenant, ops)
             if segment is not None:
-                txn.put(
-                    _skey(tenant, segment_id),
-                    SEGMENT.pack(segment.state, segment.indexed_upto, segment.synced_upto),
-                    db=self._segments,
-                )
+                self._put_segment(txn, tenant, segment_id, segment)
+
+    def _apply(self, txn: lmdb.Transaction, tenant: str, ops: Iterable[tuple[str, IndexEntry | None]]) -> None:
+        raw = txn.get(tenant.encode(), db=self._stats)
+        blocks, stored, logical = STATS.unpack(raw) if raw else (0, 0, 0)
+        live: dict[int, list[int]] = {}
+
+        def count(sid: int, records: int, nbytes: int) -> None:
+            acc = live.get(sid)
+            if acc is None:
+                cur = txn.get(_skey(tenant, sid), db=self._live)
+                acc = live[sid] = list(LIVE.unpack(cur)) if cur else [0, 0]
+            acc[0] += records
+            acc[1] += nbytes
+
+        for key, entry in ops:
+            bk = _bkey(tenant, key)
+            old = txn.get(bk, db=self._blocks)
+            if old is not None:
+                o = IndexEntry.unpack(old)
+                blocks, stored, logical = blocks - 1, stored - o.record_len, logical - o.logical_size
+                count(o.segment_id, -1, -o.record_len)
+            if entry is None:
+                if old is not None:
+                    txn.delete(bk, db=self._blocks)
+                    txn.delete(bk, db=self._access)
+            else:
+                txn.put(bk, entry.pack(), db=self._blocks)
+                blocks, stored, logical = blocks + 1, stored + entry.record_len, logical + entry.logical_size
+                count(entry.segment_id, 1, entry.record_len)
+        txn.put(tenant.encode(), STATS.pack(blocks, stored, logical), db=self._stats)
+        for sid, (records, nbytes) in live.items():
+            if records <= 0:
+                txn.delete(_skey(tenant, sid), db=self._live)
+            else:
+                txn.put(_skey(tenant, sid), LIVE.pack(records, nbytes), db=self._live)
+
+    def _put_segment(self, txn: lmdb.Transaction, tenant: str, segment_id: int, segment: SegmentState) -> None:
+        txn.put(
+            _skey(tenant, segment_id),
+            SEGMENT.pack(segment.state, segment.indexed_upto, segment.synced_upto),
+            db=self._segments,
+        )
+
+    def drop_if_current(self, tenant: str, victims: Iterable[tuple[str, IndexEntry]]) -> list[str]:
+        """Remove the entries of ``victims`` (key, expected entry) that are
+        still current, in one transaction; return the keys removed."""
+        removed: list[str] = []
+        with self.env.begin(write=True) as txn:
+            ops: list[tuple[str, IndexEntry | None]] = []
+            for key, expected in victims:
+                raw = txn.get(_bkey(tenant, key), db=self._blocks)
+                if raw is not None and IndexEntry.unpack(raw) == expected:
+                    ops.append((key, None))
+                    removed.append(key)
+            if ops:
+                self._apply(txn, tenant, ops)
+        return removed
 
     def set_segment(self, tenant: str, segment_id: int, state: SegmentState) -> None:
         self.apply(tenant, (), segment_id, state)
@@ -259,10 +375,40 @@ class Index:
         with self.env.begin(write=True) as txn:
             txn.put(_skey(tenant, segment_id), TIER.pack(state.flags, state.size, state.mirrored_ns), db=self._tiers)
 
+    def set_segment_states(
+        self, tenant: str, segment_id: int, segment: SegmentState | None, tier: TierState | None, epoch: bool = False
+    ) -> None:
+        """Set (None: keep) the segment's state and tier state in one
+        transaction; ``epoch``: a local file goes away, tell the readers."""
+        with self.env.begin(write=True) as txn:
+            if segment is not None:
+                self._put_segment(txn, tenant, segment_id, segment)
+            if tier is not None:
+                txn.put(_skey(tenant, segment_id), TIER.pack(tier.flags, tier.size, tier.mirrored_ns), db=self._tiers)
+            if epoch:
+                self._bump_epoch(txn)
+
     def forget_segment(self, tenant: str, segment_id: int) -> None:
         with self.env.begin(write=True) as txn:
             txn.delete(_skey(tenant, segment_id), db=self._segments)
             txn.delete(_skey(tenant, segment_id), db=self._tiers)
+            txn.delete(_skey(tenant, segment_id), db=self._live)
+            self._bump_epoch(txn)
+
+    def entries_in(self, tenant: str, segment_id: int) -> list[tuple[str, IndexEntry]]:
+        """The tenant's (key, entry) pairs that point into segment ``segment_id``."""
+        prefix = tenant.encode() + _SEP
+        out: list[tuple[str, IndexEntry]] = []
+        with self.env.begin(db=self._blocks) as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if not k.startswith(prefix):
+                        break
+                    e = IndexEntry.unpack(v)
+                    if e.segment_id == segment_id:
+                        out.append((k[len(prefix) :].decode(), e))
+        return out
 
     def drop_entries(self, tenant: str, doomed: Callable[[IndexEntry], bool]) -> int:
         """Delete the tenant's entries for which ``doomed(entry)``; return how many."""
@@ -283,7 +429,8 @@ class Index:
     def drop_tenant(self, tenant: str) -> None:
         prefix = tenant.encode() + _SEP
         with self.env.begin(write=True) as txn:
-            for db in (self._blocks, self._segments, self._tiers):
+            self._bump_epoch(txn)
+            for db in (self._blocks, self._segments, self._tiers, self._live, self._access):
                 cur = txn.cursor(db=db)
                 if cur.set_range(prefix):
                     while cur.key().startswith(prefix):

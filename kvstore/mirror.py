@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import TierError
-from kvstore.index import TIER_MIRRORED, Index, TierState
+from kvstore.lifecycle import Lifecycle
 from kvstore.metrics import Metrics
 from kvstore.tier.base import Tier
 from kvstore.tier.layout import REGISTRY_OBJECT
@@ -59,7 +59,7 @@ class Mirror:
     def __init__(
         self,
         tier: Tier,
-        index: Index,
+        lifecycle: Lifecycle,
         metrics: Metrics,
         run: Callable[..., Awaitable[Any]],
         registry_doc: Callable[[], bytes],
@@ -67,7 +67,7 @@ class Mirror:
         on_mirrored: Callable[[SegmentKey], None],
     ) -> None:
         self._tier = tier
-        self._index = index
+        self._life = lifecycle
         self._metrics = metrics
         self._run = run
         self._registry_doc = registry_doc
@@ -207,7 +207,7 @@ class Mirror:
         tenant, sid = up.key
         if self._pending.get(up.key) is not up:
             return  # the tenant was deleted meanwhile
-        await self._run(self._index.set_tier_state, tenant, sid, TierState(TIER_MIRRORED, up.size, time.time_ns()))
+        await self._run(self._life.mirrored, tenant, sid, up.size)
 
     def _failed(self, up: Upload, e: TierError) -> None:
         up.attempts += 1

@@ -26,6 +26,7 @@ Rules (the index is a cache; segments are the truth):
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -33,10 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.appender import OpenSegment
-from kvstore.errors import CorruptionError, TierError, TierUnavailable
+from kvstore.errors import ConfigError, CorruptionError, TierError, TierUnavailable
 from kvstore.format import ALIGN, FooterEntry
+from kvstore.fsutil import fsync_dir
 from kvstore.index import (
     SEG_OPEN,
+    SEG_RETIRED,
     SEG_SEALED,
     TIER_MIRRORED,
     TIER_REMOTE_ONLY,
@@ -65,6 +68,7 @@ class RecoveryReport:
     corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # segment, offset, what
     sealed: list[str] = field(default_factory=list)
     orphans_removed: list[str] = field(default_factory=list)
+    retired_removed: list[str] = field(default_factory=list)  # compacted segments' local files
 
     @property
     def repaired(self) -> bool:
@@ -77,6 +81,7 @@ class RecoveryReport:
             or self.truncated
             or self.sealed
             or self.orphans_removed
+            or self.retired_removed
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -91,7 +96,26 @@ class RecoveryReport:
             "corrupt": [{"segment": s, "offset": o, "error": e} for s, o, e in self.corrupt],
             "sealed": self.sealed,
             "orphans_removed": self.orphans_removed,
+            "retired_removed": self.retired_removed,
         }
+
+
+class UnknownTenants(ConfigError):
+    """The data directory holds tenants the registry does not know: starting
+    would drop their data."""
+
+    code = "unknown_tenants"
+
+    def __init__(self, names: list[str], why: str = "does not list them") -> None:
+        shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+        super().__init__(
+            f"the tenant registry (registry.json) {why}, but the data directory holds the data of tenant(s) "
+            f"{shown}; refusing to start, which would drop it. Restore registry.json from a backup "
+            "(or, with an object tier, PREFIX/registry.json in the bucket: it is fetched at start-up when the "
+            "local file is missing); or start once with discard_unknown_tenants = true "
+            "(--discard-unknown-tenants true) to delete their data"
+        )
+        self.names = names
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +126,36 @@ class RemoteSegments:
     fetch: Callable[[int, int], RemoteFooter]  # (segment id, size) -> its footer; blocking
 
 
+TRASH = ".trash"  # segments/.trash/: directories of deleted tenants, removed in the background
+
+
+def tenant_dirs(root: Path) -> set[str]:
+    """Names of the tenant directories under ``root`` (the segments directory)."""
+    if not root.is_dir():
+        return set()
+    return {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
+
+
+def unknown_tenants(root: Path, registry: Registry) -> list[str]:
+    """Tenants with data on disk that the registry neither holds nor says it
+    deleted: the registry is not the one this data was written with."""
+    return sorted(n for n in tenant_dirs(root) - set(registry.names()) if not registry.was_deleted(n))
+
+
+def trash(root: Path, name: str) -> Path | None:
+    """Move tenant directory ``name`` out of the way in one atomic rename (a
+    crash leaves it whole or gone, never half-deleted under its name)."""
+    src = root / name
+    if not src.exists():
+        return None
+    bin_ = root / TRASH
+    bin_.mkdir(exist_ok=True)
+    dest = bin_ / f"{name}.{time.time_ns()}"
+    os.rename(src, dest)
+    fsync_dir(root)
+    return dest
+
+
 def recover(
     root: Path,
     index: Index,
@@ -109,19 +163,26 @@ def recover(
     report: RecoveryReport,
     remote: Mapping[str, RemoteSegments] | None = None,
     id_floor: int = 0,
+    discard_unknown: bool = False,
 ) -> dict[str, OpenSegment]:
     """Repair ``root`` (the segments directory) and ``index``; return each tenant's tail.
 
     ``remote``: what the object tier holds, by tenant (None: no tier, or its
     listing failed; then the index's tier states are trusted). ``id_floor``:
-    the lowest id a new segment may take."""
+    the lowest id a new segment may take. Directories of tenants the registry
+    deleted are removed; those of tenants it does not know at all raise
+    :class:`UnknownTenants` unless ``discard_unknown``."""
     root.mkdir(parents=True, exist_ok=True)
-    on_disk = {p.name for p in root.iterdir() if p.is_dir()}
-    for name in sorted(on_disk - set(registry.names())):
-        shutil.rmtree(root / name)
+    unknown = unknown_tenants(root, registry)
+    if unknown and not discard_unknown:
+        raise UnknownTenants(unknown)
+    shutil.rmtree(root / TRASH, ignore_errors=True)
+    for name in sorted(tenant_dirs(root) - set(registry.names())):
+        trash(root, name)
         index.drop_tenant(name)
         report.orphans_removed.append(name)
-        log.warning("removed segments of deleted tenant %s", name)
+        log.warning("removed segments of %s tenant %s", "deleted" if registry.was_deleted(name) else "unknown", name)
+    shutil.rmtree(root / TRASH, ignore_errors=True)
     for name in sorted(index.tenants() - set(registry.names())):
         index.drop_tenant(name)
     tails: dict[str, OpenSegment] = {}
@@ -148,6 +209,13 @@ def _recover_tenant(
                 p.unlink()
     known = index.segments(tenant)
     objects = remote.objects if remote is not None else {}
+    # Retired by compaction (every live record moved, durably): the local file
+    # goes now; the compactor deletes the object once the copies are mirrored.
+    retired = {sid for sid, st in known.items() if st.state == SEG_RETIRED}
+    for sid in sorted(retired & set(files)):
+        files.pop(sid).unlink()
+        report.retired_removed.append(f"{tenant}/{sid:016x}.seg")
+    known = {sid: st for sid, st in known.items() if sid not in retired}
 
     def in_tier(sid: int) -> bool:
         if remote is not None:
@@ -167,9 +235,9 @@ def _recover_tenant(
         for sid in missing:
             index.forget_segment(tenant, sid)
             report.corrupt.append((f"{tenant}/{sid:016x}.seg", 0, "segment file is missing"))
-    tail = OpenSegment(None, next_id=max([*files, *known, *objects, id_floor - 1, 0]) + 1)
+    tail = OpenSegment(None, next_id=max([*files, *known, *retired, *objects, id_floor - 1, 0]) + 1)
     newest = max(files) if files else None
-    from_tier = set(objects) - set(known) - set(files)
+    from_tier = set(objects) - set(known) - set(files) - retired
     for sid in sorted(set(files) | from_tier):
         report.segments += 1
         if sid in from_tier:
@@ -233,20 +301,22 @@ def index_tier_segment(index: Index, tenant: str, sid: int, size: int, footer: R
 
 def _recover_sealed(seg: SegmentFile, state: SegmentState | None, index: Index, report: RecoveryReport) -> None:
     tenant, sid = seg.header.tenant, seg.segment_id
-    if state is not None and state.state == SEG_SEALED:
+    if state is not None and state.state != SEG_OPEN:
         return
     end = seg.records_end()
+    try:
+        entries = seg.read_footer()
+    except CorruptionError as e:
+        report.corrupt.append((seg.name, end, str(e)))
+        return
     if state is None:
-        try:
-            entries = seg.read_footer()
-        except CorruptionError as e:
-            report.corrupt.append((seg.name, end, str(e)))
-            return
-        index.apply(tenant, _ops(sid, entries), sid, SegmentState(SEG_SEALED, end, end))
         report.segments_from_footer += 1
-        report.records_replayed += len(entries)
-    else:  # sealed after its last batch was indexed, but the index never heard
-        index.set_segment(tenant, sid, SegmentState(SEG_SEALED, end, end))
+    else:
+        # Sealed after the index last heard of it. The index may also have
+        # missed its last batches (an index not synced on every commit).
+        entries = [fe for fe in entries if fe.offset >= state.indexed_upto]
+    index.apply(tenant, _ops(sid, entries), sid, SegmentState(SEG_SEALED, end, end))
+    report.records_replayed += len(entries)
 
 
 def _recover_unsealed(

@@ -39,6 +39,17 @@ Policy = Literal["sealed", "direct"]
 POLICIES: tuple[Policy, ...] = ("sealed", "direct")
 REGISTRY_VERSION = 1
 TOKEN_PREFIX = "kvs_"
+MAX_DELETED_REMEMBERED = 10_000
+
+
+class RegistryUnreadable(MasterKeyError):
+    """The registry file exists but cannot be read or parsed."""
+
+    code = "registry_unreadable"
+
+
+def _name_digest(name: str) -> str:
+    return hashlib.sha256(b"kvstore/deleted-tenant\x00" + name.encode()).hexdigest()[:32]
 
 
 def _token_hash(token: str) -> str:
@@ -87,6 +98,12 @@ class Registry:
         self._tenants: dict[str, Tenant] = {}
         self._keys: dict[tuple[str, int], bytes] = {}
         self._by_hash: dict[str, tuple[str, str]] = {}
+        # Tenants deleted (a digest of the name -> when; names are not kept):
+        # their leftover files may be removed at start-up. A directory of a
+        # tenant that is neither live nor deleted means the registry is not the
+        # one the data was written with (a lost or old file): the store refuses
+        # to start (recovery.py).
+        self._deleted: dict[str, int] = {}
         # Called (on the changing thread) after every change is on disk: the
         # object tier keeps a copy of the registry.
         self.on_change: Callable[[], None] | None = None
@@ -111,6 +128,7 @@ class Registry:
         with self._lock:
             fresh = Registry(self._path, self._master, readonly=True)
             self._tenants, self._keys, self._by_hash = fresh._tenants, fresh._keys, fresh._by_hash
+            self._deleted = fresh._deleted
             self._stamp = fresh._stamp
         return True
 
@@ -121,9 +139,11 @@ class Registry:
             self._stamp = self._file_stamp()
             doc = json.loads(self._path.read_bytes())
         except (OSError, ValueError) as e:
-            raise MasterKeyError(f"tenant registry {str(self._path)!r} cannot be read: {e}") from None
+            raise RegistryUnreadable(f"tenant registry {str(self._path)!r} cannot be read: {e}") from None
         if doc.get("version") != REGISTRY_VERSION:
             raise MasterKeyError(f"tenant registry version {doc.get('version')!r} is not supported")
+        if not isinstance(doc, dict) or not isinstance(doc.get("tenants"), dict):
+            raise RegistryUnreadable(f"tenant registry {str(self._path)!r} is not a registry document")
         if doc.get("master_key_id") != self._master.key_id:
             raise MasterKeyError(
                 f"the master key (id {self._master.key_id}) is not the one this store was created with "
@@ -143,6 +163,7 @@ class Registry:
             self._tenants[name] = tenant
             for version, wrapped in tenant.wrapped_keys.items():
                 self._keys[(name, version)] = self._master.unwrap(wrapped, name, version)
+        self._deleted = {str(k): int(v) for k, v in doc.get("deleted_tenants", {}).items()}
 
     def _doc(self, master: MasterKey) -> bytes:
         return json.dumps(
@@ -157,6 +178,7 @@ class Registry:
                     }
                     for t in self._tenants.values()
                 },
+                "deleted_tenants": self._deleted,
             },
             indent=1,
             sort_keys=True,
@@ -187,6 +209,10 @@ class Registry:
 
     def names(self) -> list[str]:
         return sorted(self._tenants)
+
+    def was_deleted(self, name: str) -> bool:
+        """Whether a tenant of this name was deleted (and not created again)."""
+        return _name_digest(name) in self._deleted
 
     def __contains__(self, name: object) -> bool:
         return name in self._tenants
@@ -225,6 +251,7 @@ class Registry:
             if name in self._tenants:
                 raise TenantExists(f"tenant {name!r} already exists")
             t = Tenant(name, policy, comp, time.time_ns(), durability=durability)
+            self._deleted.pop(_name_digest(name), None)
             if policy == "sealed":
                 self._add_key(t)
             self._tenants[name] = t
@@ -282,6 +309,10 @@ class Registry:
             del self._tenants[name]
             for k in [k for k in self._keys if k[0] == name]:
                 del self._keys[k]
+            self._deleted[_name_digest(name)] = time.time_ns()
+            if len(self._deleted) > MAX_DELETED_REMEMBERED:
+                for old in sorted(self._deleted, key=self._deleted.__getitem__)[:-MAX_DELETED_REMEMBERED]:
+                    del self._deleted[old]
             self._save()
             self._reindex()
 

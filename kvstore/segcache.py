@@ -53,6 +53,10 @@ class SegmentCache:
                 seg.acquire()
             return seg
 
+    def segment_keys(self) -> list[SegmentKey]:
+        with self._lock:
+            return list(self._segs)
+
     def forget(self, key: SegmentKey, unlink: bool = False) -> None:
         """Stop serving the segment from here (closing it after the reads in
         progress); ``unlink`` also removes the file."""

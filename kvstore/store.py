@@ -52,20 +52,22 @@ from kvstore.errors import (
     NotFound,
     ReadOnlyNode,
     ReadOnlyStore,
+    SegmentMoved,
     StoreClosed,
     StoreLocked,
     TenantKeyDestroyed,
     TenantNotFound,
     TierError,
 )
-from kvstore.fsutil import atomic_write
+from kvstore.fsutil import atomic_write, index_torn_by_reboot, mark_index_synced, mark_index_unsynced
 from kvstore.index import Index, IndexEntry
+from kvstore.lifecycle import Leases, Lifecycle
 from kvstore.metrics import Metrics
 from kvstore.mirror import Mirror
 from kvstore.names import validate_key, validate_tenant
 from kvstore.record import EncodedRecord, assemble, encode_frame, frame_count, new_record_id, tombstone
-from kvstore.recovery import RecoveryReport, RemoteSegments, recover
-from kvstore.registry import Registry, Tenant
+from kvstore.recovery import RecoveryReport, RemoteSegments, UnknownTenants, recover, tenant_dirs, trash
+from kvstore.registry import Registry, RegistryUnreadable, Tenant
 from kvstore.remote import RemoteFooter, fetch_footer
 from kvstore.segcache import SegmentCache
 from kvstore.segment import SegmentFile
@@ -86,6 +88,7 @@ T = TypeVar("T")
 Data = bytes | bytearray | memoryview
 Listing = dict[str, dict[int, dict[int, int]]]  # tenant -> incarnation -> segment id -> size
 FOOTER_FETCH_TIMEOUT_S = 120
+READ_ATTEMPTS = 4  # a block that keeps moving under a read (compaction) is retried this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,8 @@ class Store:
         self._own_tier = tier is None and self.tier is not None
         self._tiering: Tiering
         self._stale: list[str] = []
+        self._life: Lifecycle
+        self.leases = Leases()
 
     # -- life cycle -----------------------------------------------------------
 
@@ -208,13 +213,16 @@ class Store:
             self._run,
             self.tier,
             writer=not readonly,
+            lifecycle=self._life,
+            leases=self.leases,
+            drop_entries=self._drop_segment_entries,
             adopted=self.adopted,
         )
         mirror = None
         if self.tier is not None and not readonly and not self.adopted:
             mirror = Mirror(
                 self.tier,
-                self._index,
+                self._life,
                 self.metrics,
                 self._run,
                 self._registry.document,
@@ -232,6 +240,7 @@ class Store:
     def _open_reader_sync(self) -> None:
         self._registry = Registry(self._root / "registry.json", self._master, readonly=True)
         self._index = Index(self._root / "index", readonly=True)
+        self._life = Lifecycle(self._index)
 
     def _remote_view(
         self, listing: Listing | None, loop: asyncio.AbstractEventLoop
@@ -271,20 +280,36 @@ class Store:
             self._lock_fd = -1
             raise StoreLocked(f"data directory {str(self._root)!r} is in use by another process") from None
         _raise_nofile_limit()
-        self._registry = Registry(self._root / "registry.json", self._master, readonly=self.adopted)
+        self._registry = self._load_registry()
         index_dir = self._root / "index"
-        has_segments = self._seg_root.is_dir() and any(self._seg_root.iterdir())
+        has_segments = bool(tenant_dirs(self._seg_root))
         rebuilt = has_segments and not (index_dir / "data.mdb").exists()
+        if index_torn_by_reboot(self._root):
+            log.error("the machine restarted while the index was not synced (durability = interval): rebuilding it")
+            Index.destroy(index_dir)
+            rebuilt = has_segments
+        sync = self.config.durability == "fsync"
         try:
-            self._index = Index(index_dir, sync=True)
+            self._index = Index(index_dir, sync=sync)
         except IndexUnusable as e:
             log.error("%s; rebuilding the index from the segments", e)
             Index.destroy(index_dir)
-            self._index = Index(index_dir, sync=True)
+            self._index = Index(index_dir, sync=sync)
             rebuilt = has_segments
         self.recovery.index_rebuilt = rebuilt
+        self._life = Lifecycle(self._index)
         remote = self._remote_view(listing, loop)
-        self._tails = recover(self._seg_root, self._index, self._registry, self.recovery, remote, id_floor)
+        self._tails = recover(
+            self._seg_root,
+            self._index,
+            self._registry,
+            self.recovery,
+            remote,
+            id_floor,
+            self.config.discard_unknown_tenants,
+        )
+        if not sync:
+            mark_index_unsynced(self._root)
         for tail in self._tails.values():
             if tail.segment is not None:
                 self._cache.register(tail.segment)
@@ -296,6 +321,20 @@ class Store:
         self.metrics.set("kvstore_recovery_corrupt_records", len(r.corrupt))
         if r.repaired or r.corrupt:
             log.warning("recovery: %s", r.as_dict())
+
+    def _load_registry(self) -> Registry:
+        """The tenant registry. A missing or unreadable registry next to tenant
+        data stops start-up (naming the tenants) instead of dropping the data."""
+        path = self._root / "registry.json"
+        present = tenant_dirs(self._seg_root)
+        if not path.exists() and present and not self.config.discard_unknown_tenants:
+            raise UnknownTenants(sorted(present), "is missing")
+        try:
+            return Registry(path, self._master, readonly=self.adopted)
+        except RegistryUnreadable as e:
+            if present:
+                raise UnknownTenants(sorted(present), f"cannot be read ({e})") from None
+            raise
 
     def _release_after_failed_open(self) -> None:
         for tail in self._tails.values():
@@ -325,6 +364,7 @@ class Store:
         self._cache.close()
         if not self.readonly:
             self._index.sync()
+            mark_index_synced(self._root)
         self._index.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
@@ -388,6 +428,7 @@ class Store:
                 t.policy == "direct",
                 tail,
                 self._index,
+                self._life,
                 self.config,
                 self._pool,
                 self.metrics,
@@ -396,6 +437,14 @@ class Store:
             )
             self._appenders[t.name] = app
         return app
+
+    async def _drop_segment_entries(self, tenant: str, sid: int) -> int:
+        """Remove every entry pointing into segment ``sid`` (it is being
+        dropped), through the tenant's appender; returns how many."""
+        victims = await self._run(self._index.entries_in, tenant, sid)
+        if not victims:
+            return 0
+        return len(await self._appender(self._registry.get(tenant)).drop(victims))
 
     def _sealed_elsewhere(self, loop: asyncio.AbstractEventLoop, tenant: str, segment_id: int) -> None:
         """An appender thread sealed a segment: tell the tiering, on the loop."""
@@ -426,6 +475,7 @@ class Store:
         if compression is None and policy == "sealed":
             compression = self.config.compression
         durability = durability or self.config.default_durability
+        await self._run(trash, self._seg_root, name)  # files of a deleted incarnation, if any are left
         t = await self._run(self._registry.create, name, policy, compression, durability)
         self._tails[name] = OpenSegment(None)
         return t.public()
@@ -438,7 +488,8 @@ class Store:
         return self._tenant(name).public()
 
     async def delete_tenant(self, name: str) -> None:
-        """Crypto-shred: destroy the tenant's keys, then drop its index and files."""
+        """Crypto-shred: destroy the tenant's keys, then drop its index and files.
+        The files are moved aside in one rename, then removed in the background."""
         self._check_writable()
         incarnation = self._tenant(name).created_ns
         self._deleting.add(name)
@@ -447,13 +498,15 @@ class Store:
             if app is not None:
                 await app.close()
             await self._run(self._registry.delete, name)
-            await self._run(self._index.drop_tenant, name)
+            await self._run(self._life.tenant_deleted, name)
             self._cache.forget_tenant(name)  # closed once the reads in progress end
             self._tiering.tenant_deleted(name, incarnation)
-            await self._run(functools.partial(shutil.rmtree, self._seg_root / name, ignore_errors=True))
+            moved = await self._run(trash, self._seg_root, name)
             self._tails.pop(name, None)
         finally:
             self._deleting.discard(name)
+        if moved is not None:
+            self._tiering.spawn(self._run(shutil.rmtree, moved, True), f"remove:{name}")
 
     def authenticate(self, token: str) -> str | None:
         """The tenant a bearer token names, or None (unknown, revoked, deleted)."""
@@ -641,6 +694,18 @@ class Store:
         self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool = False
     ) -> bytearray | memoryview:
         try:
+            for _ in range(READ_ATTEMPTS - 1):
+                try:
+                    return await self._read_unchecked(tenant, key, entry, start, end, view_ok)
+                except SegmentMoved:
+                    # Compaction moved the block, or eviction dropped it, while
+                    # it was being read: ask the index again.
+                    fresh = self._index.get(tenant, key)
+                    if fresh is None:
+                        raise NotFound(f"key {key!r} not found") from None
+                    if fresh.record_id != entry.record_id:  # deleted and written again: other bytes
+                        raise
+                    entry = fresh
             return await self._read_unchecked(tenant, key, entry, start, end, view_ok)
         except TenantKeyDestroyed:
             raise

@@ -27,7 +27,7 @@ from typing import Any
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     CorruptionError,
-    NotFound,
+    SegmentMoved,
     StorageFull,
     TierError,
     TierNotFound,
@@ -35,7 +35,8 @@ from kvstore.errors import (
     TierUnavailable,
 )
 from kvstore.fsutil import atomic_write
-from kvstore.index import SEG_SEALED, TIER_MIRRORED, TIER_REMOTE_ONLY, Index, IndexEntry, TierState
+from kvstore.index import SEG_SEALED, Index, IndexEntry, TierState
+from kvstore.lifecycle import SWEEP_INTERVAL_S, Leases, Lifecycle, Phase
 from kvstore.metrics import Metrics
 from kvstore.mirror import Mirror
 from kvstore.recovery import index_tier_segment
@@ -64,9 +65,15 @@ class Tiering:
         run: Callable[..., Awaitable[Any]],
         tier: Tier | None,
         writer: bool,
+        lifecycle: Lifecycle,
+        leases: Leases,
+        drop_entries: Callable[[str, int], Awaitable[int]] | None = None,
         adopted: bool = False,
     ) -> None:
         self.config = config
+        self._life = lifecycle
+        self._leases = leases
+        self._drop_entries = drop_entries
         self.tier = tier
         self.writer = writer
         self.adopted = adopted
@@ -84,7 +91,7 @@ class Tiering:
         self._down_until = 0.0
         self._evict_lock = asyncio.Lock()
         self._evict_wake = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.mirror: Mirror | None = None  # when this process uploads
 
     # -- life cycle -----------------------------------------------------------
@@ -100,12 +107,18 @@ class Tiering:
             await self._run(self._queue_unmirrored, states)
         if self.writer:
             self._spawn(self._evictor(), "evictor")
+        else:
+            self._spawn(self._sweeper(), "segment-sweeper")
         if self.adopted:
             self._spawn(self._follow_bucket(), "follow-bucket")
         await self._run(self.space.rescan)
         await self.refresh_gauges()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run ``coro`` in the background until done or until close."""
+        self._spawn(coro, name)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -185,7 +198,7 @@ class Tiering:
         if ts is not None and ts.mirrored:
             return None
         if self._index.get(tenant, key) != entry:
-            raise NotFound(f"key {key!r} not found (its segment was dropped under disk pressure)")
+            raise SegmentMoved(f"key {key!r} moved or went while it was read")
         raise CorruptionError("segment file is missing", f"{tenant}/{entry.segment_id:016x}.seg", 0)
 
     async def fetch(self, tenant: str, key: str, entry: IndexEntry) -> FetchedRecord:
@@ -210,6 +223,8 @@ class Tiering:
             self._down(str(e))
             raise
         except (TierNotFound, TierRangeError) as e:
+            if self._index.get(tenant, key) != entry:
+                raise SegmentMoved(f"key {key!r} moved or went while it was read") from None
             self._metrics.inc("kvstore_tier_errors_total", op="read")
             raise CorruptionError(f"the object tier lacks the record of key {key!r}: {e}", name, entry.offset) from None
         except TierError:
@@ -250,7 +265,7 @@ class Tiering:
             dest = self._cache.path(tenant, sid)
             await self._run(lambda: dest.parent.mkdir(parents=True, exist_ok=True))
             await download_segment(self.tier, name, ts.size, dest, self._run)
-            await self._run(self._index.set_tier_state, tenant, sid, TierState(TIER_MIRRORED, ts.size, ts.mirrored_ns))
+            await self._run(self._life.rehydrated, tenant, sid)
             self._remote_only.discard(k)
             self.space.wrote(ts.size)
             self._metrics.inc("kvstore_tier_rehydrations_total")
@@ -302,8 +317,16 @@ class Tiering:
                 return 0
             candidates = await self._run(self._candidates)
             victims = self.space.victims(candidates, usage)
+            dropped = []
             for c in victims:
-                await self._run(self._drop, c)
+                if not self._leases.try_claim(c.key):
+                    continue  # compaction has it: it will free the space itself
+                try:
+                    if await self._drop(c):
+                        dropped.append(c)
+                finally:
+                    self._leases.unclaim(c.key)
+            victims = dropped
             if victims:
                 log.info(
                     "dropped %d segments (%d bytes) under disk pressure", len(victims), sum(c.size for c in victims)
@@ -322,6 +345,8 @@ class Tiering:
                 mirrored = ts is not None and ts.mirrored
                 if not (mirrored or ephemeral):
                     continue  # persistent and not yet in the tier: never dropped
+                if self._leases.held((name, sid)):
+                    continue  # a reader outside the daemon holds its bytes
                 try:
                     size = self._cache.path(name, sid).stat().st_size
                 except FileNotFoundError:
@@ -329,25 +354,51 @@ class Tiering:
                 out.append(Candidate((name, sid), size, mirrored))
         return out
 
-    def _drop(self, c: Candidate) -> None:
+    async def _drop(self, c: Candidate) -> bool:
+        """Drop one segment's local copy; False when it changed meanwhile."""
         tenant, sid = c.key
+        phase = await self._run(self._life.phase, tenant, sid)
         if c.mirrored:
-            ts = self._index.tier_state(tenant, sid)
-            if ts is None or not ts.mirrored:
-                return
-            self._index.set_tier_state(
-                tenant, sid, TierState(TIER_MIRRORED | TIER_REMOTE_ONLY, ts.size, ts.mirrored_ns)
-            )
+            if phase is not Phase.MIRRORED:
+                return False
+            await self._run(self._life.dropped, tenant, sid)
             self._remote_only.add(c.key)
             kind = "mirrored"
         else:
-            self._index.drop_entries(tenant, lambda e: e.segment_id == sid)
-            self._index.forget_segment(tenant, sid)
+            if phase is not Phase.SEALED or self._drop_entries is None:
+                return False
+            await self._drop_entries(tenant, sid)  # through the tenant's appender
+            await self._run(self._life.deleted, tenant, sid)
             kind = "ephemeral"
-        self._cache.forget(c.key, unlink=True)
+        await self._run(self._index.sync)  # the state is durable before the file goes
+        await self._run(self._cache.forget, c.key, True)
         self.space.removed(c.size)
+        self.space.forget(c.key)
         self._metrics.inc("kvstore_evictions_total", kind=kind)
         self._metrics.inc("kvstore_evicted_bytes_total", c.size, kind=kind)
+        return True
+
+    # -- a reader process: let go of files the writer removed ----------------
+
+    async def _sweeper(self) -> None:
+        seen = -1
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            try:
+                epoch = await self._run(self._index.epoch)
+                if epoch != seen:
+                    await self._run(self.sweep)
+                    seen = epoch
+            except Exception:
+                log.exception("segment sweep failed")
+
+    def sweep(self) -> int:
+        """Close this process's files of segments that are no longer local and
+        alive (dropped, retired, deleted); returns how many."""
+        gone = [k for k in self._cache.segment_keys() if not self._life.phase(*k).local]
+        for k in gone:
+            self._cache.forget(k)
+        return len(gone)
 
     async def refresh_gauges(self) -> None:
         """Tier and disk gauges; local segment counts are the last rescan's.
