@@ -61,11 +61,12 @@ class OpenSegment:
 
 @dataclass(slots=True)
 class _Write:
-    """A record to append. ``expect`` set: a copy, written only if the key's
-    entry is still ``expect``."""
+    """A record to append. ``copy``: written only if the key's entry is still
+    ``expect`` (None: the key is absent, for a copied tombstone)."""
 
     record: EncodedRecord
-    future: asyncio.Future[IndexEntry | None]
+    future: asyncio.Future[tuple[bool, IndexEntry | None]]  # (written, its entry)
+    copy: bool = False
     expect: IndexEntry | None = None
 
 
@@ -111,13 +112,21 @@ class Appender:
 
     # -- public ---------------------------------------------------------------
 
-    async def submit(self, record: EncodedRecord, expect: IndexEntry | None = None) -> IndexEntry | None:
-        """Append ``record``; return once it is durable under the policy and
-        indexed. With ``expect`` (a compaction copy): None when it was skipped."""
-        fut: asyncio.Future[IndexEntry | None] = self._future()
-        self._queue.append(_Write(record, fut, expect))
+    async def submit(self, record: EncodedRecord) -> IndexEntry | None:
+        """Append ``record``; return once it is durable under the policy and indexed."""
+        fut: asyncio.Future[tuple[bool, IndexEntry | None]] = self._future()
+        self._queue.append(_Write(record, fut))
         self._wake.set()
-        return await fut
+        return (await fut)[1]
+
+    async def copy(self, record: EncodedRecord, expect: IndexEntry | None) -> bool:
+        """Append a record copied as it is (compaction), if the key's entry is
+        still ``expect`` when its batch is written (None: the key is absent,
+        for a tombstone); False when it was skipped."""
+        fut: asyncio.Future[tuple[bool, IndexEntry | None]] = self._future()
+        self._queue.append(_Write(record, fut, copy=True, expect=expect))
+        self._wake.set()
+        return (await fut)[0]
 
     async def seal(self) -> int | None:
         """Seal the open segment now, in order with the writes queued before
@@ -132,6 +141,17 @@ class Appender:
         rebuild, with their own bytes, until compaction reclaims them."""
         removed: list[str] = await self.step(lambda: self._index.drop_if_current(self.tenant, victims))
         return removed
+
+    async def make_durable(self) -> None:
+        """Everything written before this call is synced, segment and index,
+        whatever the durability policy (compaction needs it before it retires
+        what it copied)."""
+
+        def sync() -> None:
+            self._interval_sync()
+            self._index.sync()
+
+        await self.step(sync)
 
     async def step(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the executor in order with the writes (blocking I/O)."""
@@ -254,16 +274,16 @@ class Appender:
         out: list[_Write] = []
         for item in batch:
             key = item.record.header.key
-            if item.expect is not None and (key in touched or self._index.get(self.tenant, key) != item.expect):
+            if item.copy and (key in touched or self._index.get(self.tenant, key) != item.expect):
                 continue
             touched.add(key)
             out.append(item)
         return out
 
-    def _write_batch(self, batch: list[_Write]) -> list[IndexEntry | None]:
+    def _write_batch(self, batch: list[_Write]) -> list[tuple[bool, IndexEntry | None]]:
         todo = self._current(batch)
         if not todo:
-            return [None] * len(batch)
+            return [(False, None)] * len(batch)
         nbytes = sum(item.record.length for item in todo)
         try:
             seg = self._segment_for(nbytes)
@@ -297,7 +317,7 @@ class Appender:
         self._metrics.observe("kvstore_batch_records", len(todo))
         self._metrics.inc("kvstore_bytes_written_total", nbytes)
         written = {id(item): op[1] for item, op in zip(todo, ops, strict=True)}
-        return [written.get(id(item)) for item in batch]
+        return [(id(item) in written, written.get(id(item))) for item in batch]
 
     def _undo(self, seg: SegmentFile, start: int) -> None:
         """Cut the failed batch off; if even that fails, abandon the segment."""

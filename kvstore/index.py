@@ -36,7 +36,7 @@ import lmdb
 from kvstore.errors import IndexUnusable
 
 ENTRY = struct.Struct("<QQQIQHI16sQ")
-SEGMENT = struct.Struct("<BQQ")
+SEGMENT = struct.Struct("<BQQQ")  # state, indexed_upto, synced_upto, wait_upto
 STATS = struct.Struct("<qqq")
 TIER = struct.Struct("<BQQ")  # flags, object size, when the upload was confirmed (ns)
 LIVE = struct.Struct("<qq")  # live records, live record bytes
@@ -88,6 +88,10 @@ class SegmentState:
     state: int
     indexed_upto: int
     synced_upto: int
+    # Retired segments that were in the object tier: their object is deleted
+    # once the tenant's segments up to this id (where compaction copied their
+    # records) are mirrored too.
+    wait_upto: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,7 +353,7 @@ class Index:
     def _put_segment(self, txn: lmdb.Transaction, tenant: str, segment_id: int, segment: SegmentState) -> None:
         txn.put(
             _skey(tenant, segment_id),
-            SEGMENT.pack(segment.state, segment.indexed_upto, segment.synced_upto),
+            SEGMENT.pack(segment.state, segment.indexed_upto, segment.synced_upto, segment.wait_upto),
             db=self._segments,
         )
 

@@ -166,13 +166,15 @@ class Lifecycle:
 
     # -- compaction, eviction, deletion -----------------------------------------
 
-    def retired(self, tenant: str, sid: int) -> None:
-        """Compaction moved every live record out: nothing may point here."""
+    def retired(self, tenant: str, sid: int, wait_upto: int = 0) -> None:
+        """Compaction moved every live record out: nothing may point here.
+        ``wait_upto``: the newest segment holding the copies; an object-tier
+        copy of this one goes once every segment up to it is mirrored."""
         seg, _ = self._check(tenant, sid, "retired")
         live = self._index.live(tenant).get(sid)
         if live is not None and live[0] > 0:
             raise LifecycleError(f"segment {tenant}/{sid:016x} still holds {live[0]} live records")
-        state = SegmentState(SEG_RETIRED, seg.indexed_upto, seg.synced_upto)
+        state = SegmentState(SEG_RETIRED, seg.indexed_upto, seg.synced_upto, max(wait_upto, seg.wait_upto))
         self._index.set_segment_states(tenant, sid, state, None, epoch=True)
 
     def deleted(self, tenant: str, sid: int) -> None:

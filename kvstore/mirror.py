@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import TierError
-from kvstore.lifecycle import Lifecycle
+from kvstore.lifecycle import Lifecycle, Phase
 from kvstore.metrics import Metrics
 from kvstore.tier.base import Tier
 from kvstore.tier.layout import REGISTRY_OBJECT
@@ -190,6 +190,9 @@ class Mirror:
             self._on_mirrored(key)
 
     async def _upload(self, up: Upload) -> None:
+        tenant, sid = up.key
+        if await self._run(self._life.phase, tenant, sid) not in (Phase.SEALED, Phase.MIRRORED):
+            return  # compacted (retired) or deleted meanwhile: nothing to upload
         info = await self._tier.head(up.name)
         if info is not None and info.size != up.size:
             raise TierError(
@@ -204,7 +207,6 @@ class Mirror:
             info = await self._tier.head(up.name)
             if info is None or info.size != up.size:
                 raise TierError(f"upload of {up.name!r} not confirmed: the object has {info and info.size} bytes")
-        tenant, sid = up.key
         if self._pending.get(up.key) is not up:
             return  # the tenant was deleted meanwhile
         await self._run(self._life.mirrored, tenant, sid, up.size)

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from kvstore import reader
 from kvstore.appender import Appender, OpenSegment
+from kvstore.compactor import CompactionReport, Compactor
 from kvstore.config import StoreConfig
 from kvstore.crypto import MasterKey, RecordCipher, load_master_key
 from kvstore.errors import (
@@ -142,6 +143,7 @@ class Store:
         self._tiering: Tiering
         self._stale: list[str] = []
         self._life: Lifecycle
+        self._compactor: Compactor
         self.leases = Leases()
 
     # -- life cycle -----------------------------------------------------------
@@ -232,6 +234,20 @@ class Store:
             self._registry.on_change = mirror.registry_changed
             mirror.registry_changed()  # the bucket gets this node's registry now
         await self._tiering.start(mirror)
+        self._compactor = Compactor(
+            self.config,
+            self._index,
+            self._life,
+            self.leases,
+            self._registry,
+            self._cache,
+            self.tier,
+            lambda name: self._appender(self._registry.get(name)),
+            self._run,
+            self.metrics,
+        )
+        if not readonly and not self.adopted:
+            self._tiering.spawn(self._compactor.loop(), "compactor")
         if mirror is not None:
             for prefix in self._stale:
                 log.warning("deleting objects of a deleted tenant under %s", prefix)
@@ -637,6 +653,14 @@ class Store:
                 "they stay queued (and local) and keep being retried"
             )
         return {"flushed": True, "tier": "mirrored"}
+
+    async def compact(self, tenant: str | None = None) -> CompactionReport:
+        """Run a compaction pass now (over ``tenant``, or every tenant) and
+        return what it did once it is done."""
+        self._check_writable()
+        if tenant is not None:
+            self._tenant(tenant)
+        return await self._compactor.compact(tenant)
 
     async def evict(self) -> int:
         """Run one eviction pass now (normally the evictor runs it)."""

@@ -36,7 +36,7 @@ from kvstore.errors import (
 )
 from kvstore.fsutil import atomic_write
 from kvstore.index import SEG_SEALED, Index, IndexEntry, TierState
-from kvstore.lifecycle import SWEEP_INTERVAL_S, Leases, Lifecycle, Phase
+from kvstore.lifecycle import SWEEP_INTERVAL_S, Leases, Lifecycle, LifecycleError, Phase
 from kvstore.metrics import Metrics
 from kvstore.mirror import Mirror
 from kvstore.recovery import index_tier_segment
@@ -254,6 +254,8 @@ class Tiering:
         ts = self._index.tier_state(*k)
         if ts is None or self.space.usage().percent(ts.size) > self.config.high_watermark:
             return  # it would only be dropped again: keep reading it remotely
+        if not self._leases.try_claim(k):
+            return  # compaction is rewriting it
         self._rehydrating.add(k)
         self._spawn(self._rehydrate(k, ts), f"rehydrate:{k[0]}/{k[1]:x}")
 
@@ -271,10 +273,13 @@ class Tiering:
             self._metrics.inc("kvstore_tier_rehydrations_total")
             self._metrics.inc("kvstore_tier_download_bytes_total", ts.size)
             log.info("rehydrated %s/%016x (%d bytes)", tenant, sid, ts.size)
-        except (TierError, OSError, CorruptionError) as e:
+        except (TierError, OSError, CorruptionError, LifecycleError) as e:
             self._metrics.inc("kvstore_tier_errors_total", op="rehydrate")
             log.warning("rehydrating %s/%016x failed: %s", tenant, sid, e)
+            if isinstance(e, LifecycleError):
+                self._cache.path(tenant, sid).unlink(missing_ok=True)
         finally:
+            self._leases.unclaim(k)
             self._rehydrating.discard(k)
             self._remote_reads.pop(k, None)
 

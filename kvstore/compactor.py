@@ -1,0 +1,357 @@
+"""Compaction: give back the space of deleted, expired and evicted records.
+
+A sealed segment whose dead bytes reach ``compact_dead_percent`` of its
+records is rewritten: each record that is still live is copied *as it is*
+(ciphertext and all: a record's identity, which its AAD binds, does not
+depend on where it lies) through the tenant's appender into its open segment,
+in order with every other write, and only if the key's entry still points at
+it when the copy's batch is written. Then:
+
+1. the copies are made durable (segment and index synced, whatever the policy);
+2. the old segment is *retired* (lifecycle.py), and its local file goes (once
+   no lease holds it: a leased file stays until the lease ends);
+3. if it was in the object tier, its object goes once every segment up to
+   the one holding the copies is mirrored (the appender seals the copies'
+   segment at the end of the pass, so that happens soon);
+4. the segment is forgotten.
+
+Why a crash anywhere loses nothing and brings nothing back:
+
+- Before 1, the copies may be lost, but the old segment is untouched and the
+  index still points at it (a copy's entry is committed with its batch, and
+  the index is rebuilt from segments in id order: a copy, which is newer,
+  simply wins; it has the same bytes).
+- A tombstone is copied forward (unless no older segment exists that could
+  hold the key it deletes, or the key was written again since): dropping it
+  could bring a deleted block back on an index rebuild. A copied tombstone is
+  conditional too: written only if the key is still absent.
+- Between 1 and 4 both copies may exist; the newer wins everywhere (index
+  rebuild, rebuild of a node from the bucket), and the old one is removed by
+  recovery (local file) or the next pass (object).
+
+I/O is bounded: a pass reads at most ``compact_rate`` bytes per second, so
+foreground reads keep their latency. ``POST /v1/admin/compact`` runs a pass
+now; the background loop runs one every ``compact_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.appender import Appender
+from kvstore.config import StoreConfig
+from kvstore.errors import CorruptionError, KVStoreError, TierError
+from kvstore.format import ALIGN, KIND_TOMBSTONE, FooterEntry, checksum, decode_record_header
+from kvstore.index import SEG_OPEN, SEG_RETIRED, SEG_SEALED, Index, IndexEntry
+from kvstore.lifecycle import Leases, Lifecycle, LifecycleError, Phase
+from kvstore.metrics import Metrics
+from kvstore.record import EncodedRecord, index_entry
+from kvstore.registry import Registry
+from kvstore.remote import fetch_footer
+from kvstore.segcache import SegmentCache
+from kvstore.segment import SegmentFile
+from kvstore.tier.base import Tier
+from kvstore.tier.layout import segment_object
+
+log = logging.getLogger("kvstore.compactor")
+SegmentKey = tuple[str, int]
+
+
+@dataclass(slots=True)
+class CompactionReport:
+    segments_rewritten: int = 0
+    records_copied: int = 0
+    tombstones_copied: int = 0
+    bytes_copied: int = 0
+    bytes_reclaimed: int = 0  # local segment files removed
+    objects_deleted: int = 0  # object-tier copies removed
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "segments_rewritten": self.segments_rewritten,
+            "records_copied": self.records_copied,
+            "tombstones_copied": self.tombstones_copied,
+            "bytes_copied": self.bytes_copied,
+            "bytes_reclaimed": self.bytes_reclaimed,
+            "objects_deleted": self.objects_deleted,
+            "seconds": round(self.seconds, 3),
+            "errors": self.errors,
+        }
+
+
+class _Throttle:
+    """At most ``rate`` bytes per second, on average over the pass."""
+
+    def __init__(self, rate: int) -> None:
+        self._rate = rate
+        self._start = time.monotonic()
+        self._bytes = 0
+
+    async def spent(self, nbytes: int) -> None:
+        self._bytes += nbytes
+        ahead = self._start + self._bytes / self._rate - time.monotonic()
+        if ahead > 0:
+            await asyncio.sleep(ahead)
+
+
+class Compactor:
+    def __init__(
+        self,
+        config: StoreConfig,
+        index: Index,
+        lifecycle: Lifecycle,
+        leases: Leases,
+        registry: Registry,
+        cache: SegmentCache,
+        tier: Tier | None,
+        appender: Callable[[str], Appender],
+        run: Callable[..., Awaitable[Any]],
+        metrics: Metrics,
+    ) -> None:
+        self._cfg = config
+        self._index = index
+        self._life = lifecycle
+        self._leases = leases
+        self._registry = registry
+        self._cache = cache
+        self._tier = tier
+        self._appender = appender
+        self._run = run
+        self._metrics = metrics
+        self._lock = asyncio.Lock()
+
+    async def loop(self) -> None:
+        """The background compactor (every ``compact_interval_s``; 0: never)."""
+        if not self._cfg.compact_interval_s:
+            return
+        while True:
+            await asyncio.sleep(self._cfg.compact_interval_s)
+            try:
+                report = await self.compact()
+                if report.segments_rewritten or report.objects_deleted:
+                    log.info("compaction: %s", report.as_dict())
+            except Exception:
+                log.exception("compaction pass failed")
+
+    async def compact(self, tenant: str | None = None) -> CompactionReport:
+        """One pass over ``tenant`` (None: every tenant); returns what it did."""
+        async with self._lock:
+            t0 = time.monotonic()
+            report = CompactionReport()
+            throttle = _Throttle(self._cfg.compact_rate)
+            for name in [tenant] if tenant is not None else self._registry.names():
+                try:
+                    await self._compact_tenant(name, report, throttle)
+                except KVStoreError as e:  # the tenant went meanwhile, or its appender is closing
+                    report.errors.append(f"{name}: {e}")
+            await self.reap(report, tenant)
+            report.seconds = time.monotonic() - t0
+            m = self._metrics
+            m.inc("kvstore_compaction_passes_total")
+            m.inc("kvstore_compaction_segments_total", report.segments_rewritten)
+            m.inc("kvstore_compaction_bytes_copied_total", report.bytes_copied)
+            m.inc("kvstore_compaction_bytes_reclaimed_total", report.bytes_reclaimed)
+            return report
+
+    # -- choosing ---------------------------------------------------------------
+
+    def _candidates(self, tenant: str) -> list[int]:
+        """Sealed segments of ``tenant`` dead enough to rewrite, oldest first."""
+        live = self._index.live(tenant)
+        out = []
+        for sid, st in sorted(self._index.segments(tenant).items()):
+            if st.state != SEG_SEALED:
+                continue
+            total = st.indexed_upto - ALIGN
+            dead = total - live.get(sid, (0, 0))[1]
+            if total > 0 and dead * 100 >= self._cfg.compact_dead_percent * total:
+                out.append(sid)
+        return out
+
+    async def _compact_tenant(self, tenant: str, report: CompactionReport, throttle: _Throttle) -> None:
+        self._registry.get(tenant)
+        sids = await self._run(self._candidates, tenant)
+        if not sids:
+            return
+        app = self._appender(tenant)
+        moved: list[tuple[int, Phase]] = []
+        for sid in sids:
+            key = (tenant, sid)
+            if not self._leases.try_claim(key):
+                continue  # being dropped, or leased: next pass
+            try:
+                phase = await self._run(self._life.phase, tenant, sid)
+                if phase not in (Phase.SEALED, Phase.MIRRORED, Phase.REMOTE_ONLY):
+                    continue
+                if await self._copy_live(tenant, sid, phase, app, report, throttle):
+                    moved.append((sid, phase))
+            except (CorruptionError, TierError, OSError) as e:
+                report.errors.append(f"{tenant}/{sid:016x}: {e}")
+                log.error("compaction of %s/%016x stopped: %s", tenant, sid, e)
+            finally:
+                self._leases.unclaim(key)
+        if not moved:
+            return
+        await app.make_durable()
+        wait_upto = 0
+        if any(phase is not Phase.SEALED for _, phase in moved):
+            # The old ones are in the object tier: seal the copies so they are
+            # mirrored soon, and delete the old objects only after that.
+            wait_upto = await app.seal() or await self._run(self._newest_sealed, tenant)
+        for sid, _ in moved:
+            await self._retire(tenant, sid, wait_upto, report)
+
+    def _newest_sealed(self, tenant: str) -> int:
+        return max((sid for sid, st in self._index.segments(tenant).items() if st.state == SEG_SEALED), default=0)
+
+    # -- copying ----------------------------------------------------------------
+
+    async def _copy_live(
+        self, tenant: str, sid: int, phase: Phase, app: Appender, report: CompactionReport, throttle: _Throttle
+    ) -> bool:
+        """Copy the live records (and needed tombstones) of one segment; True
+        when nothing live is left in it."""
+        local = phase is not Phase.REMOTE_ONLY
+        seg = await self._run(self._cache.acquire, (tenant, sid)) if local else None
+        if local and seg is None:
+            raise CorruptionError("segment file is missing", f"{tenant}/{sid:016x}.seg", 0)
+        try:
+            entries = await self._footer(tenant, sid, seg)
+            older = await self._run(self._older_exists, tenant, sid)
+            for fe in entries:
+                if fe.kind == KIND_TOMBSTONE:
+                    if not older or self._index.get(tenant, fe.key) is not None:
+                        continue  # nothing older can hold the key, or it was written again
+                    expect: IndexEntry | None = None
+                else:
+                    expect = index_entry(sid, fe)
+                    if self._index.get(tenant, fe.key) != expect:
+                        continue  # dead: deleted, replaced, expired or evicted
+                raw = await self._read(tenant, sid, seg, fe)
+                record = await self._run(_checked_record, raw, tenant, fe, f"{tenant}/{sid:016x}.seg")
+                if await app.copy(record, expect):
+                    if fe.kind == KIND_TOMBSTONE:
+                        report.tombstones_copied += 1
+                    else:
+                        report.records_copied += 1
+                    report.bytes_copied += fe.record_len
+                await throttle.spent(fe.record_len)
+        finally:
+            if seg is not None:
+                seg.release()
+        records, _ = (await self._run(self._index.live, tenant)).get(sid, (0, 0))
+        if records:
+            report.errors.append(f"{tenant}/{sid:016x}: {records} live records could not be moved")
+            return False
+        report.segments_rewritten += 1
+        return True
+
+    async def _footer(self, tenant: str, sid: int, seg: SegmentFile | None) -> list[FooterEntry]:
+        if seg is not None:
+            entries: list[FooterEntry] = await self._run(seg.read_footer)
+            return entries
+        assert self._tier is not None
+        name, size = self._object(tenant, sid)
+        return (await fetch_footer(self._tier, name, size, tenant, sid)).entries
+
+    def _object(self, tenant: str, sid: int) -> tuple[str, int]:
+        ts = self._index.tier_state(tenant, sid)
+        if ts is None:
+            raise CorruptionError("segment is neither local nor in the object tier", f"{tenant}/{sid:016x}.seg", 0)
+        return segment_object(tenant, self._registry.get(tenant).created_ns, sid), ts.size
+
+    async def _read(self, tenant: str, sid: int, seg: SegmentFile | None, fe: FooterEntry) -> bytes | bytearray:
+        if seg is not None:
+            data: bytearray = await self._run(seg.pread, fe.offset, fe.record_len)
+            return data
+        assert self._tier is not None
+        name, _ = self._object(tenant, sid)
+        return await self._tier.read_range(name, fe.offset, fe.record_len)
+
+    def _older_exists(self, tenant: str, sid: int) -> bool:
+        """Whether any older segment (in any state, retired included) may
+        still hold a record: then tombstones must be kept."""
+        return any(other < sid for other in self._index.segments(tenant))
+
+    # -- retiring and reaping -----------------------------------------------------
+
+    async def _retire(self, tenant: str, sid: int, wait_upto: int, report: CompactionReport) -> None:
+        try:
+            await self._run(self._life.retired, tenant, sid, wait_upto)
+        except LifecycleError as e:  # written to meanwhile? never for a sealed one; be safe
+            report.errors.append(str(e))
+            return
+        await self._run(self._index.sync)
+        self._metrics.inc("kvstore_compaction_retired_total")
+
+    async def reap(self, report: CompactionReport, tenant: str | None = None) -> None:
+        """Remove what retired segments leave: local files (when no lease
+        holds them) and object-tier copies (once the copies are mirrored)."""
+        for name in [tenant] if tenant is not None else self._registry.names():
+            if name not in self._registry:
+                continue
+            segs = await self._run(self._index.segments, name)
+            for sid, st in sorted(segs.items()):
+                if st.state != SEG_RETIRED or self._leases.held((name, sid)):
+                    continue
+                report.bytes_reclaimed += await self._run(self._remove_local, name, sid)
+                ts = await self._run(self._index.tier_state, name, sid)
+                if ts is not None and ts.mirrored:
+                    if self._tier is None or not await self._run(self._copies_mirrored, name, st.wait_upto):
+                        continue
+                    try:
+                        await self._tier.delete(segment_object(name, self._registry.get(name).created_ns, sid))
+                    except TierError as e:
+                        log.warning("deleting the object of retired segment %s/%016x failed: %s", name, sid, e)
+                        continue
+                    report.objects_deleted += 1
+                await self._run(self._life.deleted, name, sid)
+
+    def _remove_local(self, tenant: str, sid: int) -> int:
+        path = self._cache.path(tenant, sid)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return 0
+        self._cache.forget((tenant, sid), unlink=True)
+        return size
+
+    def _copies_mirrored(self, tenant: str, wait_upto: int) -> bool:
+        segs = self._index.segments(tenant)
+        for sid, st in segs.items():
+            if sid > wait_upto or st.state == SEG_RETIRED:
+                continue
+            if st.state == SEG_OPEN:
+                if st.indexed_upto > ALIGN:
+                    return False  # records not sealed yet
+                continue
+            if self._life.phase(tenant, sid) not in (Phase.MIRRORED, Phase.REMOTE_ONLY):
+                return False
+        return True
+
+
+def _checked_record(raw: bytes | bytearray, tenant: str, fe: FooterEntry, where: str) -> EncodedRecord:
+    """The record as stored, checked before it is copied: its header, that it
+    is the record the footer names, and every frame's checksum. A corrupt
+    record is never copied (its segment stays, and reads of it keep failing
+    loudly)."""
+    view = memoryview(raw)
+    h = decode_record_header(view, where, fe.offset)
+    if h.tenant != tenant or h.key != fe.key or h.record_id != fe.record_id or h.record_len != len(raw):
+        raise CorruptionError(f"record of key {fe.key!r} is not the one the footer names", where, fe.offset)
+    pos = h.payload_offset
+    for i, f in enumerate(h.frames):
+        if checksum(view[pos : pos + f.stored_len]) != f.checksum:
+            raise CorruptionError(f"frame {i} of key {fe.key!r} fails its checksum", where, fe.offset)
+        pos += f.stored_len
+    return EncodedRecord(h, [raw])
+
+
+__all__ = ["CompactionReport", "Compactor"]
