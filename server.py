@@ -31,12 +31,13 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from kvstore import sdnotify
+from kvstore import redaction, sdnotify
 from kvstore.crypto import MasterKey, load_master_key
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server_config import SETTINGS, ServerConfig, load
 from kvstore.transport.http import make_app
 from kvstore.transport.http_common import STATE
+from kvstore.transport.http_server import KVAppRunner
 from kvstore.tuning import die_with_parent, keep_freed_memory
 
 log = logging.getLogger("kvstore.server")
@@ -76,7 +77,7 @@ async def serve(
     if cfg.admin_secret() is None and role != "reader":
         log.warning("no admin token configured (KVSTORE_ADMIN_TOKEN): the admin API refuses every request")
     app = make_app(cfg, master, role, writer_socket)
-    runner = web.AppRunner(
+    runner = KVAppRunner(
         app,
         keepalive_timeout=cfg.keepalive_timeout_s,
         shutdown_timeout=cfg.shutdown_timeout_s,
@@ -216,8 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(
             level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
         )
+        scrubber = redaction.install()  # before anything can log a secret; workers inherit it
+        scrubber.add_secret(cfg.master_key)
+        scrubber.add_secret(cfg.admin_secret())
         keep_freed_memory()
         master = load_master_key(cfg.master_key_file, cfg.master_key)
+        scrubber.add_key(master.secret)
         if cfg.workers > 1:
             return supervise(cfg, master)
         uvloop.run(serve(cfg, master))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvstore.config import StoreConfig, parse_choice, parse_field, parse_int
+from kvstore.config import StoreConfig, parse_choice, parse_field, parse_int, parse_size
 from kvstore.errors import ConfigError
 
 DEFAULT_PORT = 8420
@@ -63,6 +63,7 @@ class ServerConfig:
     max_lookup_keys: int = 4096
     max_batch_keys: int = 1024
     max_concurrency: int = 512
+    max_buffered_body_bytes: int = 1 << 30
     request_timeout_s: int = 60
     keepalive_timeout_s: int = 75
     shutdown_timeout_s: int = 30
@@ -103,6 +104,7 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "max_lookup_keys": _positive,
     "max_batch_keys": _positive,
     "max_concurrency": _positive,
+    "max_buffered_body_bytes": parse_size,
     "request_timeout_s": _positive,
     "keepalive_timeout_s": _positive,
     "shutdown_timeout_s": _positive,
@@ -161,4 +163,9 @@ def load(
     cfg = ServerConfig(store=store, **values)
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ConfigError("tls_cert and tls_key must be set together")
+    if cfg.max_buffered_body_bytes < store.max_block_size:
+        raise ConfigError(
+            f"max_buffered_body_bytes={cfg.max_buffered_body_bytes} is below max_block_size={store.max_block_size}:"
+            " a block of the maximum size could never be accepted"
+        )
     return cfg

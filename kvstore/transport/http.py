@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from kvstore.crypto import MasterKey
 from kvstore.errors import InvalidRange, KVStoreError, Overloaded, Unauthorized
@@ -22,13 +23,16 @@ from kvstore.names import PATH_PARAMS
 from kvstore.server_config import ServerConfig
 from kvstore.store import Store
 from kvstore.transport import http_admin, http_batch, http_blocks
+from kvstore.transport.http_body import BAD_BODY_FRAMING, BUDGET, BodyBudget
 from kvstore.transport.http_common import (
     CONFIG,
     METRICS,
     STATE,
     STORE,
+    client_gone,
     error_body,
     error_response,
+    is_admin,
     require_admin,
     route_of,
     tenant_of,
@@ -46,6 +50,7 @@ _HTTP_CODES = {
     411: "length_required",
     413: "body_too_large",
     415: "unsupported_media_type",
+    431: "headers_too_large",
 }
 
 
@@ -76,11 +81,6 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=request.method)
 
 
-def _client_gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
-
-
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error becomes a JSON body, in one place. A client that went away
@@ -96,9 +96,14 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if isinstance(e, Overloaded):
             headers["Retry-After"] = "1"
         if e.status >= 500:
-            log.error("%s %s: %s", request.method, route_of(request), e)
+            if not isinstance(e, Overloaded):  # counted, not logged: a flood must not flood the log
+                log.error("%s %s: %s", request.method, route_of(request), e)
             request.app[METRICS].inc("kvstore_errors_total", code=e.code)
         return error_response(e, headers)
+    except RequestPayloadError:
+        # aiohttp could not decode the body (chunked framing, content coding);
+        # its message quotes the bytes, so it is not passed on.
+        return web.json_response(error_body("bad_request", BAD_BODY_FRAMING), status=400)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -109,7 +114,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             headers={"Allow": e.headers["Allow"]} if "Allow" in e.headers else None,
         )
     except ConnectionError:
-        if not _client_gone(request):
+        if not client_gone(request):
             raise_internal(request)
             raise
         request.app[METRICS].inc("kvstore_http_client_disconnects_total", route=route_of(request))
@@ -147,9 +152,13 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    if request.app[STATE]["ready"]:
+    """Ready or not, to anyone (a load balancer's probe); the recovery report,
+    which names tenants and segments, only with the admin token."""
+    if not request.app[STATE]["ready"]:
+        return web.json_response(error_body("not_ready", "the store is not open"), status=503)
+    if is_admin(request):
         return web.json_response({"status": "ready", "recovery": request.app[STORE].recovery.as_dict()})
-    return web.json_response(error_body("not_ready", "the store is not open"), status=503)
+    return web.json_response({"status": "ready"})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -164,6 +173,7 @@ async def metrics(request: web.Request) -> web.Response:
     m.set("kvstore_bytes_logical", logical, tier="g3")
     m.set("kvstore_tenants", len(store.tenants()))
     m.set("kvstore_http_inflight", request.app[STATE]["inflight"])
+    m.set("kvstore_http_buffered_body_bytes", request.app[BUDGET].used)
     return web.Response(
         text=m.render(), content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"}
     )
@@ -198,6 +208,7 @@ def make_app(
     )
     app[CONFIG] = config
     app[STATE] = {"ready": False, "inflight": 0, "role": role}
+    app[BUDGET] = BodyBudget(config.max_buffered_body_bytes)
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         store = await (Store.open_reader if reader else Store.open)(config.store, master)

@@ -7,7 +7,9 @@ from aiohttp import web
 from kvstore.config import DURABILITY_CLASSES
 from kvstore.crypto import load_master_key
 from kvstore.errors import InvalidInput, MasterKeyError
-from kvstore.transport.http_common import json_body, require_admin, store_of
+from kvstore.redaction import SCRUBBER
+from kvstore.transport.http_body import json_body
+from kvstore.transport.http_common import require_admin, store_of
 
 routes = web.RouteTableDef()
 FLUSH_TIMEOUT_S = 600
@@ -92,10 +94,15 @@ async def rotate_master_key(request: web.Request) -> web.Response:
     key_file = body.get("key_file")
     if not isinstance(key_file, str) or not key_file:
         raise InvalidInput("field 'key_file' must be the path of the new master key file")
+    if "\x00" in key_file:
+        raise InvalidInput("field 'key_file' contains a NUL character; expected a file path")
     try:
         new = load_master_key(key_file)
     except MasterKeyError as e:
         raise InvalidInput(f"key_file: {e}") from None
+    except (OSError, ValueError) as e:  # read after the mode check, a path too long for the OS...
+        raise InvalidInput(f"field 'key_file': the file cannot be read ({type(e).__name__})") from None
+    SCRUBBER.add_key(new.secret)  # from now on, never printed in a log either
     await store_of(request).rotate_master_key(new, key_file)
     return web.json_response({"master_key_id": new.key_id})
 

@@ -9,31 +9,20 @@ Memory stays bounded: a batch put holds at most ``_WINDOW`` blocks at once
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from kvstore import batchframe
 from kvstore.errors import KVStoreError
 from kvstore.transport.http_blocks import keys_field
-from kvstore.transport.http_common import BATCH_TYPE, METRICS, config_of, error_body, json_body, store_of, tenant_of
+from kvstore.transport.http_body import BAD_BODY_FRAMING, BatchBody, json_body
+from kvstore.transport.http_common import BATCH_TYPE, METRICS, config_of, error_body, store_of, tenant_of
 
 routes = web.RouteTableDef()
 _WINDOW = 4
-
-
-class _Inactivity:
-    """A body reader whose every read must complete within ``seconds``: a
-    batch may take as long as it needs, but a stalled client is cut off."""
-
-    def __init__(self, inner: batchframe.ByteReader, seconds: float) -> None:
-        self._inner = inner
-        self._seconds = seconds
-
-    async def readexactly(self, n: int, /) -> bytes:
-        async with asyncio.timeout(self._seconds):
-            return await self._inner.readexactly(n)
 
 
 def _result(key: str, status: int, error: KVStoreError | None = None) -> dict[str, Any]:
@@ -51,6 +40,7 @@ async def batch_put(request: web.Request) -> web.Response:
     metrics = request.app[METRICS]
     results: list[dict[str, Any]] = []
     pending: list[tuple[str, asyncio.Task[bool]]] = []
+    body = BatchBody(request)
 
     async def settle(upto: int) -> None:
         while len(pending) > upto:
@@ -60,23 +50,34 @@ async def batch_put(request: web.Request) -> web.Response:
             except KVStoreError as e:
                 results.append(_result(key, e.status, e))
 
+    def stored(held: int) -> Callable[[asyncio.Task[bool]], None]:
+        return lambda _task: body.release(held)  # the block's bytes are no longer held
+
     try:
-        stream = _Inactivity(request.content, cfg.request_timeout_s)
-        async for key, data in batchframe.read_put_items(stream, store.config.max_block_size, cfg.max_batch_keys):
+        async for key, data in batchframe.read_put_items(body, store.config.max_block_size, cfg.max_batch_keys):
             metrics.inc("kvstore_http_bytes_in_total", len(data))
-            pending.append((key, asyncio.ensure_future(store.put(tenant, key, data))))
+            task = asyncio.ensure_future(store.put(tenant, key, data))
+            task.add_done_callback(stored(body.take()))
+            pending.append((key, task))
             await settle(_WINDOW - 1)
         await settle(0)
     except KVStoreError as e:
         await settle(0)  # what was already accepted is reported, never lost silently
-        body = error_body(e.code, str(e))
-        body["results"] = results
-        return web.json_response(body, status=e.status)
+        doc = error_body(e.code, str(e))
+        doc["results"] = results
+        return web.json_response(doc, status=e.status, headers={"Retry-After": "1"} if e.retryable else None)
     except TimeoutError:
         await settle(0)
-        body = error_body("request_timeout", f"batch body stalled for {cfg.request_timeout_s} s")
-        body["results"] = results
-        return web.json_response(body, status=408)
+        doc = error_body("request_timeout", f"batch body stalled for {cfg.request_timeout_s} s")
+        doc["results"] = results
+        return web.json_response(doc, status=408)
+    except RequestPayloadError:
+        await settle(0)
+        doc = error_body("bad_request", BAD_BODY_FRAMING)
+        doc["results"] = results
+        return web.json_response(doc, status=400)
+    finally:
+        body.close()
     metrics.observe("kvstore_http_batch_records", len(results), op="put")
     return web.json_response({"results": results})
 

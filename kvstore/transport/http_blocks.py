@@ -9,15 +9,15 @@ and a malformed Range header ignored (§14.2).
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from aiohttp import web
 
-from kvstore.errors import BlockTooLarge, InvalidInput, LengthRequired, NotFound, RequestTimeout
+from kvstore.errors import InvalidInput, NotFound
 from kvstore.names import validate_key
 from kvstore.ranges import etag_matches, parse_range
-from kvstore.transport.http_common import METRICS, config_of, json_body, store_of, tenant_of
+from kvstore.transport.http_body import block_body, json_body
+from kvstore.transport.http_common import METRICS, config_of, store_of, tenant_of
 
 routes = web.RouteTableDef()
 
@@ -26,39 +26,13 @@ def _etag(record_etag: str) -> str:
     return f'"{record_etag}"'
 
 
-def check_length(request: web.Request, limit: int) -> int:
-    """The request's Content-Length, if it is acceptable for a block."""
-    length = request.content_length
-    if length is None:
-        raise LengthRequired("Content-Length is required (chunked uploads are not accepted)")
-    if length > limit:
-        raise BlockTooLarge(f"body is {length} bytes; the maximum block size is {limit}")
-    if length == 0:
-        raise InvalidInput("body is empty; blocks are 1 byte or more")
-    return length
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """Exactly Content-Length bytes of body, within the request timeout."""
-    length = check_length(request, limit)
-    try:
-        async with asyncio.timeout(config_of(request).request_timeout_s):
-            data = await request.content.readexactly(length)
-    except TimeoutError:
-        raise RequestTimeout(f"body not received within {config_of(request).request_timeout_s} s") from None
-    except asyncio.IncompleteReadError as e:
-        raise InvalidInput(f"body ended after {len(e.partial)} of {length} bytes (Content-Length)") from None
-    request.app[METRICS].inc("kvstore_http_bytes_in_total", length)
-    return data
-
-
 @routes.put("/v1/blocks/{key}")
 async def put_block(request: web.Request) -> web.Response:
     tenant = tenant_of(request)
     key = validate_key(request.match_info["key"])
     store = store_of(request)
-    data = await read_body(request, store.config.max_block_size)
-    created = await store.put(tenant, key, data)
+    async with block_body(request, store.config.max_block_size) as data:
+        created = await store.put(tenant, key, data)
     info = await store.head(tenant, key)
     return web.json_response(
         {"key": key, "size": info.size, "created": created},

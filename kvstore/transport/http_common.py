@@ -1,15 +1,14 @@
-"""What every HTTP route shares: app keys, auth, JSON bodies, error bodies."""
+"""What every HTTP route shares: app keys, auth, error bodies."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 from typing import Any
 
 from aiohttp import web
 
-from kvstore.errors import InvalidInput, KVStoreError, Unauthorized
+from kvstore.errors import KVStoreError, Unauthorized
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
 from kvstore.store import Store
@@ -34,6 +33,12 @@ def route_of(request: web.Request) -> str:
     info = request.match_info
     resource = info.route.resource if info.route is not None else None
     return resource.canonical if resource is not None else "unmatched"
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client's connection is closed or closing."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def _bearer(request: web.Request) -> str:
@@ -72,18 +77,17 @@ def require_admin(request: web.Request) -> None:
         raise Unauthorized("admin token required")
 
 
+def is_admin(request: web.Request) -> bool:
+    """Whether the request carries the admin token (never raises)."""
+    try:
+        require_admin(request)
+    except Unauthorized:
+        return False
+    return True
+
+
 def _digest(text: str) -> bytes:
     return hashlib.sha256(text.encode()).digest()
-
-
-async def json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidInput(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise InvalidInput(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 def error_body(code: str, message: str) -> dict[str, Any]:

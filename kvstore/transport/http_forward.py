@@ -17,13 +17,16 @@ it was received, still percent-encoded: a decoded ``%2F``, ``%3F``, ``%23`` or
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from yarl import URL
 
-from kvstore.errors import StoreClosed
-from kvstore.transport.http_blocks import check_length
-from kvstore.transport.http_common import config_of, route_of, store_of
+from kvstore.errors import InvalidInput, KVStoreError, StoreClosed
+from kvstore.transport.http_body import BAD_BODY_FRAMING, check_length
+from kvstore.transport.http_common import client_gone, config_of, route_of, store_of
 
 WRITER = web.AppKey("writer", aiohttp.ClientSession)
 _SENT = ("Authorization", "Content-Type", "Content-Length", "If-None-Match", "Range")
@@ -61,18 +64,54 @@ def writer_url(request: web.Request) -> URL:
     return URL("http://writer" + request.rel_url.raw_path_qs, encoded=True)
 
 
+async def _relayed_body(request: web.Request, fault: list[KVStoreError]) -> AsyncIterator[bytes]:
+    """The request's body as it arrives. A body cut short of its
+    Content-Length (the client half-closed) or with broken chunked framing is
+    noted in ``fault`` and the relay aborted, so the reader answers the 400
+    the writer would have given, instead of the writer waiting for bytes that
+    will never come."""
+    expected = request.content_length
+    got = 0
+    try:
+        async for chunk in request.content.iter_any():
+            got += len(chunk)
+            yield chunk
+    except RequestPayloadError:
+        fault.append(InvalidInput(BAD_BODY_FRAMING))
+        raise
+    if expected is not None and got < expected:
+        fault.append(InvalidInput(f"body ended after {got} of {expected} bytes (Content-Length)"))
+        raise ConnectionAbortedError("the request body ended early")
+
+
+def _relay_timeout(request: web.Request) -> aiohttp.ClientTimeout:
+    """How long the writer may take to answer. It bounds a stalled body by
+    itself (408 after request_timeout_s), so the reader waits longer than that
+    and relays the writer's answer. Admin calls (flush, verify) and batch puts
+    legitimately take as long as their work: no read timeout there; a writer
+    that dies closes the socket."""
+    route = route_of(request)
+    if route.startswith("/v1/admin/") or route == "/v1/batch/put":
+        return aiohttp.ClientTimeout(total=None, sock_read=None)
+    return aiohttp.ClientTimeout(total=None, sock_read=config_of(request).request_timeout_s + 30)
+
+
 async def forward(request: web.Request) -> web.StreamResponse:
     if request.method == "PUT" and route_of(request) == "/v1/blocks/{key}":
         # Refuse what the writer would refuse before streaming a body to it.
         check_length(request, store_of(request).config.max_block_size)
     headers = {h: request.headers[h] for h in _SENT if h in request.headers}
-    body = request.content if request.body_exists else None
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=config_of(request).request_timeout_s)
+    fault: list[KVStoreError] = []
+    body = _relayed_body(request, fault) if request.body_exists else None
     try:
         upstream = await request.app[WRITER].request(
-            request.method, writer_url(request), headers=headers, data=body, timeout=timeout
+            request.method, writer_url(request), headers=headers, data=body, timeout=_relay_timeout(request)
         )
     except (aiohttp.ClientError, ConnectionError) as e:
+        if fault:
+            raise fault[0] from None
+        if client_gone(request):
+            raise ConnectionResetError("the client disconnected") from None
         raise StoreClosed(f"the writer process is unavailable ({type(e).__name__}); retry") from None
     async with upstream as r:
         resp = web.StreamResponse(status=r.status, headers={h: r.headers[h] for h in _RETURNED if h in r.headers})

@@ -16,10 +16,12 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from aiohttp.web_runner import BaseRunner
 
 from kvstore.crypto import MasterKey
 from kvstore.server_config import ServerConfig, load
 from kvstore.transport.http import make_app
+from kvstore.transport.http_server import KVAppRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "admin-token-for-tests-0123456789"
@@ -70,10 +72,18 @@ def server_config(data_dir: Path, **flags: Any) -> ServerConfig:
     return load(None, env={"KVSTORE_ADMIN_TOKEN": ADMIN}, flags={**base, **flags})
 
 
+class KVTestServer(TestServer):
+    """aiohttp's TestServer with the daemon's runner (kvstore's answers to
+    parser errors and disconnects, the same parser limits)."""
+
+    async def _make_runner(self, **kwargs: Any) -> BaseRunner:
+        return KVAppRunner(self.app, **kwargs)
+
+
 @pytest.fixture
 async def api(tmp_path: Path) -> AsyncIterator[Api]:
     cfg = server_config(tmp_path / "data")
-    server = TestServer(make_app(cfg, MasterKey(os.urandom(32))), host="127.0.0.1", port=free_port())
+    server = KVTestServer(make_app(cfg, MasterKey(os.urandom(32))), host="127.0.0.1", port=free_port())
     await server.start_server()
     async with aiohttp.ClientSession() as session:
         yield Api(f"http://127.0.0.1:{server.port}", session, cfg)

@@ -22,6 +22,8 @@ async def test_health_ready_metrics(api: Api) -> None:
     async with api.session.get(api.url("/healthz")) as r:
         assert r.status == 200 and (await r.json())["status"] == "ok"
     async with api.session.get(api.url("/readyz")) as r:
+        assert r.status == 200 and await r.json() == {"status": "ready"}  # the report needs the admin token
+    async with api.session.get(api.url("/readyz"), headers=api.auth(ADMIN)) as r:
         assert r.status == 200 and "recovery" in await r.json()
     t = await api.tenant("alice")
     async with api.session.put(api.url("/v1/blocks/k"), data=b"x" * 10, headers=api.auth(t)) as r:

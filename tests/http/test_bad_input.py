@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -80,9 +81,10 @@ async def test_body_shorter_than_content_length(api: Api, token: str) -> None:
         + b"x" * 400
     )
     await writer.drain()
-    writer.write_eof()  # the client gives up half-way
-    await asyncio.wait_for(reader.read(), 10)
+    writer.write_eof()  # the client gives up half-way, and waits for the answer
+    answer = await asyncio.wait_for(reader.read(), 10)
     writer.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b"invalid_input" in answer and b"400 of 1000" in answer
     async with api.session.head(api.url("/v1/blocks/short"), headers=api.auth(token)) as r:
         assert r.status == 404  # nothing half-written was stored
     await _intact(api, token)
@@ -167,5 +169,7 @@ async def test_too_many_keys(api: Api, token: str) -> None:
 async def test_huge_headers(api: Api, token: str) -> None:
     req = f"GET /v1/blocks/good HTTP/1.1\r\nHost: x\r\nX-Big: {'a' * 20000}\r\n\r\n".encode()
     resp = await _raw(api, req)
-    assert resp.split(b" ", 2)[1] in (b"400", b"431")
+    head, _, body = resp.partition(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == b"431" and b"application/json" in head
+    assert json.loads(body)["error"]["code"] == "headers_too_large"
     await _intact(api, token)

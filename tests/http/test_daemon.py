@@ -188,6 +188,8 @@ async def test_tls(daemon: Daemon, tmp_path: Path) -> None:
         (["--durability", "maybe"], {}, "durability"),
         ([], {"KVSTORE_WORKERS": "0"}, "KVSTORE_WORKERS"),
         ([], {"KVSTORE_MASTER_KEY_FILE": "/nonexistent/key"}, "master key file"),
+        (["--max-buffered-body-bytes", "lots"], {}, "--max-buffered-body-bytes='lots'"),
+        ([], {"KVSTORE_MAX_BUFFERED_BODY_BYTES": "1MiB"}, "below max_block_size"),
     ],
 )
 def test_bad_config_stops_startup(daemon: Daemon, args: list[str], env: dict[str, str], needle: str) -> None:

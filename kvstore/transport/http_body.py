@@ -1,0 +1,207 @@
+"""Request bodies: every read bounded in time and in memory.
+
+- **Time.** A whole body (a block, a JSON document) must arrive within
+  ``request_timeout_s``; a batch stream, which may take as long as it needs,
+  must not stall for longer than that between reads. Either way a stalled
+  client gets ``408 request_timeout`` and its slot is freed.
+- **Memory.** Bodies held in memory (a block until it is stored, a JSON
+  document until it is parsed, the blocks of a batch in flight) share one
+  budget, ``max_buffered_body_bytes``. A body that would push past it is
+  refused with ``503 overloaded`` (``Retry-After``) before it is read, instead
+  of memory growing with ``max_concurrency`` times ``max_block_size``.
+- **JSON.** UTF-8 (RFC 8259 §8.1), at most :data:`JSON_MAX_BYTES`; each way a
+  document can be wrong is a 4xx naming it, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.errors import (
+    BlockTooLarge,
+    BodyTooLarge,
+    InvalidInput,
+    LengthRequired,
+    Overloaded,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
+from kvstore.transport.http_common import METRICS, config_of
+
+JSON_MAX_BYTES = 4 << 20
+# The answer to a body aiohttp's parser could not decode (its message quotes the bytes).
+BAD_BODY_FRAMING = "malformed request body: bad chunked framing or content coding"
+_JSON_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})
+
+
+class BodyBudget:
+    """Bytes of request bodies held in memory by this process, against a
+    limit. Used from the event loop only (no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def reserve(self, n: int) -> None:
+        """Count ``n`` more bytes, or raise Overloaded if they do not fit."""
+        if self.used + n > self.limit:
+            raise Overloaded(
+                f"request bodies buffered in memory are at the limit (max_buffered_body_bytes={self.limit}); retry"
+            )
+        self.used += n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+
+
+BUDGET = web.AppKey("body_budget", BodyBudget)
+
+
+def budget_of(request: web.Request) -> BodyBudget:
+    return request.app[BUDGET]
+
+
+def check_length(request: web.Request, limit: int) -> int:
+    """The request's Content-Length, if it is acceptable for a block."""
+    length = request.content_length
+    if length is None:
+        raise LengthRequired("Content-Length is required (chunked uploads are not accepted)")
+    if length > limit:
+        raise BlockTooLarge(f"body is {length} bytes; the maximum block size is {limit}")
+    if length == 0:
+        raise InvalidInput("body is empty; blocks are 1 byte or more")
+    return length
+
+
+async def _read_exactly(request: web.Request, length: int) -> bytes:
+    """``length`` bytes of body within the request timeout."""
+    seconds = config_of(request).request_timeout_s
+    try:
+        async with asyncio.timeout(seconds):
+            return await request.content.readexactly(length)
+    except TimeoutError:
+        raise RequestTimeout(f"body not received within {seconds} s") from None
+    except asyncio.IncompleteReadError as e:
+        raise InvalidInput(f"body ended after {len(e.partial)} of {length} bytes (Content-Length)") from None
+
+
+@asynccontextmanager
+async def block_body(request: web.Request, limit: int) -> AsyncIterator[bytes]:
+    """A block's body (exactly Content-Length bytes, 1 to ``limit``), held
+    against the budget until the ``async with`` block ends."""
+    length = check_length(request, limit)
+    budget = budget_of(request)
+    budget.reserve(length)
+    try:
+        data = await _read_exactly(request, length)
+        request.app[METRICS].inc("kvstore_http_bytes_in_total", length)
+        yield data
+    finally:
+        budget.release(length)
+
+
+def _check_charset(request: web.Request) -> None:
+    charset = request.charset
+    if charset is not None and charset.lower() not in _JSON_CHARSETS:
+        raise UnsupportedMediaType(f"charset {charset[:40]!r} is not supported: JSON bodies are UTF-8 (RFC 8259)")
+
+
+async def _read_chunked(request: web.Request, limit: int) -> bytes:
+    """A body without Content-Length (chunked), up to ``limit`` bytes."""
+    parts: list[bytes] = []
+    size = 0
+    seconds = config_of(request).request_timeout_s
+    try:
+        async with asyncio.timeout(seconds):
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"JSON body is over {limit} bytes")
+                parts.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(f"body not received within {seconds} s") from None
+    return b"".join(parts)
+
+
+def _no_constant(name: str) -> Any:
+    raise InvalidInput(f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The JSON object in ``raw``, or a 400 naming what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"request body is not UTF-8 (byte {e.start}); JSON bodies are UTF-8") from None
+    parse: Callable[[str], Any] = json.JSONDecoder(parse_constant=_no_constant).decode
+    try:
+        body = parse(text)
+    except json.JSONDecodeError as e:
+        raise InvalidInput(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise InvalidInput("request body is not acceptable JSON: arrays or objects nested too deeply") from None
+    except ValueError:
+        # int(): over sys.get_int_max_str_digits() (4300) digits (CVE-2020-10735).
+        raise InvalidInput("request body is not acceptable JSON: a number has too many digits") from None
+    if not isinstance(body, dict):
+        raise InvalidInput(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def json_body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object body: UTF-8, at most JSON_MAX_BYTES, received
+    within the request timeout and held against the budget while it is read."""
+    _check_charset(request)
+    length = request.content_length
+    if length is not None and length > JSON_MAX_BYTES:
+        raise BodyTooLarge(f"JSON body is {length} bytes; the maximum is {JSON_MAX_BYTES}")
+    held = JSON_MAX_BYTES if length is None else length
+    budget = budget_of(request)
+    budget.reserve(held)
+    try:
+        raw = await (_read_chunked(request, JSON_MAX_BYTES) if length is None else _read_exactly(request, length))
+        return parse_json(raw)
+    finally:
+        budget.release(held)
+
+
+class BatchBody:
+    """A batch stream's body for the framing decoder: every read must complete
+    within ``seconds`` (a batch may take as long as it needs, a stalled client
+    is cut off), and every byte read is held against the budget until the
+    caller :meth:`take`\\ s it (and releases it once the block is stored)."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._content = request.content
+        self._seconds = config_of(request).request_timeout_s
+        self._budget = budget_of(request)
+        self._unowned = 0
+
+    async def readexactly(self, n: int, /) -> bytes:
+        self._budget.reserve(n)
+        try:
+            async with asyncio.timeout(self._seconds):
+                data = await self._content.readexactly(n)
+        except BaseException:
+            self._budget.release(n)
+            raise
+        self._unowned += n
+        return data
+
+    def take(self) -> int:
+        """The bytes read since the last take, now the caller's to release."""
+        n, self._unowned = self._unowned, 0
+        return n
+
+    def release(self, n: int) -> None:
+        self._budget.release(n)
+
+    def close(self) -> None:
+        """Release what was read and never taken."""
+        self._budget.release(self.take())
