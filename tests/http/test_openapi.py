@@ -1,0 +1,109 @@
+"""docs/openapi.yaml is true: a valid OpenAPI 3.1 document, every route the
+daemon registers is described and every described operation is a route, and
+real answers to every operation match what it describes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from openapi_spec_validator import validate
+
+from kvstore import batchframe
+from kvstore.crypto import MasterKey
+from kvstore.transport.http import make_app
+from tests.http.conftest import ADMIN, Api, server_config
+from tests.http.openapi import Spec
+
+
+def test_spec_is_valid_openapi_3_1() -> None:
+    spec = Spec.load()
+    assert spec.doc["openapi"].startswith("3.1.")
+    validate(spec.doc)
+
+
+def test_every_route_is_described_and_every_description_is_a_route(tmp_path: Path) -> None:
+    for role in ("single", "writer"):
+        app = make_app(server_config(tmp_path / role), MasterKey(os.urandom(32)), role)
+        routes = {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource is not None}
+        described = {(op.method, op.path) for op in Spec.load().operations()}
+        assert not routes - described, f"routes missing from docs/openapi.yaml: {sorted(routes - described)}"
+        assert not described - routes, f"described in docs/openapi.yaml, not routes: {sorted(described - routes)}"
+
+
+async def test_answers_match_the_description(api: Api) -> None:
+    """Every operation, called for real (successes and the usual errors); each
+    answer's status, content type and JSON body must be described."""
+    spec = Spec.load()
+    token = await api.tenant("alice")
+    t, admin = api.auth(token), api.auth(ADMIN)
+    batch = batchframe.encode_put_stream([("b1", b"1" * 100), ("b2", b"2" * 50)])
+    calls: list[tuple[str, str, str, dict[str, str], bytes, int]] = [
+        ("PUT", "/v1/blocks/{key}", "/v1/blocks/k1", t, b"x" * 1000, 201),
+        ("PUT", "/v1/blocks/{key}", "/v1/blocks/k1", t, b"y" * 10, 200),
+        ("PUT", "/v1/blocks/{key}", "/v1/blocks/k%2F1", t, b"x", 400),
+        ("PUT", "/v1/blocks/{key}", "/v1/blocks/k1", {}, b"x", 401),
+        ("PUT", "/v1/blocks/{key}", "/v1/blocks/k2", t, b"", 400),
+        ("GET", "/v1/blocks/{key}", "/v1/blocks/k1", t, b"", 200),
+        ("GET", "/v1/blocks/{key}", "/v1/blocks/k1", {**t, "Range": "bytes=0-9"}, b"", 206),
+        ("GET", "/v1/blocks/{key}", "/v1/blocks/k1", {**t, "Range": "bytes=5000-"}, b"", 416),
+        ("GET", "/v1/blocks/{key}", "/v1/blocks/nope", t, b"", 404),
+        ("HEAD", "/v1/blocks/{key}", "/v1/blocks/k1", t, b"", 200),
+        ("HEAD", "/v1/blocks/{key}", "/v1/blocks/nope", t, b"", 404),
+        ("POST", "/v1/lookup", "/v1/lookup", t, b'{"keys": ["k1", "nope"]}', 200),
+        ("POST", "/v1/lookup", "/v1/lookup", t, b'{"keys": [', 400),
+        ("POST", "/v1/lookup", "/v1/lookup", {**t, "Content-Type": "application/json; charset=koi8-r"}, b"{}", 415),
+        ("GET", "/v1/stats", "/v1/stats", t, b"", 200),
+        ("HEAD", "/v1/stats", "/v1/stats", t, b"", 200),
+        ("POST", "/v1/batch/put", "/v1/batch/put", t, batch, 200),
+        ("POST", "/v1/batch/put", "/v1/batch/put", t, b"NOPE", 400),
+        ("POST", "/v1/batch/get", "/v1/batch/get", t, b'{"keys": ["b1", "zz"]}', 200),
+        ("POST", "/v1/batch/get", "/v1/batch/get", t, b'{"keys": 1}', 400),
+        ("DELETE", "/v1/blocks/{key}", "/v1/blocks/b2", t, b"", 204),
+        ("DELETE", "/v1/blocks/{key}", "/v1/blocks/b2", t, b"", 404),
+        ("POST", "/v1/admin/tenants", "/v1/admin/tenants", admin, b'{"name": "bob", "policy": "direct"}', 201),
+        ("POST", "/v1/admin/tenants", "/v1/admin/tenants", admin, b'{"name": "bob"}', 409),
+        ("POST", "/v1/admin/tenants", "/v1/admin/tenants", t, b'{"name": "eve"}', 401),
+        ("GET", "/v1/admin/tenants", "/v1/admin/tenants", admin, b"", 200),
+        ("HEAD", "/v1/admin/tenants", "/v1/admin/tenants", admin, b"", 200),
+        ("GET", "/v1/admin/tenants/{name}", "/v1/admin/tenants/alice", admin, b"", 200),
+        ("GET", "/v1/admin/tenants/{name}", "/v1/admin/tenants/nobody", admin, b"", 404),
+        ("HEAD", "/v1/admin/tenants/{name}", "/v1/admin/tenants/alice", admin, b"", 200),
+        ("POST", "/v1/admin/tenants/{name}/tokens", "/v1/admin/tenants/bob/tokens", admin, b"", 201),
+        ("POST", "/v1/admin/tenants/{name}/rotate-key", "/v1/admin/tenants/alice/rotate-key", admin, b"", 200),
+        ("POST", "/v1/admin/master-key", "/v1/admin/master-key", admin, b'{"key_file": "/nonexistent"}', 400),
+        ("POST", "/v1/admin/flush", "/v1/admin/flush", admin, b"", 200),
+        ("POST", "/v1/admin/flush", "/v1/admin/flush?timeout_s=-1", admin, b"", 400),
+        ("POST", "/v1/admin/verify", "/v1/admin/verify?deep=true", admin, b"", 200),
+        ("GET", "/healthz", "/healthz", {}, b"", 200),
+        ("HEAD", "/healthz", "/healthz", {}, b"", 200),
+        ("GET", "/readyz", "/readyz", {}, b"", 200),
+        ("GET", "/readyz", "/readyz", admin, b"", 200),
+        ("HEAD", "/readyz", "/readyz", {}, b"", 200),
+        ("GET", "/metrics", "/metrics", {}, b"", 200),
+        ("HEAD", "/metrics", "/metrics", {}, b"", 200),
+    ]
+    problems: list[str] = []
+    exercised = set()
+    for method, pattern, path, headers, body, status in calls:
+        async with api.session.request(method, api.url(path), headers=headers, data=body or None) as r:
+            data = await r.read()
+            assert r.status == status, (method, path, r.status, data[:200])
+            problems += spec.problems(method, pattern, r.status, r.headers.get("Content-Type", ""), data)
+        exercised.add((method, pattern))
+    async with api.session.get(api.url("/v1/admin/tenants/bob"), headers=admin) as r:
+        token_id = json.loads(await r.read())["tokens"][0]["id"]  # revoked, then bob deleted
+    for method, pattern, path, status in (
+        ("DELETE", "/v1/admin/tenants/{name}/tokens/{token_id}", f"/v1/admin/tenants/bob/tokens/{token_id}", 204),
+        ("DELETE", "/v1/admin/tenants/{name}/tokens/{token_id}", "/v1/admin/tenants/bob/tokens/0000000000000000", 404),
+        ("DELETE", "/v1/admin/tenants/{name}", "/v1/admin/tenants/bob", 204),
+        ("DELETE", "/v1/admin/tenants/{name}", "/v1/admin/tenants/bob", 404),
+    ):
+        async with api.session.request(method, api.url(path), headers=admin) as r:
+            data = await r.read()
+            assert r.status == status, (method, path, r.status, data[:200])
+            problems += spec.problems(method, pattern, r.status, r.headers.get("Content-Type", ""), data)
+        exercised.add((method, pattern))
+    assert not problems, problems
+    assert exercised == {(op.method, op.path) for op in spec.operations()}
