@@ -13,7 +13,7 @@ Databases (all keys are bytes):
                                             tier: mirrored? local copy? size)
     live      tenant 0x00 u64be(seg id)  -> LIVE (records and bytes of the segment that
                                             entries point at: the rest is dead, for compaction)
-    access    tenant 0x00 key            -> u32 unix seconds of the block's last read or write,
+    access    tenant 0x00 key            -> u64 unix milliseconds of the block's last read or write,
                                             checkpointed from memory (access.py); absent: created_ns
     meta      b"format"                  -> u32 index format version
               b"epoch"                   -> u64, bumped whenever a segment's local file goes away
@@ -40,7 +40,7 @@ SEGMENT = struct.Struct("<BQQQ")  # state, indexed_upto, synced_upto, wait_upto
 STATS = struct.Struct("<qqq")
 TIER = struct.Struct("<BQQ")  # flags, object size, when the upload was confirmed (ns)
 LIVE = struct.Struct("<qq")  # live records, live record bytes
-ACCESS = struct.Struct("<I")
+ACCESS = struct.Struct("<Q")  # unix milliseconds
 EPOCH = struct.Struct("<Q")
 INDEX_FORMAT = 2  # 2: live and access dbs, the epoch, the retired state
 _SEP = b"\x00"
@@ -259,7 +259,7 @@ class Index:
         return out
 
     def accessed(self, tenant: str, keys: Sequence[str]) -> list[int]:
-        """Checkpointed last-access seconds of ``keys`` (0 where none is recorded)."""
+        """Checkpointed last-access milliseconds of ``keys`` (0 where none is recorded)."""
         with self.env.begin(db=self._access, buffers=True) as txn:
             out = []
             for k in keys:
@@ -268,12 +268,12 @@ class Index:
             return out
 
     def record_access(self, tenant: str, times: Iterable[tuple[str, int]]) -> None:
-        """Checkpoint last-access seconds (only for keys that still exist)."""
+        """Checkpoint last-access milliseconds (only for keys that still exist)."""
         with self.env.begin(write=True) as txn:
-            for key, sec in times:
+            for key, ms in times:
                 bk = _bkey(tenant, key)
                 if txn.get(bk, db=self._blocks) is not None:
-                    txn.put(bk, ACCESS.pack(min(sec, 0xFFFFFFFF)), db=self._access)
+                    txn.put(bk, ACCESS.pack(ms), db=self._access)
 
     def tier_state(self, tenant: str, segment_id: int) -> TierState | None:
         with self.env.begin(db=self._tiers) as txn:

@@ -68,6 +68,8 @@ class Tenant:
     # persistent: never dropped before it is in the object tier; ephemeral:
     # G3 only, its sealed segments may be dropped under disk pressure.
     durability: DurabilityClass = "persistent"
+    quota_bytes: int = 0  # bytes stored across tiers; 0: no quota (retention.py)
+    ttl_s: int = 0  # a block neither read nor written for this long is a miss; 0: none
 
     @property
     def sealed(self) -> bool:
@@ -82,6 +84,8 @@ class Tenant:
             "created_ns": self.created_ns,
             "key_version": self.key_version,
             "durability": self.durability,
+            "quota_bytes": self.quota_bytes or None,
+            "ttl_s": self.ttl_s or None,
             "tokens": [{"id": tid, "created_ns": t["created_ns"]} for tid, t in sorted(self.tokens.items())],
         }
 
@@ -159,6 +163,8 @@ class Registry:
                 wrapped_keys={int(v): w for v, w in t["keys"].items()},
                 tokens=dict(t.get("token_hashes", {})),
                 durability=t.get("durability", "persistent"),
+                quota_bytes=int(t.get("quota_bytes") or 0),
+                ttl_s=int(t.get("ttl_s") or 0),
             )
             self._tenants[name] = tenant
             for version, wrapped in tenant.wrapped_keys.items():
@@ -235,7 +241,13 @@ class Registry:
     # -- changes --------------------------------------------------------------
 
     def create(
-        self, name: str, policy: str = "sealed", compression: str | None = None, durability: str = "persistent"
+        self,
+        name: str,
+        policy: str = "sealed",
+        compression: str | None = None,
+        durability: str = "persistent",
+        quota_bytes: int = 0,
+        ttl_s: int = 0,
     ) -> Tenant:
         validate_tenant(name)
         if policy not in POLICIES:
@@ -250,7 +262,7 @@ class Registry:
         with self._lock:
             if name in self._tenants:
                 raise TenantExists(f"tenant {name!r} already exists")
-            t = Tenant(name, policy, comp, time.time_ns(), durability=durability)
+            t = Tenant(name, policy, comp, time.time_ns(), durability=durability, quota_bytes=quota_bytes, ttl_s=ttl_s)
             self._deleted.pop(_name_digest(name), None)
             if policy == "sealed":
                 self._add_key(t)
@@ -291,6 +303,17 @@ class Registry:
         self._by_hash = {
             tok["sha256"]: (t.name, tok["sha256"]) for t in self._tenants.values() for tok in t.tokens.values()
         }
+
+    def set_limits(self, name: str, quota_bytes: int | None = None, ttl_s: int | None = None) -> Tenant:
+        """Change the tenant's quota and TTL (None: leave as is; 0: none)."""
+        with self._lock:
+            t = self.get(name)
+            if quota_bytes is not None:
+                t.quota_bytes = quota_bytes
+            if ttl_s is not None:
+                t.ttl_s = ttl_s
+            self._save()
+            return t
 
     def rotate_data_key(self, name: str) -> int:
         """New records of ``name`` use a new data key; old ones keep theirs."""

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvstore import reader
+from kvstore.access import AccessLog, Touches, now_ms
 from kvstore.appender import Appender, OpenSegment
 from kvstore.compactor import CompactionReport, Compactor
 from kvstore.config import StoreConfig
@@ -49,6 +50,7 @@ from kvstore.errors import (
     InvalidInput,
     InvalidKey,
     InvalidRange,
+    KVStoreError,
     MasterKeyError,
     NotFound,
     ReadOnlyNode,
@@ -70,6 +72,7 @@ from kvstore.record import EncodedRecord, assemble, encode_frame, frame_count, n
 from kvstore.recovery import RecoveryReport, RemoteSegments, UnknownTenants, recover, tenant_dirs, trash
 from kvstore.registry import Registry, RegistryUnreadable, Tenant
 from kvstore.remote import RemoteFooter, fetch_footer
+from kvstore.retention import Retention
 from kvstore.segcache import SegmentCache
 from kvstore.segment import SegmentFile
 from kvstore.tier.base import Tier
@@ -144,7 +147,9 @@ class Store:
         self._stale: list[str] = []
         self._life: Lifecycle
         self._compactor: Compactor
+        self._retention: Retention
         self.leases = Leases()
+        self.access = AccessLog()
 
     # -- life cycle -----------------------------------------------------------
 
@@ -246,8 +251,18 @@ class Store:
             self._run,
             self.metrics,
         )
+        self._retention = Retention(
+            self._index,
+            self._registry,
+            self.access,
+            lambda name: self._appender(self._registry.get(name)),
+            self._run,
+            self.metrics,
+        )
         if not readonly and not self.adopted:
             self._tiering.spawn(self._compactor.loop(), "compactor")
+            self._tiering.spawn(self._retention.checkpointer(), "access-checkpoints")
+            self._tiering.spawn(self._retention.sweeper(), "ttl-sweeper")
         if mirror is not None:
             for prefix in self._stale:
                 log.warning("deleting objects of a deleted tenant under %s", prefix)
@@ -367,6 +382,11 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        if not self.readonly and not self.adopted and hasattr(self, "_retention"):
+            try:
+                await self._retention.checkpoint()
+            except (KVStoreError, OSError) as e:
+                log.error("last checkpoint of access times failed: %s", e)
         for app in list(self._appenders.values()):
             await app.close()
         self._appenders.clear()
@@ -482,19 +502,53 @@ class Store:
     # -- tenants --------------------------------------------------------------
 
     async def create_tenant(
-        self, name: str, policy: str = "sealed", compression: str | None = None, durability: str | None = None
+        self,
+        name: str,
+        policy: str = "sealed",
+        compression: str | None = None,
+        durability: str | None = None,
+        quota_bytes: int | None = None,
+        ttl_s: int | None = None,
     ) -> dict[str, Any]:
         """``durability``: persistent (never dropped before it is in the object
         tier) or ephemeral (may be dropped when the disk is full); default the
-        ``default_durability`` setting."""
+        ``default_durability`` setting. ``quota_bytes`` and ``ttl_s``: None for
+        the configured defaults, 0 for none."""
         self._check_writable()
+        validate_tenant(name)
         if compression is None and policy == "sealed":
             compression = self.config.compression
         durability = durability or self.config.default_durability
+        quota = self.config.default_quota_bytes if quota_bytes is None else _limit("quota_bytes", quota_bytes)
+        ttl = self.config.default_ttl_s if ttl_s is None else _limit("ttl_s", ttl_s)
         await self._run(trash, self._seg_root, name)  # files of a deleted incarnation, if any are left
-        t = await self._run(self._registry.create, name, policy, compression, durability)
+        t = await self._run(self._registry.create, name, policy, compression, durability, quota, ttl)
         self._tails[name] = OpenSegment(None)
         return t.public()
+
+    async def set_limits(self, name: str, quota_bytes: int | None = None, ttl_s: int | None = None) -> dict[str, Any]:
+        """Change a tenant's quota and TTL (None: unchanged; 0: none). A lower
+        quota is enforced at once, a shorter TTL on the next read and sweep."""
+        self._check_writable()
+        self._tenant(name)
+        quota = None if quota_bytes is None else _limit("quota_bytes", quota_bytes)
+        ttl = None if ttl_s is None else _limit("ttl_s", ttl_s)
+        t = await self._run(self._registry.set_limits, name, quota, ttl)
+        await self._retention.enforce(t)
+        return t.public()
+
+    def touches(self) -> Touches:
+        """A reader process: the accesses it served since the last call, for
+        the writer (:meth:`absorb_touches`), which owns the access times."""
+        return self.access.drain()
+
+    def absorb_touches(self, touches: Touches) -> None:
+        self.access.merge(touches)
+
+    async def expire(self, tenant: str | None = None) -> int:
+        """Remove the blocks past their tenant's TTL now (normally the sweeper does)."""
+        self._check_writable()
+        return await self._retention.sweep(tenant)
 
     def tenants(self) -> list[dict[str, Any]]:
         self._check_open()
@@ -516,6 +570,7 @@ class Store:
             await self._run(self._registry.delete, name)
             await self._run(self._life.tenant_deleted, name)
             self._cache.forget_tenant(name)  # closed once the reads in progress end
+            self.access.forget_tenant(name)
             self._tiering.tenant_deleted(name, incarnation)
             moved = await self._run(trash, self._seg_root, name)
             self._tails.pop(name, None)
@@ -598,14 +653,17 @@ class Store:
         t = self._tenant(tenant)
         validate_key(key)
         view = self._check_data(data)
+        self._retention.check_block(t, len(view))
         claim = await self._serialize(tenant, key)
         try:
             if self._index.get(tenant, key) is not None:
                 self.metrics.inc("kvstore_puts_total", result="exists")
+                self.access.touch(tenant, key)  # written again: it is still wanted
                 return False
             await self._tiering.admit(len(view))
             record = await self._encode(t, key, view)
-            await self._appender(t).submit(record)
+            async with self._retention.reserve(t, record.length):
+                await self._appender(t).submit(record)
             self._tiering.space.wrote(record.length)
             self.metrics.inc("kvstore_puts_total", result="created")
             self.metrics.inc("kvstore_bytes_in_total", len(view))
@@ -678,13 +736,14 @@ class Store:
     # -- reads ----------------------------------------------------------------
 
     async def _entry(self, tenant: str, key: str) -> IndexEntry:
-        self._tenant(tenant)
+        t = self._tenant(tenant)
         validate_key(key)
         entry = self._index.get(tenant, key)
-        if entry is None:
+        if entry is None or (t.ttl_s and self._retention.expired(t, key, entry)):
             self.metrics.inc("kvstore_lookups_total", result="miss")
             raise NotFound(f"key {key!r} not found")
         self.metrics.inc("kvstore_lookups_total", result="hit")
+        self.access.touch(tenant, key)
         return entry
 
     async def get(self, tenant: str, key: str) -> bytearray:
@@ -784,24 +843,35 @@ class Store:
         )
 
     async def exists(self, tenant: str, key: str) -> bool:
-        self._tenant(tenant)
+        t = self._tenant(tenant)
         validate_key(key)
-        return self._index.get(tenant, key) is not None
+        entry = self._index.get(tenant, key)
+        return entry is not None and not (t.ttl_s and self._retention.expired(t, key, entry))
 
     async def lookup(self, tenant: str, keys: Sequence[str]) -> LookupResult:
         """Which of a chain of keys are present, and how many from the start."""
-        self._tenant(tenant)
+        t = self._tenant(tenant)
         for i, k in enumerate(keys):
             try:
                 validate_key(k)
             except InvalidKey as e:
                 raise InvalidKey(f"keys[{i}]: {e}") from None
-        if len(keys) <= INLINE_LOOKUP_KEYS:
+        if t.ttl_s:
+            present = await self._run(self._present_unexpired, t, list(keys))
+        elif len(keys) <= INLINE_LOOKUP_KEYS:
             present = self._index.contains(tenant, list(keys))
         else:
             present = await self._run(self._index.contains, tenant, list(keys))
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
         return LookupResult(prefix, present)
+
+    def _present_unexpired(self, t: Tenant, keys: list[str]) -> list[bool]:
+        now = now_ms()
+        out = []
+        for k in keys:
+            e = self._index.get(t.name, k)
+            out.append(e is not None and not self._retention.expired(t, k, e, now))
+        return out
 
     async def iter_keys(self, tenant: str, start_after: str | None = None, page: int = 1000) -> AsyncIterator[str]:
         """Every key of the tenant, in byte order, a page of the index at a time."""
@@ -824,6 +894,12 @@ class Store:
         opens every live frame (GCM tags, decompression)."""
         self._check_open()
         return await self._run(verify_segments, self._seg_root, self._registry, self._index, deep)
+
+
+def _limit(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+        raise InvalidInput(f"field {name!r} must be null or a non-negative integer, got {value!r}")
+    return value
 
 
 def _owned(data: bytearray | memoryview) -> bytearray:

@@ -1,0 +1,208 @@
+"""Per-tenant quotas and retention (TTL), on the writer.
+
+- **Quota** (``quota_bytes``, 0: none): the bytes a tenant stores across tiers
+  (its live records). A put that would take the tenant past its quota first
+  makes room by removing the tenant's own least recently used blocks, down to
+  ``QUOTA_LOW`` of the quota (so it happens now and then, not on every put);
+  no other tenant is ever touched for it. A single block larger than the
+  whole quota is refused (``507 quota_exceeded``). Usage counts puts in
+  flight, so concurrent puts cannot overshoot by more than what is in flight.
+- **TTL** (``ttl_s``, 0: none): a block neither read nor written for that long
+  is a miss from then on (store.py checks on every read and lookup); the
+  sweeper removes such blocks every ``SWEEP_S``.
+
+Removals go through the tenant's appender (no record is written: like other
+evictions they may reappear after an index rebuild, with their own bytes,
+until compaction reclaims their space) and leave dead bytes for compaction.
+Access times come from access.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvstore.access import CHECKPOINT_S, AccessLog, now_ms
+from kvstore.appender import Appender
+from kvstore.errors import KVStoreError, QuotaExceeded
+from kvstore.index import Index, IndexEntry
+from kvstore.metrics import Metrics
+from kvstore.registry import Registry, Tenant
+
+log = logging.getLogger("kvstore.retention")
+QUOTA_LOW = 0.9
+SWEEP_S = 30.0
+PAGE = 4096
+DROP_CHUNK = 1024
+
+
+def last_access(entry: IndexEntry, checkpointed: int, in_memory: int) -> int:
+    """Unix milliseconds of a block's last read or write."""
+    return max(entry.created_ns // 1_000_000, checkpointed, in_memory)
+
+
+class Retention:
+    def __init__(
+        self,
+        index: Index,
+        registry: Registry,
+        access: AccessLog,
+        appender: Callable[[str], Appender],
+        run: Callable[..., Awaitable[Any]],
+        metrics: Metrics,
+    ) -> None:
+        self._index = index
+        self._registry = registry
+        self._access = access
+        self._appender = appender
+        self._run = run
+        self._metrics = metrics
+        self._inflight: dict[str, int] = defaultdict(int)
+        self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._checkpoint_lock = asyncio.Lock()
+
+    # -- access times -----------------------------------------------------------
+
+    async def checkpoint(self) -> int:
+        """Write the touches held in memory to the index; returns how many."""
+        async with self._checkpoint_lock:
+            touches = self._access.drain()
+            n = 0
+            for tenant, keys in touches.items():
+                if tenant in self._registry:
+                    await self._run(self._index.record_access, tenant, list(keys.items()))
+                    n += len(keys)
+            return n
+
+    async def checkpointer(self) -> None:
+        while True:
+            await asyncio.sleep(CHECKPOINT_S)
+            try:
+                await self.checkpoint()
+            except Exception:
+                log.exception("checkpoint of access times failed")
+
+    def expired(self, t: Tenant, key: str, entry: IndexEntry, now: int | None = None) -> bool:
+        """Whether ``entry`` of tenant ``t`` is past its TTL (an LMDB read; no write)."""
+        if not t.ttl_s:
+            return False
+        checkpointed = self._index.accessed(t.name, [key])[0]
+        last = last_access(entry, checkpointed, self._access.last(t.name, key))
+        return (now_ms() if now is None else now) - last > t.ttl_s * 1000
+
+    # -- quotas -----------------------------------------------------------------
+
+    def check_block(self, t: Tenant, size: int) -> None:
+        if t.quota_bytes and size > t.quota_bytes:
+            raise QuotaExceeded(
+                f"the block is {size} bytes; tenant {t.name!r} has a quota of {t.quota_bytes} bytes in all"
+            )
+
+    @contextlib.asynccontextmanager
+    async def reserve(self, t: Tenant, nbytes: int) -> Any:
+        """Room for a record of ``nbytes`` within the tenant's quota, held
+        while it is written (evicting the tenant's LRU blocks if needed)."""
+        used = self._index.stats(t.name).stored_bytes + self._inflight[t.name] if t.quota_bytes else 0
+        if t.quota_bytes and used + nbytes > t.quota_bytes:
+            await self.enforce(t, nbytes)
+        self._inflight[t.name] += nbytes
+        try:
+            yield
+        finally:
+            self._inflight[t.name] -= nbytes
+            if not self._inflight[t.name]:
+                del self._inflight[t.name]
+
+    async def enforce(self, t: Tenant, incoming: int = 0) -> int:
+        """Bring the tenant under its quota with room for ``incoming`` bytes,
+        least recently used first; returns the bytes removed."""
+        if not t.quota_bytes:
+            return 0
+        async with self._locks[t.name]:
+            used = self._index.stats(t.name).stored_bytes + self._inflight[t.name]
+            if used + incoming <= t.quota_bytes:
+                return 0
+            need = used + incoming - int(t.quota_bytes * QUOTA_LOW)
+            await self.checkpoint()  # the LRU order sees the latest reads
+            victims = await self._run(self._lru, t.name, need)
+            freed = await self._remove(t.name, victims)
+            self._metrics.inc("kvstore_quota_evictions_total", len(victims))
+            self._metrics.inc("kvstore_quota_evicted_bytes_total", freed)
+            return freed
+
+    def _lru(self, tenant: str, need: int) -> list[tuple[str, IndexEntry]]:
+        """The least recently used blocks whose sizes add up to ``need``: a
+        heap of the oldest seen so far, one page of the index at a time."""
+        heap: list[tuple[int, str, IndexEntry]] = []  # (-last access, key, entry): newest on top
+        held = 0
+        after: str | None = None
+        while True:
+            page = self._index.entries(tenant, after, PAGE)
+            if not page:
+                break
+            times = self._index.accessed(tenant, [k for k, _ in page])
+            for (key, entry), checkpointed in zip(page, times, strict=True):
+                last = last_access(entry, checkpointed, self._access.last(tenant, key))
+                if held >= need and heap and -heap[0][0] <= last:
+                    continue  # newer than every block already chosen
+                heapq.heappush(heap, (-last, key, entry))
+                held += entry.record_len
+                while heap and held - heap[0][2].record_len >= need:
+                    held -= heapq.heappop(heap)[2].record_len
+            after = page[-1][0]
+        return [(key, entry) for _, key, entry in sorted(heap, reverse=True)]
+
+    async def _remove(self, tenant: str, victims: list[tuple[str, IndexEntry]]) -> int:
+        freed = 0
+        app = self._appender(tenant)
+        for i in range(0, len(victims), DROP_CHUNK):
+            chunk = victims[i : i + DROP_CHUNK]
+            gone = set(await app.drop(chunk))
+            freed += sum(e.record_len for k, e in chunk if k in gone)
+        return freed
+
+    # -- TTL ------------------------------------------------------------------------
+
+    async def sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("TTL sweep failed")
+
+    async def sweep(self, tenant: str | None = None) -> int:
+        """Remove the blocks past their tenant's TTL; returns how many."""
+        removed = 0
+        for name in [tenant] if tenant is not None else self._registry.names():
+            if name not in self._registry or not self._registry.get(name).ttl_s:
+                continue
+            await self.checkpoint()
+            t = self._registry.get(name)
+            try:
+                victims = await self._run(self._expired_entries, t)
+                removed += len(victims)
+                await self._remove(name, victims)
+            except KVStoreError as e:  # the tenant went meanwhile
+                log.info("TTL sweep of %s stopped: %s", name, e)
+        self._metrics.inc("kvstore_expired_total", removed)
+        return removed
+
+    def _expired_entries(self, t: Tenant) -> list[tuple[str, IndexEntry]]:
+        out: list[tuple[str, IndexEntry]] = []
+        now = now_ms()
+        after: str | None = None
+        while True:
+            page = self._index.entries(t.name, after, PAGE)
+            if not page:
+                return out
+            times = self._index.accessed(t.name, [k for k, _ in page])
+            for (key, entry), checkpointed in zip(page, times, strict=True):
+                if now - last_access(entry, checkpointed, self._access.last(t.name, key)) > t.ttl_s * 1000:
+                    out.append((key, entry))
+            after = page[-1][0]

@@ -1,0 +1,99 @@
+"""Quotas and TTL on a real store: LRU within a tenant, never across
+tenants; expired blocks are misses and their space is reclaimed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from kvstore.errors import QuotaExceeded
+from tests.conftest import OpenStore
+
+KiB = 1024
+
+
+def block(key: str, size: int = 64 * KiB) -> bytes:
+    """Incompressible: stored bytes (what a quota counts) are about its size."""
+    return random.Random(key).randbytes(size)
+
+
+async def test_quota_evicts_own_lru_blocks_only(open_store: OpenStore) -> None:
+    store = await open_store()
+    await store.create_tenant("small", quota_bytes=1024 * KiB)
+    await store.create_tenant("other")
+    for i in range(10):
+        await store.put("other", f"o{i}", block(f"o{i}"))
+    hot = [f"h{i}" for i in range(4)]
+    for k in hot:
+        await store.put("small", k, block(k))
+    for i in range(60):  # ~4 MiB through a 1 MiB quota, the hot ones read all along
+        await store.put("small", f"c{i}", block(f"c{i}"))
+        for k in hot:
+            assert await store.get("small", k) == block(k)
+        used = (await store.stats("small")).stored_bytes
+        assert used <= 1024 * KiB, f"{used} bytes stored over a 1 MiB quota"
+    for k in hot:
+        assert await store.exists("small", k), f"hot block {k} was evicted before cold ones"
+    assert not await store.exists("small", "c0")
+    for i in range(10):  # the other tenant is never touched
+        assert await store.get("other", f"o{i}") == block(f"o{i}")
+    with pytest.raises(QuotaExceeded):
+        await store.put("small", "huge", block("huge", 1100 * KiB))
+    public = store.tenant("small")
+    assert public["quota_bytes"] == 1024 * KiB and public["ttl_s"] is None
+
+
+async def test_access_recency_survives_a_restart(open_store: OpenStore) -> None:
+    store = await open_store()
+    await store.create_tenant("t", quota_bytes=1024 * KiB)
+    keys = [f"k{i}" for i in range(14)]  # ~0.9 MiB stored
+    for k in keys:
+        await store.put("t", k, block(k))
+    await asyncio.sleep(0.05)
+    for k in keys[:4]:  # the first written are the hottest
+        await store.get("t", k)
+    await store.close()
+    store = await open_store()
+    for i in range(4):  # over the quota: the cold ones go, not the first written
+        await store.put("t", f"new{i}", block(f"new{i}"))
+    for k in keys[:4]:
+        assert await store.exists("t", k), f"{k} was read just before the restart and was evicted"
+    assert not all([await store.exists("t", k) for k in keys[4:]])
+
+
+async def test_ttl_makes_idle_blocks_misses_and_reclaims_them(open_store: OpenStore) -> None:
+    store = await open_store()
+    await store.create_tenant("t", ttl_s=1)
+    for i in range(20):
+        await store.put("t", f"k{i}", block(f"k{i}"))
+    assert (await store.lookup("t", ["k0", "k1"])).prefix == 2
+    for _ in range(5):  # k0 is kept alive by reads
+        await asyncio.sleep(0.5)
+        assert await store.get("t", "k0") == block("k0")
+    assert await store.exists("t", "k0")
+    assert not await store.exists("t", "k1")
+    assert (await store.lookup("t", ["k0", "k1"])).present == [True, False]
+    with pytest.raises(Exception) as e:
+        await store.get("t", "k1")
+    assert getattr(e.value, "status", None) == 404
+    removed = await store.expire("t")
+    assert removed == 19
+    assert (await store.stats("t")).blocks == 1
+    await store.flush()
+    report = await store.compact("t")
+    assert report.bytes_reclaimed > 0
+    assert await store.get("t", "k0") == block("k0")
+
+
+async def test_set_limits_enforces_a_lower_quota_at_once(open_store: OpenStore) -> None:
+    store = await open_store()
+    await store.create_tenant("t")
+    for i in range(16):
+        await store.put("t", f"k{i}", block(f"k{i}"))
+    t = await store.set_limits("t", quota_bytes=512 * KiB)
+    assert t["quota_bytes"] == 512 * KiB
+    assert (await store.stats("t")).stored_bytes <= 512 * KiB
+    t = await store.set_limits("t", quota_bytes=0, ttl_s=3600)
+    assert t["quota_bytes"] is None and t["ttl_s"] == 3600
