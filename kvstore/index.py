@@ -125,9 +125,13 @@ def _skey(tenant: str, segment_id: int) -> bytes:
 
 
 class Index:
-    def __init__(self, path: Path, sync: bool = True, map_size: int = 64 << 30, readonly: bool = False) -> None:
+    def __init__(
+        self, path: Path, sync: bool = True, map_size: int = 64 << 30, readonly: bool = False, lock: bool = True
+    ) -> None:
         """Open (or create) the index. ``readonly``: another process owns the
-        writes (a reader worker); LMDB lets both share the environment."""
+        writes (a reader worker); LMDB lets both share the environment.
+        ``lock=False``: no process may write meanwhile (the caller holds the
+        store's lock); then not even LMDB's reader table is written."""
         self.path = path
         if not readonly:
             path.mkdir(parents=True, exist_ok=True)
@@ -143,6 +147,7 @@ class Index:
                 max_readers=1024,
                 readonly=readonly,
                 create=not readonly,
+                lock=lock,
             )
             self._blocks = self.env.open_db(b"blocks", create=not readonly)
             self._segments = self.env.open_db(b"segments", create=not readonly)

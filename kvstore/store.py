@@ -150,14 +150,21 @@ class Store:
         self._retention: Retention
         self.leases = Leases()
         self.access = AccessLog()
+        self._background = True
 
     # -- life cycle -----------------------------------------------------------
 
     @classmethod
-    async def open(cls, config: StoreConfig, master: MasterKey, tier: Tier | None = None) -> Store:
+    async def open(
+        cls, config: StoreConfig, master: MasterKey, tier: Tier | None = None, background: bool = True
+    ) -> Store:
         """Open the store for reads and writes: take its lock, run recovery.
-        ``tier``: the object tier (default: the one the config names, if any)."""
-        return await cls._opened(cls(config, master, tier), readonly=False)
+        ``tier``: the object tier (default: the one the config names, if any).
+        ``background``: run uploads, eviction, compaction and TTL sweeps (an
+        offline repair tool turns them off)."""
+        store = cls(config, master, tier)
+        store._background = background
+        return await cls._opened(store, readonly=False)
 
     @classmethod
     async def open_reader(cls, config: StoreConfig, master: MasterKey, tier: Tier | None = None) -> Store:
@@ -226,7 +233,7 @@ class Store:
             adopted=self.adopted,
         )
         mirror = None
-        if self.tier is not None and not readonly and not self.adopted:
+        if self.tier is not None and not readonly and not self.adopted and self._background:
             mirror = Mirror(
                 self.tier,
                 self._life,
@@ -238,7 +245,7 @@ class Store:
             )
             self._registry.on_change = mirror.registry_changed
             mirror.registry_changed()  # the bucket gets this node's registry now
-        await self._tiering.start(mirror)
+        await self._tiering.start(mirror, self._background)
         self._compactor = Compactor(
             self.config,
             self._index,
@@ -259,7 +266,7 @@ class Store:
             self._run,
             self.metrics,
         )
-        if not readonly and not self.adopted:
+        if not readonly and not self.adopted and self._background:
             self._tiering.spawn(self._compactor.loop(), "compactor")
             self._tiering.spawn(self._retention.checkpointer(), "access-checkpoints")
             self._tiering.spawn(self._retention.sweeper(), "ttl-sweeper")

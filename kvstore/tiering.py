@@ -96,7 +96,7 @@ class Tiering:
 
     # -- life cycle -----------------------------------------------------------
 
-    async def start(self, mirror: Mirror | None) -> None:
+    async def start(self, mirror: Mirror | None, background: bool = True) -> None:
         """After recovery: learn which segments are remote only, queue what is
         not mirrored yet, start the evictor."""
         states = await self._run(self._index.tier_states)
@@ -105,6 +105,8 @@ class Tiering:
         if mirror is not None:
             mirror.start()
             await self._run(self._queue_unmirrored, states)
+        if not background:
+            return
         if self.writer:
             self._spawn(self._evictor(), "evictor")
         else:

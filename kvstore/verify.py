@@ -44,13 +44,15 @@ class VerifyReport:
         }
 
 
-def verify_segments(root: Path, registry: Registry, index: Index, deep: bool) -> VerifyReport:
+def verify_segments(root: Path, registry: Registry, index: Index | None, deep: bool) -> VerifyReport:
+    """Scrub the segments of every tenant of ``registry``. ``index``: what
+    it acknowledged of open segments (None: every record present is checked)."""
     report = VerifyReport()
     for tenant in registry.names():
         d = root / tenant
         if not d.is_dir():
             continue
-        states = index.segments(tenant)
+        states = index.segments(tenant) if index is not None else {}
         for p in sorted(d.iterdir()):
             sid = parse_segment_name(p.name)
             if sid is None:

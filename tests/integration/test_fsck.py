@@ -37,3 +37,42 @@ async def test_fsck_clean_then_corrupt(store: Store) -> None:
     errors = json.loads(bad.stdout)["verify"]["errors"]
     assert errors and errors[0]["segment"] == "alice/0000000000000001.seg" and errors[0]["offset"] == 4096
     assert _fsck(data_dir, os.urandom(32)).returncode == 2  # wrong master key: refused, not "clean"
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every file under ``root``: size, mtime and a digest of its bytes."""
+    import hashlib
+
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).digest())
+    return out
+
+
+async def test_fsck_repaired_although_asked_only_to_check(store: Store) -> None:
+    """fsck used to run recovery (truncating tails, deleting directories,
+    starting the mirror) although operators run a checker expecting it to
+    look only. Now it writes nothing unless given --repair."""
+    await store.put("alice", "k", os.urandom(50_000))
+    key = store._master.secret
+    data_dir = store.config.data_dir
+    await store.close()
+    seg = data_dir / "segments" / "alice" / "0000000000000001.seg"
+    with seg.open("ab") as f:  # a torn tail, as a crash mid-batch leaves it
+        f.write(b"KVR1" + os.urandom(5000))
+    (data_dir / "segments" / "ghost").mkdir()  # a tenant the registry does not know
+    before = _tree(data_dir)
+    out = _fsck(data_dir, key)
+    assert out.returncode == 1, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["mode"] == "check"
+    assert doc["plan"]["unknown_tenants"] == ["ghost"]
+    assert doc["plan"]["torn_tails"][0]["segment"] == "alice/0000000000000001.seg"
+    assert _tree(data_dir) == before, "a check changed the data directory"
+    (data_dir / "segments" / "ghost").rmdir()
+    fixed = _fsck(data_dir, key, "--repair")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert json.loads(fixed.stdout)["recovery"]["truncated"]
+    assert _fsck(data_dir, key).returncode == 0

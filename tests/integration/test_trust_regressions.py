@@ -75,3 +75,99 @@ async def test_flush_under_write_load_corrupted_segments(open_store: OpenStore) 
     store = await open_store()
     assert store.recovery.index_rebuilt
     assert await _read_all(store, acked) == (0, 0)
+
+
+async def test_losing_registry_json_deleted_every_tenants_data(open_store: OpenStore) -> None:
+    """Start-up without registry.json (operator error, a bad restore) reported
+    orphans_removed and deleted every tenant's segment files, a direct
+    tenant's plaintext included. Now it refuses to start, naming the tenants
+    and how to recover; nothing is deleted unless the operator says so."""
+    import pytest
+
+    from kvstore.recovery import UnknownTenants
+
+    store = await open_store()
+    await store.create_tenant("t1")
+    await store.create_tenant("d1", "direct")
+    for t in ("t1", "d1"):
+        await store.put(t, "k", _block(t, "k"))
+    root = store.config.data_dir
+    await store.close()
+    saved = (root / "registry.json").read_bytes()
+    files = sorted(p.name for p in (root / "segments").rglob("*.seg"))
+
+    (root / "registry.json").unlink()
+    with pytest.raises(UnknownTenants) as e:
+        await open_store()
+    assert "d1, t1" in str(e.value) and "discard_unknown_tenants" in str(e.value) and "missing" in str(e.value)
+    (root / "registry.json").write_bytes(b'{"version": 1, "tenants": {')  # a torn or garbled file
+    with pytest.raises(UnknownTenants) as e:
+        await open_store()
+    assert "cannot be read" in str(e.value)
+    assert sorted(p.name for p in (root / "segments").rglob("*.seg")) == files, "data was deleted"
+
+    (root / "registry.json").write_bytes(saved)  # the operator restores it: everything is there
+    store = await open_store()
+    for t in ("t1", "d1"):
+        assert await store.get(t, "k") == _block(t, "k")
+    await store.create_tenant("later")
+    await store.put("later", "k", _block("later", "k"))
+    await store.close()
+
+    (root / "registry.json").write_bytes(saved)  # an old copy, from before "later" existed
+    with pytest.raises(UnknownTenants) as e:
+        await open_store()
+    assert "later" in str(e.value) and "t1" not in str(e.value)
+    store = await open_store(discard_unknown_tenants="true")  # the operator decides to drop it
+    assert store.recovery.orphans_removed == ["later"]
+    assert not (root / "segments" / "later").exists()
+    assert await store.get("t1", "k") == _block("t1", "k")
+
+
+async def test_deleted_tenants_files_left_by_a_crash_are_removed(open_store: OpenStore) -> None:
+    """A crash between destroying a tenant's keys and removing its files
+    leaves the files; the registry remembers the deletion (a digest of the
+    name, not the name), so start-up removes them without asking."""
+    store = await open_store()
+    await store.create_tenant("gone")
+    await store.put("gone", "k", _block("gone", "k"))
+    root = store.config.data_dir
+    leftover = root / "keep-copy"
+    shutil.copytree(root / "segments" / "gone", leftover)
+    await store.delete_tenant("gone")
+    await store.close()
+    assert b"gone" not in (root / "registry.json").read_bytes()
+    shutil.copytree(leftover, root / "segments" / "gone")
+    store = await open_store()
+    assert store.recovery.orphans_removed == ["gone"]
+    assert not (root / "segments" / "gone").exists()
+
+
+async def test_interval_durability_synced_the_index_on_every_commit(open_store: OpenStore) -> None:
+    """Under durability = "interval" every batch still paid an LMDB sync. Now
+    the index is synced with the segment on the interval; after a crash the
+    segments' unindexed tails are replayed, and after a machine restart under
+    an unsynced index (another boot id) the index is rebuilt from segments."""
+    from kvstore.fsutil import INDEX_UNSYNCED
+
+    store = await open_store(durability="fsync")
+    assert store._index.env.flags()["sync"] is True
+    await store.close()
+    store = await open_store(durability="interval", sync_interval_ms="20")
+    assert store._index.env.flags()["sync"] is False
+    await store.create_tenant("t")
+    blocks = {f"k{i}": _block("t", f"k{i}") for i in range(30)}
+    for k, v in blocks.items():
+        await store.put("t", k, v)
+    root = store.config.data_dir
+    assert (root / INDEX_UNSYNCED).exists()
+    await store.close()
+    assert not (root / INDEX_UNSYNCED).exists()  # a clean close syncs it
+
+    store = await open_store(durability="interval")
+    await store.close()
+    (root / INDEX_UNSYNCED).write_text("another-boot")  # as if the machine went down under it
+    store = await open_store(durability="interval")
+    assert store.recovery.index_rebuilt
+    for k, v in blocks.items():
+        assert await store.get("t", k) == v
