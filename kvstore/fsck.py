@@ -83,10 +83,10 @@ def plan(root: Path, registry: Registry, index: Index | None) -> dict[str, Any]:
         files = {sid: p for p in (d.iterdir() if d.is_dir() else ()) if (sid := parse_segment_name(p.name)) is not None}
         known = index.segments(tenant) if index is not None else {}
         tiers = index.tier_states() if index is not None else {}
-        for sid, st in sorted(known.items()):
+        for sid, state in sorted(known.items()):
             where = f"{tenant}/{sid:016x}.seg"
             ts = tiers.get((tenant, sid))
-            if st.state == SEG_RETIRED:
+            if state.state == SEG_RETIRED:
                 if sid in files:
                     out["retired_left"].append(where)
             elif sid not in files and not (ts is not None and ts.mirrored):
@@ -132,7 +132,7 @@ async def check(data_dir: str, master: MasterKey, deep: bool) -> tuple[int, dict
         reg_path = root / "registry.json"
         if not reg_path.exists():
             present = sorted(tenant_dirs(root / "segments"))
-            doc = {"mode": "check", "registry": "missing", "tenants_with_data": present}
+            doc: dict[str, Any] = {"mode": "check", "registry": "missing", "tenants_with_data": present}
             return (1 if present else 0), doc
         registry = Registry(reg_path, master, readonly=True)
         index: Index | None = None
