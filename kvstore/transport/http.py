@@ -8,6 +8,8 @@ Errors are mapped to ``{"error": {"code", "message"}}`` bodies in one place.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -22,7 +24,7 @@ from kvstore.errors import InvalidRange, KVStoreError, Overloaded, Unauthorized
 from kvstore.names import PATH_PARAMS
 from kvstore.server_config import ServerConfig
 from kvstore.store import Store
-from kvstore.transport import http_admin, http_batch, http_blocks
+from kvstore.transport import http_admin, http_batch, http_blocks, http_internal
 from kvstore.transport.http_body import BAD_BODY_FRAMING, BUDGET, BodyBudget
 from kvstore.transport.http_common import (
     CONFIG,
@@ -41,7 +43,7 @@ from kvstore.transport.http_forward import WRITER, forward, relayed
 
 log = logging.getLogger("kvstore.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_UNMETERED = {"/healthz", "/readyz", "/metrics"}
+_UNMETERED = {"/healthz", "/readyz", "/metrics", "/_internal/touches"}
 _HTTP_CODES = {
     400: "bad_request",
     404: "not_found",
@@ -228,7 +230,11 @@ def make_app(
         connector = aiohttp.UnixConnector(path=str(writer_socket))
         async with aiohttp.ClientSession(connector=connector) as session:
             app[WRITER] = session
+            relay = asyncio.create_task(http_internal.relay_touches(app, session), name="relay-touches")
             yield
+            relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await relay
 
     app.cleanup_ctx.append(store_ctx)
     if reader:
@@ -240,4 +246,6 @@ def make_app(
     app.router.add_routes(http_blocks.routes)
     app.router.add_routes(http_batch.routes)
     app.router.add_routes(http_admin.routes)
+    if role == "writer":
+        app.router.add_routes(http_internal.routes)
     return app

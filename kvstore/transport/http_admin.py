@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from kvstore.config import DURABILITY_CLASSES
 from kvstore.crypto import load_master_key
 from kvstore.errors import InvalidInput, MasterKeyError
+from kvstore.names import validate_tenant
 from kvstore.redaction import SCRUBBER
 from kvstore.transport.http_body import json_body
 from kvstore.transport.http_common import require_admin, store_of
@@ -29,11 +32,14 @@ async def create_tenant(request: web.Request) -> web.Response:
         raise InvalidInput("field 'compression' must be a string")
     if durability is not None and durability not in DURABILITY_CLASSES:
         raise InvalidInput(f"field 'durability' must be one of {', '.join(DURABILITY_CLASSES)}")
-    unknown = set(body) - {"name", "policy", "compression", "durability"}
+    unknown = set(body) - {"name", "policy", "compression", "durability", *LIMITS}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
+    limits = _limits(body)
     store = store_of(request)
-    tenant = await store.create_tenant(name, policy, compression, durability)
+    tenant = await store.create_tenant(
+        name, policy, compression, durability, limits.get("quota_bytes"), limits.get("ttl_s")
+    )
     token_id, token = await store.issue_token(name)
     return web.json_response({**tenant, "token": token, "token_id": token_id}, status=201)
 
@@ -44,15 +50,53 @@ async def list_tenants(request: web.Request) -> web.Response:
     return web.json_response({"tenants": store_of(request).tenants()})
 
 
+LIMITS = ("quota_bytes", "ttl_s")
+
+
+def _limits(body: dict[str, Any]) -> dict[str, int]:
+    """The limits a body sets: an integer, or null for none (0); absent ones
+    are left out (unchanged, or the configured default at creation)."""
+    out = {}
+    for name in LIMITS:
+        if name not in body:
+            continue
+        value = body[name]
+        if value is None:
+            out[name] = 0
+        elif isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62:
+            out[name] = value
+        else:
+            raise InvalidInput(f"field {name!r} must be a non-negative integer, or null or 0 for none; got {value!r}")
+    return out
+
+
+async def _tenant_with_usage(request: web.Request, name: str) -> dict[str, Any]:
+    store = store_of(request)
+    s = await store.stats(name)
+    return {**store.tenant(name), "blocks": s.blocks, "bytes_stored": s.stored_bytes, "bytes_logical": s.logical_bytes}
+
+
 @routes.get("/v1/admin/tenants/{name}")
 async def get_tenant(request: web.Request) -> web.Response:
     require_admin(request)
-    store = store_of(request)
+    return web.json_response(await _tenant_with_usage(request, request.match_info["name"]))
+
+
+@routes.patch("/v1/admin/tenants/{name}")
+async def patch_tenant(request: web.Request) -> web.Response:
+    """Change a tenant's ``quota_bytes`` and ``ttl_s`` (null: none; absent:
+    unchanged). A lower quota is enforced before the answer."""
+    require_admin(request)
     name = request.match_info["name"]
-    s = await store.stats(name)
-    return web.json_response(
-        {**store.tenant(name), "blocks": s.blocks, "bytes_stored": s.stored_bytes, "bytes_logical": s.logical_bytes}
-    )
+    body = await json_body(request)
+    unknown = set(body) - set(LIMITS)
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}; PATCH changes quota_bytes and ttl_s")
+    if not body:
+        raise InvalidInput("the body names nothing to change: expected quota_bytes and/or ttl_s")
+    limits = _limits(body)
+    await store_of(request).set_limits(name, limits.get("quota_bytes"), limits.get("ttl_s"))
+    return web.json_response(await _tenant_with_usage(request, name))
 
 
 @routes.delete("/v1/admin/tenants/{name}")
@@ -121,6 +165,18 @@ async def flush(request: web.Request) -> web.Response:
         raise InvalidInput(f"query parameter 'timeout_s'={raw!r}: expected seconds, 0 to 86400")
     report = await store_of(request).flush(upload_timeout_s=timeout)
     return web.json_response(report)
+
+
+@routes.post("/v1/admin/compact")
+async def compact(request: web.Request) -> web.Response:
+    """Run a compaction pass now (``?tenant=NAME``: that tenant only) and
+    answer with what it did once it is done."""
+    require_admin(request)
+    tenant = request.query.get("tenant")
+    if tenant is not None:
+        validate_tenant(tenant)
+    report = await store_of(request).compact(tenant)
+    return web.json_response(report.as_dict())
 
 
 @routes.post("/v1/admin/verify")
