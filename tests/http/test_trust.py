@@ -98,7 +98,7 @@ async def test_reader_workers_kept_deleted_segments_open(daemon: Daemon) -> None
         t0 = time.monotonic()
         while True:
             held = [f for pid in pids.values() for f in open_segment_files(pid, daemon.data_dir)]
-            gone = [f for f in held if f.endswith("(deleted)") or not os.path.exists(f)]
+            gone = [f for f in held if f.endswith("(deleted)") or not Path(f).exists()]
             if not gone:
                 break
             assert time.monotonic() - t0 < 5, f"compacted segments still open: {gone}"
