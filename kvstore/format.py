@@ -412,7 +412,10 @@ def decode_footer(buf: bytes | bytearray | memoryview, count: int, where: str = 
             raise FormatError("footer is truncated", where, pos)
         off, rlen, lsize, created, rid, kver, poff, flags, kind, _r, klen = FOOTER_ENTRY.unpack_from(buf, pos)
         pos += FOOTER_ENTRY.size
-        key = bytes(buf[pos : pos + klen]).decode("ascii")
+        try:
+            key = bytes(buf[pos : pos + klen]).decode("ascii")
+        except UnicodeDecodeError:
+            raise FormatError("footer entry key is not ASCII", where, pos) from None
         pos += klen
         out.append(FooterEntry(off, rlen, lsize, created, bytes(rid), kver, poff, flags, kind, key))
     if pos != len(buf):

@@ -14,6 +14,7 @@ from kvstore.format import (
     ALIGN,
     CODEC_RAW,
     CODEC_ZSTD_BP2,
+    FOOTER_ENTRY,
     KIND_BLOCK,
     REC_FLAG_SEALED,
     RECORD_HEADER,
@@ -194,3 +195,12 @@ def test_trailer_errors() -> None:
         Trailer.decode(raw)
     with pytest.raises(FormatError, match="trailer"):
         Trailer.decode(b"\0" * TRAILER.size)
+
+
+def test_footer_with_non_ascii_key_raised_unicode_error() -> None:
+    """Found by tests/fuzz/test_decoder_fuzz.py: a footer entry whose key bytes
+    are not ASCII raised UnicodeDecodeError (a crash of recovery, not a
+    reported corruption) instead of FormatError."""
+    entry = FOOTER_ENTRY.pack(4096, 4096, 1, 0, bytes(16), 0, 0, 0, 1, 0, 1) + b"\x80"
+    with pytest.raises(FormatError, match="not ASCII"):
+        decode_footer(entry, 1)
