@@ -18,9 +18,16 @@ _URN = "urn:kvstore:openapi"
 SPEC_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 METHODS = ("get", "put", "post", "delete", "head", "patch", "options")
 # Answers any request can get, described once in info.description rather than
-# under each operation: the parser's 400 bad_request and 431, 405 for a method
-# a path does not have, 503 overloaded past max_concurrency.
-GLOBAL = {400: {"bad_request"}, 405: {"method_not_allowed"}, 431: {"headers_too_large"}, 503: {"overloaded"}}
+# under each operation: the parser's 400 bad_request and 431, 404 for a path
+# no route matches (an empty path parameter), 405 for a method a path does not
+# have, 503 overloaded past max_concurrency.
+GLOBAL = {
+    400: {"bad_request"},
+    404: {"not_found"},
+    405: {"method_not_allowed"},
+    431: {"headers_too_large"},
+    503: {"overloaded"},
+}
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,10 @@ class Spec:
         op = self.operation(method, path)
         responses = op.doc["responses"]
         code = _error_code(body) if content_type.startswith("application/json") else None
+        if status in GLOBAL and code in GLOBAL[status]:
+            return []  # an answer any request can get (parser errors, overload...)
         if str(status) not in responses:
-            if status in GLOBAL and (code in GLOBAL[status] or method == "HEAD"):
+            if status in GLOBAL and method == "HEAD":
                 return []
             return [f"{method} {path}: status {status} ({code}) is not described"]
         response = self.resolve(responses[str(status)])
