@@ -227,7 +227,10 @@ def make_app(
         app[STATE]["ready"] = False
 
     async def writer_ctx(app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.UnixConnector(path=str(writer_socket))
+        # One connection per relayed request in flight: aiohttp's default pool
+        # of 100 would let 100 stalled uploads block every other relayed call.
+        # max_concurrency already bounds what is in flight here (+1: the touches relay).
+        connector = aiohttp.UnixConnector(path=str(writer_socket), limit=config.max_concurrency + 1)
         async with aiohttp.ClientSession(connector=connector) as session:
             app[WRITER] = session
             relay = asyncio.create_task(http_internal.relay_touches(app, session), name="relay-touches")

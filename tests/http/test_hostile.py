@@ -459,3 +459,31 @@ async def test_secrets_logged_by_anyone_are_scrubbed(daemon: Daemon, tmp_path: P
         for secret in secrets:
             assert secret not in text, (name, secret)
             assert secret[:16] not in text, (name, secret[:16])
+
+
+async def test_stalled_uploads_exhausted_the_readers_relay_pool(daemon: Daemon) -> None:
+    """A reader relays writes to the writer through a connection pool that
+    aiohttp limits to 100: 100 stalled uploads through one reader held every
+    pooled connection, and every other relayed call on that reader (a PUT, an
+    admin call) waited for a stalled one to time out. The pool is now as large
+    as max_concurrency."""
+    tokens = await _start_two_workers(daemon, request_timeout_s="60")
+    stalled: list[Conn] = []
+    try:
+        while len(stalled) < 105:
+            conn = await Conn.open("127.0.0.1", daemon.port)
+            if (await conn.request("GET", "/healthz")).json()["role"] != "reader":
+                await conn.close()
+                continue
+            await conn.send(_raw("PUT", f"/v1/blocks/s{len(stalled)}", [*_lines(tokens["t1"]), "Content-Length: 1000"]))
+            stalled.append(conn)
+        await asyncio.sleep(0.5)
+        raw = _raw("PUT", "/v1/blocks/fine", [*_lines(tokens["t2"]), "Content-Length: 4"], b"fine")
+        answers = await _each_worker(daemon.port, raw, timeout=15)
+        assert {role: r.status for role, r in answers.items()} in (
+            {"writer": 201, "reader": 200},
+            {"writer": 200, "reader": 201},
+        )
+    finally:
+        for conn in stalled:
+            await conn.close()
