@@ -275,6 +275,32 @@ class Compactor:
         name, _ = self._object(tenant, sid)
         return await self._tier.read_range(name, fe.offset, fe.record_len)
 
+    async def carry_tombstones(self, tenant: str, sid: int) -> int:
+        """Before sealed segment ``sid`` goes without being compacted (an
+        ephemeral segment dropped under disk pressure), copy forward the
+        tombstones in it that an older segment may still need: otherwise an
+        index rebuild would bring back blocks the client deleted. Returns
+        how many were copied."""
+        seg = await self._run(self._cache.acquire, (tenant, sid))
+        if seg is None:
+            return 0
+        copied = 0
+        try:
+            if not await self._run(self._older_exists, tenant, sid):
+                return 0
+            app = self._appender(tenant)
+            for fe in await self._footer(tenant, sid, seg):
+                if fe.kind != KIND_TOMBSTONE or self._index.get(tenant, fe.key) is not None:
+                    continue
+                raw = await self._read(tenant, sid, seg, fe)
+                record = await self._run(_checked_record, raw, tenant, fe, f"{tenant}/{sid:016x}.seg")
+                copied += await app.copy(record, None)
+            if copied:
+                await app.make_durable()
+        finally:
+            seg.release()
+        return copied
+
     def _older_exists(self, tenant: str, sid: int) -> bool:
         """Whether any older segment (in any state, retired included) may
         still hold a record: then tombstones must be kept."""

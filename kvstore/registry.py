@@ -216,6 +216,11 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._tenants)
 
+    def incarnations(self) -> dict[str, int]:
+        """Each tenant's creation time: a tenant deleted and created again
+        under the same name is another incarnation, with other segments."""
+        return {name: t.created_ns for name, t in self._tenants.items()}
+
     def was_deleted(self, name: str) -> bool:
         """Whether a tenant of this name was deleted (and not created again)."""
         return _name_digest(name) in self._deleted

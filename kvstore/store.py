@@ -230,6 +230,7 @@ class Store:
             lifecycle=self._life,
             leases=self.leases,
             drop_entries=self._drop_segment_entries,
+            before_drop=lambda tenant, sid: self._compactor.carry_tombstones(tenant, sid),
             adopted=self.adopted,
         )
         mirror = None
@@ -440,6 +441,7 @@ class Store:
         keys), following a master-key rotation through the path it left."""
         if not self.readonly:
             return
+        before = self._registry.incarnations()
         try:
             self._registry.refresh()
         except MasterKeyError:
@@ -450,8 +452,18 @@ class Store:
                 log.error("registry changed under a new master key, which this process cannot load: %s", e)
                 return
             self._registry.use_master(new)
+            try:
+                self._registry.refresh()
+            except MasterKeyError as e:  # rotated again meanwhile: serve the last view, retry next time
+                self._registry.use_master(self._master)
+                log.warning("registry changed under a master key this process cannot load yet: %s", e)
+                return
             self._master = new
-            self._registry.refresh()
+        after = self._registry.incarnations()
+        for name, created in before.items():
+            if after.get(name) != created:  # deleted, maybe created again: segment ids start over
+                self._cache.forget_tenant(name)
+                self.access.forget_tenant(name)
 
     def _tenant(self, name: str) -> Tenant:
         self._check_open()
@@ -614,10 +626,10 @@ class Store:
         ``key_file``, the new key's path, is recorded (the path, never the key)
         for reader processes of this store to follow."""
         self._check_writable()
+        if key_file:  # first: a reader that sees the rewrapped registry must find the key it needs
+            await self._run(atomic_write, self._root / MASTER_KEY_HINT, os.path.abspath(key_file).encode())
         await self._run(self._registry.rotate_master, new_master)
         self._master = new_master
-        if key_file:
-            await self._run(atomic_write, self._root / MASTER_KEY_HINT, os.path.abspath(key_file).encode())
 
     # -- writes ---------------------------------------------------------------
 

@@ -68,12 +68,14 @@ class Tiering:
         lifecycle: Lifecycle,
         leases: Leases,
         drop_entries: Callable[[str, int], Awaitable[int]] | None = None,
+        before_drop: Callable[[str, int], Awaitable[int]] | None = None,
         adopted: bool = False,
     ) -> None:
         self.config = config
         self._life = lifecycle
         self._leases = leases
         self._drop_entries = drop_entries
+        self._before_drop = before_drop
         self.tier = tier
         self.writer = writer
         self.adopted = adopted
@@ -374,6 +376,8 @@ class Tiering:
         else:
             if phase is not Phase.SEALED or self._drop_entries is None:
                 return False
+            if self._before_drop is not None:
+                await self._before_drop(tenant, sid)  # tombstones an older segment needs
             await self._drop_entries(tenant, sid)  # through the tenant's appender
             await self._run(self._life.deleted, tenant, sid)
             kind = "ephemeral"
