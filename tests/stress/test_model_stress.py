@@ -24,6 +24,7 @@ timing still varies from run to run).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -337,10 +338,29 @@ async def _create(session: aiohttp.ClientSession, run: Run, spec: TenantSpec) ->
     return token
 
 
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            out += [child, *_descendants(child)]
+    return out
+
+
 async def restart(session: aiohttp.ClientSession, run: Run, sig: int, drop_index: bool = False) -> None:
     run.down = True
     try:
+        proc = run.daemon.proc
+        workers = _descendants(proc.pid) if proc is not None and sig == signal.SIGKILL else []
         run.daemon.stop(sig, timeout=60)
+        for pid in workers:  # as systemd kills the whole unit: no worker lingers on
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        while any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in workers):
+            await asyncio.sleep(0.02)
         if drop_index:
             shutil.rmtree(run.daemon.data_dir / "index", ignore_errors=True)
         deadline = time.monotonic() + 60
@@ -544,6 +564,15 @@ def _records_of(data_dir: Path, keys: set[tuple[str, str]]) -> list[str]:
         finally:
             seg.close()
     return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie waiting for its parent)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _listening(port: int) -> bool:
