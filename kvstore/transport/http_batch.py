@@ -19,7 +19,7 @@ from kvstore import batchframe
 from kvstore.errors import KVStoreError
 from kvstore.transport.http_blocks import keys_field
 from kvstore.transport.http_body import BAD_BODY_FRAMING, BatchBody, json_body
-from kvstore.transport.http_common import BATCH_TYPE, METRICS, config_of, error_body, store_of, tenant_of
+from kvstore.transport.http_common import BATCH_TYPE, METRICS, config_of, error_body, send, store_of, tenant_of
 
 routes = web.RouteTableDef()
 _WINDOW = 4
@@ -107,8 +107,8 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
                 status = 200
             except KVStoreError as e:
                 data, status = batchframe.error_payload(e.code, str(e)), e.status
-            await resp.write(batchframe.get_item_header(key, status, len(data)))
-            await resp.write(data)
+            await send(request, resp, batchframe.get_item_header(key, status, len(data)))
+            await send(request, resp, data)
             if status == 200:
                 metrics.inc("kvstore_http_bytes_out_total", len(data))
         await resp.write(batchframe.END)

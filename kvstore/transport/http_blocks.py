@@ -17,7 +17,7 @@ from kvstore.errors import InvalidInput, NotFound
 from kvstore.names import validate_key
 from kvstore.ranges import etag_matches, parse_range
 from kvstore.transport.http_body import block_body, json_body
-from kvstore.transport.http_common import METRICS, config_of, store_of, tenant_of
+from kvstore.transport.http_common import METRICS, config_of, send, store_of, tenant_of
 
 routes = web.RouteTableDef()
 
@@ -72,7 +72,7 @@ async def send_bytes(
     resp = web.StreamResponse(status=status, headers={**headers, "Content-Type": "application/octet-stream"})
     resp.content_length = len(data)
     await resp.prepare(request)
-    await resp.write(data)
+    await send(request, resp, data)
     await resp.write_eof()
     return resp
 

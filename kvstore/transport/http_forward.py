@@ -26,7 +26,7 @@ from yarl import URL
 
 from kvstore.errors import InvalidInput, KVStoreError, StoreClosed
 from kvstore.transport.http_body import BAD_BODY_FRAMING, check_length
-from kvstore.transport.http_common import client_gone, config_of, route_of, store_of
+from kvstore.transport.http_common import client_gone, config_of, route_of, send, store_of
 
 WRITER = web.AppKey("writer", aiohttp.ClientSession)
 _SENT = ("Authorization", "Content-Type", "Content-Length", "If-None-Match", "Range")
@@ -129,6 +129,6 @@ async def forward(request: web.Request) -> web.StreamResponse:
                 raise
             if not chunk:
                 break
-            await resp.write(chunk)
+            await send(request, resp, chunk)
         await resp.write_eof()
         return resp

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -487,3 +488,38 @@ async def test_stalled_uploads_exhausted_the_readers_relay_pool(daemon: Daemon) 
     finally:
         for conn in stalled:
             await conn.close()
+
+
+async def test_client_that_stops_reading_held_its_block_forever(daemon: Daemon) -> None:
+    """A client that asks for a block and never reads the answer held the
+    request's slot (kvstore_http_inflight) and the block's buffer for as long
+    as it kept the connection open: enough of them exhaust max_concurrency and
+    memory. Now each piece of an answer must be taken within
+    request_timeout_s, or the connection is cut and counted as a disconnect;
+    on every worker, for a GET, a batch get, and a reader's relayed answer."""
+    tokens = await _start_two_workers(daemon, request_timeout_s="2", max_block_size="16MiB")
+    auth = f"Authorization: Bearer {tokens['t1']}"
+    block = os.urandom(16 << 20)
+    await _each_worker(daemon.port, _raw("PUT", "/v1/blocks/big", [auth, f"Content-Length: {len(block)}"], block))
+    keys = json.dumps({"keys": ["big", "big"]}).encode()
+    for raw in (
+        _raw("GET", "/v1/blocks/big", [auth]),
+        _raw("POST", "/v1/batch/get", [auth, f"Content-Length: {len(keys)}"], keys),
+    ):
+        conns = await worker_connections("127.0.0.1", daemon.port)
+        for conn in conns.values():
+            conn.writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await conn.send(raw)  # and never read the answer
+        await asyncio.sleep(4)  # 2 s without progress, then cut
+        for role, conn in conns.items():
+            received = 0
+            with contextlib.suppress(ConnectionError):
+                while chunk := await asyncio.wait_for(conn.reader.read(1 << 20), 10):
+                    received += len(chunk)
+            assert received < len(block), (role, received)  # cut off, not sent whole
+            await conn.close()
+    for role, r in (await _each_worker(daemon.port, _raw("GET", "/metrics", []))).items():
+        text = r.body.decode()
+        assert "kvstore_http_inflight 0" in text and "kvstore_http_client_disconnects_total" in text, role
+    daemon.stop()
+    assert "Traceback" not in daemon.output and " ERROR " not in daemon.output, daemon.output[-3000:]
