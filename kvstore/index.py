@@ -19,8 +19,9 @@ Databases (all keys are bytes):
               b"epoch"                   -> u64, bumped whenever a segment's local file goes away
                                             (dropped, retired, deleted): readers poll it (lifecycle.py)
 
-Every change of a segment's state goes through lifecycle.py; this module only
-stores what it is told, in one transaction per call.
+Every change of a segment's state goes through lifecycle.py (the only caller
+of the methods that write ``segments`` and ``tiers``); this module only stores
+what it is told, in one transaction per call.
 """
 
 from __future__ import annotations
@@ -376,13 +377,6 @@ class Index:
             if ops:
                 self._apply(txn, tenant, ops)
         return removed
-
-    def set_segment(self, tenant: str, segment_id: int, state: SegmentState) -> None:
-        self.apply(tenant, (), segment_id, state)
-
-    def set_tier_state(self, tenant: str, segment_id: int, state: TierState) -> None:
-        with self.env.begin(write=True) as txn:
-            txn.put(_skey(tenant, segment_id), TIER.pack(state.flags, state.size, state.mirrored_ns), db=self._tiers)
 
     def set_segment_states(
         self, tenant: str, segment_id: int, segment: SegmentState | None, tier: TierState | None, epoch: bool = False

@@ -184,6 +184,23 @@ class Lifecycle:
     def tenant_deleted(self, tenant: str) -> None:
         self._index.drop_tenant(tenant)
 
+    # -- recovery's: the repair path at open records what it finds ---------------
+
+    def replayed(
+        self, tenant: str, sid: int, ops: Iterable[tuple[str, IndexEntry | None]], sealed: bool, records_end: int
+    ) -> None:
+        """Entries replayed from a segment's records or footer, with the state
+        the segment is found in, in one transaction."""
+        state = SegmentState(SEG_SEALED if sealed else SEG_OPEN, records_end, records_end)
+        self._index.apply(tenant, ops, sid, state)
+
+    def found_in_tier(self, tenant: str, sid: int, size: int, local: bool) -> None:
+        """The object tier holds the segment (``size`` bytes); ``local``:
+        a local copy is there too (an eviction cut short, an upload the index
+        never heard of), else reads go to the tier."""
+        flags = TIER_MIRRORED | (0 if local else TIER_REMOTE_ONLY)
+        self._index.set_segment_states(tenant, sid, None, TierState(flags, size, time.time_ns()), epoch=not local)
+
 
 # -- leases ---------------------------------------------------------------------
 

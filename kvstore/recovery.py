@@ -40,14 +40,11 @@ from kvstore.fsutil import fsync_dir
 from kvstore.index import (
     SEG_OPEN,
     SEG_RETIRED,
-    SEG_SEALED,
-    TIER_MIRRORED,
-    TIER_REMOTE_ONLY,
     Index,
     IndexEntry,
     SegmentState,
-    TierState,
 )
+from kvstore.lifecycle import Lifecycle
 from kvstore.record import footer_entry, index_entry
 from kvstore.registry import Registry
 from kvstore.remote import RemoteFooter
@@ -159,6 +156,7 @@ def trash(root: Path, name: str) -> Path | None:
 def recover(
     root: Path,
     index: Index,
+    life: Lifecycle,
     registry: Registry,
     report: RecoveryReport,
     remote: Mapping[str, RemoteSegments] | None = None,
@@ -179,16 +177,16 @@ def recover(
     shutil.rmtree(root / TRASH, ignore_errors=True)
     for name in sorted(tenant_dirs(root) - set(registry.names())):
         trash(root, name)
-        index.drop_tenant(name)
+        life.tenant_deleted(name)
         report.orphans_removed.append(name)
         log.warning("removed segments of %s tenant %s", "deleted" if registry.was_deleted(name) else "unknown", name)
     shutil.rmtree(root / TRASH, ignore_errors=True)
     for name in sorted(index.tenants() - set(registry.names())):
-        index.drop_tenant(name)
+        life.tenant_deleted(name)
     tails: dict[str, OpenSegment] = {}
     for name in registry.names():
         rem = None if remote is None else remote.get(name, RemoteSegments({}, _no_fetch))
-        tails[name] = _recover_tenant(root / name, name, index, report, rem, id_floor)
+        tails[name] = _recover_tenant(root / name, name, index, life, report, rem, id_floor)
     return tails
 
 
@@ -197,7 +195,13 @@ def _no_fetch(sid: int, size: int) -> RemoteFooter:
 
 
 def _recover_tenant(
-    directory: Path, tenant: str, index: Index, report: RecoveryReport, remote: RemoteSegments | None, id_floor: int
+    directory: Path,
+    tenant: str,
+    index: Index,
+    life: Lifecycle,
+    report: RecoveryReport,
+    remote: RemoteSegments | None,
+    id_floor: int,
 ) -> OpenSegment:
     files: dict[int, Path] = {}
     if directory.is_dir():
@@ -227,13 +231,12 @@ def _recover_tenant(
         if in_tier(sid):  # its local copy was dropped: reads go to the tier
             ts = index.tier_state(tenant, sid)
             if ts is None or ts.local or not ts.mirrored:
-                size = objects.get(sid, ts.size if ts else 0)
-                index.set_tier_state(tenant, sid, TierState(TIER_MIRRORED | TIER_REMOTE_ONLY, size, time.time_ns()))
+                life.found_in_tier(tenant, sid, objects.get(sid, ts.size if ts else 0), local=False)
     missing = {sid for sid in set(known) - set(files) if not in_tier(sid)}
     if missing:
         report.entries_dropped += index.drop_entries(tenant, lambda e: e.segment_id in missing)
         for sid in missing:
-            index.forget_segment(tenant, sid)
+            life.deleted(tenant, sid)
             report.corrupt.append((f"{tenant}/{sid:016x}.seg", 0, "segment file is missing"))
     tail = OpenSegment(None, next_id=max([*files, *known, *retired, *objects, id_floor - 1, 0]) + 1)
     newest = max(files) if files else None
@@ -242,7 +245,7 @@ def _recover_tenant(
         report.segments += 1
         if sid in from_tier:
             assert remote is not None
-            _index_from_tier(tenant, sid, objects[sid], remote, index, report)
+            _index_from_tier(tenant, sid, objects[sid], remote, life, report)
             continue
         try:
             seg = SegmentFile.open(files[sid], writable=True)
@@ -258,26 +261,27 @@ def _recover_tenant(
             continue
         state = known.get(sid)
         if seg.sealed:
-            _recover_sealed(seg, state, index, report)
+            _recover_sealed(seg, state, life, report)
             ts = index.tier_state(tenant, sid)
             if (ts is not None and not ts.local) or (ts is None and objects.get(sid) == seg.size):
                 # a local copy after all (eviction cut short), or an upload the index never heard of
-                index.set_tier_state(tenant, sid, TierState(TIER_MIRRORED, seg.size, time.time_ns()))
+                life.found_in_tier(tenant, sid, seg.size, local=True)
             seg.close()
             continue
-        footer = _recover_unsealed(seg, state, sid == newest, index, report)
+        footer = _recover_unsealed(seg, state, sid == newest, index, life, report)
         if sid == newest:
             tail.segment, tail.footer, tail.synced_upto = seg, footer, seg.size
         else:
+            end = seg.size
             seg.seal(footer)
-            index.set_segment(tenant, sid, SegmentState(SEG_SEALED, seg.size, seg.size))
+            life.replayed(tenant, sid, (), sealed=True, records_end=end)
             report.sealed.append(seg.name)
             seg.close()
     return tail
 
 
 def _index_from_tier(
-    tenant: str, sid: int, size: int, remote: RemoteSegments, index: Index, report: RecoveryReport
+    tenant: str, sid: int, size: int, remote: RemoteSegments, life: Lifecycle, report: RecoveryReport
 ) -> None:
     name = f"{tenant}/{sid:016x}.seg (object tier)"
     try:
@@ -287,19 +291,18 @@ def _index_from_tier(
     except (CorruptionError, TierError) as e:
         report.corrupt.append((name, 0, str(e)))
         return
-    index_tier_segment(index, tenant, sid, size, footer)
+    index_tier_segment(life, tenant, sid, size, footer)
     report.segments_from_tier += 1
     report.records_replayed += len(footer.entries)
 
 
-def index_tier_segment(index: Index, tenant: str, sid: int, size: int, footer: RemoteFooter) -> None:
+def index_tier_segment(life: Lifecycle, tenant: str, sid: int, size: int, footer: RemoteFooter) -> None:
     """Index a sealed segment that is only in the object tier, from its footer."""
-    end = footer.records_end
-    index.apply(tenant, _ops(sid, footer.entries), sid, SegmentState(SEG_SEALED, end, end))
-    index.set_tier_state(tenant, sid, TierState(TIER_MIRRORED | TIER_REMOTE_ONLY, size, time.time_ns()))
+    life.replayed(tenant, sid, _ops(sid, footer.entries), sealed=True, records_end=footer.records_end)
+    life.found_in_tier(tenant, sid, size, local=False)
 
 
-def _recover_sealed(seg: SegmentFile, state: SegmentState | None, index: Index, report: RecoveryReport) -> None:
+def _recover_sealed(seg: SegmentFile, state: SegmentState | None, life: Lifecycle, report: RecoveryReport) -> None:
     tenant, sid = seg.header.tenant, seg.segment_id
     if state is not None and state.state != SEG_OPEN:
         return
@@ -315,12 +318,12 @@ def _recover_sealed(seg: SegmentFile, state: SegmentState | None, index: Index, 
         # Sealed after the index last heard of it. The index may also have
         # missed its last batches (an index not synced on every commit).
         entries = [fe for fe in entries if fe.offset >= state.indexed_upto]
-    index.apply(tenant, _ops(sid, entries), sid, SegmentState(SEG_SEALED, end, end))
+    life.replayed(tenant, sid, _ops(sid, entries), sealed=True, records_end=end)
     report.records_replayed += len(entries)
 
 
 def _recover_unsealed(
-    seg: SegmentFile, state: SegmentState | None, newest: bool, index: Index, report: RecoveryReport
+    seg: SegmentFile, state: SegmentState | None, newest: bool, index: Index, life: Lifecycle, report: RecoveryReport
 ) -> list[FooterEntry]:
     tenant, sid = seg.header.tenant, seg.segment_id
     known = state is not None
@@ -366,7 +369,7 @@ def _recover_unsealed(
         seg.sync()
         if known and cut < indexed:
             report.entries_dropped += index.drop_entries(tenant, lambda e: e.segment_id == sid and e.offset >= cut)
-    index.apply(tenant, _ops(sid, replay), sid, SegmentState(SEG_OPEN, seg.size, seg.size))
+    life.replayed(tenant, sid, _ops(sid, replay), sealed=False, records_end=seg.size)
     report.records_replayed += len(replay)
     return footer
 

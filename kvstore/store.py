@@ -341,6 +341,7 @@ class Store:
         self._tails = recover(
             self._seg_root,
             self._index,
+            self._life,
             self._registry,
             self.recovery,
             remote,

@@ -449,7 +449,7 @@ class Tiering:
         listing = await list_bucket(self.tier)
         names = set(self._registry.names())
         for gone in await self._run(self._index.tenants) - names:
-            await self._run(self._index.drop_tenant, gone)
+            await self._run(self._life.tenant_deleted, gone)
             self._cache.forget_tenant(gone)
             await self._run(shutil.rmtree, self.config.data_dir / "segments" / gone, True)
             self._remote_only = {k for k in self._remote_only if k[0] != gone}
@@ -460,7 +460,7 @@ class Tiering:
             known = await self._run(self._index.segments, name)
             for sid in sorted(set(objects) - set(known)):
                 footer = await fetch_footer(self.tier, segment_object(name, inc, sid), objects[sid], name, sid)
-                await self._run(index_tier_segment, self._index, name, sid, objects[sid], footer)
+                await self._run(index_tier_segment, self._life, name, sid, objects[sid], footer)
                 self._remote_only.add((name, sid))
                 added += 1
         return added
