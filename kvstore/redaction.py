@@ -43,8 +43,10 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
         ),
         r"\g<1>" + REDACTED,
     ),
-    # Tenant tokens anywhere (registry.TOKEN_PREFIX + secrets.token_urlsafe).
-    (re.compile(r"kvs_[A-Za-z0-9_\-]{8,}"), "kvs_" + REDACTED),
+    # Tenant tokens anywhere (registry.TOKEN_PREFIX + secrets.token_urlsafe(32):
+    # 43 characters), or a 16-character prefix of one (a truncated echo);
+    # shorter runs are left alone (a path such as /srv/kvs_data is not a token).
+    (re.compile(r"kvs_[A-Za-z0-9_\-]{16,}"), "kvs_" + REDACTED),
 )
 _PLAIN_FORMATTER = logging.Formatter()
 

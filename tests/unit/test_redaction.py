@@ -78,6 +78,7 @@ def test_secret_forms_are_redacted(scrubber: Scrubber, text: str) -> None:
         "token_id 0123456789abcdef revoked",
         "PUT /v1/blocks/{key}: body ended after 400 of 1000 bytes",
         "store open at /var/lib/kvstore: {'segments': 3}",
+        "store open at /srv/kvs_data01",
     ],
 )
 def test_ordinary_text_is_left_alone(scrubber: Scrubber, text: str) -> None:
