@@ -32,7 +32,7 @@ import uvloop
 from aiohttp import web
 
 from kvstore import redaction, sdnotify
-from kvstore.crypto import MasterKey, load_master_key
+from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server_config import SETTINGS, ServerConfig, load
 from kvstore.transport.http import make_app

@@ -58,11 +58,11 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypedDict, TypeVar
 from unittest import mock
 
-import kvstore.store as store_mod
+import kvstore.engine.store as store_mod
 from kvstore.config import MiB, StoreConfig, parse_size
-from kvstore.crypto import MasterKey
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.store import Store
 from kvstore.errors import KVStoreError
-from kvstore.store import Store
 from kvstore.tuning import keep_freed_memory
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -604,14 +604,17 @@ CATEGORIES: list[tuple[str, Callable[[str, str], bool]]] = [
     ("AES-GCM", lambda f, n: "encrypt_into" in n or "decrypt_into" in n or "AESGCM" in n),
     ("HKDF / per-record key", lambda f, n: "hkdf" in f.lower() or "derive" in n or "hashes" in f),
     ("xxh3 checksum", lambda f, n: "xxh" in n.lower()),
-    ("numpy byte planes (codec.py)", lambda f, n: f.endswith("kvstore/codec.py") or "numpy" in n or "numpy" in f),
+    (
+        "numpy byte planes (codec.py)",
+        lambda f, n: f.endswith("kvstore/engine/codec.py") or "numpy" in n or "numpy" in f,
+    ),
     ("pwritev", lambda f, n: "pwrite" in n),
     ("fdatasync / fsync", lambda f, n: "fsync" in n or "fdatasync" in n),
     ("preadv", lambda f, n: "pread" in n),
     (
         "LMDB (index.py + lmdb)",
         lambda f, n: (
-            f.endswith("kvstore/index.py")
+            f.endswith("kvstore/engine/index.py")
             or "lmdb" in (f + n).lower()
             or any(f"'{t}'" in n for t in ("Transaction", "Environment", "Cursor", "_Database"))
         ),

@@ -53,8 +53,8 @@ from botocore.config import Config
 
 from bench.store_bench import load_samples
 from kvstore.config import StoreConfig, parse_size
-from kvstore.crypto import MasterKey
-from kvstore.store import Store
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.store import Store
 from kvstore.tier.layout import segment_object
 
 SAMPLES = Path(__file__).resolve().parent.parent / "tests" / "data" / "kv"

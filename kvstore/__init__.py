@@ -1,3 +1,24 @@
-"""kvstore: a storage engine and daemon for LLM KV-cache blocks."""
+"""kvstore: a storage engine and daemon for LLM KV-cache blocks.
+
+The tree shows the architecture:
+
+- ``engine/``: the storage engine. ``format`` (bytes on disk), ``codec``
+  (zstd, byte planes), ``crypto`` (AES-GCM, key wrapping), ``record``,
+  ``segment`` and ``segcache`` (files), ``lifecycle`` (a segment's states and
+  leases), ``appender`` (group commit, one owner per open segment), ``index``
+  (LMDB), ``registry`` (tenants and their keys), ``recovery``, ``compactor``,
+  ``retention`` and ``access`` (quotas, TTL, LRU), ``reader`` (the read path),
+  ``verify`` (scrub), and ``store``, which puts them together.
+- ``tier/``: the object tier (G4). ``base`` (the protocol), one module per
+  backend (``local``, ``s3``), ``layout`` (object names), ``mirror`` (uploads),
+  ``remote`` (reads from the tier), ``space`` and ``tiering`` (local space,
+  eviction, rehydration).
+- ``transport/``: how bytes leave the daemon. HTTP (``http`` and its
+  ``http_*`` routes, ``http_server`` for the connection layer), the batch
+  framing, RFC 9110 ranges.
+- At the top: what every part shares (``errors``, ``config``, ``metrics``,
+  ``names``, ``redaction``), the daemon's own (``server_config``,
+  ``sdnotify``, ``tuning``) and the offline checker (``fsck``).
+"""
 
 __version__ = "0.1.0"

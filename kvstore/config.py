@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from kvstore.codec import COMPRESSIONS, Compression
+from kvstore.engine.codec import COMPRESSIONS, Compression
 from kvstore.errors import ConfigError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -214,7 +214,7 @@ class UnsupportedMediaType(KVStoreError):
 
 
 class BadFraming(InvalidInput):
-    """A batch stream (``application/x-kvstore-batch``, see kvstore/batchframe.py)
+    """A batch stream (``application/x-kvstore-batch``, see kvstore/transport/batchframe.py)
     that breaks the framing; the message names the item, the byte offset and what
     was wrong."""
 

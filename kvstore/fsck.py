@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config import StoreConfig
-from kvstore.crypto import MasterKey, load_master_key
+from kvstore.engine.crypto import MasterKey, load_master_key
+from kvstore.engine.index import SEG_OPEN, SEG_RETIRED, Index
+from kvstore.engine.recovery import TRASH, tenant_dirs
+from kvstore.engine.registry import Registry
+from kvstore.engine.segment import SegmentFile, parse_segment_name
+from kvstore.engine.store import Store
+from kvstore.engine.verify import verify_segments
 from kvstore.errors import CorruptionError, IndexUnusable, KVStoreError, StoreLocked
-from kvstore.index import SEG_OPEN, SEG_RETIRED, Index
-from kvstore.recovery import TRASH, tenant_dirs
-from kvstore.registry import Registry
-from kvstore.segment import SegmentFile, parse_segment_name
-from kvstore.store import Store
-from kvstore.verify import verify_segments
 
 
 def _locked(root: Path) -> int:

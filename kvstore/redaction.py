@@ -7,7 +7,7 @@ rewritten before any handler formats them:
 - ``Authorization`` header values (``Authorization: …``, ``'Authorization': '…'``);
 - anything after ``Bearer`` (a token with a typo is still a secret);
 - ``token`` / ``secret`` / ``password`` / ``api_key`` fields (``"token": "…"``);
-- tenant tokens (``kvs_`` + URL-safe base64, kvstore/registry.py), anywhere;
+- tenant tokens (``kvs_`` + URL-safe base64, kvstore/engine/registry.py), anywhere;
 - the literal secrets registered at start-up: the admin token, the master key
   (hex, base64, URL-safe base64, and the bytes' repr), AWS secret keys.
 

@@ -13,8 +13,8 @@ import boto3
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.crypto import MasterKey
-from kvstore.store import Store
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.store import Store
 
 from .moto_s3 import REGION, MotoEndpoint, S3Env
 

@@ -1,9 +1,12 @@
-"""Object-storage tiers (G4): one protocol, one module per backend.
+"""The object tier (G4), and local space (G3) around it.
 
 ``base.py`` is the protocol every backend implements (:class:`Tier`) and the
 object-name rules; ``local.py`` is a directory (tests, NFS-style shared
 storage); ``s3.py`` is any S3-compatible endpoint through boto3. One conformance
-suite, tests/conformance/test_tier.py, runs over all of them.
+suite, tests/conformance/test_tier.py, runs over all of them. ``layout.py``
+names the objects; ``mirror.py`` uploads sealed segments; ``remote.py`` reads
+records and footers back; ``space.py`` measures local space and picks what to
+drop; ``tiering.py`` runs them together for a store.
 """
 
 from __future__ import annotations

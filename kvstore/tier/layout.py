@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.segment import parse_segment_name, segment_name
+from kvstore.engine.segment import parse_segment_name, segment_name
 
 REGISTRY_OBJECT = "registry.json"
 SEGMENTS = "segments/"

@@ -19,11 +19,11 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvstore.crypto import MasterKey
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.store import Store
 from kvstore.errors import InvalidRange, KVStoreError, Overloaded, Unauthorized
 from kvstore.names import PATH_PARAMS
 from kvstore.server_config import ServerConfig
-from kvstore.store import Store
 from kvstore.transport import http_admin, http_batch, http_blocks, http_internal
 from kvstore.transport.http_body import BAD_BODY_FRAMING, BUDGET, BodyBudget
 from kvstore.transport.http_common import (

@@ -1,6 +1,6 @@
 """Batch routes: many blocks per request, streamed both ways.
 
-The byte layout is specified in docs/batch-framing.md (kvstore/batchframe.py).
+The byte layout is specified in docs/batch-framing.md (kvstore/transport/batchframe.py).
 Memory stays bounded: a batch put holds at most ``_WINDOW`` blocks at once
 (read one, store it while the next is read); a batch get reads at most
 ``_WINDOW`` blocks ahead of what it has written to the socket.
@@ -15,8 +15,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvstore import batchframe
 from kvstore.errors import KVStoreError
+from kvstore.transport import batchframe
 from kvstore.transport.http_blocks import keys_field
 from kvstore.transport.http_body import BAD_BODY_FRAMING, BatchBody, json_body
 from kvstore.transport.http_common import BATCH_TYPE, METRICS, config_of, error_body, send, store_of, tenant_of

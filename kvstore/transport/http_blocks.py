@@ -15,9 +15,9 @@ from aiohttp import web
 
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.names import validate_key
-from kvstore.ranges import etag_matches, parse_range
 from kvstore.transport.http_body import block_body, json_body
 from kvstore.transport.http_common import METRICS, config_of, send, store_of, tenant_of
+from kvstore.transport.ranges import etag_matches, parse_range
 
 routes = web.RouteTableDef()
 

@@ -12,10 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstore.engine.store import Store
 from kvstore.errors import KVStoreError, Unauthorized
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
-from kvstore.store import Store
 
 STORE = web.AppKey("store", Store)
 CONFIG = web.AppKey("config", ServerConfig)

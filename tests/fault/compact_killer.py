@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kvstore.appender import Appender  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
-from kvstore.crypto import MasterKey  # noqa: E402
-from kvstore.lifecycle import Lifecycle  # noqa: E402
-from kvstore.segcache import SegmentCache  # noqa: E402
-from kvstore.store import Store  # noqa: E402
+from kvstore.engine.appender import Appender  # noqa: E402
+from kvstore.engine.crypto import MasterKey  # noqa: E402
+from kvstore.engine.lifecycle import Lifecycle  # noqa: E402
+from kvstore.engine.segcache import SegmentCache  # noqa: E402
+from kvstore.engine.store import Store  # noqa: E402
 from kvstore.tier.local import LocalTier  # noqa: E402
 
 MASTER_ENV = "KVSTORE_TEST_MASTER_KEY"

@@ -44,8 +44,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kvstore.config import StoreConfig  # noqa: E402
-from kvstore.crypto import MasterKey  # noqa: E402
-from kvstore.store import Store  # noqa: E402
+from kvstore.engine.crypto import MasterKey  # noqa: E402
+from kvstore.engine.store import Store  # noqa: E402
 
 MASTER_ENV = "KVSTORE_TEST_MASTER_KEY"
 CRASH_ENV = "KVSTORE_TEST_CRASH_AT"

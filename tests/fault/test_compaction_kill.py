@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.crypto import MasterKey
-from kvstore.store import Store
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.store import Store
 from tests.fault.compact_killer import KILL_POINTS, MASTER_ENV, config
 
 KILLER = Path(__file__).with_name("compact_killer.py")

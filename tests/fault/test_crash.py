@@ -35,9 +35,9 @@ from pathlib import Path
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.crypto import MasterKey
-from kvstore.recovery import RecoveryReport
-from kvstore.store import Store
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.recovery import RecoveryReport
+from kvstore.engine.store import Store
 from tests.fault.crash_writer import CRASH_ENV, MASTER_ENV, TENANTS, block_content, store_config
 
 ROOT = Path(__file__).resolve().parents[2]

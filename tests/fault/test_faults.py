@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 
-import kvstore.segment
+import kvstore.engine.segment
+from kvstore.engine.segment import SegmentFile
+from kvstore.engine.store import Store
 from kvstore.errors import KVStoreError, NotFound, StorageFull, StorageIOError
-from kvstore.segment import SegmentFile
-from kvstore.store import Store
 from tests.conftest import OpenStore, kv_sample
 
 REAL_PWRITEV = os.pwritev
@@ -104,7 +104,7 @@ def faults(monkeypatch: pytest.MonkeyPatch, data_dir: Path) -> SegmentFaults:
     f = SegmentFaults(data_dir)
     # segment.py calls os.pwritev / os.fdatasync through the os module at call
     # time, so this replaces them process-wide; the fakes pass other files through.
-    seg_os = kvstore.segment.os  # type: ignore[attr-defined]
+    seg_os = kvstore.engine.segment.os  # type: ignore[attr-defined]
     assert seg_os is os
     monkeypatch.setattr(seg_os, "pwritev", f.fake_pwritev)
     monkeypatch.setattr(seg_os, "fdatasync", f.fake_fdatasync)

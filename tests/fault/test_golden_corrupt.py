@@ -22,9 +22,8 @@ from typing import Any
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.crypto import MasterKey
-from kvstore.errors import CorruptionError, FormatError, NotFound, UnknownFlags
-from kvstore.format import (
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.format import (
     RECORD_HEADER,
     TRAILER,
     SegmentHeader,
@@ -33,7 +32,8 @@ from kvstore.format import (
     decode_footer,
     decode_record_header,
 )
-from kvstore.store import Store
+from kvstore.engine.store import Store
+from kvstore.errors import CorruptionError, FormatError, NotFound, UnknownFlags
 from tests.conftest import kv_sample
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "corrupt"

@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 from hypothesis import strategies as st
 
-from kvstore import batchframe
+from kvstore.transport import batchframe
 from tests.fuzz.conftest import Target, fuzz
 from tests.http.conftest import ADMIN
 from tests.http.openapi import Operation, Spec

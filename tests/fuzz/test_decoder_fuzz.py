@@ -25,10 +25,8 @@ from typing import Any
 import pytest
 from hypothesis import strategies as st
 
-from kvstore import batchframe
-from kvstore.crypto import MasterKey
-from kvstore.errors import BadFraming, BlockTooLarge, CorruptionError
-from kvstore.format import (
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.format import (
     ALIGN,
     FOOTER_ENTRY,
     RECORD_HEADER,
@@ -39,11 +37,13 @@ from kvstore.format import (
     decode_footer,
     decode_record_header,
 )
-from kvstore.index import IndexEntry
+from kvstore.engine.index import IndexEntry
+from kvstore.engine.reader import decode_into, load
+from kvstore.engine.registry import Registry
+from kvstore.engine.segment import SegmentFile
+from kvstore.errors import BadFraming, BlockTooLarge, CorruptionError
 from kvstore.names import validate_key
-from kvstore.reader import decode_into, load
-from kvstore.registry import Registry
-from kvstore.segment import SegmentFile
+from kvstore.transport import batchframe
 from tests.conftest import kv_sample
 from tests.fuzz.conftest import fuzz
 

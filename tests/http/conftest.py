@@ -18,7 +18,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from aiohttp.web_runner import BaseRunner
 
-from kvstore.crypto import MasterKey
+from kvstore.engine.crypto import MasterKey
 from kvstore.server_config import ServerConfig, load
 from kvstore.transport.http import make_app
 from kvstore.transport.http_server import KVAppRunner

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvstore import batchframe
+from kvstore.transport import batchframe
 from tests.http.conftest import ADMIN, Api
 
 KV = (hashlib.sha256(b"seed").digest() * 8192)[:200_000]  # 200 KB: several 64 KiB frames

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvstore import batchframe
+from kvstore.transport import batchframe
 from tests.http.conftest import Api
 
 GOOD = b"the stored block" * 100

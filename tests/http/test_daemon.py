@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvstore import batchframe
+from kvstore.transport import batchframe
 from tests.http.conftest import ADMIN, ROOT, Daemon
 
 

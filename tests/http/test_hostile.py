@@ -11,8 +11,8 @@ import socket
 import struct
 from pathlib import Path
 
-from kvstore import batchframe
-from kvstore.crypto import MasterKey
+from kvstore.engine.crypto import MasterKey
+from kvstore.transport import batchframe
 from kvstore.transport.http import make_app
 from tests.http.conftest import ADMIN, Api, Daemon, KVTestServer, free_port, server_config
 from tests.http.rawhttp import Conn, Reply, worker_connections

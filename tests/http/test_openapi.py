@@ -10,8 +10,8 @@ from pathlib import Path
 
 from openapi_spec_validator import validate
 
-from kvstore import batchframe
-from kvstore.crypto import MasterKey
+from kvstore.engine.crypto import MasterKey
+from kvstore.transport import batchframe
 from kvstore.transport.http import make_app
 from kvstore.transport.http_internal import PREFIX as INTERNAL_PREFIX
 from tests.http.conftest import ADMIN, Api, server_config

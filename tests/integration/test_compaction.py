@@ -8,7 +8,7 @@ import random
 import shutil
 from pathlib import Path
 
-from kvstore.store import Store
+from kvstore.engine.store import Store
 from tests.conftest import OpenStore
 
 

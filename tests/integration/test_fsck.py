@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvstore.store import Store
+from kvstore.engine.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,10 +19,10 @@ import boto3
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.crypto import MasterKey
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.store import Store
 from kvstore.errors import FlushIncomplete, MasterKeyError, NotFound, ReadOnlyNode, StorageFull, TierUnavailable
-from kvstore.store import Store
-from kvstore.tiering import FAIL_FAST_S
+from kvstore.tier.tiering import FAIL_FAST_S
 
 from ..moto_s3 import REGION, MotoEndpoint, S3Env
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config import StoreConfig
-from kvstore.crypto import MasterKey, load_master_key
+from kvstore.engine.crypto import MasterKey, load_master_key
+from kvstore.engine.store import Store
 from kvstore.errors import ReadOnlyStore
-from kvstore.store import Store
 
 
 async def _reader_checks(conn: Connection, config: StoreConfig, secret: bytes) -> list[str]:

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
+from kvstore.engine.format import ALIGN
+from kvstore.engine.store import Store
 from kvstore.errors import CorruptionError
-from kvstore.format import ALIGN
-from kvstore.store import Store
 from tests.conftest import OpenStore
 from tests.integration.test_store_roundtrip import block
 

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.config import StoreConfig
-from kvstore.crypto import MasterKey
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.store import Store
 from kvstore.errors import (
     BlockTooLarge,
     CorruptionError,
@@ -20,7 +21,6 @@ from kvstore.errors import (
     NotFound,
     TenantNotFound,
 )
-from kvstore.store import Store
 from tests.conftest import OpenStore, kv_sample
 
 KV = kv_sample("gemma3-270m.bf16.layers8-9.bin")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.crypto import MasterKey
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.store import Store
 from kvstore.errors import MasterKeyError, NotFound, StoreLocked, TenantExists, TenantNotFound
-from kvstore.store import Store
 from tests.conftest import OpenStore, kv_sample
 
 CANARY = b"CANARY-7f3a9c-THIS-PLAINTEXT-MUST-NOT-BE-ON-DISK"

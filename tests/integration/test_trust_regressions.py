@@ -7,7 +7,7 @@ import hashlib
 import random
 import shutil
 
-from kvstore.store import Store
+from kvstore.engine.store import Store
 from tests.conftest import OpenStore
 
 
@@ -84,7 +84,7 @@ async def test_losing_registry_json_deleted_every_tenants_data(open_store: OpenS
     and how to recover; nothing is deleted unless the operator says so."""
     import pytest
 
-    from kvstore.recovery import UnknownTenants
+    from kvstore.engine.recovery import UnknownTenants
 
     store = await open_store()
     await store.create_tenant("t1")
@@ -148,7 +148,7 @@ async def test_interval_durability_synced_the_index_on_every_commit(open_store: 
     the index is synced with the segment on the interval; after a crash the
     segments' unindexed tails are replayed, and after a machine restart under
     an unsynced index (another boot id) the index is rebuilt from segments."""
-    from kvstore.fsutil import INDEX_UNSYNCED
+    from kvstore.engine.fsutil import INDEX_UNSYNCED
 
     store = await open_store(durability="fsync")
     assert store._index.env.flags()["sync"] is True

@@ -41,7 +41,7 @@ import aiohttp
 import boto3
 import pytest
 
-from kvstore import batchframe
+from kvstore.transport import batchframe
 from tests.http.conftest import ADMIN, Daemon, daemon_env, free_port
 from tests.moto_s3 import REGION, MotoEndpoint
 from tests.stress.model import Model, State, content
@@ -545,8 +545,8 @@ async def test_model_stress(tmp_path: Path, aws_env: None, workers: int) -> None
 
 def _records_of(data_dir: Path, keys: set[tuple[str, str]]) -> list[str]:
     """Every record of ``keys`` in the local segments (for a failure's report)."""
-    from kvstore.format import KIND_TOMBSTONE
-    from kvstore.segment import SegmentFile
+    from kvstore.engine.format import KIND_TOMBSTONE
+    from kvstore.engine.segment import SegmentFile
 
     out = []
     for path in sorted((data_dir / "segments").rglob("*.seg")):

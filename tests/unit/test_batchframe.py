@@ -13,7 +13,8 @@ from aiohttp.base_protocol import BaseProtocol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.batchframe import (
+from kvstore.errors import BadFraming, BlockTooLarge, InvalidInput, InvalidKey
+from kvstore.transport.batchframe import (
     CONTENT_TYPE,
     END,
     MAGIC,
@@ -25,7 +26,6 @@ from kvstore.batchframe import (
     read_get_items,
     read_put_items,
 )
-from kvstore.errors import BadFraming, BlockTooLarge, InvalidInput, InvalidKey
 
 KEY_CHARS = "abcXYZ019._~:@=+-"
 MiB = 1 << 20

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.crypto import MasterKey, RecordCipher, load_master_key, new_data_key
+from kvstore.engine.crypto import MasterKey, RecordCipher, load_master_key, new_data_key
 from kvstore.errors import CorruptionError, MasterKeyError
 
 

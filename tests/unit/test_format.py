@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.errors import FormatError, UnknownFlags
-from kvstore.format import (
+from kvstore.engine.format import (
     ALIGN,
     CODEC_RAW,
     CODEC_ZSTD_BP2,
@@ -28,6 +27,7 @@ from kvstore.format import (
     decode_record_header,
     encode_footer,
 )
+from kvstore.errors import FormatError, UnknownFlags
 
 keys = st.text(alphabet="abcXYZ019._~:@=+-", min_size=1, max_size=256)
 tenants = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,63}", fullmatch=True)

@@ -40,10 +40,10 @@ ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kvstore.config import StoreConfig  # noqa: E402
-from kvstore.crypto import MasterKey  # noqa: E402
-from kvstore.format import RECORD_HEADER  # noqa: E402
-from kvstore.segment import SegmentFile, segment_name  # noqa: E402
-from kvstore.store import Store  # noqa: E402
+from kvstore.engine.crypto import MasterKey  # noqa: E402
+from kvstore.engine.format import RECORD_HEADER  # noqa: E402
+from kvstore.engine.segment import SegmentFile, segment_name  # noqa: E402
+from kvstore.engine.store import Store  # noqa: E402
 
 MASTER_KEY_HEX = "5a1f3c9e0b7d4e2a8c6f1b3d5e7a9c0e2f4a6b8d0c1e3f5a7b9d2c4e6f8a0b1c"
 TENANT = "t"

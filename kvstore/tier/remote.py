@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from kvstore.errors import CorruptionError, FormatError
-from kvstore.format import (
+from kvstore.engine.format import (
     ALIGN,
     TRAILER,
     FooterEntry,
@@ -29,8 +28,9 @@ from kvstore.format import (
     decode_footer,
     decode_record_header,
 )
-from kvstore.fsutil import fsync_dir
-from kvstore.segment import SegmentFile
+from kvstore.engine.fsutil import fsync_dir
+from kvstore.engine.segment import SegmentFile
+from kvstore.errors import CorruptionError, FormatError
 from kvstore.tier.base import Tier
 
 T = TypeVar("T")
@@ -40,7 +40,7 @@ DOWNLOAD_CHUNK = 8 << 20
 
 class FetchedRecord:
     """Bytes [base, base + len(data)) of segment ``name``, held in memory; it
-    answers the reads that :func:`kvstore.reader.load` makes of a segment."""
+    answers the reads that :func:`kvstore.engine.reader.load` makes of a segment."""
 
     def __init__(self, data: bytes, base: int, name: str) -> None:
         self._data = memoryview(data)

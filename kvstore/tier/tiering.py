@@ -25,6 +25,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from kvstore.config import StoreConfig
+from kvstore.engine.fsutil import atomic_write
+from kvstore.engine.index import SEG_SEALED, Index, IndexEntry, TierState
+from kvstore.engine.lifecycle import SWEEP_INTERVAL_S, Leases, Lifecycle, LifecycleError, Phase
+from kvstore.engine.recovery import index_tier_segment
+from kvstore.engine.registry import Registry
+from kvstore.engine.segcache import SegmentCache
+from kvstore.engine.segment import SegmentFile
 from kvstore.errors import (
     CorruptionError,
     SegmentMoved,
@@ -34,21 +41,14 @@ from kvstore.errors import (
     TierRangeError,
     TierUnavailable,
 )
-from kvstore.fsutil import atomic_write
-from kvstore.index import SEG_SEALED, Index, IndexEntry, TierState
-from kvstore.lifecycle import SWEEP_INTERVAL_S, Leases, Lifecycle, LifecycleError, Phase
 from kvstore.metrics import Metrics
-from kvstore.mirror import Mirror
-from kvstore.recovery import index_tier_segment
-from kvstore.registry import Registry
-from kvstore.remote import FetchedRecord, download_segment, fetch_footer
-from kvstore.segcache import SegmentCache
-from kvstore.segment import SegmentFile
-from kvstore.space import Candidate, Space
 from kvstore.tier.base import Tier
 from kvstore.tier.layout import REGISTRY_OBJECT, parse_segment_object, segment_object, tenant_prefix
+from kvstore.tier.mirror import Mirror
+from kvstore.tier.remote import FetchedRecord, download_segment, fetch_footer
+from kvstore.tier.space import Candidate, Space
 
-log = logging.getLogger("kvstore.tiering")
+log = logging.getLogger("kvstore.tier.tiering")
 SegmentKey = tuple[str, int]
 EVICT_INTERVAL_S = 2.0
 FAIL_FAST_S = 1.0

@@ -33,24 +33,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.appender import OpenSegment
-from kvstore.errors import ConfigError, CorruptionError, TierError, TierUnavailable
-from kvstore.format import ALIGN, FooterEntry
-from kvstore.fsutil import fsync_dir
-from kvstore.index import (
+from kvstore.engine.appender import OpenSegment
+from kvstore.engine.format import ALIGN, FooterEntry
+from kvstore.engine.fsutil import fsync_dir
+from kvstore.engine.index import (
     SEG_OPEN,
     SEG_RETIRED,
     Index,
     IndexEntry,
     SegmentState,
 )
-from kvstore.lifecycle import Lifecycle
-from kvstore.record import footer_entry, index_entry
-from kvstore.registry import Registry
-from kvstore.remote import RemoteFooter
-from kvstore.segment import SegmentFile, parse_segment_name
+from kvstore.engine.lifecycle import Lifecycle
+from kvstore.engine.record import footer_entry, index_entry
+from kvstore.engine.registry import Registry
+from kvstore.engine.segment import SegmentFile, parse_segment_name
+from kvstore.errors import ConfigError, CorruptionError, TierError, TierUnavailable
+from kvstore.tier.remote import RemoteFooter
 
-log = logging.getLogger("kvstore.recovery")
+log = logging.getLogger("kvstore.engine.recovery")
 
 
 @dataclass(slots=True)

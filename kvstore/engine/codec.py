@@ -26,8 +26,8 @@ from typing import Literal
 import numpy as np
 import zstandard
 
+from kvstore.engine.format import CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_BP2
 from kvstore.errors import CorruptionError
-from kvstore.format import CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_BP2
 
 Compression = Literal["none", "zstd", "zstd-bp2"]
 COMPRESSIONS: tuple[Compression, ...] = ("none", "zstd", "zstd-bp2")

@@ -12,11 +12,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvstore import codec
-from kvstore.codec import Compression
-from kvstore.crypto import RecordCipher
-from kvstore.errors import CorruptionError
-from kvstore.format import (
+from kvstore.engine import codec
+from kvstore.engine.codec import Compression
+from kvstore.engine.crypto import RecordCipher
+from kvstore.engine.format import (
     CODEC_RAW,
     KIND_BLOCK,
     KIND_TOMBSTONE,
@@ -27,8 +26,9 @@ from kvstore.format import (
     RecordHeader,
     checksum,
 )
-from kvstore.index import IndexEntry
-from kvstore.segment import Buffer, padding
+from kvstore.engine.index import IndexEntry
+from kvstore.engine.segment import Buffer, padding
+from kvstore.errors import CorruptionError
 
 
 @dataclass(slots=True)

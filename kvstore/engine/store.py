@@ -35,12 +35,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvstore import reader
-from kvstore.access import AccessLog, Touches, now_ms
-from kvstore.appender import Appender, OpenSegment
-from kvstore.compactor import CompactionReport, Compactor
 from kvstore.config import StoreConfig
-from kvstore.crypto import MasterKey, RecordCipher, load_master_key
+from kvstore.engine import reader
+from kvstore.engine.access import AccessLog, Touches, now_ms
+from kvstore.engine.appender import Appender, OpenSegment
+from kvstore.engine.compactor import CompactionReport, Compactor
+from kvstore.engine.crypto import MasterKey, RecordCipher, load_master_key
+from kvstore.engine.fsutil import atomic_write, index_torn_by_reboot, mark_index_synced, mark_index_unsynced
+from kvstore.engine.index import Index, IndexEntry
+from kvstore.engine.lifecycle import Leases, Lifecycle
+from kvstore.engine.record import EncodedRecord, assemble, encode_frame, frame_count, new_record_id, tombstone
+from kvstore.engine.recovery import RecoveryReport, RemoteSegments, UnknownTenants, recover, tenant_dirs, trash
+from kvstore.engine.registry import Registry, RegistryUnreadable, Tenant
+from kvstore.engine.retention import Retention
+from kvstore.engine.segcache import SegmentCache
+from kvstore.engine.segment import SegmentFile
+from kvstore.engine.verify import VerifyReport, verify_segments
 from kvstore.errors import (
     BlockTooLarge,
     ConfigError,
@@ -62,26 +72,16 @@ from kvstore.errors import (
     TenantNotFound,
     TierError,
 )
-from kvstore.fsutil import atomic_write, index_torn_by_reboot, mark_index_synced, mark_index_unsynced
-from kvstore.index import Index, IndexEntry
-from kvstore.lifecycle import Leases, Lifecycle
 from kvstore.metrics import Metrics
-from kvstore.mirror import Mirror
 from kvstore.names import validate_key, validate_tenant
-from kvstore.record import EncodedRecord, assemble, encode_frame, frame_count, new_record_id, tombstone
-from kvstore.recovery import RecoveryReport, RemoteSegments, UnknownTenants, recover, tenant_dirs, trash
-from kvstore.registry import Registry, RegistryUnreadable, Tenant
-from kvstore.remote import RemoteFooter, fetch_footer
-from kvstore.retention import Retention
-from kvstore.segcache import SegmentCache
-from kvstore.segment import SegmentFile
 from kvstore.tier.base import Tier
 from kvstore.tier.factory import tier_from_config
 from kvstore.tier.layout import segment_object, tenant_prefix
-from kvstore.tiering import Tiering, fetch_registry, list_bucket
-from kvstore.verify import VerifyReport, verify_segments
+from kvstore.tier.mirror import Mirror
+from kvstore.tier.remote import RemoteFooter, fetch_footer
+from kvstore.tier.tiering import Tiering, fetch_registry, list_bucket
 
-log = logging.getLogger("kvstore.store")
+log = logging.getLogger("kvstore.engine.store")
 # Index reads run on the event loop: an LMDB read is a lookup in a memory map
 # under an MVCC snapshot (it never waits for the writer), ~0.3 us a key here,
 # far cheaper than the hop to a thread (~100-200 us under load). Chains longer

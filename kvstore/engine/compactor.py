@@ -43,22 +43,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.appender import Appender
 from kvstore.config import StoreConfig
+from kvstore.engine.appender import Appender
+from kvstore.engine.format import ALIGN, KIND_TOMBSTONE, FooterEntry, checksum, decode_record_header
+from kvstore.engine.index import SEG_OPEN, SEG_RETIRED, SEG_SEALED, Index, IndexEntry
+from kvstore.engine.lifecycle import Leases, Lifecycle, LifecycleError, Phase
+from kvstore.engine.record import EncodedRecord, index_entry
+from kvstore.engine.registry import Registry
+from kvstore.engine.segcache import SegmentCache
+from kvstore.engine.segment import SegmentFile
 from kvstore.errors import CorruptionError, KVStoreError, TierError
-from kvstore.format import ALIGN, KIND_TOMBSTONE, FooterEntry, checksum, decode_record_header
-from kvstore.index import SEG_OPEN, SEG_RETIRED, SEG_SEALED, Index, IndexEntry
-from kvstore.lifecycle import Leases, Lifecycle, LifecycleError, Phase
 from kvstore.metrics import Metrics
-from kvstore.record import EncodedRecord, index_entry
-from kvstore.registry import Registry
-from kvstore.remote import fetch_footer
-from kvstore.segcache import SegmentCache
-from kvstore.segment import SegmentFile
 from kvstore.tier.base import Tier
 from kvstore.tier.layout import segment_object
+from kvstore.tier.remote import fetch_footer
 
-log = logging.getLogger("kvstore.compactor")
+log = logging.getLogger("kvstore.engine.compactor")
 SegmentKey = tuple[str, int]
 
 

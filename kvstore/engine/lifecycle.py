@@ -40,8 +40,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvstore.errors import KVStoreError
-from kvstore.index import (
+from kvstore.engine.index import (
     SEG_OPEN,
     SEG_RETIRED,
     SEG_SEALED,
@@ -52,6 +51,7 @@ from kvstore.index import (
     SegmentState,
     TierState,
 )
+from kvstore.errors import KVStoreError
 
 SegmentKey = tuple[str, int]
 SWEEP_INTERVAL_S = 1.0

@@ -13,7 +13,7 @@ import contextlib
 import threading
 from pathlib import Path
 
-from kvstore.segment import SegmentFile, segment_name
+from kvstore.engine.segment import SegmentFile, segment_name
 
 SegmentKey = tuple[str, int]
 

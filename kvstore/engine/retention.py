@@ -27,14 +27,14 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvstore.access import CHECKPOINT_S, AccessLog, now_ms
-from kvstore.appender import Appender
+from kvstore.engine.access import CHECKPOINT_S, AccessLog, now_ms
+from kvstore.engine.appender import Appender
+from kvstore.engine.index import Index, IndexEntry
+from kvstore.engine.registry import Registry, Tenant
 from kvstore.errors import KVStoreError, QuotaExceeded
-from kvstore.index import Index, IndexEntry
 from kvstore.metrics import Metrics
-from kvstore.registry import Registry, Tenant
 
-log = logging.getLogger("kvstore.retention")
+log = logging.getLogger("kvstore.engine.retention")
 QUOTA_LOW = 0.9
 SWEEP_S = 30.0
 PAGE = 4096

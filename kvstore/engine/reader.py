@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstore.crypto import RecordCipher
+from kvstore.engine.crypto import RecordCipher
+from kvstore.engine.format import CODEC_RAW, KIND_BLOCK, REC_FLAG_DIRECT, RecordHeader, checksum, decode_record_header
+from kvstore.engine.index import IndexEntry
+from kvstore.engine.record import open_frame
+from kvstore.engine.registry import Registry
+from kvstore.engine.segment import SegmentFile
 from kvstore.errors import CorruptionError
-from kvstore.format import CODEC_RAW, KIND_BLOCK, REC_FLAG_DIRECT, RecordHeader, checksum, decode_record_header
-from kvstore.index import IndexEntry
-from kvstore.record import open_frame
-from kvstore.registry import Registry
-from kvstore.segment import SegmentFile
 
 __all__ = ["REC_FLAG_DIRECT", "Loaded", "decode_into", "direct_view", "load", "read_all_inline", "read_direct_whole"]
 

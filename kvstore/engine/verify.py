@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.crypto import RecordCipher
+from kvstore.engine.crypto import RecordCipher
+from kvstore.engine.format import ALIGN, RecordHeader
+from kvstore.engine.index import SEG_OPEN, Index
+from kvstore.engine.record import footer_entry, open_frame
+from kvstore.engine.registry import Registry
+from kvstore.engine.segment import SegmentFile, parse_segment_name
 from kvstore.errors import CorruptionError, KVStoreError
-from kvstore.format import ALIGN, RecordHeader
-from kvstore.index import SEG_OPEN, Index
-from kvstore.record import footer_entry, open_frame
-from kvstore.registry import Registry
-from kvstore.segment import SegmentFile, parse_segment_name
 
 
 @dataclass(slots=True)

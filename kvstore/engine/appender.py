@@ -38,15 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config import StoreConfig
+from kvstore.engine.format import ALIGN, FooterEntry
+from kvstore.engine.index import Index, IndexEntry
+from kvstore.engine.lifecycle import Lifecycle
+from kvstore.engine.record import EncodedRecord, footer_entry, index_entry
+from kvstore.engine.segment import SegmentFile
 from kvstore.errors import KVStoreError, StorageFull, StorageIOError, StoreClosed
-from kvstore.format import ALIGN, FooterEntry
-from kvstore.index import Index, IndexEntry
-from kvstore.lifecycle import Lifecycle
 from kvstore.metrics import Metrics
-from kvstore.record import EncodedRecord, footer_entry, index_entry
-from kvstore.segment import SegmentFile
 
-log = logging.getLogger("kvstore.appender")
+log = logging.getLogger("kvstore.engine.appender")
 
 
 @dataclass(slots=True)

@@ -17,8 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.errors import CorruptionError, FormatError
-from kvstore.format import (
+from kvstore.engine.format import (
     ALIGN,
     REC_MAGIC,
     RECORD_HEADER,
@@ -34,7 +33,8 @@ from kvstore.format import (
     encode_footer,
     peek_header_len,
 )
-from kvstore.fsutil import fsync_dir
+from kvstore.engine.fsutil import fsync_dir
+from kvstore.errors import CorruptionError, FormatError
 
 Buffer = bytes | bytearray | memoryview
 _IOV_MAX = 512
