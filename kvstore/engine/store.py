@@ -23,59 +23,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import functools
 import logging
 import os
 import resource
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvstore.config import StoreConfig
-from kvstore.engine import reader
-from kvstore.engine.access import AccessLog, Touches, now_ms
-from kvstore.engine.appender import Appender, OpenSegment
+from kvstore.engine.access import Touches
+from kvstore.engine.appender import OpenSegment
 from kvstore.engine.compactor import CompactionReport, Compactor
-from kvstore.engine.crypto import MasterKey, RecordCipher, load_master_key
+from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.engine.fsutil import atomic_write, index_torn_by_reboot, mark_index_synced, mark_index_unsynced
-from kvstore.engine.index import Index, IndexEntry
-from kvstore.engine.lifecycle import Leases, Lifecycle
-from kvstore.engine.record import EncodedRecord, assemble, encode_frame, frame_count, new_record_id, tombstone
-from kvstore.engine.recovery import RecoveryReport, RemoteSegments, UnknownTenants, recover, tenant_dirs, trash
-from kvstore.engine.registry import Registry, RegistryUnreadable, Tenant
+from kvstore.engine.index import Index
+from kvstore.engine.lifecycle import Lifecycle
+from kvstore.engine.recovery import RemoteSegments, UnknownTenants, recover, tenant_dirs, trash
+from kvstore.engine.registry import Registry, RegistryUnreadable
 from kvstore.engine.retention import Retention
-from kvstore.engine.segcache import SegmentCache
-from kvstore.engine.segment import SegmentFile
+from kvstore.engine.store_read import StoreReads
+from kvstore.engine.store_write import StoreWrites
 from kvstore.engine.verify import VerifyReport, verify_segments
 from kvstore.errors import (
-    BlockTooLarge,
     ConfigError,
-    CorruptionError,
     FlushIncomplete,
     IndexUnusable,
     InvalidInput,
-    InvalidKey,
-    InvalidRange,
     KVStoreError,
     MasterKeyError,
-    NotFound,
-    ReadOnlyNode,
-    ReadOnlyStore,
-    SegmentMoved,
-    StoreClosed,
     StoreLocked,
-    TenantKeyDestroyed,
-    TenantNotFound,
     TierError,
 )
-from kvstore.metrics import Metrics
-from kvstore.names import validate_key, validate_tenant
+from kvstore.names import validate_tenant
 from kvstore.tier.base import Tier
-from kvstore.tier.factory import tier_from_config
 from kvstore.tier.layout import segment_object, tenant_prefix
 from kvstore.tier.mirror import Mirror
 from kvstore.tier.remote import RemoteFooter, fetch_footer
@@ -95,62 +76,10 @@ FOOTER_FETCH_TIMEOUT_S = 120
 READ_ATTEMPTS = 4  # a block that keeps moving under a read (compaction) is retried this often
 
 
-@dataclass(frozen=True, slots=True)
-class BlockInfo:
-    key: str
-    size: int
-    etag: str  # strong: names the stored record, unique per write
-    created_ns: int
-    stored_bytes: int
-    sealed: bool
-    key_version: int
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    prefix: int  # how many keys, from the start of the chain, are present
-    present: list[bool]
-
-
-@dataclass(frozen=True, slots=True)
-class TenantStats:
-    blocks: int
-    stored_bytes: int
-    logical_bytes: int
-
-
-class Store:
-    """Open with :meth:`open`; close with :meth:`close` (drains queued writes)."""
-
-    def __init__(self, config: StoreConfig, master: MasterKey, tier: Tier | None = None) -> None:
-        self.config = config
-        self.metrics = Metrics()
-        self.recovery = RecoveryReport()
-        self._master = master
-        self._root = Path(config.data_dir)
-        self._seg_root = self._root / "segments"
-        self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvstore-io")
-        self._lock_fd = -1
-        self._closed = True
-        self._registry: Registry
-        self._index: Index
-        self._tails: dict[str, OpenSegment] = {}
-        self._appenders: dict[str, Appender] = {}
-        self._inflight: dict[tuple[str, str], asyncio.Future[None]] = {}
-        self._cache = SegmentCache(self._seg_root)
-        self._deleting: set[str] = set()
-        self.readonly = False
-        self.adopted = config.s3_readonly  # serves a bucket another node writes
-        self.tier = tier if tier is not None else tier_from_config(config)
-        self._own_tier = tier is None and self.tier is not None
-        self._tiering: Tiering
-        self._stale: list[str] = []
-        self._life: Lifecycle
-        self._compactor: Compactor
-        self._retention: Retention
-        self.leases = Leases()
-        self.access = AccessLog()
-        self._background = True
+class Store(StoreReads, StoreWrites):
+    """Open with :meth:`open`; close with :meth:`close` (drains queued writes).
+    Reads are in store_read.py, writes in store_write.py; this file opens and
+    closes the store, manages tenants, and runs maintenance on demand."""
 
     # -- life cycle -----------------------------------------------------------
 
@@ -423,20 +352,6 @@ class Store:
 
     # -- helpers --------------------------------------------------------------
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosed("the store is not open")
-
-    def _check_writable(self) -> None:
-        self._check_open()
-        if self.adopted:
-            raise ReadOnlyNode("this node serves a bucket read-only (s3_readonly); write to the node that owns it")
-        if self.readonly:
-            raise ReadOnlyStore("this process serves reads only; writes go to the writer process")
-
     def refresh(self) -> None:
         """A reader: pick up the writer's registry changes (tenants, tokens,
         keys), following a master-key rotation through the path it left."""
@@ -465,59 +380,6 @@ class Store:
             if after.get(name) != created:  # deleted, maybe created again: segment ids start over
                 self._cache.forget_tenant(name)
                 self.access.forget_tenant(name)
-
-    def _tenant(self, name: str) -> Tenant:
-        self._check_open()
-        validate_tenant(name)
-        if name in self._deleting:
-            raise TenantNotFound(f"tenant {name!r} does not exist")
-        return self._registry.get(name)
-
-    def _appender(self, t: Tenant) -> Appender:
-        self._check_writable()
-        app = self._appenders.get(t.name)
-        if app is None:
-            tail = self._tails.setdefault(t.name, OpenSegment(None))
-            app = Appender(
-                t.name,
-                self._seg_root / t.name,
-                t.policy == "direct",
-                tail,
-                self._index,
-                self._life,
-                self.config,
-                self._pool,
-                self.metrics,
-                self._cache.register,
-                functools.partial(self._sealed_elsewhere, asyncio.get_running_loop(), t.name),
-            )
-            self._appenders[t.name] = app
-        return app
-
-    async def _drop_segment_entries(self, tenant: str, sid: int) -> int:
-        """Remove every entry pointing into segment ``sid`` (it is being
-        dropped), through the tenant's appender; returns how many."""
-        victims = await self._run(self._index.entries_in, tenant, sid)
-        if not victims:
-            return 0
-        return len(await self._appender(self._registry.get(tenant)).drop(victims))
-
-    def _sealed_elsewhere(self, loop: asyncio.AbstractEventLoop, tenant: str, segment_id: int) -> None:
-        """An appender thread sealed a segment: tell the tiering, on the loop."""
-        loop.call_soon_threadsafe(self._tiering.sealed, tenant, segment_id)
-
-    async def _serialize(self, tenant: str, key: str) -> asyncio.Future[None]:
-        """Wait for any write in flight on (tenant, key), then claim it."""
-        k = (tenant, key)
-        while (other := self._inflight.get(k)) is not None:
-            await asyncio.wait({other})
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._inflight[k] = fut
-        return fut
-
-    def _release(self, tenant: str, key: str, fut: asyncio.Future[None]) -> None:
-        del self._inflight[(tenant, key)]
-        fut.set_result(None)
 
     # -- tenants --------------------------------------------------------------
 
@@ -634,84 +496,6 @@ class Store:
 
     # -- writes ---------------------------------------------------------------
 
-    def _check_data(self, data: Data) -> memoryview:
-        view = memoryview(data).cast("B")
-        if len(view) == 0:
-            raise InvalidInput("block is empty; blocks are 1 byte or more")
-        if len(view) > self.config.max_block_size:
-            raise BlockTooLarge(f"block is {len(view)} bytes; the maximum is {self.config.max_block_size}")
-        return view
-
-    async def _encode(self, t: Tenant, key: str, data: memoryview) -> EncodedRecord:
-        fs = self.config.frame_size
-        n = len(data)
-        nf = frame_count(n, fs)
-        record_id = new_record_id()
-        sealed = t.sealed
-        kv = t.key_version if sealed else 0
-        comp, level = t.compression, self.config.zstd_level
-
-        def frames(lo: int, hi: int) -> list[tuple[Any, Any]]:
-            cipher = None
-            if sealed:
-                cipher = RecordCipher(self._registry.data_key(t.name, kv), record_id, t.name, key, kv, nf, n)
-            return [encode_frame(cipher, i, data[i * fs : (i + 1) * fs], comp, level) for i in range(lo, hi)]
-
-        if nf <= 1 or (comp == "none" and not sealed):
-            done = await self._run(frames, 0, nf)
-        else:
-            parts = await asyncio.gather(*(self._run(frames, i, i + 1) for i in range(nf)))
-            done = [f for part in parts for f in part]
-        return assemble(t.name, key, n, fs, done, record_id, kv, sealed, t.policy == "direct")
-
-    async def put(self, tenant: str, key: str, data: Data) -> bool:
-        """Store ``data`` under ``key``. True: written; False: the key existed.
-
-        Returns once the write is durable under the configured policy. The
-        caller must not change ``data`` until then.
-        """
-        t = self._tenant(tenant)
-        validate_key(key)
-        view = self._check_data(data)
-        self._retention.check_block(t, len(view))
-        claim = await self._serialize(tenant, key)
-        try:
-            if self._index.get(tenant, key) is not None:
-                self.metrics.inc("kvstore_puts_total", result="exists")
-                self.access.touch(tenant, key)  # written again: it is still wanted
-                return False
-            await self._tiering.admit(len(view))
-            record = await self._encode(t, key, view)
-            async with self._retention.reserve(t, record.length):
-                await self._appender(t).submit(record)
-            self._tiering.space.wrote(record.length)
-            self.metrics.inc("kvstore_puts_total", result="created")
-            self.metrics.inc("kvstore_bytes_in_total", len(view))
-            return True
-        finally:
-            self._release(tenant, key, claim)
-
-    async def put_many(self, tenant: str, items: Iterable[tuple[str, Data]]) -> list[bool]:
-        """Put several blocks; they share group-commit batches. Fails as a whole
-        on the first invalid item, before writing anything."""
-        self._tenant(tenant)
-        checked = [(validate_key(k), self._check_data(d)) for k, d in items]
-        return list(await asyncio.gather(*(self.put(tenant, k, d) for k, d in checked)))
-
-    async def delete(self, tenant: str, key: str) -> bool:
-        """Delete ``key`` (a durable tombstone). False when it was absent."""
-        t = self._tenant(tenant)
-        validate_key(key)
-        claim = await self._serialize(tenant, key)
-        try:
-            if self._index.get(tenant, key) is None:
-                return False
-            await self._appender(t).submit(tombstone(tenant, key))
-            self.metrics.inc("kvstore_deletes_total")
-            return True
-        finally:
-            self._release(tenant, key, claim)
-
     async def flush(self, upload_timeout_s: float = 0) -> dict[str, Any]:
         """Seal every open segment (each becomes immutable, with its footer);
         with an object tier, then wait up to ``upload_timeout_s`` until every
@@ -755,160 +539,6 @@ class Store:
 
     # -- reads ----------------------------------------------------------------
 
-    async def _entry(self, tenant: str, key: str) -> IndexEntry:
-        t = self._tenant(tenant)
-        validate_key(key)
-        entry = self._index.get(tenant, key)
-        if entry is None or (t.ttl_s and self._retention.expired(t, key, entry)):
-            self.metrics.inc("kvstore_lookups_total", result="miss")
-            raise NotFound(f"key {key!r} not found")
-        self.metrics.inc("kvstore_lookups_total", result="hit")
-        self.access.touch(tenant, key)
-        return entry
-
-    async def get(self, tenant: str, key: str) -> bytearray:
-        entry = await self._entry(tenant, key)
-        return _owned(await self._read(tenant, key, entry, 0, entry.logical_size))
-
-    async def get_buffer(self, tenant: str, key: str, start: int = 0, end: int | None = None) -> bytearray | memoryview:
-        """Bytes [start, end) of the block (all of it by default), to send on:
-        for direct tenants a read-only view into the segment's mapping, the
-        covering frames verified (no copy, no allocation); otherwise decoded
-        bytes, as :meth:`get_range`."""
-        entry, start, end = await self._range(tenant, key, start, end)
-        return await self._read(tenant, key, entry, start, end, view_ok=True)
-
-    async def get_range(self, tenant: str, key: str, start: int, end: int | None = None) -> bytearray:
-        """Bytes [start, end) of the block; ``end`` past the size is clamped.
-        Raises InvalidRange (416) when ``start`` is at or past the size."""
-        entry, start, end = await self._range(tenant, key, start, end)
-        return _owned(await self._read(tenant, key, entry, start, end))
-
-    async def _range(self, tenant: str, key: str, start: int, end: int | None) -> tuple[IndexEntry, int, int]:
-        if start < 0 or (end is not None and end <= start):
-            raise InvalidInput(f"range [{start}, {end}) is not a non-empty range of non-negative offsets")
-        entry = await self._entry(tenant, key)
-        size = entry.logical_size
-        if start >= size:
-            raise InvalidRange(f"range starts at {start}, past the end of a {size}-byte block", size)
-        return entry, start, size if end is None else min(end, size)
-
-    async def _read(
-        self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool = False
-    ) -> bytearray | memoryview:
-        try:
-            for _ in range(READ_ATTEMPTS - 1):
-                try:
-                    return await self._read_unchecked(tenant, key, entry, start, end, view_ok)
-                except SegmentMoved:
-                    # Compaction moved the block, or eviction dropped it, while
-                    # it was being read: ask the index again.
-                    fresh = self._index.get(tenant, key)
-                    if fresh is None:
-                        raise NotFound(f"key {key!r} not found") from None
-                    if fresh.record_id != entry.record_id:  # deleted and written again: other bytes
-                        raise
-                    entry = fresh
-            return await self._read_unchecked(tenant, key, entry, start, end, view_ok)
-        except TenantKeyDestroyed:
-            raise
-        except CorruptionError as e:
-            self.metrics.inc("kvstore_corruption_total")
-            log.error("corrupt read of tenant %s: %s", tenant, e)
-            raise
-
-    async def _read_unchecked(
-        self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool
-    ) -> bytearray | memoryview:
-        seg = await self._tiering.local(tenant, entry, key)
-        out: bytearray | memoryview
-        if seg is None:
-            source = await self._tiering.fetch(tenant, key, entry)
-            out = await self._decode(source, tenant, key, entry, start, end)
-        else:
-            try:
-                out = await self._read_local(seg, tenant, key, entry, start, end, view_ok)
-            finally:
-                seg.release()
-        self.metrics.inc("kvstore_bytes_out_total", end - start)
-        return out
-
-    async def _read_local(
-        self, seg: SegmentFile, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool
-    ) -> bytearray | memoryview:
-        direct = bool(entry.flags & reader.REC_FLAG_DIRECT)
-        if direct and view_ok:
-            return await self._run(reader.direct_view, seg, entry, tenant, key, start, end)
-        if direct and start == 0 and end == entry.logical_size:
-            return await self._run(reader.read_direct_whole, seg, entry, tenant, key)
-        return await self._decode(seg, tenant, key, entry, start, end)
-
-    async def _decode(
-        self, source: reader.RecordSource, tenant: str, key: str, entry: IndexEntry, start: int, end: int
-    ) -> bytearray:
-        if end - start <= self.config.frame_size:
-            return await self._run(reader.read_all_inline, source, entry, tenant, key, start, end, self._registry)
-        ld = await self._run(reader.load, source, entry, tenant, key, start, end, self._registry)
-        out = bytearray(end - start)
-        view = memoryview(out)
-        await asyncio.gather(
-            *(self._run(reader.decode_into, ld, i, start, end, view) for i in range(ld.first, ld.last + 1))
-        )
-        return out
-
-    async def head(self, tenant: str, key: str) -> BlockInfo:
-        e = await self._entry(tenant, key)
-        return BlockInfo(
-            key, e.logical_size, e.record_id.hex(), e.created_ns, e.record_len, bool(e.flags & 1), e.key_version
-        )
-
-    async def exists(self, tenant: str, key: str) -> bool:
-        t = self._tenant(tenant)
-        validate_key(key)
-        entry = self._index.get(tenant, key)
-        return entry is not None and not (t.ttl_s and self._retention.expired(t, key, entry))
-
-    async def lookup(self, tenant: str, keys: Sequence[str]) -> LookupResult:
-        """Which of a chain of keys are present, and how many from the start."""
-        t = self._tenant(tenant)
-        for i, k in enumerate(keys):
-            try:
-                validate_key(k)
-            except InvalidKey as e:
-                raise InvalidKey(f"keys[{i}]: {e}") from None
-        if t.ttl_s:
-            present = await self._run(self._present_unexpired, t, list(keys))
-        elif len(keys) <= INLINE_LOOKUP_KEYS:
-            present = self._index.contains(tenant, list(keys))
-        else:
-            present = await self._run(self._index.contains, tenant, list(keys))
-        prefix = next((i for i, p in enumerate(present) if not p), len(present))
-        return LookupResult(prefix, present)
-
-    def _present_unexpired(self, t: Tenant, keys: list[str]) -> list[bool]:
-        now = now_ms()
-        out = []
-        for k in keys:
-            e = self._index.get(t.name, k)
-            out.append(e is not None and not self._retention.expired(t, k, e, now))
-        return out
-
-    async def iter_keys(self, tenant: str, start_after: str | None = None, page: int = 1000) -> AsyncIterator[str]:
-        """Every key of the tenant, in byte order, a page of the index at a time."""
-        self._tenant(tenant)
-        while True:
-            keys = await self._run(self._index.keys, tenant, start_after, page)
-            for k in keys:
-                yield k
-            if len(keys) < page:
-                return
-            start_after = keys[-1]
-
-    async def stats(self, tenant: str) -> TenantStats:
-        self._tenant(tenant)
-        s = self._index.stats(tenant)
-        return TenantStats(s.blocks, s.stored_bytes, s.logical_bytes)
-
     async def verify(self, deep: bool = False) -> VerifyReport:
         """Scrub every segment: headers, footers, frame checksums; ``deep`` also
         opens every live frame (GCM tags, decompression)."""
@@ -920,11 +550,6 @@ def _limit(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
         raise InvalidInput(f"field {name!r} must be null or a non-negative integer, got {value!r}")
     return value
-
-
-def _owned(data: bytearray | memoryview) -> bytearray:
-    """A buffer the caller owns (reads without ``view_ok`` already are)."""
-    return data if isinstance(data, bytearray) else bytearray(data)
 
 
 def _raise_nofile_limit() -> None:

@@ -1,0 +1,144 @@
+"""What the store's parts share: its state, the thread pool, the checks.
+
+:class:`kvstore.engine.store.Store` is put together from this core, the read
+path (store_read.py) and the write path (store_write.py), one file per verb.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvstore.config import StoreConfig
+from kvstore.engine.access import AccessLog
+from kvstore.engine.appender import Appender, OpenSegment
+from kvstore.engine.compactor import Compactor
+from kvstore.engine.crypto import MasterKey
+from kvstore.engine.index import Index
+from kvstore.engine.lifecycle import Leases, Lifecycle
+from kvstore.engine.recovery import RecoveryReport
+from kvstore.engine.registry import Registry, Tenant
+from kvstore.engine.retention import Retention
+from kvstore.engine.segcache import SegmentCache
+from kvstore.errors import (
+    ReadOnlyNode,
+    ReadOnlyStore,
+    StoreClosed,
+    TenantNotFound,
+)
+from kvstore.metrics import Metrics
+from kvstore.names import validate_tenant
+from kvstore.tier.base import Tier
+from kvstore.tier.factory import tier_from_config
+from kvstore.tier.tiering import Tiering
+
+log = logging.getLogger("kvstore.engine.store")
+T = TypeVar("T")
+
+
+class StoreCore:
+    """The state every part of the store works on; see :class:`Store`."""
+
+    def __init__(self, config: StoreConfig, master: MasterKey, tier: Tier | None = None) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.recovery = RecoveryReport()
+        self._master = master
+        self._root = Path(config.data_dir)
+        self._seg_root = self._root / "segments"
+        self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvstore-io")
+        self._lock_fd = -1
+        self._closed = True
+        self._registry: Registry
+        self._index: Index
+        self._tails: dict[str, OpenSegment] = {}
+        self._appenders: dict[str, Appender] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._cache = SegmentCache(self._seg_root)
+        self._deleting: set[str] = set()
+        self.readonly = False
+        self.adopted = config.s3_readonly  # serves a bucket another node writes
+        self.tier = tier if tier is not None else tier_from_config(config)
+        self._own_tier = tier is None and self.tier is not None
+        self._tiering: Tiering
+        self._stale: list[str] = []
+        self._life: Lifecycle
+        self._compactor: Compactor
+        self._retention: Retention
+        self.leases = Leases()
+        self.access = AccessLog()
+        self._background = True
+
+    # -- helpers --------------------------------------------------------------
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("the store is not open")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.adopted:
+            raise ReadOnlyNode("this node serves a bucket read-only (s3_readonly); write to the node that owns it")
+        if self.readonly:
+            raise ReadOnlyStore("this process serves reads only; writes go to the writer process")
+
+    def _tenant(self, name: str) -> Tenant:
+        self._check_open()
+        validate_tenant(name)
+        if name in self._deleting:
+            raise TenantNotFound(f"tenant {name!r} does not exist")
+        return self._registry.get(name)
+
+    def _appender(self, t: Tenant) -> Appender:
+        self._check_writable()
+        app = self._appenders.get(t.name)
+        if app is None:
+            tail = self._tails.setdefault(t.name, OpenSegment(None))
+            app = Appender(
+                t.name,
+                self._seg_root / t.name,
+                t.policy == "direct",
+                tail,
+                self._index,
+                self._life,
+                self.config,
+                self._pool,
+                self.metrics,
+                self._cache.register,
+                functools.partial(self._sealed_elsewhere, asyncio.get_running_loop(), t.name),
+            )
+            self._appenders[t.name] = app
+        return app
+
+    async def _drop_segment_entries(self, tenant: str, sid: int) -> int:
+        """Remove every entry pointing into segment ``sid`` (it is being
+        dropped), through the tenant's appender; returns how many."""
+        victims = await self._run(self._index.entries_in, tenant, sid)
+        if not victims:
+            return 0
+        return len(await self._appender(self._registry.get(tenant)).drop(victims))
+
+    def _sealed_elsewhere(self, loop: asyncio.AbstractEventLoop, tenant: str, segment_id: int) -> None:
+        """An appender thread sealed a segment: tell the tiering, on the loop."""
+        loop.call_soon_threadsafe(self._tiering.sealed, tenant, segment_id)
+
+    async def _serialize(self, tenant: str, key: str) -> asyncio.Future[None]:
+        """Wait for any write in flight on (tenant, key), then claim it."""
+        k = (tenant, key)
+        while (other := self._inflight.get(k)) is not None:
+            await asyncio.wait({other})
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inflight[k] = fut
+        return fut
+
+    def _release(self, tenant: str, key: str, fut: asyncio.Future[None]) -> None:
+        del self._inflight[(tenant, key)]
+        fut.set_result(None)

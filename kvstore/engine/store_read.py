@@ -1,0 +1,224 @@
+"""The read path of the store: index lookups, local and remote reads, ranges.
+
+A read looks the key up in the index (on the event loop: an LMDB read of a
+memory map), then reads and checks the record on the thread pool, decoding
+big blocks' frames in parallel. If the block moved while it was read
+(compaction) the read asks the index again; if it went, it is a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from kvstore.engine import reader
+from kvstore.engine.access import now_ms
+from kvstore.engine.index import IndexEntry
+from kvstore.engine.registry import Tenant
+from kvstore.engine.segment import SegmentFile
+from kvstore.engine.store_core import StoreCore
+from kvstore.errors import (
+    CorruptionError,
+    InvalidInput,
+    InvalidKey,
+    InvalidRange,
+    NotFound,
+    SegmentMoved,
+    TenantKeyDestroyed,
+)
+from kvstore.names import validate_key
+
+log = logging.getLogger("kvstore.engine.store")
+# Index reads run on the event loop: an LMDB read is a lookup in a memory map
+# under an MVCC snapshot (it never waits for the writer), ~0.3 us a key here,
+# far cheaper than the hop to a thread (~100-200 us under load). Chains longer
+# than this still go to the pool, so no single call holds the loop for long.
+INLINE_LOOKUP_KEYS = 1024
+READ_ATTEMPTS = 4  # a block that keeps moving under a read (compaction) is retried this often
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    key: str
+    size: int
+    etag: str  # strong: names the stored record, unique per write
+    created_ns: int
+    stored_bytes: int
+    sealed: bool
+    key_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    prefix: int  # how many keys, from the start of the chain, are present
+    present: list[bool]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    blocks: int
+    stored_bytes: int
+    logical_bytes: int
+
+
+class StoreReads(StoreCore):
+    async def _entry(self, tenant: str, key: str) -> IndexEntry:
+        t = self._tenant(tenant)
+        validate_key(key)
+        entry = self._index.get(tenant, key)
+        if entry is None or (t.ttl_s and self._retention.expired(t, key, entry)):
+            self.metrics.inc("kvstore_lookups_total", result="miss")
+            raise NotFound(f"key {key!r} not found")
+        self.metrics.inc("kvstore_lookups_total", result="hit")
+        self.access.touch(tenant, key)
+        return entry
+
+    async def get(self, tenant: str, key: str) -> bytearray:
+        entry = await self._entry(tenant, key)
+        return _owned(await self._read(tenant, key, entry, 0, entry.logical_size))
+
+    async def get_buffer(self, tenant: str, key: str, start: int = 0, end: int | None = None) -> bytearray | memoryview:
+        """Bytes [start, end) of the block (all of it by default), to send on:
+        for direct tenants a read-only view into the segment's mapping, the
+        covering frames verified (no copy, no allocation); otherwise decoded
+        bytes, as :meth:`get_range`."""
+        entry, start, end = await self._range(tenant, key, start, end)
+        return await self._read(tenant, key, entry, start, end, view_ok=True)
+
+    async def get_range(self, tenant: str, key: str, start: int, end: int | None = None) -> bytearray:
+        """Bytes [start, end) of the block; ``end`` past the size is clamped.
+        Raises InvalidRange (416) when ``start`` is at or past the size."""
+        entry, start, end = await self._range(tenant, key, start, end)
+        return _owned(await self._read(tenant, key, entry, start, end))
+
+    async def _range(self, tenant: str, key: str, start: int, end: int | None) -> tuple[IndexEntry, int, int]:
+        if start < 0 or (end is not None and end <= start):
+            raise InvalidInput(f"range [{start}, {end}) is not a non-empty range of non-negative offsets")
+        entry = await self._entry(tenant, key)
+        size = entry.logical_size
+        if start >= size:
+            raise InvalidRange(f"range starts at {start}, past the end of a {size}-byte block", size)
+        return entry, start, size if end is None else min(end, size)
+
+    async def _read(
+        self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool = False
+    ) -> bytearray | memoryview:
+        try:
+            for _ in range(READ_ATTEMPTS - 1):
+                try:
+                    return await self._read_unchecked(tenant, key, entry, start, end, view_ok)
+                except SegmentMoved:
+                    # Compaction moved the block, or eviction dropped it, while
+                    # it was being read: ask the index again.
+                    fresh = self._index.get(tenant, key)
+                    if fresh is None:
+                        raise NotFound(f"key {key!r} not found") from None
+                    if fresh.record_id != entry.record_id:  # deleted and written again: other bytes
+                        raise
+                    entry = fresh
+            return await self._read_unchecked(tenant, key, entry, start, end, view_ok)
+        except TenantKeyDestroyed:
+            raise
+        except CorruptionError as e:
+            self.metrics.inc("kvstore_corruption_total")
+            log.error("corrupt read of tenant %s: %s", tenant, e)
+            raise
+
+    async def _read_unchecked(
+        self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool
+    ) -> bytearray | memoryview:
+        seg = await self._tiering.local(tenant, entry, key)
+        out: bytearray | memoryview
+        if seg is None:
+            source = await self._tiering.fetch(tenant, key, entry)
+            out = await self._decode(source, tenant, key, entry, start, end)
+        else:
+            try:
+                out = await self._read_local(seg, tenant, key, entry, start, end, view_ok)
+            finally:
+                seg.release()
+        self.metrics.inc("kvstore_bytes_out_total", end - start)
+        return out
+
+    async def _read_local(
+        self, seg: SegmentFile, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool
+    ) -> bytearray | memoryview:
+        direct = bool(entry.flags & reader.REC_FLAG_DIRECT)
+        if direct and view_ok:
+            return await self._run(reader.direct_view, seg, entry, tenant, key, start, end)
+        if direct and start == 0 and end == entry.logical_size:
+            return await self._run(reader.read_direct_whole, seg, entry, tenant, key)
+        return await self._decode(seg, tenant, key, entry, start, end)
+
+    async def _decode(
+        self, source: reader.RecordSource, tenant: str, key: str, entry: IndexEntry, start: int, end: int
+    ) -> bytearray:
+        if end - start <= self.config.frame_size:
+            return await self._run(reader.read_all_inline, source, entry, tenant, key, start, end, self._registry)
+        ld = await self._run(reader.load, source, entry, tenant, key, start, end, self._registry)
+        out = bytearray(end - start)
+        view = memoryview(out)
+        await asyncio.gather(
+            *(self._run(reader.decode_into, ld, i, start, end, view) for i in range(ld.first, ld.last + 1))
+        )
+        return out
+
+    async def head(self, tenant: str, key: str) -> BlockInfo:
+        e = await self._entry(tenant, key)
+        return BlockInfo(
+            key, e.logical_size, e.record_id.hex(), e.created_ns, e.record_len, bool(e.flags & 1), e.key_version
+        )
+
+    async def exists(self, tenant: str, key: str) -> bool:
+        t = self._tenant(tenant)
+        validate_key(key)
+        entry = self._index.get(tenant, key)
+        return entry is not None and not (t.ttl_s and self._retention.expired(t, key, entry))
+
+    async def lookup(self, tenant: str, keys: Sequence[str]) -> LookupResult:
+        """Which of a chain of keys are present, and how many from the start."""
+        t = self._tenant(tenant)
+        for i, k in enumerate(keys):
+            try:
+                validate_key(k)
+            except InvalidKey as e:
+                raise InvalidKey(f"keys[{i}]: {e}") from None
+        if t.ttl_s:
+            present = await self._run(self._present_unexpired, t, list(keys))
+        elif len(keys) <= INLINE_LOOKUP_KEYS:
+            present = self._index.contains(tenant, list(keys))
+        else:
+            present = await self._run(self._index.contains, tenant, list(keys))
+        prefix = next((i for i, p in enumerate(present) if not p), len(present))
+        return LookupResult(prefix, present)
+
+    def _present_unexpired(self, t: Tenant, keys: list[str]) -> list[bool]:
+        now = now_ms()
+        out = []
+        for k in keys:
+            e = self._index.get(t.name, k)
+            out.append(e is not None and not self._retention.expired(t, k, e, now))
+        return out
+
+    async def iter_keys(self, tenant: str, start_after: str | None = None, page: int = 1000) -> AsyncIterator[str]:
+        """Every key of the tenant, in byte order, a page of the index at a time."""
+        self._tenant(tenant)
+        while True:
+            keys = await self._run(self._index.keys, tenant, start_after, page)
+            for k in keys:
+                yield k
+            if len(keys) < page:
+                return
+            start_after = keys[-1]
+
+    async def stats(self, tenant: str) -> TenantStats:
+        self._tenant(tenant)
+        s = self._index.stats(tenant)
+        return TenantStats(s.blocks, s.stored_bytes, s.logical_bytes)
+
+
+def _owned(data: bytearray | memoryview) -> bytearray:
+    """A buffer the caller owns (reads without ``view_ok`` already are)."""
+    return data if isinstance(data, bytearray) else bytearray(data)

@@ -1,0 +1,106 @@
+"""The write path of the store: puts and deletes.
+
+A put is checked, serialized with other writes of its key (first write wins:
+a second put of a key is a no-op; a delete waits for a put in flight on the
+same key), admitted by local space and the tenant's quota, encoded (frames
+compressed and sealed on the thread pool, in parallel for big blocks) and
+handed to the tenant's appender, which answers once it is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+from kvstore.engine.crypto import RecordCipher
+from kvstore.engine.record import EncodedRecord, assemble, encode_frame, frame_count, new_record_id, tombstone
+from kvstore.engine.registry import Tenant
+from kvstore.engine.store_core import StoreCore
+from kvstore.errors import (
+    BlockTooLarge,
+    InvalidInput,
+)
+from kvstore.names import validate_key
+
+Data = bytes | bytearray | memoryview
+
+
+class StoreWrites(StoreCore):
+    def _check_data(self, data: Data) -> memoryview:
+        view = memoryview(data).cast("B")
+        if len(view) == 0:
+            raise InvalidInput("block is empty; blocks are 1 byte or more")
+        if len(view) > self.config.max_block_size:
+            raise BlockTooLarge(f"block is {len(view)} bytes; the maximum is {self.config.max_block_size}")
+        return view
+
+    async def _encode(self, t: Tenant, key: str, data: memoryview) -> EncodedRecord:
+        fs = self.config.frame_size
+        n = len(data)
+        nf = frame_count(n, fs)
+        record_id = new_record_id()
+        sealed = t.sealed
+        kv = t.key_version if sealed else 0
+        comp, level = t.compression, self.config.zstd_level
+
+        def frames(lo: int, hi: int) -> list[tuple[Any, Any]]:
+            cipher = None
+            if sealed:
+                cipher = RecordCipher(self._registry.data_key(t.name, kv), record_id, t.name, key, kv, nf, n)
+            return [encode_frame(cipher, i, data[i * fs : (i + 1) * fs], comp, level) for i in range(lo, hi)]
+
+        if nf <= 1 or (comp == "none" and not sealed):
+            done = await self._run(frames, 0, nf)
+        else:
+            parts = await asyncio.gather(*(self._run(frames, i, i + 1) for i in range(nf)))
+            done = [f for part in parts for f in part]
+        return assemble(t.name, key, n, fs, done, record_id, kv, sealed, t.policy == "direct")
+
+    async def put(self, tenant: str, key: str, data: Data) -> bool:
+        """Store ``data`` under ``key``. True: written; False: the key existed.
+
+        Returns once the write is durable under the configured policy. The
+        caller must not change ``data`` until then.
+        """
+        t = self._tenant(tenant)
+        validate_key(key)
+        view = self._check_data(data)
+        self._retention.check_block(t, len(view))
+        claim = await self._serialize(tenant, key)
+        try:
+            if self._index.get(tenant, key) is not None:
+                self.metrics.inc("kvstore_puts_total", result="exists")
+                self.access.touch(tenant, key)  # written again: it is still wanted
+                return False
+            await self._tiering.admit(len(view))
+            record = await self._encode(t, key, view)
+            async with self._retention.reserve(t, record.length):
+                await self._appender(t).submit(record)
+            self._tiering.space.wrote(record.length)
+            self.metrics.inc("kvstore_puts_total", result="created")
+            self.metrics.inc("kvstore_bytes_in_total", len(view))
+            return True
+        finally:
+            self._release(tenant, key, claim)
+
+    async def put_many(self, tenant: str, items: Iterable[tuple[str, Data]]) -> list[bool]:
+        """Put several blocks; they share group-commit batches. Fails as a whole
+        on the first invalid item, before writing anything."""
+        self._tenant(tenant)
+        checked = [(validate_key(k), self._check_data(d)) for k, d in items]
+        return list(await asyncio.gather(*(self.put(tenant, k, d) for k, d in checked)))
+
+    async def delete(self, tenant: str, key: str) -> bool:
+        """Delete ``key`` (a durable tombstone). False when it was absent."""
+        t = self._tenant(tenant)
+        validate_key(key)
+        claim = await self._serialize(tenant, key)
+        try:
+            if self._index.get(tenant, key) is None:
+                return False
+            await self._appender(t).submit(tombstone(tenant, key))
+            self.metrics.inc("kvstore_deletes_total")
+            return True
+        finally:
+            self._release(tenant, key, claim)
