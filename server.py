@@ -169,8 +169,11 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
         child.close()
         procs.append((role, p))
         while not stopping:
-            if parent.poll(0.2):
-                return bool(parent.recv() == "ready")
+            try:
+                if parent.poll(0.2):
+                    return bool(parent.recv() == "ready")
+            except (EOFError, OSError):  # it died before saying so (a start-up error, already printed)
+                return False
             if not p.is_alive():
                 return False
         return False
