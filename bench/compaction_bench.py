@@ -13,8 +13,9 @@ tenant, deletes ``--dead`` of them at random and seals the segments; then,
 
 Reported (medians over the repeats): GET p50/p99 without and with compaction
 (and the p99 ratio), the pass's duration, bytes reclaimed per second of
-compaction, and its I/O cost: bytes the daemon read and wrote (``/proc/PID/io``)
-and CPU seconds it used during the pass, per byte reclaimed.
+compaction, and its own cost, from ``--repeat`` more passes with no reader
+beside them: bytes the daemon read and wrote (``/proc/PID/io``) and CPU
+seconds it used, per byte reclaimed.
 
 Run: ``.venv/bin/python -m bench.compaction_bench --help``.
 """
@@ -28,6 +29,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,10 +91,10 @@ def _proc_cpu(pid: int) -> float:
 
 
 def _readers(
-    kv: Kvstore, token: str, keys: list[str], n: int, until: float, window: list[float] | None
+    kv: Kvstore, token: str, keys: list[str], n: int, done: Callable[[], bool], window: list[float] | None
 ) -> tuple[list[float], int]:
-    """GET random keys until ``until``; latencies (ms) of requests that started
-    inside ``window`` [start, end) (None: all), and how many were counted."""
+    """GET random keys until ``done()``; latencies (ms) of requests that
+    started inside ``window`` [start, end) (None: all), and how many."""
     lat: list[float] = []
     lock = threading.Lock()
 
@@ -101,7 +103,7 @@ def _readers(
         c = Client(kv.port, token)
         mine = []
         try:
-            while time.monotonic() < until:
+            while not done():
                 t0 = time.monotonic()
                 r = c.request("GET", f"/v1/blocks/{rnd.choice(keys)}")
                 if r.status != 200:
@@ -121,7 +123,7 @@ def _readers(
     return lat, len(lat)
 
 
-def one_pass(opts: Options, procs: Processes, root: Path, rep: int) -> Pass:
+def one_pass(opts: Options, procs: Processes, root: Path, rep: int, readers: bool = True) -> Pass:
     kv = Kvstore(procs, root, "fsync")
     kv.env |= {
         "KVSTORE_SEGMENT_SIZE": str(opts.segment_size),
@@ -151,10 +153,10 @@ def one_pass(opts: Options, procs: Processes, root: Path, rep: int) -> Pass:
         live = [k for k in keys if k not in dead]
         pid = kv.pgid
 
-        t0, cpu_t0 = time.monotonic(), _proc_cpu(pid)
-        lat, n = _readers(kv, token, live, opts.readers, t0 + opts.duration, None)
-        p.base_p50, p.base_p99, p.base_rps = _pct(lat, 0.5), _pct(lat, 0.99), n / opts.duration
-        serving_cpu_per_s = (_proc_cpu(pid) - cpu_t0) / (time.monotonic() - t0)
+        if readers:
+            t0 = time.monotonic()
+            lat, n = _readers(kv, token, live, opts.readers, lambda: time.monotonic() >= t0 + opts.duration, None)
+            p.base_p50, p.base_p99, p.base_rps = _pct(lat, 0.5), _pct(lat, 0.99), n / opts.duration
 
         result: dict[str, Any] = {}
         window = [float("inf"), float("inf")]
@@ -167,9 +169,8 @@ def one_pass(opts: Options, procs: Processes, root: Path, rep: int) -> Pass:
             result.update(r.json() if r.status == 200 else {"error": r.status})
 
         runner = threading.Thread(target=compact)
-        start = time.monotonic()
         runner.start()
-        lat, n = _readers(kv, token, live, opts.readers, start + opts.duration * 10, window)
+        lat, n = _readers(kv, token, live, opts.readers if readers else 0, lambda: not runner.is_alive(), window)
         runner.join()
         io1, cpu1 = _proc_io(pid), _proc_cpu(pid)
         if "error" in result:
@@ -181,10 +182,7 @@ def one_pass(opts: Options, procs: Processes, root: Path, rep: int) -> Pass:
             result["bytes_copied"],
             result["segments_rewritten"],
         )
-        # The daemon's CPU during the pass, less what serving the readers cost
-        # per second in the baseline phase: compaction's own, approximately.
-        p.io_read, p.io_written = io1[0] - io0[0], io1[1] - io0[1]
-        p.cpu_s = max(0.0, cpu1 - cpu0 - serving_cpu_per_s * p.seconds)
+        p.io_read, p.io_written, p.cpu_s = io1[0] - io0[0], io1[1] - io0[1], cpu1 - cpu0
         if p.seconds < opts.duration:
             p.notes.append("a pass was shorter than the baseline phase: its percentiles rest on fewer requests")
         if p.io_read == 0:
@@ -232,25 +230,34 @@ def main(argv: list[str] | None = None) -> int:
                     f"{p.segments} segments, {p.reclaimed / MiB:.0f} MiB reclaimed in {p.seconds:.1f} s",
                     flush=True,
                 )
+        alone = []  # the pass's own cost: the same work with no reader beside it
+        for rep in range(opts.repeat):
+            with tempfile.TemporaryDirectory(dir=opts.base_dir) as d:
+                alone.append(one_pass(opts, procs, Path(d), rep, readers=False))
     finally:
         procs.stop_all()
 
-    def med(name: str) -> float:
-        return float(statistics.median(float(getattr(p, name)) for p in passes))
+    def med(name: str, of: list[Pass] = passes) -> float:
+        return float(statistics.median(float(getattr(p, name)) for p in of))
 
     reclaimed = med("reclaimed")
+    quiet = med("reclaimed", alone)
     doc = {
         "options": {k: str(v) for k, v in vars(opts).items()},
         "get_p50_ms": {"alone": med("base_p50"), "during_compaction": med("during_p50")},
         "get_p99_ms": {"alone": med("base_p99"), "during_compaction": med("during_p99")},
         "get_p99_ratio": med("during_p99") / med("base_p99"),
         "get_per_s": {"alone": med("base_rps"), "during_compaction": med("during_rps")},
-        "compaction_s": med("seconds"),
-        "reclaimed_mib_per_s": reclaimed / MiB / med("seconds"),
+        "compaction_s": {"beside_readers": med("seconds"), "alone": med("seconds", alone)},
+        "reclaimed_mib_per_s": {
+            "beside_readers": reclaimed / MiB / med("seconds"),
+            "alone": quiet / MiB / med("seconds", alone),
+        },
         "copied_bytes_per_reclaimed_byte": med("copied") / reclaimed if reclaimed else float("nan"),
-        "disk_read_per_reclaimed_byte": med("io_read") / reclaimed if reclaimed else float("nan"),
-        "disk_written_per_reclaimed_byte": med("io_written") / reclaimed if reclaimed else float("nan"),
-        "cpu_s_per_gib_reclaimed": med("cpu_s") / (reclaimed / (1 << 30)) if reclaimed else float("nan"),
+        # the pass's own cost, measured with no reader beside it
+        "disk_read_per_reclaimed_byte": med("io_read", alone) / quiet if quiet else float("nan"),
+        "disk_written_per_reclaimed_byte": med("io_written", alone) / quiet if quiet else float("nan"),
+        "cpu_s_per_gib_reclaimed": med("cpu_s", alone) / (quiet / (1 << 30)) if quiet else float("nan"),
         "notes": sorted({n for p in passes for n in p.notes}),
     }
     print(json.dumps(doc, indent=2))
