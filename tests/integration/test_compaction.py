@@ -3,11 +3,15 @@ through restarts and index rebuilds."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 import shutil
 from pathlib import Path
 
+import pytest
+
+from kvstore.engine.lifecycle import Lifecycle
 from kvstore.engine.store import Store
 from tests.conftest import OpenStore
 
@@ -70,7 +74,6 @@ async def test_compaction_reclaims_space_and_keeps_answers(open_store: OpenStore
 
 
 async def test_reads_during_compaction_never_fail(open_store: OpenStore) -> None:
-    import asyncio
 
     store = await open_store(compact_rate="256MiB")
     await store.create_tenant("alice")
@@ -98,3 +101,46 @@ async def test_reads_during_compaction_never_fail(open_store: OpenStore) -> None
     stop.set()
     await asyncio.gather(*tasks)
     assert report.segments_rewritten > 0 and reads > 0
+
+
+async def test_a_lease_keeps_a_segment_through_compaction_and_eviction(
+    open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment leased to a reader outside the daemon (a read plan, a NIXL
+    descriptor) keeps its file through compaction and eviction until the
+    lease is released or expires: a leased segment is neither rewritten nor
+    dropped, and one leased after it was compacted keeps its file until then."""
+    store = await open_store()
+    await store.create_tenant("eph", durability="ephemeral")
+    keys = [f"k{i}" for i in range(60)]
+    for k in keys:
+        await store.put("eph", k, content("eph", k))
+    for k in keys[:50]:
+        await store.delete("eph", k)
+    await store.flush()
+    seg = store.config.data_dir / "segments" / "eph" / "0000000000000001.seg"
+    lease = store.leases.acquire([("eph", 1)], ttl_s=60)
+    await store.compact("eph")
+    assert seg.exists(), "a leased segment was compacted away"
+    store._tiering.space.capacity = 1  # over every watermark: the evictor wants everything
+    await store.evict()
+    assert seg.exists(), "a leased segment was dropped"
+    store._tiering.space.capacity = 0
+    assert store.leases.release(lease.id)
+
+    leased_after: list[str] = []
+    real = Lifecycle.retired
+
+    def retired_then_leased(self: Lifecycle, tenant: str, sid: int, wait_upto: int = 0) -> None:
+        real(self, tenant, sid, wait_upto)
+        leased_after.append(store.leases.acquire([(tenant, sid)], ttl_s=0.5).id)
+
+    monkeypatch.setattr(Lifecycle, "retired", retired_then_leased)
+    report = await store.compact("eph")
+    assert report.segments_rewritten >= 1 and leased_after
+    assert seg.exists(), "a segment leased after it was compacted lost its file under the lease"
+    for k in keys[50:]:
+        assert bytes(await store.get("eph", k)) == content("eph", k)
+    await asyncio.sleep(0.6)  # the lease expires
+    await store.compact("eph")
+    assert not seg.exists()
