@@ -26,11 +26,14 @@ what it is told, in one transaction per call.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -201,35 +204,30 @@ class Index:
             return [txn.get(_bkey(tenant, k)) is not None for k in keys]
 
     def keys(self, tenant: str, start_after: str | None, limit: int) -> list[str]:
-        prefix = tenant.encode() + _SEP
-        out: list[str] = []
-        with self.env.begin(db=self._blocks) as txn:
-            cur = txn.cursor()
-            start = prefix + (start_after.encode() + b"\x00" if start_after is not None else b"")
-            if not cur.set_range(start):
-                return out
-            for k in cur.iternext(keys=True, values=False):
-                if not k.startswith(prefix) or len(out) >= limit:
-                    break
-                out.append(k[len(prefix) :].decode())
-        return out
+        return [k for k, _ in self.entries(tenant, start_after, limit)]
 
     def stats(self, tenant: str) -> UsageStats:
         with self.env.begin(db=self._stats) as txn:
             raw = txn.get(tenant.encode())
         return UsageStats(*STATS.unpack(raw)) if raw else UsageStats()
 
-    def segments(self, tenant: str) -> dict[int, SegmentState]:
+    def _scan(self, db: Any, tenant: str, after: bytes = b"") -> Generator[tuple[bytes, bytes], None, None]:
+        """(key suffix, value) of ``db``'s entries of ``tenant``, in key order,
+        from just after suffix ``after`` (one read transaction)."""
         prefix = tenant.encode() + _SEP
-        out: dict[int, SegmentState] = {}
-        with self.env.begin(db=self._segments) as txn:
+        with self.env.begin(db=db) as txn:
             cur = txn.cursor()
-            if cur.set_range(prefix):
-                for k, v in cur:
-                    if not k.startswith(prefix):
-                        break
-                    out[int.from_bytes(k[len(prefix) :], "big")] = SegmentState(*SEGMENT.unpack(v))
-        return out
+            if not cur.set_range(prefix + after):
+                return
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    return
+                yield k[len(prefix) :], v
+
+    def segments(self, tenant: str) -> dict[int, SegmentState]:
+        return {
+            int.from_bytes(k, "big"): SegmentState(*SEGMENT.unpack(v)) for k, v in self._scan(self._segments, tenant)
+        }
 
     def segment(self, tenant: str, segment_id: int) -> SegmentState | None:
         with self.env.begin(db=self._segments) as txn:
@@ -238,31 +236,13 @@ class Index:
 
     def live(self, tenant: str) -> dict[int, tuple[int, int]]:
         """Live (records, bytes) of each of the tenant's segments that entries point into."""
-        prefix = tenant.encode() + _SEP
-        out: dict[int, tuple[int, int]] = {}
-        with self.env.begin(db=self._live) as txn:
-            cur = txn.cursor()
-            if cur.set_range(prefix):
-                for k, v in cur:
-                    if not k.startswith(prefix):
-                        break
-                    out[int.from_bytes(k[len(prefix) :], "big")] = LIVE.unpack(v)
-        return out
+        return {int.from_bytes(k, "big"): LIVE.unpack(v) for k, v in self._scan(self._live, tenant)}
 
     def entries(self, tenant: str, start_after: str | None, limit: int) -> list[tuple[str, IndexEntry]]:
         """A page of the tenant's (key, entry) pairs in key order."""
-        prefix = tenant.encode() + _SEP
-        out: list[tuple[str, IndexEntry]] = []
-        with self.env.begin(db=self._blocks) as txn:
-            cur = txn.cursor()
-            start = prefix + (start_after.encode() + b"\x00" if start_after is not None else b"")
-            if not cur.set_range(start):
-                return out
-            for k, v in cur:
-                if not k.startswith(prefix) or len(out) >= limit:
-                    break
-                out.append((k[len(prefix) :].decode(), IndexEntry.unpack(v)))
-        return out
+        after = start_after.encode() + b"\x00" if start_after is not None else b""
+        with contextlib.closing(self._scan(self._blocks, tenant, after)) as scan:  # ends its transaction
+            return [(k.decode(), IndexEntry.unpack(v)) for k, v in islice(scan, limit)]
 
     def accessed(self, tenant: str, keys: Sequence[str]) -> list[int]:
         """Checkpointed last-access milliseconds of ``keys`` (0 where none is recorded)."""
@@ -400,31 +380,12 @@ class Index:
 
     def entries_in(self, tenant: str, segment_id: int) -> list[tuple[str, IndexEntry]]:
         """The tenant's (key, entry) pairs that point into segment ``segment_id``."""
-        prefix = tenant.encode() + _SEP
-        out: list[tuple[str, IndexEntry]] = []
-        with self.env.begin(db=self._blocks) as txn:
-            cur = txn.cursor()
-            if cur.set_range(prefix):
-                for k, v in cur:
-                    if not k.startswith(prefix):
-                        break
-                    e = IndexEntry.unpack(v)
-                    if e.segment_id == segment_id:
-                        out.append((k[len(prefix) :].decode(), e))
-        return out
+        pairs = ((k.decode(), IndexEntry.unpack(v)) for k, v in self._scan(self._blocks, tenant))
+        return [(k, e) for k, e in pairs if e.segment_id == segment_id]
 
     def drop_entries(self, tenant: str, doomed: Callable[[IndexEntry], bool]) -> int:
         """Delete the tenant's entries for which ``doomed(entry)``; return how many."""
-        prefix = tenant.encode() + _SEP
-        victims: list[str] = []
-        with self.env.begin(db=self._blocks) as txn:
-            cur = txn.cursor()
-            if cur.set_range(prefix):
-                for k, v in cur:
-                    if not k.startswith(prefix):
-                        break
-                    if doomed(IndexEntry.unpack(v)):
-                        victims.append(k[len(prefix) :].decode())
+        victims = [k.decode() for k, v in self._scan(self._blocks, tenant) if doomed(IndexEntry.unpack(v))]
         if victims:
             self.apply(tenant, ((k, None) for k in victims), 0, None)
         return len(victims)

@@ -31,6 +31,7 @@ from typing import Any
 from kvstore.engine.lifecycle import Lifecycle, Phase
 from kvstore.errors import TierError
 from kvstore.metrics import Metrics
+from kvstore.tasks import Background
 from kvstore.tier.base import Tier
 from kvstore.tier.layout import REGISTRY_OBJECT
 
@@ -75,7 +76,7 @@ class Mirror:
         self._on_mirrored = on_mirrored
         self._pending: dict[SegmentKey, Upload] = {}
         self._queue: asyncio.Queue[SegmentKey] = asyncio.Queue()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = Background()
         self._progress = asyncio.Event()
         self._registry_version = 0
         self._registry_uploaded = 0
@@ -92,20 +93,13 @@ class Mirror:
         self._gauges()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = self._loop.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro, name)
 
     async def close(self) -> None:
         for up in self._pending.values():
             if up.retry is not None:
                 up.retry.cancel()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.close()
 
     # -- what to upload -------------------------------------------------------
 

@@ -42,6 +42,7 @@ from kvstore.errors import (
     TierUnavailable,
 )
 from kvstore.metrics import Metrics
+from kvstore.tasks import Background
 from kvstore.tier.base import Tier
 from kvstore.tier.layout import REGISTRY_OBJECT, parse_segment_object, segment_object, tenant_prefix
 from kvstore.tier.mirror import Mirror
@@ -93,7 +94,7 @@ class Tiering:
         self._down_until = 0.0
         self._evict_lock = asyncio.Lock()
         self._evict_wake = asyncio.Event()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = Background()
         self.mirror: Mirror | None = None  # when this process uploads
 
     # -- life cycle -----------------------------------------------------------
@@ -123,17 +124,10 @@ class Tiering:
         self._spawn(coro, name)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro, name)
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.close()
         if self.mirror is not None:
             await self.mirror.close()
 

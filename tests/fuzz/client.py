@@ -8,28 +8,8 @@ import http.client
 import json
 import select
 import socket
-from dataclasses import dataclass, field
 
-
-@dataclass
-class Answer:
-    status: int
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytes = b""
-
-    @property
-    def content_type(self) -> str:
-        return self.headers.get("content-type", "")
-
-    @property
-    def code(self) -> str | None:
-        """The error code of a JSON error body."""
-        try:
-            doc = json.loads(self.body)
-        except ValueError:
-            return None
-        err = doc.get("error") if isinstance(doc, dict) else None
-        return err.get("code") if isinstance(err, dict) else None
+from tests.http.rawhttp import Reply as Answer
 
 
 class Worker:

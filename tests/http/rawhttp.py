@@ -18,6 +18,10 @@ class Reply:
     body: bytes = b""
 
     @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "")
+
+    @property
     def code(self) -> str | None:
         """The machine-readable error code of a JSON error body, if any."""
         try:
