@@ -21,10 +21,12 @@ Why a crash anywhere loses nothing and brings nothing back:
   index still points at it (a copy's entry is committed with its batch, and
   the index is rebuilt from segments in id order: a copy, which is newer,
   simply wins; it has the same bytes).
-- A tombstone is copied forward (unless no older segment exists that could
-  hold the key it deletes, or the key was written again since): dropping it
-  could bring a deleted block back on an index rebuild. A copied tombstone is
-  conditional too: written only if the key is still absent.
+- A tombstone is copied forward while the record it deleted may still be
+  found by an index rebuild (its segment, which the tombstone names, still
+  exists) and the key was not written again since: dropping it could bring a
+  deleted block back. A copied tombstone is conditional too: written only if
+  the key is still absent. Tombstones that must stay count as live when a
+  segment is weighed, so a segment of them is not rewritten over and over.
 - Between 1 and 4 both copies may exist; the newer wins everywhere (index
   rebuild, rebuild of a node from the bucket), and the old one is removed by
   recovery (local file) or the next pass (object).
@@ -176,12 +178,16 @@ class Compactor:
         return out
 
     async def _compact_tenant(self, tenant: str, report: CompactionReport, throttle: _Throttle) -> None:
+        """Rewrite the tenant's candidates one by one, oldest first: each one's
+        copies are made durable and it is retired, and its local file removed,
+        before the next is weighed, so the next one's tombstones that only
+        guarded it can go."""
         self._registry.get(tenant)
         sids = await self._run(self._candidates, tenant)
         if not sids:
             return
         app = self._appender(tenant)
-        moved: list[tuple[int, Phase]] = []
+        in_tier = False
         for sid in sids:
             key = (tenant, sid)
             if not self._leases.try_claim(key):
@@ -190,23 +196,23 @@ class Compactor:
                 phase = await self._run(self._life.phase, tenant, sid)
                 if phase not in (Phase.SEALED, Phase.MIRRORED, Phase.REMOTE_ONLY):
                     continue
-                if await self._copy_live(tenant, sid, phase, app, report, throttle):
-                    moved.append((sid, phase))
+                if not await self._copy_live(tenant, sid, phase, app, report, throttle):
+                    continue
+                await app.make_durable()
+                # Its object, if it has one, goes once every segment up to the
+                # one the copies went to is mirrored (reap()).
+                wait_upto = 0
+                if phase is not Phase.SEALED:
+                    in_tier = True
+                    wait_upto = app.open_segment or await self._run(self._newest_sealed, tenant)
+                await self._retire(tenant, sid, wait_upto, report)
             except (CorruptionError, TierError, OSError) as e:
                 report.errors.append(f"{tenant}/{sid:016x}: {e}")
                 log.error("compaction of %s/%016x stopped: %s", tenant, sid, e)
             finally:
                 self._leases.unclaim(key)
-        if not moved:
-            return
-        await app.make_durable()
-        wait_upto = 0
-        if any(phase is not Phase.SEALED for _, phase in moved):
-            # The old ones are in the object tier: seal the copies so they are
-            # mirrored soon, and delete the old objects only after that.
-            wait_upto = await app.seal() or await self._run(self._newest_sealed, tenant)
-        for sid, _ in moved:
-            await self._retire(tenant, sid, wait_upto, report)
+        if in_tier:
+            await app.seal()  # the copies' segment is sealed, so it is mirrored soon
 
     def _newest_sealed(self, tenant: str) -> int:
         return max((sid for sid, st in self._index.segments(tenant).items() if st.state == SEG_SEALED), default=0)
@@ -224,11 +230,13 @@ class Compactor:
             raise CorruptionError("segment file is missing", f"{tenant}/{sid:016x}.seg", 0)
         try:
             entries = await self._footer(tenant, sid, seg)
-            older = await self._run(self._older_exists, tenant, sid)
+            needed = await self._run(self._tombstones_needed, tenant, sid, entries)
+            if not await self._run(self._worth_it, tenant, sid, entries, needed):
+                return False  # mostly tombstones that must stay: moving them would give nothing back
             for fe in entries:
                 if fe.kind == KIND_TOMBSTONE:
-                    if not older or self._index.get(tenant, fe.key) is not None:
-                        continue  # nothing older can hold the key, or it was written again
+                    if fe.offset not in needed:
+                        continue  # what it deleted is gone, or the key was written again
                     expect: IndexEntry | None = None
                 else:
                     expect = index_entry(sid, fe)
@@ -286,11 +294,11 @@ class Compactor:
             return 0
         copied = 0
         try:
-            if not await self._run(self._older_exists, tenant, sid):
-                return 0
             app = self._appender(tenant)
-            for fe in await self._footer(tenant, sid, seg):
-                if fe.kind != KIND_TOMBSTONE or self._index.get(tenant, fe.key) is not None:
+            entries = await self._footer(tenant, sid, seg)
+            needed = await self._run(self._tombstones_needed, tenant, sid, entries)
+            for fe in entries:
+                if fe.offset not in needed:
                     continue
                 raw = await self._read(tenant, sid, seg, fe)
                 record = await self._run(_checked_record, raw, tenant, fe, f"{tenant}/{sid:016x}.seg")
@@ -301,10 +309,49 @@ class Compactor:
             seg.release()
         return copied
 
-    def _older_exists(self, tenant: str, sid: int) -> bool:
-        """Whether any older segment (in any state, retired included) may
-        still hold a record: then tombstones must be kept."""
-        return any(other < sid for other in self._index.segments(tenant))
+    def _tombstones_needed(self, tenant: str, sid: int, entries: list[FooterEntry]) -> set[int]:
+        """Offsets of the tombstones of segment ``sid`` that must outlive it:
+        the key is still absent (not written again since), and the record it
+        deleted may still be somewhere an index rebuild would find it: its
+        segment can still be replayed (a tombstone names it, see format.py),
+        or the tombstone does not say and any older segment can, or an older
+        retired segment's object is still in the tier."""
+        segs = self._index.segments(tenant)
+
+        def findable(other: int) -> bool:
+            """Whether an index rebuild could still replay segment ``other``:
+            a live segment, or a retired one whose object is still in the tier
+            (a retired one's local file is removed as it is retired, and by
+            recovery, before any replay)."""
+            st = segs.get(other)
+            if st is None or other == sid:
+                return False
+            if st.state != SEG_RETIRED:
+                return True
+            ts = self._index.tier_state(tenant, other)
+            return ts is not None and ts.mirrored
+
+        older = [other for other in segs if other < sid and findable(other)]
+        # A compaction cut short can leave a record in a retired segment's
+        # object as well as in its copy: while such objects remain, keep all.
+        retired_in_tier = any(segs[other].state == SEG_RETIRED for other in older)
+        out = set()
+        for fe in entries:
+            if fe.kind != KIND_TOMBSTONE or self._index.get(tenant, fe.key) is not None:
+                continue
+            target = fe.logical_size  # the segment it deleted from (0: not recorded)
+            if retired_in_tier or (findable(target) if target else bool(older)):
+                out.add(fe.offset)
+        return out
+
+    def _worth_it(self, tenant: str, sid: int, entries: list[FooterEntry], needed: set[int]) -> bool:
+        """Whether rewriting gives back ``compact_dead_percent`` of the
+        segment once the tombstones that must stay count as live."""
+        st = self._index.segments(tenant).get(sid)
+        total = (st.indexed_upto - ALIGN) if st is not None else 0
+        live = self._index.live(tenant).get(sid, (0, 0))[1]
+        keep = live + sum(fe.record_len for fe in entries if fe.offset in needed)
+        return total > 0 and (total - keep) * 100 >= self._cfg.compact_dead_percent * total
 
     # -- retiring and reaping -----------------------------------------------------
 
@@ -316,6 +363,8 @@ class Compactor:
             return
         await self._run(self._index.sync)
         self._metrics.inc("kvstore_compaction_retired_total")
+        if not self._leases.held((tenant, sid)):  # else reap() removes it once the lease ends
+            report.bytes_reclaimed += await self._run(self._remove_local, tenant, sid)
 
     async def reap(self, report: CompactionReport, tenant: str | None = None) -> None:
         """Remove what retired segments leave: local files (when no lease

@@ -42,7 +42,9 @@ Record (a block, or a tombstone that deletes a key)
         key_version    u32  the tenant data key version that sealed it (0: none)
         frame_size     u32  plaintext bytes per frame (the last may be shorter)
         frame_count    u32
-        logical_size   u64  plaintext size of the block
+        logical_size   u64  plaintext size of the block; in a tombstone, the id of
+                            the segment that held the record it deletes (0: not
+                            recorded), so compaction knows how long it is needed
         payload_len    u64  sum of the stored frame lengths
         record_len     u64  whole record, padding included; a multiple of ALIGN
         record_id      16s  random; names the record (AAD, key derivation, ETag)

@@ -98,7 +98,9 @@ def assemble(
     return EncodedRecord(header, buffers)
 
 
-def tombstone(tenant: str, key: str) -> EncodedRecord:
+def tombstone(tenant: str, key: str, deletes_from: int = 0) -> EncodedRecord:
+    """A record that deletes ``key``; ``deletes_from``: the id of the segment
+    that holds the record it deletes (kept in ``logical_size``, see format.py)."""
     header_len, payload_offset, record_len = RecordHeader.sizes(tenant, key, 0, 0, False)
     header = RecordHeader(
         KIND_TOMBSTONE,
@@ -109,7 +111,7 @@ def tombstone(tenant: str, key: str) -> EncodedRecord:
         key,
         0,
         0,
-        0,
+        deletes_from,
         0,
         record_len,
         new_record_id(),

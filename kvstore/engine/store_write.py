@@ -97,9 +97,10 @@ class StoreWrites(StoreCore):
         validate_key(key)
         claim = await self._serialize(tenant, key)
         try:
-            if self._index.get(tenant, key) is None:
+            entry = self._index.get(tenant, key)
+            if entry is None:
                 return False
-            await self._appender(t).submit(tombstone(tenant, key))
+            await self._appender(t).submit(tombstone(tenant, key, entry.segment_id))
             self.metrics.inc("kvstore_deletes_total")
             return True
         finally:

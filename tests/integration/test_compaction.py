@@ -23,6 +23,10 @@ def content(tenant: str, key: str) -> bytes:
     return (seed * (n // 32 + 1))[:n]
 
 
+def incompressible(key: str) -> bytes:
+    return random.Random(key).randbytes(100_000)
+
+
 def seg_bytes(root: Path, tenant: str) -> int:
     return sum(p.stat().st_size for p in (root / "segments" / tenant).glob("*.seg"))
 
@@ -144,3 +148,67 @@ async def test_a_lease_keeps_a_segment_through_compaction_and_eviction(
     await asyncio.sleep(0.6)  # the lease expires
     await store.compact("eph")
     assert not seg.exists()
+
+
+async def test_compaction_of_segments_only_in_the_object_tier(open_store: OpenStore, tmp_path: Path) -> None:
+    """Segments whose local copies were dropped are compacted from the object
+    tier (their live records fetched by ranged reads); the old objects go
+    only once the segment holding the copies is in the tier too."""
+    tier_dir = tmp_path / "tier"
+    store = await open_store(tier_dir=str(tier_dir), capacity="64MiB", rehydrate_reads="0")
+    await store.create_tenant("alice")
+    keys = [f"k{i}" for i in range(80)]
+    for k in keys:
+        await store.put("alice", k, incompressible(k))
+    await store.flush(upload_timeout_s=60)
+    store._tiering.space.capacity, store._tiering.space.high, store._tiering.space.low = 1, 1, 1
+    assert await store.evict() > 0  # every mirrored local copy goes
+    local = sorted((store.config.data_dir / "segments" / "alice").glob("*.seg"))
+    objects_before = sorted(p.name for p in tier_dir.rglob("*.seg"))
+    assert len(objects_before) >= 2 and len(local) <= 1
+    for k in keys[10:]:
+        await store.delete("alice", k)
+    report = await store.compact("alice")
+    assert report.segments_rewritten >= 2 and not report.errors, report
+    for k in keys[:10]:
+        assert bytes(await store.get("alice", k)) == incompressible(k)
+    await store.flush(upload_timeout_s=60)  # the copies reach the tier...
+    again = await store.compact("alice")  # ...so the old objects go
+    assert again.objects_deleted >= 2, again
+    objects_after = sorted(p.name for p in tier_dir.rglob("*.seg"))
+    still_live = "0000000000000001.seg"  # k0..k9, never deleted: not worth rewriting
+    assert set(objects_before) & set(objects_after) == {still_live}, (objects_before, objects_after)
+    for k in keys:
+        want = incompressible(k) if k in keys[:10] else None
+        have = bytes(await store.get("alice", k)) if await store.exists("alice", k) else None
+        assert have == want, k
+
+
+async def test_tombstones_that_must_stay_are_not_rewritten_pass_after_pass(open_store: OpenStore) -> None:
+    """A segment of tombstones whose deleted records are still in an older,
+    mostly live segment was rewritten by every pass (each pass copying the
+    tombstones into a new segment as dead as the last). Tombstones that must
+    stay count as live; once what they deleted is gone, they go too."""
+    store = await open_store()
+    await store.create_tenant("t")
+    keys = [f"k{i}" for i in range(9)]
+    for k in keys:
+        await store.put("t", k, incompressible(k))  # segment 1: mostly live, never worth rewriting
+    await store.flush()
+    for k in keys[:2]:
+        await store.delete("t", k)  # tombstones in segment 2, naming segment 1
+    await store.flush()
+    for _ in range(3):
+        report = await store.compact("t")
+        assert report.segments_rewritten == 0 and report.tombstones_copied == 0, report
+    for k in keys[2:7]:  # now segment 1 is mostly dead: it goes, and with it the tombstones' purpose
+        await store.delete("t", k)
+    await store.flush()
+    first = await store.compact("t")
+    assert first.segments_rewritten >= 2 and first.tombstones_copied == 0, first
+    assert (await store.compact("t")).segments_rewritten == 0
+    await store.close()
+    shutil.rmtree(store.config.data_dir / "index")
+    store = await open_store()
+    for k in keys:
+        assert await store.exists("t", k) == (k in keys[7:]), k
