@@ -98,7 +98,16 @@ class StoreCore:
         return self._registry.get(name)
 
     def _appender(self, t: Tenant) -> Appender:
+        """The appender of tenant ``t``, as it is now: a write that began
+        before its tenant was deleted (and maybe created again) must never
+        land in what comes after."""
         self._check_writable()
+        if (
+            t.name in self._deleting
+            or t.name not in self._registry
+            or self._registry.get(t.name).created_ns != t.created_ns
+        ):
+            raise TenantNotFound(f"tenant {t.name!r} was deleted while the request was in progress")
         app = self._appenders.get(t.name)
         if app is None:
             tail = self._tails.setdefault(t.name, OpenSegment(None))

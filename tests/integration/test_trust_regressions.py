@@ -7,6 +7,8 @@ import hashlib
 import random
 import shutil
 
+import pytest
+
 from kvstore.engine.store import Store
 from tests.conftest import OpenStore
 
@@ -82,8 +84,6 @@ async def test_losing_registry_json_deleted_every_tenants_data(open_store: OpenS
     orphans_removed and deleted every tenant's segment files, a direct
     tenant's plaintext included. Now it refuses to start, naming the tenants
     and how to recover; nothing is deleted unless the operator says so."""
-    import pytest
-
     from kvstore.engine.recovery import UnknownTenants
 
     store = await open_store()
@@ -171,3 +171,35 @@ async def test_interval_durability_synced_the_index_on_every_commit(open_store: 
     assert store.recovery.index_rebuilt
     for k, v in blocks.items():
         assert await store.get("t", k) == v
+
+
+async def test_put_in_flight_across_a_tenant_delete_landed_in_the_next_incarnation(
+    open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put still encoding when its tenant was deleted and created again went
+    on to a fresh appender of the new incarnation: its key was listed there
+    (and a direct tenant's old bytes would have been served to the new one).
+    Found by the stress test. It now fails as the tenant's deletion does."""
+    from kvstore.engine.store_write import StoreWrites
+    from kvstore.errors import TenantNotFound
+
+    store = await open_store()
+    await store.create_tenant("t", "direct")
+    gate = asyncio.Event()
+    real = StoreWrites._encode
+
+    async def slow_encode(self: StoreWrites, *args: object) -> object:
+        await gate.wait()
+        return await real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StoreWrites, "_encode", slow_encode)
+    put = asyncio.create_task(store.put("t", "k", b"old incarnation's plaintext" * 100))
+    await asyncio.sleep(0.05)
+    await store.delete_tenant("t")
+    await store.create_tenant("t", "direct")
+    gate.set()
+    with pytest.raises(TenantNotFound):
+        await put
+    assert not await store.exists("t", "k")
+    assert (await store.lookup("t", ["k"])).present == [False]
+    assert (await store.stats("t")).blocks == 0
