@@ -122,6 +122,10 @@ class StoreReads(StoreCore):
         except TenantKeyDestroyed:
             raise
         except CorruptionError as e:
+            if self._index.get(tenant, key) != entry:
+                # The block went (its tenant deleted and created again, say)
+                # while it was read: what was read belongs to someone else.
+                raise NotFound(f"key {key!r} not found") from None
             self.metrics.inc("kvstore_corruption_total")
             log.error("corrupt read of tenant %s: %s", tenant, e)
             raise

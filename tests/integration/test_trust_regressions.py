@@ -203,3 +203,36 @@ async def test_put_in_flight_across_a_tenant_delete_landed_in_the_next_incarnati
     assert not await store.exists("t", "k")
     assert (await store.lookup("t", ["k"])).present == [False]
     assert (await store.stats("t")).blocks == 0
+
+
+async def test_read_in_flight_across_a_tenant_delete_answered_corruption(
+    open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that began before its tenant was deleted and created again
+    opened the new incarnation's segment of the same id and failed its
+    identity check: a 500 "corruption" and a corruption count for what was
+    only a block that went. It is a miss now, and never the new bytes."""
+    from kvstore.errors import NotFound
+    from kvstore.tier.tiering import Tiering
+
+    store = await open_store()
+    await store.create_tenant("t", "direct")
+    await store.put("t", "k", b"first incarnation" * 100)
+    gate = asyncio.Event()
+    real = Tiering.local
+
+    async def slow_local(self: Tiering, *args: object) -> object:
+        await gate.wait()
+        return await real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Tiering, "local", slow_local)
+    read = asyncio.create_task(store.get("t", "k"))
+    await asyncio.sleep(0.05)
+    await store.delete_tenant("t")
+    await store.create_tenant("t", "direct")
+    await store.put("t", "k", b"second incarnation, other bytes" * 100)  # segment 1 again, another record
+    gate.set()
+    with pytest.raises(NotFound):
+        await read
+    assert store.metrics.counter("kvstore_corruption_total") == 0
+    assert await store.get("t", "k") == b"second incarnation, other bytes" * 100
