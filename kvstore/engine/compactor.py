@@ -182,13 +182,15 @@ class Compactor:
         copies are made durable and it is retired, and its local file removed,
         before the next is weighed, so the next one's tombstones that only
         guarded it can go."""
-        self._registry.get(tenant)
+        incarnation = self._registry.get(tenant).created_ns
         sids = await self._run(self._candidates, tenant)
         if not sids:
             return
         app = self._appender(tenant)
         in_tier = False
         for sid in sids:
+            if tenant not in self._registry or self._registry.get(tenant).created_ns != incarnation:
+                return  # deleted (and maybe created again) meanwhile: its segments are not these
             key = (tenant, sid)
             if not self._leases.try_claim(key):
                 continue  # being dropped, or leased: next pass
@@ -199,6 +201,8 @@ class Compactor:
                 if not await self._copy_live(tenant, sid, phase, app, report, throttle):
                     continue
                 await app.make_durable()
+                if tenant not in self._registry or self._registry.get(tenant).created_ns != incarnation:
+                    return
                 # Its object, if it has one, goes once every segment up to the
                 # one the copies went to is mirrored (reap()).
                 wait_upto = 0

@@ -38,6 +38,7 @@ class Candidate:
     key: SegmentKey
     size: int
     mirrored: bool  # True: dropping the local copy loses nothing
+    incarnation: int = 0  # the tenant's, when chosen: a tenant created again has other segments
 
 
 class Space:

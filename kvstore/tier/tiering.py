@@ -354,12 +354,14 @@ class Tiering:
                     size = self._cache.path(name, sid).stat().st_size
                 except FileNotFoundError:
                     continue
-                out.append(Candidate((name, sid), size, mirrored))
+                out.append(Candidate((name, sid), size, mirrored, self._registry.get(name).created_ns))
         return out
 
     async def _drop(self, c: Candidate) -> bool:
         """Drop one segment's local copy; False when it changed meanwhile."""
         tenant, sid = c.key
+        if tenant not in self._registry or self._registry.get(tenant).created_ns != c.incarnation:
+            return False  # deleted (and maybe created again) since it was chosen
         phase = await self._run(self._life.phase, tenant, sid)
         if c.mirrored:
             if phase is not Phase.MIRRORED:
