@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -35,6 +34,7 @@ from kvstore import redaction, sdnotify
 from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server_config import SETTINGS, ServerConfig, load
+from kvstore.tasks import Background
 from kvstore.transport.http import make_app
 from kvstore.transport.http_common import STATE
 from kvstore.transport.http_server import KVAppRunner
@@ -102,18 +102,15 @@ async def serve(
         else:
             print(f"kvstore serving on {scheme}://{cfg.listen}", flush=True)
             sdnotify.notify("READY=1", f"STATUS=serving on {cfg.listen}")
-        watchdog = None
+        watchdog = Background()
         interval = sdnotify.watchdog_interval() if on_ready is None else None
         if interval is not None:
-            watchdog = asyncio.create_task(sdnotify.watchdog_loop(interval, lambda: bool(app[STATE]["ready"])))
+            watchdog.spawn(sdnotify.watchdog_loop(interval, lambda: bool(app[STATE]["ready"])), "watchdog")
         await stop.wait()
         log.info("%s stopping: draining in-flight requests and queued writes", role)
         if on_ready is None:
             sdnotify.notify("STOPPING=1")
-        if watchdog is not None:
-            watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watchdog
+        await watchdog.close()
     finally:
         await runner.cleanup()  # stop accepting, finish requests, then close the store
     log.info("%s stopped", role)

@@ -290,7 +290,8 @@ class Progress:
         while not stop.is_set():
             self.draw()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.2)
+                async with asyncio.timeout(0.2):  # not wait_for: on 3.11 it can swallow a cancellation
+                    await stop.wait()
         self.draw(final=True)
 
 

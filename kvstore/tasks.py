@@ -1,11 +1,33 @@
-"""Background tasks that live until they end or their owner closes."""
+"""Background tasks that live until they end or their owner closes, and a
+wait on an event that never swallows a cancellation.
+
+Python 3.11's ``asyncio.wait_for`` returns normally when the awaited event is
+set in the same loop iteration as its task is cancelled: the cancellation is
+lost (fixed in 3.12). A ``while True`` loop around it then never stops, and
+whoever awaits it on shutdown waits forever. Nothing in kvstore waits with
+``wait_for``; it uses :func:`wait_event` (``asyncio.timeout``, which keeps
+cancellations), and :meth:`Background.close` cancels again until every task
+has ended.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Coroutine
 from typing import Any
+
+CLOSE_RECANCEL_S = 0.5  # a task still running this long after a cancel is cancelled again
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait until ``event`` is set or ``timeout`` seconds pass; True if set.
+    A cancellation of the caller is always raised."""
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        return event.is_set()
+    return True
 
 
 class Background:
@@ -22,9 +44,11 @@ class Background:
         return task
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Cancel every task and wait until all have ended; a task that
+        swallowed its cancellation is cancelled again. The caller's own
+        cancellation is raised, never taken for a task's."""
+        pending = set(self._tasks)
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=CLOSE_RECANCEL_S)

@@ -3,7 +3,10 @@ endpoint (moto's server on 127.0.0.1) with dummy credentials."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -19,6 +22,51 @@ from kvstore.engine.store import Store
 from .moto_s3 import REGION, MotoEndpoint, S3Env
 
 KV_DIR = Path(__file__).parent / "data" / "kv"
+HANG_REPORT_MARGIN_S = 20  # before pytest-timeout's limit: what every asyncio task awaits
+
+
+def _main_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop the main thread runs, found on its stack."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, asyncio.AbstractEventLoop):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _report_tasks() -> None:
+    loop = _main_loop()
+    if loop is None or loop.is_closed():
+        return
+
+    def dump() -> None:
+        print("\n==== asyncio tasks of a test close to its time limit ====", file=sys.stderr)
+        for task in asyncio.all_tasks(loop):
+            print(f"-- {task!r}", file=sys.stderr)
+            task.print_stack(limit=30, file=sys.stderr)
+        sys.stderr.flush()
+
+    loop.call_soon_threadsafe(dump)
+
+
+@pytest.fixture(autouse=True)
+def _hang_report(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that hangs in asyncio shows what each task awaits (pytest-timeout
+    dumps threads only, and an idle loop's thread says nothing)."""
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 0)
+    if limit <= HANG_REPORT_MARGIN_S:
+        yield
+        return
+    timer = threading.Timer(limit - HANG_REPORT_MARGIN_S, _report_tasks)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def kv_sample(name: str) -> bytes:

@@ -45,6 +45,7 @@ from kvstore.engine.record import EncodedRecord, footer_entry, index_entry
 from kvstore.engine.segment import SegmentFile
 from kvstore.errors import KVStoreError, StorageFull, StorageIOError, StoreClosed
 from kvstore.metrics import Metrics
+from kvstore.tasks import wait_event
 
 log = logging.getLogger("kvstore.engine.appender")
 
@@ -190,9 +191,7 @@ class Appender:
                     return
                 self._wake.clear()
                 if self._cfg.durability == "interval" and self._dirty:
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), interval)
-                    except TimeoutError:
+                    if not await wait_event(self._wake, interval):
                         await self._sync_in_background()
                     continue
                 await self._wake.wait()

@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -31,7 +30,7 @@ from typing import Any
 from kvstore.engine.lifecycle import Lifecycle, Phase
 from kvstore.errors import TierError
 from kvstore.metrics import Metrics
-from kvstore.tasks import Background
+from kvstore.tasks import Background, wait_event
 from kvstore.tier.base import Tier
 from kvstore.tier.layout import REGISTRY_OBJECT
 
@@ -155,8 +154,7 @@ class Mirror:
             if left <= 0:
                 return False
             self._progress.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), min(left, 1.0))
+            await wait_event(self._progress, min(left, 1.0))
         return True
 
     # -- workers --------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import shutil
 import time
@@ -42,7 +41,7 @@ from kvstore.errors import (
     TierUnavailable,
 )
 from kvstore.metrics import Metrics
-from kvstore.tasks import Background
+from kvstore.tasks import Background, wait_event
 from kvstore.tier.base import Tier
 from kvstore.tier.layout import REGISTRY_OBJECT, parse_segment_object, segment_object, tenant_prefix
 from kvstore.tier.mirror import Mirror
@@ -211,9 +210,8 @@ class Tiering:
         name = segment_object(tenant, self._registry.get(tenant).created_ns, entry.segment_id)
         t0 = time.perf_counter()
         try:
-            data = await asyncio.wait_for(
-                self.tier.read_range(name, entry.offset, entry.record_len), self.config.s3_read_timeout_ms / 1000
-            )
+            async with asyncio.timeout(self.config.s3_read_timeout_ms / 1000):
+                data = await self.tier.read_range(name, entry.offset, entry.record_len)
         except TimeoutError:
             self._down(f"no answer in {self.config.s3_read_timeout_ms} ms")
             raise TierUnavailable(f"the object tier did not answer in {self.config.s3_read_timeout_ms} ms") from None
@@ -302,8 +300,7 @@ class Tiering:
 
     async def _evictor(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._evict_wake.wait(), EVICT_INTERVAL_S)
+            await wait_event(self._evict_wake, EVICT_INTERVAL_S)
             self._evict_wake.clear()
             try:
                 await self.evict()

@@ -8,8 +8,6 @@ Errors are mapped to ``{"error": {"code", "message"}}`` bodies in one place.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -24,6 +22,7 @@ from kvstore.engine.store import Store
 from kvstore.errors import InvalidRange, KVStoreError, Overloaded, Unauthorized
 from kvstore.names import PATH_PARAMS
 from kvstore.server_config import ServerConfig
+from kvstore.tasks import Background
 from kvstore.transport import http_admin, http_batch, http_blocks, http_internal
 from kvstore.transport.http_body import BAD_BODY_FRAMING, BUDGET, BodyBudget
 from kvstore.transport.http_common import (
@@ -233,11 +232,10 @@ def make_app(
         connector = aiohttp.UnixConnector(path=str(writer_socket), limit=config.max_concurrency + 1)
         async with aiohttp.ClientSession(connector=connector) as session:
             app[WRITER] = session
-            relay = asyncio.create_task(http_internal.relay_touches(app, session), name="relay-touches")
+            relay = Background()
+            relay.spawn(http_internal.relay_touches(app, session), "relay-touches")
             yield
-            relay.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await relay
+            await relay.close()
 
     app.cleanup_ctx.append(store_ctx)
     if reader:
