@@ -33,11 +33,12 @@ from aiohttp import web
 from kvstore import redaction, sdnotify
 from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.server_config import SETTINGS, ServerConfig, load
+from kvstore.server_config import SETTINGS, UNIX, ServerConfig, load
 from kvstore.tasks import Background
 from kvstore.transport.http import make_app
 from kvstore.transport.http_common import STATE
 from kvstore.transport.http_server import KVAppRunner
+from kvstore.transport.unix import UnixListener, bind_unix
 from kvstore.tuning import die_with_parent, keep_freed_memory
 
 log = logging.getLogger("kvstore.server")
@@ -49,7 +50,10 @@ def parse_args(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
     for name in SETTINGS:
         if name in ("admin_token", "master_key"):
             continue  # secrets never on the command line (visible in ps)
-        p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE")
+        if name == "listen":  # several addresses: --listen 127.0.0.1:8420 --listen unix:/run/kvstore/kvstore.sock
+            p.add_argument("--listen", dest=name, metavar="ADDRESS", action="append")
+        else:
+            p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE")
     ns = vars(p.parse_args(argv))
     return ns.pop("config"), ns
 
@@ -72,8 +76,11 @@ async def serve(
     role: str = "single",
     writer_socket: str | None = None,
     on_ready: Callable[[], None] | None = None,
+    unix_socks: list[UnixListener] | None = None,
 ) -> None:
-    """Run one server process until SIGTERM/SIGINT. ``role`` as in make_app."""
+    """Run one server process until SIGTERM/SIGINT. ``role`` as in make_app.
+    ``unix_socks``: the listening unix sockets, bound by the supervisor and
+    shared by its workers (None: bound, and removed at exit, here)."""
     if cfg.admin_secret() is None and role != "reader":
         log.warning("no admin token configured (KVSTORE_ADMIN_TOKEN): the admin API refuses every request")
     app = make_app(cfg, master, role, writer_socket)
@@ -84,24 +91,30 @@ async def serve(
         access_log=None,
     )
     await runner.setup()  # opens the store: recovery runs before the port opens
+    own_socks: list[UnixListener] = []
     try:
         if role == "writer" and writer_socket:
             await web.UnixSite(runner, writer_socket).start()
-        site = web.TCPSite(
-            runner, cfg.host, cfg.port, ssl_context=tls_context(cfg), backlog=1024, reuse_port=cfg.workers > 1
-        )
-        await site.start()
+        for host, port in cfg.tcp_addresses:
+            site = web.TCPSite(
+                runner, host, port, ssl_context=tls_context(cfg), backlog=1024, reuse_port=cfg.workers > 1
+            )
+            await site.start()
+        if unix_socks is None:
+            own_socks = unix_sockets(cfg)
+        for listener in unix_socks if unix_socks is not None else own_socks:
+            await web.SockSite(runner, listener.sock).start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        scheme = "https" if cfg.tls_cert else "http"
-        log.info("%s serving on %s://%s", role, scheme, cfg.listen)
+        where = serving_on(cfg)
+        log.info("%s serving on %s", role, where)
         if on_ready is not None:
             on_ready()
         else:
-            print(f"kvstore serving on {scheme}://{cfg.listen}", flush=True)
-            sdnotify.notify("READY=1", f"STATUS=serving on {cfg.listen}")
+            print(f"kvstore serving on {where}", flush=True)
+            sdnotify.notify("READY=1", f"STATUS=serving on {where}")
         watchdog = Background()
         interval = sdnotify.watchdog_interval() if on_ready is None else None
         if interval is not None:
@@ -113,10 +126,40 @@ async def serve(
         await watchdog.close()
     finally:
         await runner.cleanup()  # stop accepting, finish requests, then close the store
+        for listener in own_socks:
+            listener.remove()
     log.info("%s stopped", role)
 
 
-def _worker(cfg: ServerConfig, secret: bytes, role: str, sock: str, ready: Connection, supervisor: int) -> None:
+def unix_sockets(cfg: ServerConfig) -> list[UnixListener]:
+    """Bind every ``unix:PATH`` of ``listen``."""
+    socks: list[UnixListener] = []
+    try:
+        for path in cfg.unix_paths:
+            socks.append(bind_unix(path, cfg.unix_socket_mode, cfg.unix_socket_group))
+    except ConfigError:
+        for listener in socks:
+            listener.remove()
+        raise
+    return socks
+
+
+def serving_on(cfg: ServerConfig) -> str:
+    """Where the daemon answers, as clients name it: http(s)://HOST:PORT, unix:PATH."""
+    scheme = "https" if cfg.tls_cert else "http"
+    tcp = [f"{scheme}://{a}" for a in cfg.listen.split(",") if not a.startswith(UNIX)]
+    return ", ".join(tcp + [UNIX + p for p in cfg.unix_paths])
+
+
+def _worker(
+    cfg: ServerConfig,
+    secret: bytes,
+    role: str,
+    sock: str,
+    ready: Connection,
+    supervisor: int,
+    unix_socks: list[UnixListener],
+) -> None:
     """A worker process of a multi-worker daemon (forked by :func:`supervise`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops workers in order
     die_with_parent(signal.SIGTERM)
@@ -132,7 +175,7 @@ def _worker(cfg: ServerConfig, secret: bytes, role: str, sock: str, ready: Conne
         ready.send("ready")
 
     try:
-        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready))
+        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready, unix_socks))
     except KVStoreError as e:
         print(f"kvstore {role}: {e}", file=sys.stderr)
         sys.exit(2)
@@ -145,6 +188,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
     before the writer, so forwarded writes in flight still land; if any worker
     dies, the rest are stopped and the daemon exits (systemd restarts it)."""
     ctx = multiprocessing.get_context("fork")  # before any thread or event loop exists here
+    unix_socks = unix_sockets(cfg)  # one listening socket per path, shared by every worker
     sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # mode 0700: only this user reaches the writer
     sock = os.path.join(sock_dir, "writer.sock")
     stopping = False
@@ -160,7 +204,9 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
     def start(role: str) -> bool:
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(
-            target=_worker, args=(cfg, master.secret, role, sock, child, os.getpid()), name=f"kvstore-{role}"
+            target=_worker,
+            args=(cfg, master.secret, role, sock, child, os.getpid(), unix_socks),
+            name=f"kvstore-{role}",
         )
         p.start()
         child.close()
@@ -181,8 +227,9 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
         if not ok:
             rc = 0 if stopping else 1
         else:
-            print(f"kvstore serving on {cfg.listen} with {cfg.workers} workers", flush=True)
-            sdnotify.notify("READY=1", f"STATUS=serving on {cfg.listen} with {cfg.workers} workers")
+            where = serving_on(cfg)
+            print(f"kvstore serving on {where} with {cfg.workers} workers", flush=True)
+            sdnotify.notify("READY=1", f"STATUS=serving on {where} with {cfg.workers} workers")
             interval = sdnotify.watchdog_interval()
             while not stopping:
                 wait([p.sentinel for _, p in procs], timeout=min(interval or 1.0, 1.0))
@@ -206,6 +253,8 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
                     p.kill()
                     p.join()
         shutil.rmtree(sock_dir, ignore_errors=True)
+        for listener in unix_socks:
+            listener.remove()
     log.info("stopped")
     return rc
 

@@ -28,12 +28,41 @@ def _str(name: str, value: object) -> str:
     raise ConfigError(f"{name}={value!r}: expected a non-empty string")
 
 
+UNIX = "unix:"
+SUN_PATH_MAX = 107  # bytes of a unix socket's path (sun_path, with its NUL)
+
+
 def _listen(name: str, value: object) -> str:
-    text = _str(name, value)
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{name}={value!r}: expected HOST:PORT, such as 127.0.0.1:{DEFAULT_PORT}")
-    return text
+    """One or more addresses (a list, or a comma-separated string): HOST:PORT
+    or unix:PATH. Kept as the comma-separated text."""
+    items = [_str(name, v) for v in value] if isinstance(value, list | tuple) else _str(name, value).split(",")
+    out: list[str] = []
+    for raw in items:
+        text = raw.strip()
+        if text.startswith(UNIX):
+            path = text[len(UNIX) :]
+            if not path or "\0" in path or len(os.fsencode(path)) > SUN_PATH_MAX:
+                raise ConfigError(f"{name}={value!r}: {text!r} needs a path of 1 to {SUN_PATH_MAX} bytes after 'unix:'")
+        else:
+            host, sep, port = text.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ConfigError(
+                    f"{name}={value!r}: expected HOST:PORT or unix:PATH, such as 127.0.0.1:{DEFAULT_PORT}"
+                )
+        if text in out:
+            raise ConfigError(f"{name}={value!r}: {text!r} is given twice")
+        out.append(text)
+    return ",".join(out)
+
+
+def _mode(name: str, value: object) -> int:
+    """Permission bits: a string in octal ("0660"), or TOML's own octal integer (0o660)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 0o777:
+        return value
+    text = value.removeprefix("0o") if isinstance(value, str) else ""
+    if not text.isdigit() or any(c > "7" for c in text) or int(text, 8) > 0o777:
+        raise ConfigError(f"{name}={value!r}: expected permission bits in octal, such as 0660")
+    return int(text, 8)
 
 
 def _positive(name: str, value: object) -> int:
@@ -68,14 +97,23 @@ class ServerConfig:
     keepalive_timeout_s: int = 75
     shutdown_timeout_s: int = 30
     log_level: str = "info"
+    unix_socket_mode: int = 0o660
+    unix_socket_group: str | None = None
 
     @property
-    def host(self) -> str:
-        return self.listen.rpartition(":")[0].strip("[]")
+    def tcp_addresses(self) -> list[tuple[str, int]]:
+        """(host, port) of every TCP address to listen on."""
+        out = []
+        for a in self.listen.split(","):
+            if not a.startswith(UNIX):
+                host, _, port = a.rpartition(":")
+                out.append((host.strip("[]"), int(port)))
+        return out
 
     @property
-    def port(self) -> int:
-        return int(self.listen.rpartition(":")[2])
+    def unix_paths(self) -> list[str]:
+        """Every unix socket to listen on."""
+        return [a[len(UNIX) :] for a in self.listen.split(",") if a.startswith(UNIX)]
 
     def admin_secret(self) -> str | None:
         """The admin token, from ``admin_token`` or the file ``admin_token_file``."""
@@ -109,6 +147,8 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "keepalive_timeout_s": _positive,
     "shutdown_timeout_s": _positive,
     "log_level": _log_level,
+    "unix_socket_mode": _mode,
+    "unix_socket_group": _str,
 }
 _STORE_FIELDS = {f.name for f in fields(StoreConfig)} - {"data_dir"}
 SETTINGS: tuple[str, ...] = ("data_dir", *_SERVER_PARSERS, *sorted(_STORE_FIELDS))

@@ -49,8 +49,8 @@ from kvstore_client.errors import (
     ServerError,
     UnavailableError,
 )
+from kvstore_client.sharding import UNIX, rank_endpoints
 from kvstore_client.sharding import normalize as _normalize
-from kvstore_client.sharding import rank_endpoints
 
 log = logging.getLogger("kvstore_client")
 
@@ -137,7 +137,8 @@ def _writable_view(buf: Any) -> memoryview:
 
 
 class AsyncClient:
-    """Client of one or more kvstore daemons (``endpoints``: ``http[s]://host:port``).
+    """Client of one or more kvstore daemons (``endpoints``: ``http[s]://host:port``,
+    or ``unix:PATH`` for a daemon's unix socket on this host).
 
     The token is ``token``, else ``$KVSTORE_TOKEN``, else the content of
     ``token_file`` or ``$KVSTORE_TOKEN_FILE``. ``token`` may also map endpoints
@@ -238,9 +239,15 @@ class AsyncClient:
         if ep.session is None or ep.session.closed:
             token = self._tokens.get(ep.url, self.token)
             headers = {"Authorization": f"Bearer {token}"} if token else {}
-            connector = aiohttp.TCPConnector(limit=self.pool_size, ssl=self._ssl if self._ssl else True)
+            connector: aiohttp.BaseConnector
+            base = ep.url
+            if ep.url.startswith(UNIX):  # same host: the daemon's unix socket
+                connector = aiohttp.UnixConnector(path=ep.url[len(UNIX) :], limit=self.pool_size)
+                base = "http://localhost"
+            else:
+                connector = aiohttp.TCPConnector(limit=self.pool_size, ssl=self._ssl if self._ssl else True)
             ep.session = aiohttp.ClientSession(
-                ep.url, connector=connector, headers=headers, timeout=aiohttp.ClientTimeout(total=None)
+                base, connector=connector, headers=headers, timeout=aiohttp.ClientTimeout(total=None)
             )
         return ep.session
 

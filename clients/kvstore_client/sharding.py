@@ -9,10 +9,18 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+UNIX = "unix:"  # unix:PATH, a daemon's unix socket on this host
+
 
 def normalize(endpoint: str) -> str:
-    """``host:port`` or a URL, as a URL without a trailing slash."""
-    endpoint = endpoint.strip().rstrip("/")
+    """``host:port`` or a URL, as a URL without a trailing slash; ``unix:PATH``
+    as it is."""
+    endpoint = endpoint.strip()
+    if endpoint.startswith(UNIX):
+        if len(endpoint) == len(UNIX):
+            raise ValueError(f"endpoint {endpoint!r}: 'unix:' needs the socket's path")
+        return endpoint
+    endpoint = endpoint.rstrip("/")
     if "://" not in endpoint:
         endpoint = "http://" + endpoint
     return endpoint
