@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvstore.config import StoreConfig, parse_choice, parse_field, parse_int, parse_size
+from kvstore.config import StoreConfig, parse_bool, parse_choice, parse_field, parse_int, parse_size
 from kvstore.errors import ConfigError
 
 DEFAULT_PORT = 8420
@@ -99,6 +99,7 @@ class ServerConfig:
     log_level: str = "info"
     unix_socket_mode: int = 0o660
     unix_socket_group: str | None = None
+    sendfile: bool = True
 
     @property
     def tcp_addresses(self) -> list[tuple[str, int]]:
@@ -149,6 +150,7 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "log_level": _log_level,
     "unix_socket_mode": _mode,
     "unix_socket_group": _str,
+    "sendfile": parse_bool,
 }
 _STORE_FIELDS = {f.name for f in fields(StoreConfig)} - {"data_dir"}
 SETTINGS: tuple[str, ...] = ("data_dir", *_SERVER_PARSERS, *sorted(_STORE_FIELDS))

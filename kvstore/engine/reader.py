@@ -132,7 +132,9 @@ def read_direct_whole(seg: SegmentFile, entry: IndexEntry, tenant: str, key: str
 def direct_view(seg: SegmentFile, entry: IndexEntry, tenant: str, key: str, start: int, end: int) -> memoryview:
     """Bytes [start, end) of a direct block as a read-only view into the
     segment's mapping: the frames that cover them are verified over the mapped
-    bytes (no copy, no allocation); the caller sends the view as it is."""
+    bytes (no copy, no allocation); the caller sends the view as it is. The
+    view starts at byte ``entry.offset + entry.payload_offset + start`` of the
+    segment file (what sendfile sends from)."""
     base = entry.offset + entry.payload_offset
     view = seg.mapped(base + entry.logical_size)
     header = decode_record_header(view[entry.offset : base], seg.name, entry.offset)

@@ -51,6 +51,21 @@ class BlockInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class DirectExtent:
+    """Verified bytes of a direct block in a local segment file, which stays
+    open until :meth:`release`: sent with sendfile from ``segment.fd`` at
+    ``offset``; ``view`` holds the same bytes in the segment's mapping, for
+    what sendfile does not take."""
+
+    segment: SegmentFile
+    offset: int
+    view: memoryview
+
+    def release(self) -> None:
+        self.segment.release()
+
+
+@dataclass(frozen=True, slots=True)
 class LookupResult:
     prefix: int  # how many keys, from the start of the chain, are present
     present: list[bool]
@@ -85,6 +100,32 @@ class StoreReads(StoreCore):
         covering frames verified (no copy, no allocation); otherwise decoded
         bytes, as :meth:`get_range`."""
         entry, start, end = await self._range(tenant, key, start, end)
+        return await self._read(tenant, key, entry, start, end, view_ok=True)
+
+    async def get_sendable(
+        self, tenant: str, key: str, start: int = 0, end: int | None = None
+    ) -> DirectExtent | bytearray | memoryview:
+        """Bytes [start, end) of the block, to send on: for a direct block in
+        a local segment, a :class:`DirectExtent` (the covering frames
+        verified; the caller releases it once sent); otherwise as
+        :meth:`get_buffer`."""
+        entry, start, end = await self._range(tenant, key, start, end)
+        if entry.flags & reader.REC_FLAG_DIRECT:
+            try:
+                seg = await self._tiering.local(tenant, entry, key)
+            except SegmentMoved:
+                seg = None  # the read below asks the index again
+            if seg is not None:
+                try:
+                    view = await self._run(reader.direct_view, seg, entry, tenant, key, start, end)
+                except BaseException as e:
+                    seg.release()
+                    if not isinstance(e, CorruptionError):
+                        raise
+                    # Reported (or found stale) by the ordinary read below.
+                else:
+                    self.metrics.inc("kvstore_bytes_out_total", end - start)
+                    return DirectExtent(seg, entry.offset + entry.payload_offset + start, view)
         return await self._read(tenant, key, entry, start, end, view_ok=True)
 
     async def get_range(self, tenant: str, key: str, start: int, end: int | None = None) -> bytearray:

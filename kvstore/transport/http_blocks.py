@@ -13,11 +13,13 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.names import validate_key
 from kvstore.transport.http_body import block_body, json_body
 from kvstore.transport.http_common import METRICS, config_of, send, store_of, tenant_of
 from kvstore.transport.ranges import etag_matches, parse_range
+from kvstore.transport.sendfile import send_extent
 
 routes = web.RouteTableDef()
 
@@ -51,17 +53,27 @@ async def get_block(request: web.Request) -> web.StreamResponse:
     if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
         return web.Response(status=304, headers=headers)
     ranges = parse_range(request.headers.get("Range"), info.size)
-    data: bytearray | memoryview
     if ranges is not None and len(ranges) == 1:
         r = ranges[0]
-        data = await store.get_buffer(tenant, key, r.start, r.end)
+        data = await store.get_sendable(tenant, key, r.start, r.end)
         headers["Content-Range"] = r.content_range(info.size)
         status = 206
     else:
-        data = await store.get_buffer(tenant, key)
+        data = await store.get_sendable(tenant, key)
         status = 200
-    request.app[METRICS].inc("kvstore_http_bytes_out_total", len(data))
-    return await send_bytes(request, data, status, headers)
+    if not isinstance(data, DirectExtent):
+        request.app[METRICS].inc("kvstore_http_bytes_out_total", len(data))
+        return await send_bytes(request, data, status, headers)
+    try:  # a direct block in a local segment: sendfile from the segment file
+        request.app[METRICS].inc("kvstore_http_bytes_out_total", len(data.view))
+        resp = web.StreamResponse(status=status, headers={**headers, "Content-Type": "application/octet-stream"})
+        resp.content_length = len(data.view)
+        await resp.prepare(request)
+        await send_extent(request, resp, data, config_of(request).sendfile)
+        await resp.write_eof()
+        return resp
+    finally:
+        data.release()
 
 
 async def send_bytes(

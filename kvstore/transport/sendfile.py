@@ -1,0 +1,66 @@
+"""Direct blocks sent with ``sendfile(2)`` from their segment file.
+
+uvloop's transports have no ``loop.sendfile``, so the daemon calls
+``os.sendfile`` itself, on the event loop, on the connection's non-blocking
+socket: the kernel copies (or, on TCP, references) page-cache pages into the
+socket without the bytes passing through Python. It only does so when nothing
+is buffered in the transport before it (the response's headers went out), so
+bytes can never be reordered; it sends what the socket takes at once and
+hands the rest to the transport as a view of the segment's mapping (the same
+bytes, already verified), whose writes wait for the client with the usual
+time limit. Under TLS (the transport encrypts) the mapping is sent instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from aiohttp import web
+
+from kvstore.engine.store_read import DirectExtent
+from kvstore.transport.http_common import METRICS, send
+
+_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN)
+
+
+def plain_socket_fd(request: web.Request) -> int | None:
+    """The connection's socket, when bytes may be written to it directly: not
+    TLS, not closing, nothing buffered in the transport."""
+    transport = request.transport
+    if transport is None or transport.is_closing() or transport.get_extra_info("sslcontext") is not None:
+        return None
+    if transport.get_write_buffer_size():
+        return None
+    sock = transport.get_extra_info("socket")
+    return None if sock is None else int(sock.fileno())
+
+
+def sendfile_now(sock_fd: int, file_fd: int, offset: int, count: int) -> int:
+    """Send up to ``count`` bytes of ``file_fd`` at ``offset`` without
+    waiting: returns how many the socket took."""
+    sent = 0
+    while sent < count:
+        try:
+            n = os.sendfile(sock_fd, file_fd, offset + sent, count - sent)
+        except BlockingIOError:
+            break
+        except OSError as e:
+            if e.errno in _GONE:
+                raise ConnectionResetError(f"the client went during sendfile: {e.strerror}") from None
+            raise
+        if n == 0:
+            break
+        sent += n
+    return sent
+
+
+async def send_extent(request: web.Request, resp: web.StreamResponse, extent: DirectExtent, use_sendfile: bool) -> None:
+    """Send the bytes of ``extent`` on a prepared response."""
+    sent = 0
+    fd = plain_socket_fd(request) if use_sendfile else None
+    if fd is not None:
+        sent = sendfile_now(fd, extent.segment.fd, extent.offset, len(extent.view))
+        request.app[METRICS].inc("kvstore_http_sendfile_bytes_total", sent)
+    if sent < len(extent.view):
+        await send(request, resp, extent.view[sent:])
