@@ -11,7 +11,9 @@ And one that measures (see ``bench.run``):
 
 * ``run``: throughput and latency of a kvstore daemon (started here, or
   ``--endpoint``) through the client library, on blocks sized from the model
-  geometry, with Redis and nginx as peers on the same data when installed.
+  geometry, with Redis and nginx as peers on the same data when installed;
+* ``codec``: encode/decode GB/s per core and the ratio of each compression a
+  tenant can choose, sealed or not, on real KV caches (``bench.codec_bench``).
 
 Examples::
 
@@ -127,7 +129,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{size,ttft,run}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{size,ttft,run,codec}")
+    # codec has its own parser (bench/codec_bench.py); main() hands it the rest of argv.
+    sub.add_parser("codec", help="encode/decode GB/s per core and ratio of each compression, on real KV caches")
 
     size = sub.add_parser("size", help="KV bytes per token, block, TP rank, session; fleet capacity")
     _add_model_args(size)
@@ -392,6 +396,11 @@ def run_ttft(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    if args_in[:1] == ["codec"]:
+        from bench import codec_bench
+
+        return codec_bench.main(args_in[1:])
     parser, subparsers = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "size":

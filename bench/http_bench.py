@@ -381,7 +381,10 @@ class Kvstore:
         fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(os.urandom(32))
+        # The caller's KVSTORE_* settings reach the daemon (KVSTORE_SENDFILE=false, say).
+        passed = {k: v for k, v in os.environ.items() if k.startswith("KVSTORE_")}
         self.env = {
+            **passed,
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "PYTHONPATH": str(REPO_ROOT),
             "KVSTORE_ADMIN_TOKEN": self.admin_token,

@@ -67,6 +67,13 @@ def parse_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     raise ConfigError(f"{name}={value!r}: expected one of {', '.join(choices)}")
 
 
+FRAME_SIZE_RULE = "must be a multiple of 4 KiB from 4 KiB to 64 MiB"
+
+
+def valid_frame_size(n: int) -> bool:
+    return 4 * KiB <= n <= 64 * MiB and n % (4 * KiB) == 0
+
+
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     """Settings of the storage engine. Sizes are in bytes."""
@@ -119,18 +126,17 @@ class StoreConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    def frame_size_of(self, tenant_frame_size: int) -> int:
+        """The frame size new records of a tenant get (0: this store's)."""
+        return tenant_frame_size or self.frame_size
+
     def validate(self) -> None:
         def need(ok: bool, name: str, value: object, what: str) -> None:
             if not ok:
                 raise ConfigError(f"{name}={value!r}: {what}")
 
         need(1 * MiB <= self.segment_size <= 64 * GiB, "segment_size", self.segment_size, "must be 1 MiB to 64 GiB")
-        need(
-            4 * KiB <= self.frame_size <= 64 * MiB and self.frame_size % (4 * KiB) == 0,
-            "frame_size",
-            self.frame_size,
-            "must be a multiple of 4 KiB from 4 KiB to 64 MiB",
-        )
+        need(valid_frame_size(self.frame_size), "frame_size", self.frame_size, FRAME_SIZE_RULE)
         need(1 <= self.max_block_size <= 4 * GiB, "max_block_size", self.max_block_size, "must be 1 B to 4 GiB")
         need(self.durability in ("fsync", "interval"), "durability", self.durability, "expected fsync or interval")
         need(1 <= self.sync_interval_ms <= 60_000, "sync_interval_ms", self.sync_interval_ms, "must be 1 to 60000")

@@ -70,6 +70,7 @@ class Tenant:
     durability: DurabilityClass = "persistent"
     quota_bytes: int = 0  # bytes stored across tiers; 0: no quota (retention.py)
     ttl_s: int = 0  # a block neither read nor written for this long is a miss; 0: none
+    frame_size: int = 0  # plaintext bytes per frame of new records; 0: the store's frame_size
 
     @property
     def sealed(self) -> bool:
@@ -86,6 +87,7 @@ class Tenant:
             "durability": self.durability,
             "quota_bytes": self.quota_bytes or None,
             "ttl_s": self.ttl_s or None,
+            "frame_size": self.frame_size or None,
             "tokens": [{"id": tid, "created_ns": t["created_ns"]} for tid, t in sorted(self.tokens.items())],
         }
 
@@ -165,6 +167,7 @@ class Registry:
                 durability=t.get("durability", "persistent"),
                 quota_bytes=int(t.get("quota_bytes") or 0),
                 ttl_s=int(t.get("ttl_s") or 0),
+                frame_size=int(t.get("frame_size") or 0),
             )
             self._tenants[name] = tenant
             for version, wrapped in tenant.wrapped_keys.items():
@@ -253,6 +256,7 @@ class Registry:
         durability: str = "persistent",
         quota_bytes: int = 0,
         ttl_s: int = 0,
+        frame_size: int = 0,
     ) -> Tenant:
         validate_tenant(name)
         if policy not in POLICIES:
@@ -267,7 +271,16 @@ class Registry:
         with self._lock:
             if name in self._tenants:
                 raise TenantExists(f"tenant {name!r} already exists")
-            t = Tenant(name, policy, comp, time.time_ns(), durability=durability, quota_bytes=quota_bytes, ttl_s=ttl_s)
+            t = Tenant(
+                name,
+                policy,
+                comp,
+                time.time_ns(),
+                durability=durability,
+                quota_bytes=quota_bytes,
+                ttl_s=ttl_s,
+                frame_size=frame_size,
+            )
             self._deleted.pop(_name_digest(name), None)
             if policy == "sealed":
                 self._add_key(t)
@@ -309,14 +322,19 @@ class Registry:
             tok["sha256"]: (t.name, tok["sha256"]) for t in self._tenants.values() for tok in t.tokens.values()
         }
 
-    def set_limits(self, name: str, quota_bytes: int | None = None, ttl_s: int | None = None) -> Tenant:
-        """Change the tenant's quota and TTL (None: leave as is; 0: none)."""
+    def set_limits(
+        self, name: str, quota_bytes: int | None = None, ttl_s: int | None = None, frame_size: int | None = None
+    ) -> Tenant:
+        """Change the tenant's quota, TTL and frame size of new records (None:
+        leave as is; 0: none, or the store's frame size)."""
         with self._lock:
             t = self.get(name)
             if quota_bytes is not None:
                 t.quota_bytes = quota_bytes
             if ttl_s is not None:
                 t.ttl_s = ttl_s
+            if frame_size is not None:
+                t.frame_size = frame_size
             self._save()
             return t
 

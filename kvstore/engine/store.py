@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvstore.config import StoreConfig
+from kvstore.config import FRAME_SIZE_RULE, StoreConfig, valid_frame_size
 from kvstore.engine.access import Touches
 from kvstore.engine.appender import OpenSegment
 from kvstore.engine.compactor import CompactionReport, Compactor
@@ -391,11 +391,14 @@ class Store(StoreReads, StoreWrites):
         durability: str | None = None,
         quota_bytes: int | None = None,
         ttl_s: int | None = None,
+        frame_size: int | None = None,
     ) -> dict[str, Any]:
         """``durability``: persistent (never dropped before it is in the object
         tier) or ephemeral (may be dropped when the disk is full); default the
         ``default_durability`` setting. ``quota_bytes`` and ``ttl_s``: None for
-        the configured defaults, 0 for none."""
+        the configured defaults, 0 for none. ``frame_size``: plaintext bytes
+        per frame of its records (a ranged read of a sealed block decodes the
+        frames it covers); None or 0 for the store's ``frame_size``."""
         self._check_writable()
         validate_tenant(name)
         if compression is None and policy == "sealed":
@@ -403,19 +406,25 @@ class Store(StoreReads, StoreWrites):
         durability = durability or self.config.default_durability
         quota = self.config.default_quota_bytes if quota_bytes is None else _limit("quota_bytes", quota_bytes)
         ttl = self.config.default_ttl_s if ttl_s is None else _limit("ttl_s", ttl_s)
+        fs = _frame_size(frame_size or 0)
         await self._run(trash, self._seg_root, name)  # files of a deleted incarnation, if any are left
-        t = await self._run(self._registry.create, name, policy, compression, durability, quota, ttl)
+        t = await self._run(self._registry.create, name, policy, compression, durability, quota, ttl, fs)
         self._tails[name] = OpenSegment(None)
         return t.public()
 
-    async def set_limits(self, name: str, quota_bytes: int | None = None, ttl_s: int | None = None) -> dict[str, Any]:
-        """Change a tenant's quota and TTL (None: unchanged; 0: none). A lower
-        quota is enforced at once, a shorter TTL on the next read and sweep."""
+    async def set_limits(
+        self, name: str, quota_bytes: int | None = None, ttl_s: int | None = None, frame_size: int | None = None
+    ) -> dict[str, Any]:
+        """Change a tenant's quota, TTL and frame size (None: unchanged; 0:
+        none, or the store's frame size). A lower quota is enforced at once, a
+        shorter TTL on the next read and sweep; a frame size applies to the
+        records written from now on (each record keeps the one it has)."""
         self._check_writable()
         self._tenant(name)
         quota = None if quota_bytes is None else _limit("quota_bytes", quota_bytes)
         ttl = None if ttl_s is None else _limit("ttl_s", ttl_s)
-        t = await self._run(self._registry.set_limits, name, quota, ttl)
+        fs = None if frame_size is None else _frame_size(frame_size)
+        t = await self._run(self._registry.set_limits, name, quota, ttl, fs)
         await self._retention.enforce(t)
         return t.public()
 
@@ -549,6 +558,12 @@ class Store(StoreReads, StoreWrites):
 def _limit(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
         raise InvalidInput(f"field {name!r} must be null or a non-negative integer, got {value!r}")
+    return value
+
+
+def _frame_size(value: int) -> int:
+    if value and not valid_frame_size(value):
+        raise InvalidInput(f"field 'frame_size' {FRAME_SIZE_RULE}, or null for the store's; got {value!r}")
     return value
 
 

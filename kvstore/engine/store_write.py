@@ -36,7 +36,7 @@ class StoreWrites(StoreCore):
         return view
 
     async def _encode(self, t: Tenant, key: str, data: memoryview) -> EncodedRecord:
-        fs = self.config.frame_size
+        fs = self.config.frame_size_of(t.frame_size)
         n = len(data)
         nf = frame_count(n, fs)
         record_id = new_record_id()

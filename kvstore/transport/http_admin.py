@@ -38,7 +38,7 @@ async def create_tenant(request: web.Request) -> web.Response:
     limits = _limits(body)
     store = store_of(request)
     tenant = await store.create_tenant(
-        name, policy, compression, durability, limits.get("quota_bytes"), limits.get("ttl_s")
+        name, policy, compression, durability, limits.get("quota_bytes"), limits.get("ttl_s"), limits.get("frame_size")
     )
     token_id, token = await store.issue_token(name)
     return web.json_response({**tenant, "token": token, "token_id": token_id}, status=201)
@@ -50,7 +50,7 @@ async def list_tenants(request: web.Request) -> web.Response:
     return web.json_response({"tenants": store_of(request).tenants()})
 
 
-LIMITS = ("quota_bytes", "ttl_s")
+LIMITS = ("quota_bytes", "ttl_s", "frame_size")
 
 
 def _limits(body: dict[str, Any]) -> dict[str, int]:
@@ -66,7 +66,7 @@ def _limits(body: dict[str, Any]) -> dict[str, int]:
         elif isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62:
             out[name] = value
         else:
-            raise InvalidInput(f"field {name!r} must be a non-negative integer, or null or 0 for none; got {value!r}")
+            raise InvalidInput(f"field {name!r} must be a non-negative integer, or null for none; got {value!r}")
     return out
 
 
@@ -84,18 +84,21 @@ async def get_tenant(request: web.Request) -> web.Response:
 
 @routes.patch("/v1/admin/tenants/{name}")
 async def patch_tenant(request: web.Request) -> web.Response:
-    """Change a tenant's ``quota_bytes`` and ``ttl_s`` (null: none; absent:
-    unchanged). A lower quota is enforced before the answer."""
+    """Change a tenant's ``quota_bytes``, ``ttl_s`` and ``frame_size`` (null:
+    none, or the store's frame size; absent: unchanged). A lower quota is
+    enforced before the answer."""
     require_admin(request)
     name = request.match_info["name"]
     body = await json_body(request)
     unknown = set(body) - set(LIMITS)
     if unknown:
-        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}; PATCH changes quota_bytes and ttl_s")
+        raise InvalidInput(
+            f"unknown field(s): {', '.join(sorted(unknown))}; PATCH changes quota_bytes, ttl_s and frame_size"
+        )
     if not body:
-        raise InvalidInput("the body names nothing to change: expected quota_bytes and/or ttl_s")
+        raise InvalidInput("the body names nothing to change: expected quota_bytes, ttl_s and/or frame_size")
     limits = _limits(body)
-    await store_of(request).set_limits(name, limits.get("quota_bytes"), limits.get("ttl_s"))
+    await store_of(request).set_limits(name, limits.get("quota_bytes"), limits.get("ttl_s"), limits.get("frame_size"))
     return web.json_response(await _tenant_with_usage(request, name))
 
 

@@ -68,7 +68,10 @@ async def _put_all(session: aiohttp.ClientSession, base: str, policy: str, block
 
 @pytest.mark.parametrize("policy", ["direct", "sealed"])
 async def test_every_range_shape_matches_the_mapping_path(tmp_path: Path, policy: str) -> None:
-    blocks = {"kv": kv_sample("gemma3-270m.bf16.layers8-9.bin")[: 5 * FRAME + 321], "big": random.Random(1).randbytes(BIG)}
+    blocks = {
+        "kv": kv_sample("gemma3-270m.bf16.layers8-9.bin")[: 5 * FRAME + 321],
+        "big": random.Random(1).randbytes(BIG),
+    }
     answers: dict[bool, list[tuple[int, bytes]]] = {}
     async with aiohttp.ClientSession() as session:
         for sendfile in (True, False):

@@ -137,6 +137,10 @@ async def test_quotas_ttl_and_compaction_over_http(daemon: Daemon) -> None:
             assert r.status == 400 and r.code == "invalid_input", (body, r.body)
         r = await w.request("PATCH", "/v1/admin/tenants/nobody", ADMIN_H, b'{"ttl_s": 5}')
         assert r.status == 404
+        patched = await w.request("PATCH", "/v1/admin/tenants/q", ADMIN_H, b'{"frame_size": 262144}')
+        assert patched.status == 200 and patched.json()["frame_size"] == 262144, patched.body
+        r = await w.request("PATCH", "/v1/admin/tenants/q", ADMIN_H, b'{"frame_size": 1000}')
+        assert r.status == 400 and "frame_size" in r.json()["error"]["message"], r.body
         rep = await w.request("POST", "/v1/admin/compact?tenant=q", ADMIN_H, b"")
         assert rep.status == 200 and {"segments_rewritten", "bytes_reclaimed"} <= set(rep.json())
         r = await w.request("POST", "/v1/admin/compact?tenant=..", ADMIN_H, b"")
