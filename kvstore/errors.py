@@ -65,6 +65,21 @@ class TenantExists(KVStoreError):
 # -- configuration and start-up ---------------------------------------------
 
 
+class NotPlannable(KVStoreError):
+    """A read plan cannot hand this block to the client (a sealed record, or
+    one in the object tier only): read it with GET."""
+
+    status = 409
+    code = "not_plannable"
+
+
+class UnixSocketRequired(KVStoreError):
+    """Read plans pass file descriptors: only over a unix socket."""
+
+    status = 400
+    code = "unix_socket_required"
+
+
 class ConfigError(KVStoreError):
     """A bad configuration value; the message names the key and the value."""
 

@@ -53,7 +53,18 @@ def validate_token_id(token_id: object) -> str:
     return token_id
 
 
+_LEASE_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def validate_lease(lease: object) -> str:
+    """Return ``lease`` if it has the form of a lease id (32 hex digits)."""
+    if not isinstance(lease, str) or _LEASE_RE.fullmatch(lease) is None:
+        shown = lease[:40] if isinstance(lease, str) else type(lease).__name__
+        raise InvalidInput(f"lease {shown!r} is invalid; expected 32 lowercase hex digits")
+    return lease
+
+
 # Every path parameter of every route, and how it is checked. Every worker
 # checks the decoded parameters with these before it answers or relays a
 # request, so a route means the same on every worker.
-PATH_PARAMS = {"key": validate_key, "name": validate_tenant, "token_id": validate_token_id}
+PATH_PARAMS = {"key": validate_key, "name": validate_tenant, "token_id": validate_token_id, "lease": validate_lease}

@@ -49,6 +49,7 @@ from kvstore_client.errors import (
     ServerError,
     UnavailableError,
 )
+from kvstore_client.plans import Plan, PlanConnection, PlannedBlock
 from kvstore_client.sharding import UNIX, rank_endpoints
 from kvstore_client.sharding import normalize as _normalize
 
@@ -59,6 +60,8 @@ T = TypeVar("T")
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504, 507})
 BREAKER_STATUSES = frozenset({502, 503, 504})
 _STAT_NAMES = (
+    "plan_reads",  # get_into served from a read plan (the segment file, no HTTP body)
+    "plan_fallbacks",  # get_into that fell back to GET (sealed, object tier only, plan failed)
     "calls",
     "hits",
     "misses",
@@ -77,6 +80,7 @@ class _Endpoint:
     url: str
     breaker: CircuitBreaker
     session: aiohttp.ClientSession | None = None
+    plans: PlanConnection | None = None  # unix: endpoints, read plans
 
 
 @dataclass
@@ -93,6 +97,9 @@ class _RateLimitedLog:
         extra = f" ({self.suppressed} similar messages suppressed)" if self.suppressed else ""
         self.last, self.suppressed = now, 0
         log.warning(msg + extra, *args)
+
+
+_FALLBACK = object()  # a read plan cannot give the block: GET it
 
 
 class _Miss(Exception):
@@ -164,6 +171,7 @@ class AsyncClient:
         max_batch_keys: int = 1024,
         max_lookup_keys: int = 4096,
         log_interval: float = 10.0,
+        read_plans: bool = True,
     ) -> None:
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not eps:
@@ -189,6 +197,7 @@ class AsyncClient:
         self.pool_size = pool_size
         self.max_batch_keys = max_batch_keys
         self.max_lookup_keys = max_lookup_keys
+        self.read_plans = read_plans
         self._ssl: ssl.SSLContext | None = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self._endpoints = {u: _Endpoint(u, CircuitBreaker(breaker_threshold, breaker_cooldown)) for u in urls}
         self._urls = urls
@@ -219,6 +228,9 @@ class AsyncClient:
             if ep.session is not None:
                 await ep.session.close()
                 ep.session = None
+            if ep.plans is not None:
+                ep.plans.close()
+                ep.plans = None
 
     @property
     def endpoints(self) -> list[str]:
@@ -389,6 +401,13 @@ class AsyncClient:
 
     async def _get_into(self, key: str, mv: memoryview) -> int | None:
         framing.check_key(key)
+        conn = self._plans_of(self.owners(key)[0])
+        if conn is not None:
+            planned, n = await asyncio.to_thread(self._planned_read, conn, key, mv)
+            if planned:
+                self.stats["plan_reads"] += 1
+                return n
+            self.stats["plan_fallbacks"] += 1
 
         async def fn(s: aiohttp.ClientSession) -> int:
             async with s.get(f"/v1/blocks/{key}") as r:
@@ -408,6 +427,64 @@ class AsyncClient:
                 return n
 
         return await self._on_owners(key, fn, self._deadline())
+
+    def _plans_of(self, url: str) -> PlanConnection | None:
+        """The read-plan connection of a ``unix:`` endpoint (None: plans off or TCP)."""
+        ep = self._endpoints[url]
+        if not self.read_plans or not url.startswith(UNIX):
+            return None
+        if ep.plans is None:
+            ep.plans = PlanConnection(url[len(UNIX) :], self._tokens.get(url, self.token), self.timeout)
+        return ep.plans
+
+    def _planned_read(self, conn: PlanConnection, key: str, mv: memoryview) -> tuple[bool, int | None]:
+        """On a thread: ``key`` read through a read plan into ``mv``: (True,
+        its size, or None for a miss), or (False, None) when it must be read
+        with GET. A block that fails its checksum raises."""
+        try:
+            plan = conn.plan([key])
+        except KVStoreClientError as e:
+            self._log.warning("kvstore read plan failed, reading over HTTP: %s", e)
+            return False, None
+        try:
+            block = plan.blocks.get(key)
+            if block is not None:
+                if block.size > mv.nbytes:
+                    raise BufferTooSmall(f"block {key} is {block.size} bytes; the buffer holds {mv.nbytes}")
+                return True, conn.read_into(block, mv)
+            status, _ = plan.others.get(key, (0, ""))
+            return (True, None) if status == 404 else (False, None)
+        finally:
+            try:
+                conn.release(plan.lease)
+            except KVStoreClientError as e:  # it expires on its own
+                self._log.warning("kvstore read plan release failed: %s", e)
+
+    async def read_plan(self, keys: Sequence[str], lease_s: float | None = None) -> Plan:
+        """A read plan of ``keys`` from a ``unix:`` endpoint (the first owner
+        of the first key): where each direct block's bytes are, with the
+        files' descriptors; read a block with :meth:`read_planned`, release
+        the plan with :meth:`release_plan` (or let it expire)."""
+        if not keys:
+            raise ValueError("a read plan needs at least one key")
+        for k in keys:
+            framing.check_key(k)
+        url = self.owners(keys[0])[0]
+        if not url.startswith(UNIX):
+            raise ValueError(f"read plans need a unix:PATH endpoint, not {url}")
+        conn = self._plans_of(url) or PlanConnection(url[len(UNIX) :], self._tokens.get(url, self.token))
+        self._endpoints[url].plans = conn
+        return await asyncio.to_thread(conn.plan, list(keys), lease_s)
+
+    async def read_planned(self, block: PlannedBlock, buf: Any) -> int:
+        """Read a planned block into ``buf`` (checked; a CUDA buffer via kvikio)."""
+        return await asyncio.to_thread(PlanConnection.read_into, block, buf)
+
+    async def release_plan(self, plan: Plan) -> None:
+        """Let the daemon compact and drop the plan's segments again."""
+        conn = self._endpoints[UNIX + plan.path].plans
+        if conn is not None:
+            await asyncio.to_thread(conn.release, plan.lease)
 
     async def exists(self, key: str) -> bool:
         async def run() -> bool:

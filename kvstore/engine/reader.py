@@ -146,6 +146,18 @@ def direct_view(seg: SegmentFile, entry: IndexEntry, tenant: str, key: str, star
     return view[base + start : base + end]
 
 
+def direct_header(seg: SegmentFile, entry: IndexEntry, tenant: str, key: str) -> RecordHeader:
+    """The header of a direct record, its identity checked against the index
+    entry (a read plan hands the frames' checksums to the client)."""
+    base = entry.offset + entry.payload_offset
+    view = seg.mapped(base)
+    header = decode_record_header(view[entry.offset : base], seg.name, entry.offset)
+    _check_identity(header, entry, tenant, key, seg.name)
+    if header.sealed or any(f.codec != CODEC_RAW for f in header.frames):
+        raise CorruptionError(f"direct record of key {key!r} has encoded frames", seg.name, entry.offset)
+    return header
+
+
 def _verify_raw_frames(
     header: RecordHeader,
     payload: memoryview,

@@ -24,7 +24,9 @@ from kvstore.errors import (
     InvalidInput,
     InvalidKey,
     InvalidRange,
+    KVStoreError,
     NotFound,
+    NotPlannable,
     SegmentMoved,
     TenantKeyDestroyed,
 )
@@ -63,6 +65,22 @@ class DirectExtent:
 
     def release(self) -> None:
         self.segment.release()
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBlock:
+    """Where a direct block's bytes are, for a client on this host to read
+    itself: ``segment`` (acquired: the caller passes its descriptor on, then
+    releases it) holds them at ``offset``; each frame of ``frame_size``
+    bytes (the last may be shorter) has its xxh3-64 in ``checksums``."""
+
+    key: str
+    segment: SegmentFile
+    file: tuple[str, int, int]  # tenant, incarnation, segment id: names the file
+    offset: int
+    size: int
+    frame_size: int
+    checksums: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +145,44 @@ class StoreReads(StoreCore):
                     self.metrics.inc("kvstore_bytes_out_total", end - start)
                     return DirectExtent(seg, entry.offset + entry.payload_offset + start, view)
         return await self._read(tenant, key, entry, start, end, view_ok=True)
+
+    async def plan_reads(self, tenant: str, keys: Sequence[str]) -> list[PlannedBlock | KVStoreError]:
+        """For each key, where its bytes are (a :class:`PlannedBlock`, whose
+        segment the caller releases), or why the client must GET it."""
+        t = self._tenant(tenant)
+        out: list[PlannedBlock | KVStoreError] = []
+        for key in keys:
+            try:
+                out.append(await self._plan_one(t, key))
+            except (NotFound, NotPlannable, CorruptionError, InvalidKey) as e:
+                out.append(e)
+        return out
+
+    async def _plan_one(self, t: Tenant, key: str) -> PlannedBlock:
+        entry = await self._entry(t.name, key)
+        if not entry.flags & reader.REC_FLAG_DIRECT:
+            raise NotPlannable(f"key {key!r} is sealed: the daemon decodes it (GET it)")
+        try:
+            seg = await self._tiering.local(t.name, entry, key)
+        except SegmentMoved:
+            raise NotPlannable(f"key {key!r} moved while it was planned: GET it") from None
+        if seg is None:
+            raise NotPlannable(f"key {key!r} is in the object tier only: GET it")
+        try:
+            header = await self._run(reader.direct_header, seg, entry, t.name, key)
+        except BaseException:
+            seg.release()
+            raise
+        self.metrics.inc("kvstore_bytes_out_total", entry.logical_size)
+        return PlannedBlock(
+            key,
+            seg,
+            (t.name, t.created_ns, entry.segment_id),
+            entry.offset + entry.payload_offset,
+            entry.logical_size,
+            header.frame_size,
+            tuple(f.checksum for f in header.frames),
+        )
 
     async def get_range(self, tenant: str, key: str, start: int, end: int | None = None) -> bytearray:
         """Bytes [start, end) of the block; ``end`` past the size is clamped.

@@ -23,7 +23,7 @@ from kvstore.errors import InvalidRange, KVStoreError, Overloaded, Unauthorized
 from kvstore.names import PATH_PARAMS
 from kvstore.server_config import ServerConfig
 from kvstore.tasks import Background
-from kvstore.transport import http_admin, http_batch, http_blocks, http_internal
+from kvstore.transport import http_admin, http_batch, http_blocks, http_internal, http_plans
 from kvstore.transport.http_body import BAD_BODY_FRAMING, BUDGET, BodyBudget
 from kvstore.transport.http_common import (
     CONFIG,
@@ -238,6 +238,7 @@ def make_app(
             await relay.close()
 
     app.cleanup_ctx.append(store_ctx)
+    app.cleanup_ctx.append(http_plans.plans_ctx)
     if reader:
         app.cleanup_ctx.append(writer_ctx)
     app.on_shutdown.append(not_ready_on_shutdown)
@@ -247,6 +248,7 @@ def make_app(
     app.router.add_routes(http_blocks.routes)
     app.router.add_routes(http_batch.routes)
     app.router.add_routes(http_admin.routes)
+    app.router.add_routes(http_plans.routes)
     if role == "writer":
         app.router.add_routes(http_internal.routes)
     return app

@@ -38,6 +38,8 @@ LOCAL_ROUTES = frozenset(
         ("HEAD", "/v1/blocks/{key}"),
         ("POST", "/v1/lookup"),
         ("POST", "/v1/batch/get"),
+        ("POST", "/v1/read-plan"),  # descriptors come from the worker that holds the connection
+        ("DELETE", "/v1/read-plan/{lease}"),
         ("GET", "/v1/stats"),
         ("GET", "/healthz"),
         ("HEAD", "/healthz"),

@@ -58,6 +58,11 @@ async def test_answers_match_the_description(api: Api) -> None:
         ("POST", "/v1/lookup", "/v1/lookup", t, b'{"keys": [', 400),
         ("POST", "/v1/lookup", "/v1/lookup", {**t, "Content-Type": "application/json; charset=koi8-r"}, b"{}", 415),
         ("GET", "/v1/stats", "/v1/stats", t, b"", 200),
+        # Read plans are for the unix socket (tests/http/test_read_plans.py checks their 200 answers).
+        ("POST", "/v1/read-plan", "/v1/read-plan", t, b'{"keys": ["k1"]}', 400),
+        ("POST", "/v1/read-plan", "/v1/read-plan", {}, b'{"keys": ["k1"]}', 401),
+        ("DELETE", "/v1/read-plan/{lease}", "/v1/read-plan/" + "0" * 32, t, b"", 400),
+        ("DELETE", "/v1/read-plan/{lease}", "/v1/read-plan/nope", t, b"", 400),
         ("HEAD", "/v1/stats", "/v1/stats", t, b"", 200),
         ("POST", "/v1/batch/put", "/v1/batch/put", t, batch, 200),
         ("POST", "/v1/batch/put", "/v1/batch/put", t, b"NOPE", 400),

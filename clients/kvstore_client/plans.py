@@ -1,0 +1,233 @@
+"""Read plans: read direct blocks straight from the daemon's segment files.
+
+Over the daemon's unix socket (``unix:PATH`` endpoints), ``POST
+/v1/read-plan`` answers where each block's bytes are (a file, an offset, a
+size, each frame's xxh3-64) and passes the files' descriptors with the
+answer (SCM_RIGHTS), once per file per connection, so this process needs no
+permission on the data directory. Blocks are then read with ``os.preadv``
+into host memory, or with kvikio (GPUDirect Storage) into GPU memory when the
+destination is a CUDA buffer and kvikio is installed (``pip install
+'kvstore-client[gds]'``). Host reads are checked frame by frame against the
+daemon's checksums, as the daemon checks them: a mismatch raises, never
+returns bytes. (GPU reads are not: the bytes never pass through the CPU.)
+
+The HTTP exchange is written by hand on a blocking socket because the
+descriptors arrive as ancillary data, which HTTP client libraries drop.
+Blocks a plan cannot give (sealed, in the object tier only) are read with
+GET by the caller.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from kvstore_client.errors import KVStoreClientError, ServerError, UnavailableError
+
+MAX_FDS = 1024  # descriptors one answer may carry (the daemon's max_batch_keys by default)
+RECV = 1 << 16
+
+
+class CorruptBlock(KVStoreClientError):
+    """A planned block's bytes fail their checksum."""
+
+    code = "corruption"
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBlock:
+    key: str
+    fd: int  # this connection's descriptor of the segment file (owned by the connection)
+    offset: int
+    size: int
+    frame_size: int
+    checksums: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Plan:
+    path: str  # the daemon's socket
+    lease: str
+    expires_in_s: float
+    blocks: dict[str, PlannedBlock] = field(default_factory=dict)
+    #: keys the plan does not give, with (status, code): 404 is a miss, others are read with GET
+    others: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+
+class PlanConnection:
+    """One connection to a daemon's unix socket, with the descriptors it was
+    given. Thread-safe: calls are serialized on the connection."""
+
+    def __init__(self, path: str, token: str | None, timeout: float = 5.0) -> None:
+        self.path = path
+        self._token = token
+        self._timeout = timeout
+        self._sock: socket.socket | None = None
+        self._fds: dict[int, int] = {}  # file id on this connection -> descriptor
+        self._lock = threading.Lock()
+
+    # -- the plan ---------------------------------------------------------------
+
+    def plan(self, keys: list[str], lease_s: float | None = None) -> Plan:
+        body: dict[str, Any] = {"keys": keys}
+        if lease_s is not None:
+            body["lease_s"] = lease_s
+        with self._lock:
+            status, doc, fds = self._exchange("POST", "/v1/read-plan", json.dumps(body).encode())
+            if status != 200:
+                for fd in fds:
+                    os.close(fd)
+                _raise(status, doc, "read plan refused")
+            files = doc["files"]
+            if len(files) != len(fds):
+                for fd in fds:
+                    os.close(fd)
+                self._reset()
+                raise UnavailableError(f"read plan named {len(files)} new files but {len(fds)} descriptors came")
+            self._fds.update(zip(files, fds, strict=True))
+            plan = Plan(self.path, doc["lease"], float(doc["expires_in_s"]))
+            for b in doc["blocks"]:
+                if b["status"] != 200:
+                    plan.others[b["key"]] = (int(b["status"]), str(b.get("error", {}).get("code", "")))
+                    continue
+                plan.blocks[b["key"]] = PlannedBlock(
+                    b["key"],
+                    self._fds[b["file"]],
+                    int(b["offset"]),
+                    int(b["size"]),
+                    int(b["frame_size"]),
+                    tuple(int(c, 16) for c in b["xxh3"]),
+                )
+            return plan
+
+    def release(self, lease: str) -> None:
+        """Let the daemon compact and drop the plan's segments again."""
+        with self._lock:
+            status, doc, fds = self._exchange("DELETE", f"/v1/read-plan/{lease}", None)
+        for fd in fds:
+            os.close(fd)
+        if status != 204:
+            _raise(status, doc, "releasing the read plan")
+
+    @staticmethod
+    def read_into(block: PlannedBlock, buf: Any) -> int:
+        """Read ``block`` into ``buf`` (host memory: checked; a CUDA buffer:
+        through kvikio); returns its size."""
+        if hasattr(buf, "__cuda_array_interface__"):
+            return _read_gpu(block, buf)
+        mv = memoryview(buf).cast("B")
+        if mv.nbytes < block.size:
+            raise KVStoreClientError(f"block {block.key} is {block.size} bytes; the buffer holds {mv.nbytes}")
+        n = 0
+        while n < block.size:
+            got = os.preadv(block.fd, [mv[n : block.size]], block.offset + n)
+            if got <= 0:
+                raise CorruptBlock(f"block {block.key}: its segment file ends {block.size - n} bytes short")
+            n += got
+        fs = block.frame_size
+        for i, want in enumerate(block.checksums):
+            if xxhash.xxh3_64_intdigest(mv[i * fs : min((i + 1) * fs, block.size)]) != want:
+                raise CorruptBlock(f"block {block.key}: frame {i} fails its checksum")
+        return block.size
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+
+    # -- HTTP on a unix socket, descriptors included ---------------------------
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _exchange(self, method: str, path: str, body: bytes | None) -> tuple[int, Any, list[int]]:
+        for attempt in (0, 1):  # a kept-alive connection the daemon closed: once more on a new one
+            fresh = self._sock is None
+            try:
+                if self._sock is None:
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.settimeout(self._timeout)
+                    s.connect(self.path)
+                    self._sock = s
+                return self._roundtrip(self._sock, method, path, body)
+            except OSError as e:
+                self._reset()
+                if fresh or attempt:
+                    raise UnavailableError(f"{self.path}: {type(e).__name__}: {e}") from None
+        raise AssertionError("unreachable")
+
+    def _roundtrip(self, s: socket.socket, method: str, path: str, body: bytes | None) -> tuple[int, Any, list[int]]:
+        head = [f"{method} {path} HTTP/1.1", "Host: localhost", f"Content-Length: {len(body or b'')}"]
+        if body is not None:
+            head.append("Content-Type: application/json")
+        if self._token:
+            head.append(f"Authorization: Bearer {self._token}")
+        s.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
+        buf = bytearray()
+        fds: list[int] = []
+        length = -1
+        start = 0
+        status = 0
+        while True:
+            data, anc, flags, _ = s.recvmsg(RECV, socket.CMSG_SPACE(MAX_FDS * 4))
+            for level, kind, raw in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(raw[: len(raw) - len(raw) % got.itemsize])
+                    fds.extend(got)
+            if flags & socket.MSG_CTRUNC:
+                for fd in fds:
+                    os.close(fd)
+                raise OSError("descriptors were cut off (MSG_CTRUNC)")
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                raise ConnectionResetError("the daemon closed the connection mid-answer")
+            buf += data
+            if length < 0 and (end := buf.find(b"\r\n\r\n")) >= 0:
+                lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+                status = int(lines[0].split()[1])
+                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+                length = int(headers.get("content-length", "0"))
+                start = end + 4
+            if length >= 0 and len(buf) - start >= length:
+                text = bytes(buf[start : start + length])
+                doc = json.loads(text) if text else None
+                return status, doc, fds
+
+
+def _raise(status: int, doc: Any, what: str) -> None:
+    err = doc.get("error", {}) if isinstance(doc, dict) else {}
+    raise ServerError(
+        str(err.get("message", f"{what} ({status})")),
+        status=status,
+        code=str(err.get("code", "server_error")),
+        retryable=status >= 500,
+    )
+
+
+def _read_gpu(block: PlannedBlock, buf: Any) -> int:
+    try:
+        import kvikio  # type: ignore[import-not-found]
+    except ImportError:
+        raise KVStoreClientError(
+            "a CUDA buffer needs kvikio (pip install 'kvstore-client[gds]')", code="gds_unavailable"
+        ) from None
+    # kvikio opens by path: the descriptor's own path reaches the same file,
+    # unlinked or not, without any permission on the data directory.
+    with kvikio.CuFile(f"/proc/self/fd/{block.fd}", "r") as f:
+        n = int(f.pread(buf, block.size, block.offset).get())
+    if n != block.size:
+        raise CorruptBlock(f"block {block.key}: read {n} of {block.size} bytes into GPU memory")
+    return n
