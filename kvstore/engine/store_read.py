@@ -148,17 +148,54 @@ class StoreReads(StoreCore):
 
     async def plan_reads(self, tenant: str, keys: Sequence[str]) -> list[PlannedBlock | KVStoreError]:
         """For each key, where its bytes are (a :class:`PlannedBlock`, whose
-        segment the caller releases), or why the client must GET it."""
+        segment the caller releases), or why the client must GET it. The
+        records' headers are read in one trip to the thread pool."""
         t = self._tenant(tenant)
-        out: list[PlannedBlock | KVStoreError] = []
+        out: list[PlannedBlock | KVStoreError | tuple[IndexEntry, SegmentFile]] = []
         for key in keys:
             try:
-                out.append(await self._plan_one(t, key))
-            except (NotFound, NotPlannable, CorruptionError, InvalidKey) as e:
+                out.append(await self._locate(t, key))
+            except (NotFound, NotPlannable, InvalidKey) as e:
                 out.append(e)
-        return out
 
-    async def _plan_one(self, t: Tenant, key: str) -> PlannedBlock:
+        def headers() -> list[PlannedBlock | KVStoreError]:
+            done: list[PlannedBlock | KVStoreError] = []
+            for key, item in zip(keys, out, strict=True):
+                if not isinstance(item, tuple):
+                    done.append(item)
+                    continue
+                entry, seg = item
+                try:
+                    h = reader.direct_header(seg, entry, t.name, key)
+                except CorruptionError as e:
+                    seg.release()
+                    done.append(e)
+                    continue
+                done.append(
+                    PlannedBlock(
+                        key,
+                        seg,
+                        (t.name, t.created_ns, entry.segment_id),
+                        entry.offset + entry.payload_offset,
+                        entry.logical_size,
+                        h.frame_size,
+                        tuple(f.checksum for f in h.frames),
+                    )
+                )
+            return done
+
+        try:
+            planned = await self._run(headers)
+        except BaseException:
+            for item in out:
+                if isinstance(item, tuple):
+                    item[1].release()
+            raise
+        self.metrics.inc("kvstore_bytes_out_total", sum(p.size for p in planned if isinstance(p, PlannedBlock)))
+        return planned
+
+    async def _locate(self, t: Tenant, key: str) -> tuple[IndexEntry, SegmentFile]:
+        """The index entry of a direct block and its local segment, acquired."""
         entry = await self._entry(t.name, key)
         if not entry.flags & reader.REC_FLAG_DIRECT:
             raise NotPlannable(f"key {key!r} is sealed: the daemon decodes it (GET it)")
@@ -168,21 +205,7 @@ class StoreReads(StoreCore):
             raise NotPlannable(f"key {key!r} moved while it was planned: GET it") from None
         if seg is None:
             raise NotPlannable(f"key {key!r} is in the object tier only: GET it")
-        try:
-            header = await self._run(reader.direct_header, seg, entry, t.name, key)
-        except BaseException:
-            seg.release()
-            raise
-        self.metrics.inc("kvstore_bytes_out_total", entry.logical_size)
-        return PlannedBlock(
-            key,
-            seg,
-            (t.name, t.created_ns, entry.segment_id),
-            entry.offset + entry.payload_offset,
-            entry.logical_size,
-            header.frame_size,
-            tuple(f.checksum for f in header.frames),
-        )
+        return entry, seg
 
     async def get_range(self, tenant: str, key: str, start: int, end: int | None = None) -> bytearray:
         """Bytes [start, end) of the block; ``end`` past the size is clamped.

@@ -1,0 +1,202 @@
+"""Read plans against a raw ``os.preadv`` of the same extents (issue 11's
+target: >= 0.8x, page cache warm and cold), with HTTP GET over the same unix
+socket for context.
+
+Starts ``server.py`` on a fresh data directory with a unix socket, loads
+``--blocks`` direct blocks of ``--block-size`` (real KV bytes, repeated),
+then, on one thread, in ``--batch``-key plans:
+
+* ``plan``: POST /v1/read-plan, preadv of each block into one buffer, each
+  frame's xxh3 checked, DELETE of the lease (what ``get_into`` does, batched);
+* ``preadv``: the same extents, from the same descriptors, into the same
+  buffer: nothing else (the floor);
+* ``http``: GET of each block over the same unix socket into the buffer
+  (``AsyncClient.get_into`` with read plans off).
+
+Cold runs drop the segment files' pages first (``posix_fadvise DONTNEED``).
+Each figure is the median of ``--repeats`` passes.
+
+    .venv/bin/python -m bench.plan_bench [--blocks 128] [--block-size 2MiB] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
+from kvstore_client import AsyncClient
+from kvstore_client.plans import PlanConnection, PlannedBlock
+
+from kvstore.config import parse_size
+from kvstore.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "tests" / "data" / "kv" / "gemma3-270m.bf16.layers8-9.bin"
+GB = 1e9
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _admin(base: str, token: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        base + path,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        doc: dict[str, Any] = json.loads(r.read())
+        return doc
+
+
+def _median(fn: Callable[[], int], repeats: int, before: Callable[[], None]) -> float:
+    """GB/s, the median of ``repeats`` passes of ``fn`` (bytes it moved)."""
+    rates = []
+    for _ in range(repeats):
+        before()
+        t0 = time.perf_counter()
+        n = fn()
+        rates.append(n / (time.perf_counter() - t0) / GB)
+    return statistics.median(rates)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.plan_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", type=int, default=128)
+    p.add_argument("--block-size", default="2MiB")
+    p.add_argument("--batch", type=int, default=32, help="keys per plan (default 32)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    try:
+        size = parse_size("--block-size", args.block_size)
+    except ConfigError as e:
+        p.error(str(e))
+    if args.blocks < 1 or args.batch < 1 or args.repeats < 1:
+        p.error("--blocks, --batch and --repeats must be at least 1")
+    root = Path(tempfile.mkdtemp(prefix="kvstore-plan-bench-", dir="/var/tmp"))
+    admin = secrets.token_hex(16)
+    key_file = root / "master.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    sock, port = str(root / "kv.sock"), _port()
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "KVSTORE_ADMIN_TOKEN": admin}
+    env["KVSTORE_MASTER_KEY_FILE"] = str(key_file)
+    cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(root / "data"), "--compact-interval-s", "0"]
+    cmd += ["--listen", f"127.0.0.1:{port}", "--listen", f"unix:{sock}"]
+    with (root / "kvstore.log").open("ab") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while not Path(sock).exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the daemon did not start: {(root / 'kvstore.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+        token = _admin(base, admin, "/v1/admin/tenants", {"name": "bench", "policy": "direct"})["token"]
+        sample = SAMPLE.read_bytes()
+        data = (sample * (size // len(sample) + 1))[:size]
+        keys = [f"b{i:05d}" for i in range(args.blocks)]
+
+        async def load() -> None:
+            async with AsyncClient(f"unix:{sock}", token, strict=True, timeout=60) as c:
+                for k in keys:
+                    await c.put(k, data)
+
+        asyncio.run(load())
+        conn = PlanConnection(sock, token, timeout=60)
+        buf = bytearray(size)
+        batches = [keys[i : i + args.batch] for i in range(0, len(keys), args.batch)]
+        plans = [conn.plan(b, lease_s=600) for b in batches]
+        extents: list[PlannedBlock] = [blk for pl in plans for blk in pl.blocks.values()]
+        assert len(extents) == len(keys), "every block must be planned"
+        fds = sorted({e.fd for e in extents})
+
+        def drop_cache() -> None:
+            for fd in fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+        def by_plan() -> int:
+            n = 0
+            for b in batches:
+                plan = conn.plan(b)
+                for k in b:
+                    n += conn.read_into(plan.blocks[k], buf)
+                conn.release(plan.lease)
+            return n
+
+        def by_preadv() -> int:
+            n = 0
+            view = memoryview(buf)
+            for e in extents:
+                got = 0
+                while got < e.size:
+                    got += os.preadv(e.fd, [view[got : e.size]], e.offset + got)
+                n += got
+            return n
+
+        def by_http() -> int:
+            async def run() -> int:
+                n = 0
+                async with AsyncClient(f"unix:{sock}", token, strict=True, timeout=60, read_plans=False) as c:
+                    for k in keys:
+                        n += await c.get_into(k, buf) or 0
+                return n
+
+            return asyncio.run(run())
+
+        t0 = time.perf_counter()
+        for b in batches:
+            conn.release(conn.plan(b).lease)
+        plan_ms = (time.perf_counter() - t0) * 1000 / len(batches)
+        rows: dict[str, dict[str, float]] = {}
+        for cache, before in (("warm", lambda: None), ("cold", drop_cache)):
+            if cache == "warm":
+                by_preadv()  # bring every page in
+            rows[cache] = {
+                "preadv": _median(by_preadv, args.repeats, before),
+                "plan": _median(by_plan, args.repeats, before),
+                "http": _median(by_http, args.repeats, before),
+            }
+        for pl in plans:
+            conn.release(pl.lease)
+        conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        shutil.rmtree(root, ignore_errors=True)
+    what = f"{args.blocks} direct blocks of {size} bytes, {args.batch} keys a plan, one thread"
+    print(f"{what}; GB/s (median of {args.repeats}); a plan and its release: {plan_ms:.2f} ms")
+    print(f"{'cache':<6} {'preadv':>8} {'plan':>8} {'http':>8} {'plan/preadv':>12} {'http/preadv':>12}")
+    for cache, r in rows.items():
+        print(
+            f"{cache:<6} {r['preadv']:8.2f} {r['plan']:8.2f} {r['http']:8.2f} "
+            f"{r['plan'] / r['preadv']:11.2f}x {r['http'] / r['preadv']:11.2f}x"
+        )
+    if args.json:
+        doc = {"blocks": args.blocks, "block_size": size, "batch": args.batch, "plan_ms": plan_ms, **rows}
+        args.json.write_text(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
