@@ -109,7 +109,7 @@ async def plans_ctx(app: web.Application) -> AsyncIterator[None]:
     await bg.close()
 
 
-def _unix_transport(request: web.Request) -> tuple[asyncio.Transport, int]:
+def _unix_transport(request: web.Request) -> asyncio.Transport:
     transport = request.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
     if transport is None or sock is None or sock.family != socket.AF_UNIX:
@@ -117,7 +117,7 @@ def _unix_transport(request: web.Request) -> tuple[asyncio.Transport, int]:
             "read plans pass file descriptors, so they are served on the daemon's unix socket only "
             "(listen = unix:PATH); use GET /v1/blocks/{key} here"
         )
-    return transport, int(sock.fileno())
+    return transport
 
 
 def _lease_s(body: dict[str, Any]) -> float:
@@ -130,7 +130,7 @@ def _lease_s(body: dict[str, Any]) -> float:
 @routes.post("/v1/read-plan")
 async def read_plan(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
-    transport, sock_fd = _unix_transport(request)
+    transport = _unix_transport(request)
     body = await json_body(request)
     unknown = set(body) - {"keys", "lease_s"}
     if unknown:
@@ -163,7 +163,7 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/json", "Kvstore-Fds": str(len(fds))})
         resp.content_length = len(payload)
         await resp.prepare(request)
-        await _send_with_fds(request, resp, transport, sock_fd, payload, fds)
+        await _send_with_fds(request, resp, transport, payload, fds)
         await resp.write_eof()
         return resp
     finally:
@@ -188,42 +188,48 @@ async def _send_with_fds(
     request: web.Request,
     resp: web.StreamResponse,
     transport: asyncio.Transport,
-    sock_fd: int,
     payload: bytes,
     fds: list[int],
 ) -> None:
     """Send ``payload``; its first bytes carry ``fds`` (SCM_MAX_FD a byte)."""
-    if not fds:
-        await send(request, resp, payload)
-        return
     deadline = time.monotonic() + config_of(request).request_timeout_s
-    while transport.get_write_buffer_size():  # the headers first, in order
-        if time.monotonic() > deadline:
-            raise ConnectionResetError("the client read nothing of the read plan's headers")
-        await asyncio.sleep(0.001)
-    sock = socket.socket(fileno=os.dup(sock_fd))  # the transport keeps its own descriptor
-    try:
-        sent = 0
-        for i in range(0, len(fds), SCM_MAX_FD):
-            chunk = array.array("i", fds[i : i + SCM_MAX_FD])
-            while True:
+    sent = 0
+    for i in range(0, len(fds), SCM_MAX_FD):
+        chunk = array.array("i", fds[i : i + SCM_MAX_FD])
+        while True:
+            # The headers (and earlier pieces) go first, in order; the socket
+            # is looked up right before it is used, with no await in between.
+            if transport.is_closing():
+                raise ConnectionResetError("the client went before its read plan was sent")
+            if not transport.get_write_buffer_size():
                 try:
-                    n = sock.sendmsg([payload[sent : sent + 1]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, chunk)])
+                    n = _sendmsg(transport, payload[sent : sent + 1], chunk)
                     break
                 except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise ConnectionResetError("the client read nothing of the read plan") from None
-                    await asyncio.sleep(0.001)
-            sent += n
-    finally:
-        sock.close()  # the duplicate only
+                    pass
+                except OSError as e:
+                    transport.abort()
+                    raise ConnectionResetError(f"the client went during its read plan: {e.strerror}") from None
+            if time.monotonic() > deadline:
+                transport.abort()
+                raise ConnectionResetError("the client read nothing of its read plan")
+            await asyncio.sleep(0.001)
+        sent += n
     await send(request, resp, payload[sent:])
+
+
+def _sendmsg(transport: asyncio.Transport, data: bytes, fds: array.array[int]) -> int:
+    """One sendmsg on the transport's socket (a duplicate of its descriptor,
+    closed at once: the transport keeps its own)."""
+    fd = int(transport.get_extra_info("socket").fileno())
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        return sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
 
 
 @routes.delete("/v1/read-plan/{lease}")
 async def release_plan(request: web.Request) -> web.Response:
     tenant_of(request)
-    transport, _ = _unix_transport(request)
+    transport = _unix_transport(request)
     if not request.app[PLANS].release(transport, request.match_info["lease"]):
         raise NotFound("no such lease on this connection (released, expired, or never given)")
     return web.Response(status=204)

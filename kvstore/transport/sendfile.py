@@ -36,6 +36,12 @@ def plain_socket_fd(request: web.Request) -> int | None:
     return None if sock is None else int(sock.fileno())
 
 
+def abort(request: web.Request) -> None:
+    """Close a connection whose peer is gone, so it counts as a disconnect."""
+    if request.transport is not None:
+        request.transport.abort()
+
+
 def sendfile_now(sock_fd: int, file_fd: int, offset: int, count: int) -> int:
     """Send up to ``count`` bytes of ``file_fd`` at ``offset`` without
     waiting: returns how many the socket took."""
@@ -58,9 +64,16 @@ def sendfile_now(sock_fd: int, file_fd: int, offset: int, count: int) -> int:
 async def send_extent(request: web.Request, resp: web.StreamResponse, extent: DirectExtent, use_sendfile: bool) -> None:
     """Send the bytes of ``extent`` on a prepared response."""
     sent = 0
+    # No await between looking the socket up and using it: a transport closes
+    # on this thread, so its descriptor cannot be closed (and its number
+    # reused by another connection) in between.
     fd = plain_socket_fd(request) if use_sendfile else None
     if fd is not None:
-        sent = sendfile_now(fd, extent.segment.fd, extent.offset, len(extent.view))
+        try:
+            sent = sendfile_now(fd, extent.segment.fd, extent.offset, len(extent.view))
+        except ConnectionResetError:
+            abort(request)  # the kernel knew first: the transport learns it now
+            raise
         request.app[METRICS].inc("kvstore_http_sendfile_bytes_total", sent)
     if sent < len(extent.view):
         await send(request, resp, extent.view[sent:])
