@@ -208,7 +208,8 @@ def make_app(
         client_max_size=4 << 20,  # JSON bodies (lookup, batch get); block bodies are streamed
     )
     app[CONFIG] = config
-    app[STATE] = {"ready": False, "inflight": 0, "role": role}
+    # writer_socket: the workers' private socket; /_internal/ answers there only.
+    app[STATE] = {"ready": False, "inflight": 0, "role": role, "writer_socket": writer_socket}
     app[BUDGET] = BodyBudget(config.max_buffered_body_bytes)
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:

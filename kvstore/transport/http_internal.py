@@ -3,7 +3,8 @@
 Reader workers serve reads, but the writer owns access times (the quota's LRU
 order and the TTL, access.py): every ``RELAY_S`` a reader hands the writer the
 accesses it served. The route exists only on the writer and answers only on
-its unix socket (a 0700 directory only the daemon's user can reach); on TCP it
+the workers' private unix socket (in a 0700 directory only the daemon's user
+can reach); on TCP and on the public unix sockets (``listen = unix:PATH``) it
 is a 404 like any unknown path. It is not part of the API (docs/openapi.yaml
 leaves out /_internal/).
 """
@@ -19,7 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from kvstore.errors import InvalidInput, NotFound
-from kvstore.transport.http_common import STORE, store_of
+from kvstore.transport.http_common import STATE, STORE, store_of
 
 log = logging.getLogger("kvstore.http.internal")
 PREFIX = "/_internal/"
@@ -27,14 +28,17 @@ RELAY_S = 1.0
 routes = web.RouteTableDef()
 
 
-def _on_unix_socket(request: web.Request) -> bool:
+def _on_private_socket(request: web.Request) -> bool:
+    """Whether ``request`` came over the workers' private socket (never a
+    public ``unix:PATH`` listener, whose clients are tenants)."""
     transport = request.transport
-    return transport is not None and isinstance(transport.get_extra_info("sockname"), str)
+    private = request.app[STATE]["writer_socket"]
+    return transport is not None and private is not None and transport.get_extra_info("sockname") == private
 
 
 @routes.post("/_internal/touches")
 async def touches(request: web.Request) -> web.Response:
-    if not _on_unix_socket(request):
+    if not _on_private_socket(request):
         raise NotFound("no such route")
     try:
         doc = json.loads(await request.read())

@@ -14,12 +14,16 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 from kvstore_client import AsyncClient
 
+from kvstore.engine.crypto import MasterKey
 from kvstore.errors import ConfigError
 from kvstore.server_config import load
+from kvstore.transport.http import make_app
+from kvstore.transport.http_server import KVAppRunner
 
-from .conftest import ADMIN, ROOT, Daemon
+from .conftest import ADMIN, ROOT, Daemon, server_config
 
 pytestmark = pytest.mark.slow
 
@@ -127,3 +131,25 @@ def test_client_endpoints() -> None:
         "unix:/run/kv.sock",
         "http://127.0.0.1:1",
     ]
+
+
+async def test_the_workers_private_calls_are_not_on_the_public_socket(tmp_path: Path) -> None:
+    """/_internal/ (calls between workers, without tokens) answers on the
+    workers' private socket only: a client of a public unix socket gets the
+    404 any unknown path gets. (A writer app, served on both sockets.)"""
+    private, public = str(tmp_path / "writer.sock"), str(tmp_path / "kv.sock")
+    cfg = server_config(tmp_path / "data", listen=f"unix:{public}")
+    runner = KVAppRunner(make_app(cfg, MasterKey(os.urandom(32)), "writer", private))
+    await runner.setup()
+    try:
+        await web.UnixSite(runner, private).start()
+        await web.UnixSite(runner, public).start()
+        for path, status in ((public, 404), (private, 204), (public, 404)):
+            connector = aiohttp.UnixConnector(path=path)
+            async with (
+                aiohttp.ClientSession(connector=connector) as s,
+                s.post("http://localhost/_internal/touches", json={}) as r,
+            ):
+                assert r.status == status, (path, await r.text())
+    finally:
+        await runner.cleanup()
