@@ -71,6 +71,8 @@ class PlanConnection:
         self._timeout = timeout
         self._sock: socket.socket | None = None
         self._fds: dict[int, int] = {}  # file id on this connection -> descriptor
+        self._to_close: list[int] = []  # of files the daemon let go, once no plan is outstanding
+        self._outstanding: set[str] = set()  # leases of plans not released yet
         self._lock = threading.Lock()
 
     # -- the plan ---------------------------------------------------------------
@@ -92,7 +94,11 @@ class PlanConnection:
                 self._reset()
                 raise UnavailableError(f"read plan named {len(files)} new files but {len(fds)} descriptors came")
             self._fds.update(zip(files, fds, strict=True))
+            for fid in doc.get("closed", ()):
+                if fid in self._fds:
+                    self._to_close.append(self._fds.pop(fid))
             plan = Plan(self.path, doc["lease"], float(doc["expires_in_s"]))
+            self._outstanding.add(plan.lease)
             for b in doc["blocks"]:
                 if b["status"] != 200:
                     plan.others[b["key"]] = (int(b["status"]), str(b.get("error", {}).get("code", "")))
@@ -110,6 +116,11 @@ class PlanConnection:
     def release(self, lease: str) -> None:
         """Let the daemon compact and drop the plan's segments again."""
         with self._lock:
+            self._outstanding.discard(lease)
+            if not self._outstanding:  # no block of an earlier plan can be read from these any more
+                for fd in self._to_close:
+                    os.close(fd)
+                self._to_close.clear()
             status, doc, fds = self._exchange("DELETE", f"/v1/read-plan/{lease}", None)
         for fd in fds:
             os.close(fd)
@@ -147,9 +158,11 @@ class PlanConnection:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), *self._to_close]:
             os.close(fd)
         self._fds.clear()
+        self._to_close.clear()
+        self._outstanding.clear()
 
     def _exchange(self, method: str, path: str, body: bytes | None) -> tuple[int, Any, list[int]]:
         for attempt in (0, 1):  # a kept-alive connection the daemon closed: once more on a new one

@@ -194,6 +194,13 @@ class StoreReads(StoreCore):
         self.metrics.inc("kvstore_bytes_out_total", sum(p.size for p in planned if isinstance(p, PlannedBlock)))
         return planned
 
+    def segment_alive(self, tenant: str, incarnation: int, sid: int) -> bool:
+        """Whether a segment a read plan handed out still has its local file
+        (not compacted, dropped or deleted; its tenant not created again)."""
+        if tenant not in self._registry or self._registry.get(tenant).created_ns != incarnation:
+            return False
+        return self._life.phase(tenant, sid).local
+
     async def _locate(self, t: Tenant, key: str) -> tuple[IndexEntry, SegmentFile]:
         """The index entry of a direct block and its local segment, acquired."""
         entry = await self._entry(t.name, key)

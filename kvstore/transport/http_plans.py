@@ -13,6 +13,9 @@ segments stay in place (neither compacted nor dropped) under a lease until
 ``DELETE /v1/read-plan/{lease}``, its expiry, or the connection's end; a
 descriptor keeps a segment's bytes readable even after that (an unlinked
 file lives on while a descriptor is open), so a plan never reads other bytes.
+So that the space of such files comes back, each answer lists in ``closed``
+the ids of files given before whose segments are gone; the client closes
+those descriptors once no plan of its own still uses them.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class _Connection:
     transport: weakref.ref[asyncio.Transport]
     files: dict[tuple[str, int, int], int] = field(default_factory=dict)  # segment -> id on this connection
     leases: set[str] = field(default_factory=set)
+    next_id: int = 0
 
     def closed(self) -> bool:
         t = self.transport()
@@ -141,6 +145,11 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
     planned = await store.plan_reads(tenant, keys)
     try:
         conn = request.app[PLANS].connection(transport)
+        # Files given before whose segments are gone (compacted, dropped,
+        # deleted): the client closes its descriptors, so their space returns.
+        closed = [fid for f, fid in conn.files.items() if not store.segment_alive(*f)]
+        for f in [f for f, fid in conn.files.items() if fid in closed]:
+            del conn.files[f]
         files: list[int] = []
         fds: list[int] = []
         blocks: list[dict[str, Any]] = []
@@ -151,14 +160,15 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
                 continue
             fid = conn.files.get(p.file)
             if fid is None:
-                fid = conn.files[p.file] = len(conn.files)
+                fid = conn.files[p.file] = conn.next_id
+                conn.next_id += 1
                 files.append(fid)
                 fds.append(p.segment.fd)
             segments.add((p.file[0], p.file[2]))
             blocks.append(_block(p, fid))
         lease = store.leases.acquire(segments, lease_s)
         conn.leases.add(lease.id)
-        doc = {"lease": lease.id, "expires_in_s": lease_s, "files": files, "blocks": blocks}
+        doc = {"lease": lease.id, "expires_in_s": lease_s, "files": files, "closed": closed, "blocks": blocks}
         payload = json.dumps(doc, separators=(",", ":")).encode()
         resp = web.StreamResponse(headers={"Content-Type": "application/json", "Kvstore-Fds": str(len(fds))})
         resp.content_length = len(payload)

@@ -173,6 +173,19 @@ async def test_another_user_reads_through_passed_descriptors(daemon: Daemon, soc
     assert daemon.stop() == 0
 
 
+def _deleted_segments_open(tenant: str) -> list[str]:
+    """Removed segment files of ``tenant`` this process still holds open."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if f"/segments/{tenant}/" in target and target.endswith(" (deleted)"):
+            out.append(target)
+    return sorted(out)
+
+
 async def _compact(session: aiohttp.ClientSession, base: str, tenant: str) -> int:
     rep = await _admin(session, base, "POST", f"/v1/admin/compact?tenant={tenant}")
     assert isinstance(rep, dict)
@@ -210,7 +223,16 @@ async def test_a_lease_holds_a_segment_through_compaction(daemon: Daemon, sock_d
         # Its file is gone: the descriptor still reads c0's bytes, and so does a GET.
         buf = bytearray(block.size)
         assert conn.read_into(block, buf) == len(blocks["c0"]) and buf == blocks["c0"]
+        assert _deleted_segments_open("c") == [str(first) + " (deleted)"]
+        if how == "release":
+            # The next plan on this connection tells the client to let go of
+            # the removed file, and the client does once its plans are released.
+            later = conn.plan(["c6"])
+            assert _deleted_segments_open("c") == [str(first) + " (deleted)"]
+            conn.release(later.lease)
+            assert _deleted_segments_open("c") == []
         conn.close()
+        assert _deleted_segments_open("c") == []
         async with s.get(f"{daemon.base}/v1/blocks/c0", headers=h) as r:
             assert await r.read() == blocks["c0"]
     assert daemon.stop() == 0
