@@ -42,26 +42,25 @@ def validate_tenant(name: object) -> str:
     return name
 
 
-_TOKEN_ID_RE = re.compile(r"[0-9a-f]{16}")
+_HEX_RE = re.compile(r"[0-9a-f]+")
+
+
+def _hex_id(value: object, digits: int, what: str) -> str:
+    """Return ``value`` if it is ``digits`` lowercase hex digits."""
+    if not isinstance(value, str) or len(value) != digits or _HEX_RE.fullmatch(value) is None:
+        shown = value[:40] if isinstance(value, str) else type(value).__name__
+        raise InvalidInput(f"{what} {shown!r} is invalid; expected {digits} lowercase hex digits")
+    return value
 
 
 def validate_token_id(token_id: object) -> str:
     """Return ``token_id`` if it has the form of a token id (16 hex digits)."""
-    if not isinstance(token_id, str) or _TOKEN_ID_RE.fullmatch(token_id) is None:
-        shown = token_id[:40] if isinstance(token_id, str) else type(token_id).__name__
-        raise InvalidInput(f"token id {shown!r} is invalid; expected 16 lowercase hex digits")
-    return token_id
-
-
-_LEASE_RE = re.compile(r"[0-9a-f]{32}")
+    return _hex_id(token_id, 16, "token id")
 
 
 def validate_lease(lease: object) -> str:
     """Return ``lease`` if it has the form of a lease id (32 hex digits)."""
-    if not isinstance(lease, str) or _LEASE_RE.fullmatch(lease) is None:
-        shown = lease[:40] if isinstance(lease, str) else type(lease).__name__
-        raise InvalidInput(f"lease {shown!r} is invalid; expected 32 lowercase hex digits")
-    return lease
+    return _hex_id(lease, 32, "lease")
 
 
 # Every path parameter of every route, and how it is checked. Every worker

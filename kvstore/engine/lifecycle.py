@@ -254,15 +254,3 @@ class Leases:
         with self._lock:
             self._expire()
             return any(key in lease.segments for lease in self._leases.values())
-
-    def held_for(self, key: SegmentKey) -> float:
-        """Seconds until the last lease on ``key`` expires (0: none)."""
-        with self._lock:
-            self._expire()
-            ends = [lease.expires for lease in self._leases.values() if key in lease.segments]
-        return max(ends, default=time.monotonic()) - time.monotonic()
-
-    def __len__(self) -> int:
-        with self._lock:
-            self._expire()
-            return len(self._leases)

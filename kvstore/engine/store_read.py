@@ -194,6 +194,10 @@ class StoreReads(StoreCore):
         self.metrics.inc("kvstore_bytes_out_total", sum(p.size for p in planned if isinstance(p, PlannedBlock)))
         return planned
 
+    def lifecycle_epoch(self) -> int:
+        """A counter that moves whenever a segment changes state (an LMDB read)."""
+        return self._index.epoch()
+
     def segment_alive(self, tenant: str, incarnation: int, sid: int) -> bool:
         """Whether a segment a read plan handed out still has its local file
         (not compacted, dropped or deleted; its tenant not created again)."""

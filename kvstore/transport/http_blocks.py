@@ -61,30 +61,28 @@ async def get_block(request: web.Request) -> web.StreamResponse:
     else:
         data = await store.get_sendable(tenant, key)
         status = 200
-    if not isinstance(data, DirectExtent):
-        request.app[METRICS].inc("kvstore_http_bytes_out_total", len(data))
+    try:
         return await send_bytes(request, data, status, headers)
-    try:  # a direct block in a local segment: sendfile from the segment file
-        request.app[METRICS].inc("kvstore_http_bytes_out_total", len(data.view))
-        resp = web.StreamResponse(status=status, headers={**headers, "Content-Type": "application/octet-stream"})
-        resp.content_length = len(data.view)
-        await resp.prepare(request)
-        await send_extent(request, resp, data, config_of(request).sendfile)
-        await resp.write_eof()
-        return resp
     finally:
-        data.release()
+        if isinstance(data, DirectExtent):
+            data.release()  # its segment stays open until the answer is sent
 
 
 async def send_bytes(
-    request: web.Request, data: bytes | bytearray | memoryview, status: int, headers: dict[str, str]
+    request: web.Request, data: bytes | bytearray | memoryview | DirectExtent, status: int, headers: dict[str, str]
 ) -> web.StreamResponse:
-    """Send ``data`` with a Content-Length, handing the buffer to the transport
-    as it is (no copy into a payload object)."""
+    """Send ``data`` with a Content-Length: a buffer handed to the transport
+    as it is (no copy into a payload object), or a direct block's extent
+    with sendfile from its segment file."""
+    size = len(data.view) if isinstance(data, DirectExtent) else len(data)
+    request.app[METRICS].inc("kvstore_http_bytes_out_total", size)
     resp = web.StreamResponse(status=status, headers={**headers, "Content-Type": "application/octet-stream"})
-    resp.content_length = len(data)
+    resp.content_length = size
     await resp.prepare(request)
-    await send(request, resp, data)
+    if isinstance(data, DirectExtent):
+        await send_extent(request, resp, data, config_of(request).sendfile)
+    else:
+        await send(request, resp, data)
     await resp.write_eof()
     return resp
 

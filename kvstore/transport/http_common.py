@@ -60,11 +60,11 @@ async def send(request: web.Request, resp: web.StreamResponse, data: bytes | byt
             async with asyncio.timeout(seconds):
                 await resp.write(view[at : at + SEND_PIECE])
         except TimeoutError:
-            _reset(request)
+            reset_connection(request)
             raise ConnectionResetError(f"the client read nothing for {seconds} s") from None
 
 
-def _reset(request: web.Request) -> None:
+def reset_connection(request: web.Request) -> None:
     """Abort the connection with a RST: the kernel drops what it still holds
     for the client instead of trying to deliver it after the close."""
     transport = request.transport

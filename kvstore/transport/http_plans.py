@@ -40,7 +40,7 @@ from kvstore.errors import InvalidInput, KVStoreError, NotFound, UnixSocketRequi
 from kvstore.tasks import Background
 from kvstore.transport.http_blocks import keys_field
 from kvstore.transport.http_body import json_body
-from kvstore.transport.http_common import STORE, config_of, send, store_of, tenant_of
+from kvstore.transport.http_common import STORE, config_of, reset_connection, send, store_of, tenant_of
 
 log = logging.getLogger("kvstore.transport.plans")
 routes = web.RouteTableDef()
@@ -56,6 +56,7 @@ class _Connection:
     files: dict[tuple[str, int, int], int] = field(default_factory=dict)  # segment -> id on this connection
     leases: set[str] = field(default_factory=set)
     next_id: int = 0
+    epoch: int = -1  # the lifecycle epoch its files were last checked at
 
     def closed(self) -> bool:
         t = self.transport()
@@ -90,9 +91,6 @@ class PlanState:
             for lid in self._conns.pop(key).leases:
                 n += self._leases.release(lid)
         return n
-
-    def __len__(self) -> int:
-        return len(self._conns)
 
 
 PLANS = web.AppKey("plans", PlanState)
@@ -147,9 +145,12 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
         conn = request.app[PLANS].connection(transport)
         # Files given before whose segments are gone (compacted, dropped,
         # deleted): the client closes its descriptors, so their space returns.
-        closed = [fid for f, fid in conn.files.items() if not store.segment_alive(*f)]
-        for f in [f for f, fid in conn.files.items() if fid in closed]:
-            del conn.files[f]
+        # (Checked again only when a segment changed state somewhere.)
+        closed: list[int] = []
+        epoch = store.lifecycle_epoch()
+        if epoch != conn.epoch:
+            closed = [conn.files.pop(f) for f in [f for f in conn.files if not store.segment_alive(*f)]]
+            conn.epoch = epoch
         files: list[int] = []
         fds: list[int] = []
         blocks: list[dict[str, Any]] = []
@@ -218,10 +219,10 @@ async def _send_with_fds(
                 except BlockingIOError:
                     pass
                 except OSError as e:
-                    transport.abort()
+                    reset_connection(request)
                     raise ConnectionResetError(f"the client went during its read plan: {e.strerror}") from None
             if time.monotonic() > deadline:
-                transport.abort()
+                reset_connection(request)
                 raise ConnectionResetError("the client read nothing of its read plan")
             await asyncio.sleep(0.001)
         sent += n

@@ -19,7 +19,7 @@ import os
 from aiohttp import web
 
 from kvstore.engine.store_read import DirectExtent
-from kvstore.transport.http_common import METRICS, send
+from kvstore.transport.http_common import METRICS, reset_connection, send
 
 _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN)
 
@@ -34,12 +34,6 @@ def plain_socket_fd(request: web.Request) -> int | None:
         return None
     sock = transport.get_extra_info("socket")
     return None if sock is None else int(sock.fileno())
-
-
-def abort(request: web.Request) -> None:
-    """Close a connection whose peer is gone, so it counts as a disconnect."""
-    if request.transport is not None:
-        request.transport.abort()
 
 
 def sendfile_now(sock_fd: int, file_fd: int, offset: int, count: int) -> int:
@@ -72,7 +66,7 @@ async def send_extent(request: web.Request, resp: web.StreamResponse, extent: Di
         try:
             sent = sendfile_now(fd, extent.segment.fd, extent.offset, len(extent.view))
         except ConnectionResetError:
-            abort(request)  # the kernel knew first: the transport learns it now
+            reset_connection(request)  # the kernel knew first: the transport learns it now
             raise
         request.app[METRICS].inc("kvstore_http_sendfile_bytes_total", sent)
     if sent < len(extent.view):
