@@ -54,7 +54,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     pydantic_core pyzmq tqdm IPython pydantic aiohttp triton
 fi
 step "kvstore with its test extras (the daemon the tests start, the shared conftest), the client library"
-pipq install -c "$pin" -e ".[test]" -e clients
+pipq install -c "$pin" -e ".[test]" -e 'clients[decode]'
 pipq uninstall -y torchvision torchaudio torchcodec
 "$PY" - <<'PY'
 import importlib.metadata as md

@@ -80,6 +80,14 @@ class UnixSocketRequired(KVStoreError):
     code = "unix_socket_required"
 
 
+class InsecureTransport(KVStoreError):
+    """A record's own key is handed out only where no one else can read it:
+    over TLS, a unix socket, or loopback."""
+
+    status = 403
+    code = "insecure_transport"
+
+
 class ConfigError(KVStoreError):
     """A bad configuration value; the message names the key and the value."""
 

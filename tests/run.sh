@@ -3,9 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/setup-venv.sh test
-.venv/bin/python -m pip install --quiet -e clients  # the client library is its own package
+.venv/bin/python -m pip install --quiet -e 'clients[decode]'  # the client library is its own package
 export PYTHONHASHSEED="${PYTHONHASHSEED:-0}"
-echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
+# One command per line: under set -e a failure on the left of && would not stop the script.
+echo "== ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy
 echo "== pytest"
 set +e

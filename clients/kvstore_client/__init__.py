@@ -5,6 +5,7 @@ from kvstore_client.client import AsyncClient
 from kvstore_client.errors import (
     BufferTooSmall,
     CircuitOpenError,
+    CorruptBlock,
     DeadlineExceeded,
     InvalidKeyError,
     KVStoreClientError,
@@ -22,6 +23,7 @@ __all__ = [
     "CircuitBreaker",
     "CircuitOpenError",
     "Client",
+    "CorruptBlock",
     "DeadlineExceeded",
     "InvalidKeyError",
     "KVStoreClientError",

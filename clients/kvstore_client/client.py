@@ -29,10 +29,12 @@ import random
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import aiohttp
 import aiohttp.abc
@@ -53,15 +55,21 @@ from kvstore_client.plans import Plan, PlanConnection, PlannedBlock
 from kvstore_client.sharding import UNIX, rank_endpoints
 from kvstore_client.sharding import normalize as _normalize
 
+if TYPE_CHECKING:
+    from kvstore_client.record import RecordOpener
+
 log = logging.getLogger("kvstore_client")
 
 T = TypeVar("T")
 
+# Stored frames up to this size are decoded on the event loop (tens of microseconds).
+INLINE_DECODE_BYTES = 16 << 10
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504, 507})
 BREAKER_STATUSES = frozenset({502, 503, 504})
 _STAT_NAMES = (
     "plan_reads",  # get_into served from a read plan (the segment file, no HTTP body)
     "plan_fallbacks",  # get_into that fell back to GET (sealed, object tier only, plan failed)
+    "client_decodes",  # reads of records as stored, checked and decoded here (decode="client"/"auto")
     "calls",
     "hits",
     "misses",
@@ -81,6 +89,35 @@ class _Endpoint:
     breaker: CircuitBreaker
     session: aiohttp.ClientSession | None = None
     plans: PlanConnection | None = None  # unix: endpoints, read plans
+    client_decode: bool = False  # read records as stored and decode them here
+
+
+Decode = Literal["server", "client", "auto"]
+_LOOPBACK_HOSTS = frozenset({"localhost", "::1", "ip6-localhost"})
+
+
+def decode_allowed(url: str) -> bool:
+    """Whether a daemon hands records with their keys out on ``url``: a
+    unix socket, TLS, or a loopback address (it checks the same itself)."""
+    if url.startswith(UNIX):
+        return True
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    return parts.scheme == "https" or host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def decode_available() -> bool:
+    """Whether this process can open records itself (``pip install
+    'kvstore-client[decode]'``: cryptography, zstandard, numpy)."""
+    try:
+        import kvstore_client.record  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _ServerDecodes(Exception):
+    """The daemon refused to send a record as stored here: GET the block."""
 
 
 @dataclass
@@ -172,6 +209,8 @@ class AsyncClient:
         max_lookup_keys: int = 4096,
         log_interval: float = 10.0,
         read_plans: bool = True,
+        decode: Decode = "auto",
+        decode_threads: int | None = None,
     ) -> None:
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not eps:
@@ -199,7 +238,28 @@ class AsyncClient:
         self.max_lookup_keys = max_lookup_keys
         self.read_plans = read_plans
         self._ssl: ssl.SSLContext | None = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        if decode not in ("server", "client", "auto"):
+            raise ValueError(f"decode must be 'server', 'client' or 'auto', got {decode!r}")
+        if decode == "client" and not decode_available():
+            raise ValueError(
+                "decode='client' needs pip install 'kvstore-client[decode]' (cryptography, zstandard, numpy)"
+            )
+        if decode == "client":
+            refused = [u for u in urls if not decode_allowed(u)]
+            if refused:
+                raise ValueError(
+                    f"decode='client' needs TLS, a unix socket or loopback; {refused[0]} is none of them"
+                    " (a record's own key would cross the network in clear): use decode='auto' or 'server'"
+                )
+        if decode_threads is not None and decode_threads < 1:
+            raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
+        self.decode = decode
+        self.decode_threads = decode_threads or min(8, os.cpu_count() or 1)
+        self._decoder: ThreadPoolExecutor | None = None
         self._endpoints = {u: _Endpoint(u, CircuitBreaker(breaker_threshold, breaker_cooldown)) for u in urls}
+        decodes = decode != "server" and decode_available()
+        for ep in self._endpoints.values():
+            ep.client_decode = decodes and decode_allowed(ep.url)
         self._urls = urls
         self._log = _RateLimitedLog(log_interval)
         self.stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
@@ -231,6 +291,9 @@ class AsyncClient:
             if ep.plans is not None:
                 ep.plans.close()
                 ep.plans = None
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=False, cancel_futures=True)
+            self._decoder = None
 
     @property
     def endpoints(self) -> list[str]:
@@ -378,6 +441,18 @@ class AsyncClient:
         headers = {"Range": f"bytes={rng[0]}-{rng[1] - 1}"} if rng else {}
 
         async def fn(s: aiohttp.ClientSession) -> bytes:
+            if self._decodes_here(s):
+                out: list[bytearray] = []
+
+                def dest(n: int) -> memoryview:
+                    out.append(bytearray(n))
+                    return memoryview(out[0])
+
+                try:
+                    await self._read_record(s, key, rng, dest)
+                    return bytes(out[0])
+                except _ServerDecodes:
+                    pass
             async with s.get(f"/v1/blocks/{key}", headers=headers) as r:
                 if rng is not None and r.status == 416:
                     raise _Miss
@@ -409,7 +484,17 @@ class AsyncClient:
                 return n
             self.stats["plan_fallbacks"] += 1
 
+        def dest(n: int) -> memoryview:
+            if n > mv.nbytes:
+                raise BufferTooSmall(f"block {key} is {n} bytes; the buffer holds {mv.nbytes}")
+            return mv[:n]
+
         async def fn(s: aiohttp.ClientSession) -> int:
+            if self._decodes_here(s):
+                try:
+                    return await self._read_record(s, key, None, dest)
+                except _ServerDecodes:
+                    pass
             async with s.get(f"/v1/blocks/{key}") as r:
                 await _check(r, ok=(200,))
                 size = r.content_length
@@ -427,6 +512,75 @@ class AsyncClient:
                 return n
 
         return await self._on_owners(key, fn, self._deadline())
+
+    def _decodes_here(self, s: aiohttp.ClientSession) -> bool:
+        """Whether reads on ``s`` (an endpoint's session) fetch records as
+        stored and decode them here."""
+        return any(ep.session is s and ep.client_decode for ep in self._endpoints.values())
+
+    async def _read_record(
+        self, s: aiohttp.ClientSession, key: str, rng: tuple[int, int] | None, dest: Callable[[int], memoryview]
+    ) -> int:
+        """``GET /v1/records/{key}``: the stored frames that cover the block
+        (or ``rng``), each checked and decoded on the decode threads as it
+        arrives, into ``dest(n)`` (n: the bytes to come). Returns n."""
+        from kvstore_client import record
+
+        headers = {"Range": f"bytes={rng[0]}-{rng[1] - 1}"} if rng else {}
+        async with s.get(f"/v1/records/{key}", headers=headers) as r:
+            if rng is not None and r.status == 416:
+                raise _Miss
+            if r.status == 403 and self.decode == "auto":
+                err = _error_from(r.status, await r.read(), r)
+                if err.code == "insecure_transport":  # behind a proxy, say: the daemon decodes
+                    for ep in self._endpoints.values():
+                        if ep.session is s:
+                            ep.client_decode = False
+                    raise _ServerDecodes
+                raise err
+            await _check(r, ok=(200,))
+            try:
+                magic, meta_len = record.HEAD.unpack(await r.content.readexactly(record.HEAD.size))
+                if magic != record.MAGIC or meta_len > record.MAX_META:
+                    raise ProtocolError(f"block {key}: not a record envelope", status=r.status)
+                meta = record.parse_meta(await r.content.readexactly(meta_len), key)
+                if rng is not None and (meta.start, meta.end) != (rng[0], min(rng[1], meta.size)):
+                    raise ProtocolError(f"block {key}: the record sent covers [{meta.start}, {meta.end}), not {rng}")
+                if r.content_length is not None and r.content_length != record.HEAD.size + meta_len + meta.stored_len:
+                    raise ProtocolError(f"block {key}: Content-Length does not match the record envelope")
+                opener = record.RecordOpener(meta, dest(meta.end - meta.start))
+                await self._open_frames(r, opener)
+            except asyncio.IncompleteReadError as e:
+                raise UnavailableError(f"block {key}: the answer ended {len(e.partial)} bytes into a part") from None
+            self.stats["client_decodes"] += 1
+            return meta.end - meta.start
+
+    async def _open_frames(self, r: aiohttp.ClientResponse, opener: RecordOpener) -> None:
+        """Each frame of the answer, read and handed to a decode thread; every
+        thread has finished with the output when this returns or raises."""
+        loop = asyncio.get_running_loop()
+        pool = self._decode_pool()
+        pending: list[asyncio.Future[None]] = []
+        try:
+            for j, f in enumerate(opener.meta.frames):
+                stored = await r.content.readexactly(f.length)
+                if f.length <= INLINE_DECODE_BYTES:  # cheaper here than the hop to a thread
+                    opener.place(j, stored)
+                else:
+                    pending.append(loop.run_in_executor(pool, opener.place, j, stored))
+            if await r.content.read(1):
+                raise ProtocolError(f"block {opener.meta.key}: bytes after the record's last frame")
+        finally:
+            if pending:  # the output is the caller's buffer: no thread may write to it after we return
+                await asyncio.shield(asyncio.wait(pending))
+        for fut in pending:
+            fut.result()
+
+    def _decode_pool(self) -> ThreadPoolExecutor:
+        """The threads that open and decode records' frames here."""
+        if self._decoder is None:
+            self._decoder = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="kvstore-decode")
+        return self._decoder
 
     def _plans_of(self, url: str) -> PlanConnection | None:
         """The read-plan connection of a ``unix:`` endpoint (None: plans off or TCP)."""
@@ -451,7 +605,9 @@ class AsyncClient:
             if block is not None:
                 if block.size > mv.nbytes:
                     raise BufferTooSmall(f"block {key} is {block.size} bytes; the buffer holds {mv.nbytes}")
-                return True, conn.read_into(block, mv)
+                if block.record is not None and self.decode == "server":
+                    return False, None  # sealed: the caller wants the daemon to decode it
+                return True, conn.read_into(block, mv, self._decode_pool())
             status, _ = plan.others.get(key, (0, ""))
             return (True, None) if status == 404 else (False, None)
         finally:
@@ -478,7 +634,7 @@ class AsyncClient:
 
     async def read_planned(self, block: PlannedBlock, buf: Any) -> int:
         """Read a planned block into ``buf`` (checked; a CUDA buffer via kvikio)."""
-        return await asyncio.to_thread(PlanConnection.read_into, block, buf)
+        return await asyncio.to_thread(PlanConnection.read_into, block, buf, self._decode_pool())
 
     async def release_plan(self, plan: Plan) -> None:
         """Let the daemon compact and drop the plan's segments again."""

@@ -75,6 +75,14 @@ class ProtocolError(KVStoreClientError):
     breaker_failure = True
 
 
+class CorruptBlock(KVStoreClientError):
+    """A block the client checked itself (a read plan's bytes, a record it
+    decoded) fails its checksum or its GCM tag, or is not the block asked
+    for: never returned as bytes."""
+
+    code = "corruption"
+
+
 class BufferTooSmall(KVStoreClientError):
     """``get_into``: the block is larger than the buffer."""
 

@@ -24,21 +24,19 @@ import json
 import os
 import socket
 import threading
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from kvstore_client.errors import KVStoreClientError, ServerError, UnavailableError
+from kvstore_client.errors import CorruptBlock, KVStoreClientError, ServerError, UnavailableError
+
+if TYPE_CHECKING:
+    from kvstore_client.record import RecordMeta
 
 MAX_FDS = 1024  # descriptors one answer may carry (the daemon's max_batch_keys by default)
 RECV = 1 << 16
-
-
-class CorruptBlock(KVStoreClientError):
-    """A planned block's bytes fail their checksum."""
-
-    code = "corruption"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +47,13 @@ class PlannedBlock:
     size: int
     frame_size: int
     checksums: tuple[int, ...]
+    #: a sealed block: its stored frames start at ``offset``; this opens them
+    record: RecordMeta | None = None
+
+    @property
+    def stored_len(self) -> int:
+        """Bytes to read from the file: the stored frames (sealed) or the block."""
+        return self.size if self.record is None else self.record.stored_len
 
 
 @dataclass(slots=True)
@@ -103,6 +108,14 @@ class PlanConnection:
                 if b["status"] != 200:
                     plan.others[b["key"]] = (int(b["status"]), str(b.get("error", {}).get("code", "")))
                     continue
+                record = None
+                if "record" in b:  # sealed: opened here, if the decode extra is installed
+                    try:
+                        from kvstore_client.record import meta_of
+                    except ImportError:
+                        plan.others[b["key"]] = (409, "decode_unavailable")
+                        continue
+                    record = meta_of(b["record"], b["key"])
                 plan.blocks[b["key"]] = PlannedBlock(
                     b["key"],
                     self._fds[b["file"]],
@@ -110,6 +123,7 @@ class PlanConnection:
                     int(b["size"]),
                     int(b["frame_size"]),
                     tuple(int(c, 16) for c in b["xxh3"]),
+                    record,
                 )
             return plan
 
@@ -128,20 +142,23 @@ class PlanConnection:
             _raise(status, doc, "releasing the read plan")
 
     @staticmethod
-    def read_into(block: PlannedBlock, buf: Any) -> int:
+    def read_into(block: PlannedBlock, buf: Any, pool: Executor | None = None) -> int:
         """Read ``block`` into ``buf`` (host memory: checked; a CUDA buffer:
-        through kvikio); returns its size."""
+        through kvikio); returns its size. A sealed block's frames are opened
+        here (on ``pool``'s threads when given) into host memory only."""
         if hasattr(buf, "__cuda_array_interface__"):
+            if block.record is not None:
+                raise KVStoreClientError(
+                    f"block {block.key} is sealed: it is decoded on the CPU; read it into host memory",
+                    code="sealed_to_gpu",
+                )
             return _read_gpu(block, buf)
         mv = memoryview(buf).cast("B")
         if mv.nbytes < block.size:
             raise KVStoreClientError(f"block {block.key} is {block.size} bytes; the buffer holds {mv.nbytes}")
-        n = 0
-        while n < block.size:
-            got = os.preadv(block.fd, [mv[n : block.size]], block.offset + n)
-            if got <= 0:
-                raise CorruptBlock(f"block {block.key}: its segment file ends {block.size - n} bytes short")
-            n += got
+        if block.record is not None:
+            return _read_sealed(block, block.record, mv[: block.size], pool)
+        _pread_all(block, mv[: block.size])
         fs = block.frame_size
         for i, want in enumerate(block.checksums):
             if xxhash.xxh3_64_intdigest(mv[i * fs : min((i + 1) * fs, block.size)]) != want:
@@ -228,6 +245,38 @@ def _raise(status: int, doc: Any, what: str) -> None:
         code=str(err.get("code", "server_error")),
         retryable=status >= 500,
     )
+
+
+def _pread_all(block: PlannedBlock, mv: memoryview) -> None:
+    n = 0
+    while n < len(mv):
+        got = os.preadv(block.fd, [mv[n:]], block.offset + n)
+        if got <= 0:
+            raise CorruptBlock(f"block {block.key}: its segment file ends {len(mv) - n} bytes short")
+        n += got
+
+
+def _read_sealed(block: PlannedBlock, meta: RecordMeta, out: memoryview, pool: Executor | None) -> int:
+    """The stored frames of a sealed block, read in one preadv and opened
+    (checksum, GCM tag, codec) into ``out``, frames in parallel on ``pool``."""
+    from kvstore_client.record import RecordOpener
+
+    stored = bytearray(meta.stored_len)
+    _pread_all(block, memoryview(stored))
+    opener = RecordOpener(meta, out)
+    parts, at = [], 0
+    for j, f in enumerate(meta.frames):
+        parts.append((j, memoryview(stored)[at : at + f.length]))
+        at += f.length
+    if pool is None or len(parts) == 1:
+        for j, part in parts:
+            opener.place(j, part)
+    else:
+        futs = [pool.submit(opener.place, j, part) for j, part in parts]
+        wait(futs)  # every thread is done with ``out`` before an error is raised
+        for fut in futs:
+            fut.result()
+    return block.size
 
 
 def _read_gpu(block: PlannedBlock, buf: Any) -> int:

@@ -73,7 +73,7 @@ async def test_500_is_not_retried(server_500: tuple[str, list[str]]) -> None:
     url, seen = server_500
     async with AsyncClient(url, "t", timeout=2, retries=3) as c:
         assert await c.get("k") is None
-        assert seen == ["GET /v1/blocks/k"]
+        assert seen == ["GET /v1/records/k"]  # loopback: decode="auto" reads the record as stored
         assert await c.put("k", b"x") is False
         assert await c.lookup(["a", "b"]) == 0
         assert c.stats["retries"] == 0 and c.stats["errors"] == 3
@@ -90,7 +90,7 @@ async def test_503_is_retried_then_a_miss(server_503: tuple[str, list[str]]) -> 
         t0 = time.monotonic()
         assert await c.get("k") is None
         assert time.monotonic() - t0 < 1
-        assert seen == ["GET /v1/blocks/k"] * 3
+        assert seen == ["GET /v1/records/k"] * 3
         assert c.stats["retries"] == 2
         assert await c.exists("k") is False  # HEAD: no body, still a miss
     async with AsyncClient(url, "t", timeout=2, retries=0, strict=True) as c:

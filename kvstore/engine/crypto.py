@@ -114,10 +114,17 @@ def new_data_key() -> bytes:
     return AESGCM.generate_key(bit_length=256)
 
 
+def derive_frame_key(data_key: bytes, record_id: bytes, tenant: str, key_version: int) -> bytes:
+    """The key that seals the frames of one record, and only those: what a
+    client that decodes a record itself is given (never the data key)."""
+    info = b"kvstore/v1 frame key\x00" + tenant.encode() + b"\x00" + str(key_version).encode()
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=record_id, info=info).derive(data_key)
+
+
 class RecordCipher:
     """Seals and opens the frames of one record (one derived key per record)."""
 
-    __slots__ = ("_aad_tail", "_aead", "_frame_count", "_key_version", "_logical_size", "_record_id")
+    __slots__ = ("_aad_tail", "_aead", "_frame_count", "_key_version", "_logical_size", "frame_key", "record_id")
 
     def __init__(
         self,
@@ -129,11 +136,10 @@ class RecordCipher:
         frame_count: int,
         logical_size: int,
     ) -> None:
-        info = b"kvstore/v1 frame key\x00" + tenant.encode() + b"\x00" + str(key_version).encode()
-        frame_key = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=record_id, info=info).derive(data_key)
-        self._aead = AESGCM(frame_key)
+        self.frame_key = derive_frame_key(data_key, record_id, tenant, key_version)
+        self._aead = AESGCM(self.frame_key)
         self._aad_tail = b"\x00" + tenant.encode() + b"\x00" + key.encode()
-        self._record_id = record_id
+        self.record_id = record_id
         self._key_version = key_version
         self._frame_count = frame_count
         self._logical_size = logical_size
@@ -141,7 +147,7 @@ class RecordCipher:
     def _nonce_aad(self, index: int) -> tuple[bytes, bytes]:
         nonce = index.to_bytes(12, "big")
         aad = (
-            _AAD_FIXED.pack(self._record_id, self._key_version, index, self._frame_count, self._logical_size)
+            _AAD_FIXED.pack(self.record_id, self._key_version, index, self._frame_count, self._logical_size)
             + self._aad_tail
         )
         return nonce, aad

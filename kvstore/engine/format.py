@@ -118,6 +118,7 @@ FRAME_ENTRY = struct.Struct("<IHHQ")
 CODEC_RAW = 0
 CODEC_ZSTD = 1
 CODEC_ZSTD_BP2 = 2
+CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_BP2: "zstd-bp2"}  # as docs/API.md names them
 CODECS_KNOWN = frozenset({CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_BP2})
 
 FOOTER_ENTRY = struct.Struct("<QQQQ16sIIHBBH")

@@ -235,8 +235,10 @@ class Leases:
         with self._lock:
             self._claims.discard(key)
 
-    def acquire(self, segments: Iterable[SegmentKey], ttl_s: float) -> Lease:
-        lease = Lease(uuid.uuid4().hex, frozenset(segments), time.monotonic() + ttl_s)
+    def acquire(self, segments: Iterable[SegmentKey], ttl_s: float, lease_id: str | None = None) -> Lease:
+        """A lease on ``segments`` for ``ttl_s`` seconds; ``lease_id``: the id
+        a reader worker gave the same lease (the writer holds it for it)."""
+        lease = Lease(lease_id or uuid.uuid4().hex, frozenset(segments), time.monotonic() + ttl_s)
         with self._lock:
             self._leases[lease.id] = lease
         return lease

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstore.engine.crypto import RecordCipher
+from kvstore.engine.crypto import RecordCipher, derive_frame_key
 from kvstore.engine.format import CODEC_RAW, KIND_BLOCK, REC_FLAG_DIRECT, RecordHeader, checksum, decode_record_header
 from kvstore.engine.index import IndexEntry
 from kvstore.engine.record import open_frame
@@ -20,7 +20,17 @@ from kvstore.engine.registry import Registry
 from kvstore.engine.segment import SegmentFile
 from kvstore.errors import CorruptionError
 
-__all__ = ["REC_FLAG_DIRECT", "Loaded", "decode_into", "direct_view", "load", "read_all_inline", "read_direct_whole"]
+__all__ = [
+    "REC_FLAG_DIRECT",
+    "Loaded",
+    "StoredFrames",
+    "decode_into",
+    "direct_view",
+    "load",
+    "read_all_inline",
+    "read_direct_whole",
+    "stored_frames",
+]
 
 # Records up to this size are read with a single pread, header and all.
 WHOLE_READ_MAX = 4 << 20
@@ -194,3 +204,43 @@ def read_all_inline(
     for i in range(ld.first, ld.last + 1):
         decode_into(ld, i, start, end, view)
     return out
+
+
+@dataclass(slots=True)
+class StoredFrames:
+    """Stored frames [first, last] of a record, as they are on disk, and
+    what opens exactly them: the record's header (its frame table) and, for
+    a sealed record, its own frame key (never the tenant's data key).
+    ``view`` holds the frames back to back; for a local segment it is a view
+    of the segment's mapping starting at byte ``offset`` of the file."""
+
+    header: RecordHeader
+    first: int
+    last: int
+    offset: int
+    view: memoryview
+    frame_key: bytes | None
+
+
+def stored_frames(
+    seg: RecordSource, entry: IndexEntry, tenant: str, key: str, start: int, end: int, registry: Registry
+) -> StoredFrames:
+    """The stored frames that cover bytes [start, end) of a block, unopened:
+    the record's identity is checked against the index entry; the frames'
+    checksums and tags are left to whoever opens them (the client)."""
+    if not isinstance(seg, SegmentFile):
+        ld = load(seg, entry, tenant, key, start, end, registry)
+        h = ld.header
+        fk = None if ld.cipher is None else ld.cipher.frame_key
+        lo = entry.offset + h.payload_offset + h.frame_offsets()[ld.first]
+        return StoredFrames(h, ld.first, ld.last, lo, ld.stored, fk)
+    base = entry.offset + entry.payload_offset
+    h = decode_record_header(seg.mapped(base)[entry.offset :], seg.name, entry.offset)
+    _check_identity(h, entry, tenant, key, seg.name)
+    first, last = start // h.frame_size, (end - 1) // h.frame_size
+    offsets = h.frame_offsets()
+    lo, hi = base + offsets[first], base + offsets[last] + h.frames[last].stored_len
+    fk = None
+    if h.sealed:
+        fk = derive_frame_key(registry.data_key(tenant, h.key_version), h.record_id, tenant, h.key_version)
+    return StoredFrames(h, first, last, lo, seg.mapped(hi)[lo:], fk)

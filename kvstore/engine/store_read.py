@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvstore.engine import reader
 from kvstore.engine.access import now_ms
@@ -38,6 +39,7 @@ log = logging.getLogger("kvstore.engine.store")
 # far cheaper than the hop to a thread (~100-200 us under load). Chains longer
 # than this still go to the pool, so no single call holds the loop for long.
 INLINE_LOOKUP_KEYS = 1024
+T = TypeVar("T")
 READ_ATTEMPTS = 4  # a block that keeps moving under a read (compaction) is retried this often
 
 
@@ -68,11 +70,30 @@ class DirectExtent:
 
 
 @dataclass(frozen=True, slots=True)
+class StoredRecord:
+    """Bytes [start, end) of a block as stored: ``frames`` says which frames
+    and how to open them; ``body`` holds their stored bytes (a local
+    segment's extent, sent with sendfile, or a record fetched from the
+    object tier). Release it once sent."""
+
+    start: int
+    end: int
+    frames: reader.StoredFrames
+    body: DirectExtent | memoryview
+
+    def release(self) -> None:
+        if isinstance(self.body, DirectExtent):
+            self.body.release()
+
+
+@dataclass(frozen=True, slots=True)
 class PlannedBlock:
-    """Where a direct block's bytes are, for a client on this host to read
-    itself: ``segment`` (acquired: the caller passes its descriptor on, then
-    releases it) holds them at ``offset``; each frame of ``frame_size``
-    bytes (the last may be shorter) has its xxh3-64 in ``checksums``."""
+    """Where a block's bytes are, for a client on this host to read itself:
+    ``segment`` (acquired: the caller passes its descriptor on, then
+    releases it) holds them at ``offset``. A direct block's frames of
+    ``frame_size`` bytes (the last may be shorter) have their xxh3-64 in
+    ``checksums``; a sealed block's stored frames start at ``offset`` and
+    ``record`` says how to open them (the client decodes them itself)."""
 
     key: str
     segment: SegmentFile
@@ -81,6 +102,7 @@ class PlannedBlock:
     size: int
     frame_size: int
     checksums: tuple[int, ...]
+    record: reader.StoredFrames | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,23 +187,20 @@ class StoreReads(StoreCore):
                     done.append(item)
                     continue
                 entry, seg = item
+                file = (t.name, t.created_ns, entry.segment_id)
                 try:
-                    h = reader.direct_header(seg, entry, t.name, key)
-                except CorruptionError as e:
+                    if entry.flags & reader.REC_FLAG_DIRECT:
+                        h = reader.direct_header(seg, entry, t.name, key)
+                        offset, record = entry.offset + entry.payload_offset, None
+                    else:
+                        record = reader.stored_frames(seg, entry, t.name, key, 0, entry.logical_size, self._registry)
+                        h, offset = record.header, record.offset
+                except (CorruptionError, TenantKeyDestroyed) as e:
                     seg.release()
                     done.append(e)
                     continue
-                done.append(
-                    PlannedBlock(
-                        key,
-                        seg,
-                        (t.name, t.created_ns, entry.segment_id),
-                        entry.offset + entry.payload_offset,
-                        entry.logical_size,
-                        h.frame_size,
-                        tuple(f.checksum for f in h.frames),
-                    )
-                )
+                checksums = tuple(f.checksum for f in h.frames)
+                done.append(PlannedBlock(key, seg, file, offset, entry.logical_size, h.frame_size, checksums, record))
             return done
 
         try:
@@ -206,10 +225,8 @@ class StoreReads(StoreCore):
         return self._life.phase(tenant, sid).local
 
     async def _locate(self, t: Tenant, key: str) -> tuple[IndexEntry, SegmentFile]:
-        """The index entry of a direct block and its local segment, acquired."""
+        """The index entry of a block and its local segment, acquired."""
         entry = await self._entry(t.name, key)
-        if not entry.flags & reader.REC_FLAG_DIRECT:
-            raise NotPlannable(f"key {key!r} is sealed: the daemon decodes it (GET it)")
         try:
             seg = await self._tiering.local(t.name, entry, key)
         except SegmentMoved:
@@ -236,10 +253,19 @@ class StoreReads(StoreCore):
     async def _read(
         self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool = False
     ) -> bytearray | memoryview:
+        return await self._retrying(
+            tenant, key, entry, lambda e: self._read_unchecked(tenant, key, e, start, end, view_ok)
+        )
+
+    async def _retrying(
+        self, tenant: str, key: str, entry: IndexEntry, attempt: Callable[[IndexEntry], Awaitable[T]]
+    ) -> T:
+        """``attempt(entry)``, again with the index's fresh entry while the
+        block moves under it; a corrupt record is counted and logged."""
         try:
             for _ in range(READ_ATTEMPTS - 1):
                 try:
-                    return await self._read_unchecked(tenant, key, entry, start, end, view_ok)
+                    return await attempt(entry)
                 except SegmentMoved:
                     # Compaction moved the block, or eviction dropped it, while
                     # it was being read: ask the index again.
@@ -249,7 +275,7 @@ class StoreReads(StoreCore):
                     if fresh.record_id != entry.record_id:  # deleted and written again: other bytes
                         raise
                     entry = fresh
-            return await self._read_unchecked(tenant, key, entry, start, end, view_ok)
+            return await attempt(entry)
         except TenantKeyDestroyed:
             raise
         except CorruptionError as e:
@@ -260,6 +286,29 @@ class StoreReads(StoreCore):
             self.metrics.inc("kvstore_corruption_total")
             log.error("corrupt read of tenant %s: %s", tenant, e)
             raise
+
+    async def get_stored(self, tenant: str, key: str, start: int = 0, end: int | None = None) -> StoredRecord:
+        """The stored frames that cover bytes [start, end) of the block, as
+        they are, with what opens them (for a client that decodes the record
+        itself); the caller releases the answer once it is sent."""
+        entry, start, end = await self._range(tenant, key, start, end)
+        return await self._retrying(tenant, key, entry, lambda e: self._stored_unchecked(tenant, key, e, start, end))
+
+    async def _stored_unchecked(self, tenant: str, key: str, entry: IndexEntry, start: int, end: int) -> StoredRecord:
+        seg = await self._tiering.local(tenant, entry, key)
+        if seg is None:
+            source = await self._tiering.fetch(tenant, key, entry)
+            frames = await self._run(reader.stored_frames, source, entry, tenant, key, start, end, self._registry)
+            body: DirectExtent | memoryview = frames.view
+        else:
+            try:
+                frames = await self._run(reader.stored_frames, seg, entry, tenant, key, start, end, self._registry)
+            except BaseException:
+                seg.release()
+                raise
+            body = DirectExtent(seg, frames.offset, frames.view)
+        self.metrics.inc("kvstore_bytes_out_total", end - start)
+        return StoredRecord(start, end, frames, body)
 
     async def _read_unchecked(
         self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool

@@ -23,7 +23,7 @@ from kvstore.errors import InvalidRange, KVStoreError, Overloaded, Unauthorized
 from kvstore.names import PATH_PARAMS
 from kvstore.server_config import ServerConfig
 from kvstore.tasks import Background
-from kvstore.transport import http_admin, http_batch, http_blocks, http_internal, http_plans
+from kvstore.transport import http_admin, http_batch, http_blocks, http_internal, http_plans, http_records
 from kvstore.transport.http_body import BAD_BODY_FRAMING, BUDGET, BodyBudget
 from kvstore.transport.http_common import (
     CONFIG,
@@ -42,7 +42,7 @@ from kvstore.transport.http_forward import WRITER, forward, relayed
 
 log = logging.getLogger("kvstore.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_UNMETERED = {"/healthz", "/readyz", "/metrics", "/_internal/touches"}
+_UNMETERED = {"/healthz", "/readyz", "/metrics", "/_internal/touches", "/_internal/leases", "/_internal/leases/release"}
 _HTTP_CODES = {
     400: "bad_request",
     404: "not_found",
@@ -209,7 +209,14 @@ def make_app(
     )
     app[CONFIG] = config
     # writer_socket: the workers' private socket; /_internal/ answers there only.
-    app[STATE] = {"ready": False, "inflight": 0, "role": role, "writer_socket": writer_socket}
+    # released_leases: read plans' leases a reader released, for the writer (http_internal.relay).
+    app[STATE] = {
+        "ready": False,
+        "inflight": 0,
+        "role": role,
+        "writer_socket": writer_socket,
+        "released_leases": [],
+    }
     app[BUDGET] = BodyBudget(config.max_buffered_body_bytes)
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -234,7 +241,7 @@ def make_app(
         async with aiohttp.ClientSession(connector=connector) as session:
             app[WRITER] = session
             relay = Background()
-            relay.spawn(http_internal.relay_touches(app, session), "relay-touches")
+            relay.spawn(http_internal.relay(app, session), "relay-to-writer")
             yield
             await relay.close()
 
@@ -250,6 +257,7 @@ def make_app(
     app.router.add_routes(http_batch.routes)
     app.router.add_routes(http_admin.routes)
     app.router.add_routes(http_plans.routes)
+    app.router.add_routes(http_records.routes)
     if role == "writer":
         app.router.add_routes(http_internal.routes)
     return app

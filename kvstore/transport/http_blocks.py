@@ -24,7 +24,7 @@ from kvstore.transport.sendfile import send_extent
 routes = web.RouteTableDef()
 
 
-def _etag(record_etag: str) -> str:
+def etag(record_etag: str) -> str:
     return f'"{record_etag}"'
 
 
@@ -39,7 +39,7 @@ async def put_block(request: web.Request) -> web.Response:
     return web.json_response(
         {"key": key, "size": info.size, "created": created},
         status=201 if created else 200,
-        headers={"ETag": _etag(info.etag)},
+        headers={"ETag": etag(info.etag)},
     )
 
 
@@ -49,7 +49,7 @@ async def get_block(request: web.Request) -> web.StreamResponse:
     key = validate_key(request.match_info["key"])
     store = store_of(request)
     info = await store.head(tenant, key)
-    headers = {"ETag": _etag(info.etag), "Accept-Ranges": "bytes"}
+    headers = {"ETag": etag(info.etag), "Accept-Ranges": "bytes"}
     if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
         return web.Response(status=304, headers=headers)
     ranges = parse_range(request.headers.get("Range"), info.size)
@@ -69,16 +69,23 @@ async def get_block(request: web.Request) -> web.StreamResponse:
 
 
 async def send_bytes(
-    request: web.Request, data: bytes | bytearray | memoryview | DirectExtent, status: int, headers: dict[str, str]
+    request: web.Request,
+    data: bytes | bytearray | memoryview | DirectExtent,
+    status: int,
+    headers: dict[str, str],
+    head: bytes = b"",
+    content_type: str = "application/octet-stream",
 ) -> web.StreamResponse:
-    """Send ``data`` with a Content-Length: a buffer handed to the transport
-    as it is (no copy into a payload object), or a direct block's extent
-    with sendfile from its segment file."""
-    size = len(data.view) if isinstance(data, DirectExtent) else len(data)
+    """Send ``head`` then ``data`` with a Content-Length: a buffer handed to
+    the transport as it is (no copy into a payload object), or a local
+    segment's extent with sendfile from its file."""
+    size = len(head) + (len(data.view) if isinstance(data, DirectExtent) else len(data))
     request.app[METRICS].inc("kvstore_http_bytes_out_total", size)
-    resp = web.StreamResponse(status=status, headers={**headers, "Content-Type": "application/octet-stream"})
+    resp = web.StreamResponse(status=status, headers={**headers, "Content-Type": content_type})
     resp.content_length = size
     await resp.prepare(request)
+    if head:
+        await send(request, resp, head)
     if isinstance(data, DirectExtent):
         await send_extent(request, resp, data, config_of(request).sendfile)
     else:
@@ -92,7 +99,7 @@ async def head_block(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
     key = validate_key(request.match_info["key"])
     info = await store_of(request).head(tenant, key)
-    headers = {"ETag": _etag(info.etag), "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+    headers = {"ETag": etag(info.etag), "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
     if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
         return web.Response(status=304, headers=headers)
     resp = web.StreamResponse(status=200, headers=headers)

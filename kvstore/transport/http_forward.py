@@ -36,6 +36,7 @@ LOCAL_ROUTES = frozenset(
     {
         ("GET", "/v1/blocks/{key}"),
         ("HEAD", "/v1/blocks/{key}"),
+        ("GET", "/v1/records/{key}"),  # the key check looks at the client's own connection
         ("POST", "/v1/lookup"),
         ("POST", "/v1/batch/get"),
         ("POST", "/v1/read-plan"),  # descriptors come from the worker that holds the connection

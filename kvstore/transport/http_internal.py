@@ -1,11 +1,14 @@
 """Calls between the workers of one daemon, over the writer's unix socket.
 
 Reader workers serve reads, but the writer owns access times (the quota's LRU
-order and the TTL, access.py): every ``RELAY_S`` a reader hands the writer the
-accesses it served. The route exists only on the writer and answers only on
+order and the TTL, access.py) and runs compaction and eviction: every
+``RELAY_S`` a reader hands the writer the accesses it served and the read
+plans' leases it released, and it gives the writer each lease as it grants
+it, so the writer keeps the plan's segments in place too. The routes exist
+only on the writer and answer only on
 the workers' private unix socket (in a 0700 directory only the daemon's user
 can reach); on TCP and on the public unix sockets (``listen = unix:PATH``) it
-is a 404 like any unknown path. It is not part of the API (docs/openapi.yaml
+is a 404 like any unknown path. They are not part of the API (docs/openapi.yaml
 leaves out /_internal/).
 """
 
@@ -15,12 +18,15 @@ import asyncio
 import contextlib
 import json
 import logging
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from kvstore.engine.lifecycle import Lease
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.transport.http_common import STATE, STORE, store_of
+from kvstore.transport.http_forward import WRITER
 
 log = logging.getLogger("kvstore.http.internal")
 PREFIX = "/_internal/"
@@ -40,11 +46,8 @@ def _on_private_socket(request: web.Request) -> bool:
 async def touches(request: web.Request) -> web.Response:
     if not _on_private_socket(request):
         raise NotFound("no such route")
-    try:
-        doc = json.loads(await request.read())
-    except ValueError:
-        raise InvalidInput("touches: not JSON") from None
-    if not isinstance(doc, dict) or not all(
+    doc = _json_object(await request.read(), "touches")
+    if not all(
         isinstance(keys, dict) and all(isinstance(k, str) and isinstance(t, int) for k, t in keys.items())
         for keys in doc.values()
     ):
@@ -53,16 +56,78 @@ async def touches(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-async def relay_touches(app: web.Application, session: aiohttp.ClientSession) -> None:
-    """A reader: hand the writer the accesses served here, every ``RELAY_S``."""
+def _json_object(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise InvalidInput(f"{what}: not JSON") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput(f"{what}: not an object")
+    return doc
+
+
+@routes.post("/_internal/leases")
+async def hold_lease(request: web.Request) -> web.Response:
+    """A reader's read-plan lease, held here under the same id."""
+    if not _on_private_socket(request):
+        raise NotFound("no such route")
+    doc = _json_object(await request.read(), "leases")
+    lid, segs, ttl = doc.get("id"), doc.get("segments"), doc.get("ttl_s")
+    if (
+        not isinstance(lid, str)
+        or not isinstance(ttl, int | float)
+        or not isinstance(segs, list)
+        or not all(
+            isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], int) for x in segs
+        )
+    ):
+        raise InvalidInput('leases: expected {"id": str, "segments": [[tenant, id], ...], "ttl_s": number}')
+    store_of(request).leases.acquire([(t, sid) for t, sid in segs], float(ttl), lid)
+    return web.Response(status=204)
+
+
+@routes.post("/_internal/leases/release")
+async def release_leases(request: web.Request) -> web.Response:
+    if not _on_private_socket(request):
+        raise NotFound("no such route")
+    ids = _json_object(await request.read(), "lease release").get("ids")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise InvalidInput('lease release: expected {"ids": [str, ...]}')
+    for lid in ids:
+        store_of(request).leases.release(lid)
+    return web.Response(status=204)
+
+
+async def share_lease(app: web.Application, lease: Lease, ttl_s: float) -> None:
+    """A reader: have the writer hold ``lease`` too, before the plan is sent.
+    If the writer cannot be reached the plan still reads the right bytes
+    (descriptors keep them), it only loses the writer's pin: logged."""
+    doc = {"id": lease.id, "segments": sorted(lease.segments), "ttl_s": ttl_s}
+    try:
+        async with app[WRITER].post(
+            "http://writer/_internal/leases", json=doc, timeout=aiohttp.ClientTimeout(total=10)
+        ) as r:
+            if r.status == 204:
+                return
+            log.warning("the writer refused a read plan's lease: %s", r.status)
+    except (aiohttp.ClientError, ConnectionError, TimeoutError) as e:
+        log.warning("the writer did not take a read plan's lease: %s", type(e).__name__)
+
+
+async def relay(app: web.Application, session: aiohttp.ClientSession) -> None:
+    """A reader: every ``RELAY_S``, hand the writer the accesses served here
+    and the read-plan leases released here."""
     while True:
         await asyncio.sleep(RELAY_S)
         pending = app[STORE].touches()
-        if not pending:
-            continue
-        with contextlib.suppress(aiohttp.ClientError, ConnectionError, TimeoutError):
-            async with session.post(
-                "http://writer/_internal/touches", json=pending, timeout=aiohttp.ClientTimeout(total=10)
-            ) as r:
-                if r.status != 204:
-                    log.warning("the writer refused access times: %s", r.status)
+        released = app[STATE]["released_leases"]
+        app[STATE]["released_leases"] = []
+        for path, doc in (("touches", pending), ("leases/release", {"ids": released} if released else None)):
+            if not doc:
+                continue
+            with contextlib.suppress(aiohttp.ClientError, ConnectionError, TimeoutError):
+                async with session.post(
+                    f"http://writer/_internal/{path}", json=doc, timeout=aiohttp.ClientTimeout(total=10)
+                ) as r:
+                    if r.status != 204:
+                        log.warning("the writer refused %s: %s", path, r.status)

@@ -28,7 +28,7 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,10 @@ from kvstore.errors import InvalidInput, KVStoreError, NotFound, UnixSocketRequi
 from kvstore.tasks import Background
 from kvstore.transport.http_blocks import keys_field
 from kvstore.transport.http_body import json_body
-from kvstore.transport.http_common import STORE, config_of, reset_connection, send, store_of, tenant_of
+from kvstore.transport.http_common import STATE, STORE, config_of, reset_connection, send, store_of, tenant_of
+from kvstore.transport.http_forward import WRITER
+from kvstore.transport.http_internal import share_lease
+from kvstore.transport.http_records import record_meta
 
 log = logging.getLogger("kvstore.transport.plans")
 routes = web.RouteTableDef()
@@ -66,9 +69,11 @@ class _Connection:
 class PlanState:
     """Per connection: the files it was given and the leases it holds."""
 
-    def __init__(self, leases: Leases) -> None:
+    def __init__(self, leases: Leases, released: Callable[[], list[str]] | None = None) -> None:
         self._leases = leases
         self._conns: dict[int, _Connection] = {}
+        # A reader worker: where released leases go, for the writer to release too.
+        self._released = released
 
     def connection(self, transport: asyncio.Transport) -> _Connection:
         c = self._conns.get(id(transport))
@@ -82,13 +87,20 @@ class PlanState:
         if c is None or c.transport() is not transport or lease_id not in c.leases:
             return False
         c.leases.discard(lease_id)
+        self._tell_writer([lease_id])
         return self._leases.release(lease_id)
+
+    def _tell_writer(self, ids: list[str]) -> None:
+        if self._released is not None and ids:
+            self._released().extend(ids)
 
     def sweep(self) -> int:
         """Release the leases of connections that ended; returns how many."""
         n = 0
         for key in [k for k, c in self._conns.items() if c.closed()]:
-            for lid in self._conns.pop(key).leases:
+            ids = list(self._conns.pop(key).leases)
+            self._tell_writer(ids)
+            for lid in ids:
                 n += self._leases.release(lid)
         return n
 
@@ -98,7 +110,9 @@ PLANS = web.AppKey("plans", PlanState)
 
 async def plans_ctx(app: web.Application) -> AsyncIterator[None]:
     """After the store opens: the plan state and its sweeper."""
-    app[PLANS] = PlanState(app[STORE].leases)
+    state = app[STATE]
+    reader = state["role"] == "reader"
+    app[PLANS] = PlanState(app[STORE].leases, (lambda: state["released_leases"]) if reader else None)
     bg = Background()
 
     async def sweeper() -> None:
@@ -166,9 +180,11 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
                 files.append(fid)
                 fds.append(p.segment.fd)
             segments.add((p.file[0], p.file[2]))
-            blocks.append(_block(p, fid))
+            blocks.append(_block(tenant, p, fid))
         lease = store.leases.acquire(segments, lease_s)
         conn.leases.add(lease.id)
+        if WRITER in request.app:  # a reader: the writer, which compacts and evicts, holds it too
+            await share_lease(request.app, lease, lease_s)
         doc = {"lease": lease.id, "expires_in_s": lease_s, "files": files, "closed": closed, "blocks": blocks}
         payload = json.dumps(doc, separators=(",", ":")).encode()
         resp = web.StreamResponse(headers={"Content-Type": "application/json", "Kvstore-Fds": str(len(fds))})
@@ -183,8 +199,8 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
                 p.segment.release()
 
 
-def _block(p: PlannedBlock, fid: int) -> dict[str, Any]:
-    return {
+def _block(tenant: str, p: PlannedBlock, fid: int) -> dict[str, Any]:
+    doc = {
         "key": p.key,
         "status": 200,
         "file": fid,
@@ -193,6 +209,9 @@ def _block(p: PlannedBlock, fid: int) -> dict[str, Any]:
         "frame_size": p.frame_size,
         "xxh3": [f"{c:016x}" for c in p.checksums],
     }
+    if p.record is not None:  # sealed: the stored frames start at offset; the client opens them
+        doc["record"] = record_meta(tenant, p.key, p.size, 0, p.size, p.record)
+    return doc
 
 
 async def _send_with_fds(

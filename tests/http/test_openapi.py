@@ -58,6 +58,11 @@ async def test_answers_match_the_description(api: Api) -> None:
         ("POST", "/v1/lookup", "/v1/lookup", t, b'{"keys": [', 400),
         ("POST", "/v1/lookup", "/v1/lookup", {**t, "Content-Type": "application/json; charset=koi8-r"}, b"{}", 415),
         ("GET", "/v1/stats", "/v1/stats", t, b"", 200),
+        ("GET", "/v1/records/{key}", "/v1/records/k1", t, b"", 200),
+        ("GET", "/v1/records/{key}", "/v1/records/k1", {**t, "Range": "bytes=10-99"}, b"", 200),
+        ("GET", "/v1/records/{key}", "/v1/records/k1", {**t, "Range": "bytes=5000-"}, b"", 416),
+        ("GET", "/v1/records/{key}", "/v1/records/nope", t, b"", 404),
+        ("GET", "/v1/records/{key}", "/v1/records/k1", {}, b"", 401),
         # Read plans are for the unix socket (tests/http/test_read_plans.py checks their 200 answers).
         ("POST", "/v1/read-plan", "/v1/read-plan", t, b'{"keys": ["k1"]}', 400),
         ("POST", "/v1/read-plan", "/v1/read-plan", {}, b'{"keys": ["k1"]}', 401),

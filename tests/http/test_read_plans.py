@@ -16,13 +16,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
 import pytest
 from kvstore_client import AsyncClient
-from kvstore_client.plans import CorruptBlock, PlanConnection
+from kvstore_client.errors import CorruptBlock
+from kvstore_client.plans import PlanConnection
 
+from ..conftest import kv_sample
 from .conftest import ADMIN, ROOT, Daemon
 from .openapi import Spec
 
@@ -75,7 +78,7 @@ def _start(daemon: Daemon, sock_dir: Path, workers: int = 1) -> str:
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_a_plan_reads_direct_blocks_and_names_the_rest(daemon: Daemon, sock_dir: Path, workers: int) -> None:
     sock = _start(daemon, sock_dir, workers)
-    direct, sealed = _blocks("d", 12), _blocks("s", 2)
+    direct, sealed = _blocks("d", 12), _blocks("s", 2) | {"kv": kv_sample("gemma3-270m.bf16.layers8-9.bin")[:BLOCK]}
     async with aiohttp.ClientSession() as s:
         td = await _tenant(s, daemon.base, "d", "direct")
         ts = await _tenant(s, daemon.base, "s", "sealed")
@@ -108,10 +111,22 @@ async def test_a_plan_reads_direct_blocks_and_names_the_rest(daemon: Daemon, soc
             conn.release(plan.lease)
     finally:
         conn.close()
+    # Sealed blocks: the plan carries each record's own key and frame table;
+    # the client reads the stored frames and opens them itself.
     sealed_conn = PlanConnection(sock, ts)
     try:
         p = sealed_conn.plan(list(sealed))
-        assert not p.blocks and set(p.others.values()) == {(409, "not_plannable")}
+        assert set(p.blocks) == set(sealed) and not p.others
+        with ThreadPoolExecutor(2) as pool:
+            for k, v in sealed.items():
+                b = p.blocks[k]
+                assert b.record is not None and b.record.frame_key is not None
+                buf = bytearray(len(v))
+                assert sealed_conn.read_into(b, buf, pool) == len(v) and buf == v
+        assert p.blocks["kv"].stored_len < len(sealed["kv"])  # compressed on disk, read as stored
+        status, doc, _ = sealed_conn._exchange("POST", "/v1/read-plan", json.dumps({"keys": ["kv"]}).encode())
+        assert Spec.load().problems("POST", "/v1/read-plan", 200, "application/json", json.dumps(doc).encode()) == []
+        sealed_conn.release(doc["lease"])
     finally:
         sealed_conn.close()
 
@@ -125,7 +140,11 @@ async def test_a_plan_reads_direct_blocks_and_names_the_rest(daemon: Daemon, soc
     async with AsyncClient(f"unix:{sock}", ts) as c:
         buf = bytearray(BLOCK + 100)
         assert await c.get_into("s1", buf) == BLOCK + 1 and buf[: BLOCK + 1] == sealed["s1"]
-        assert c.stats["plan_fallbacks"] == 1
+        assert (c.stats["plan_reads"], c.stats["plan_fallbacks"]) == (1, 0)
+    async with AsyncClient(f"unix:{sock}", ts, decode="server") as c:  # the daemon decodes: GET
+        buf = bytearray(BLOCK + 100)
+        assert await c.get_into("s1", buf) == BLOCK + 1 and buf[: BLOCK + 1] == sealed["s1"]
+        assert (c.stats["plan_reads"], c.stats["plan_fallbacks"]) == (0, 1)
     assert daemon.stop() == 0
 
 
@@ -192,9 +211,23 @@ async def _compact(session: aiohttp.ClientSession, base: str, tenant: str) -> in
     return int(rep["segments_rewritten"])
 
 
-@pytest.mark.parametrize("how", ["release", "disconnect", "expiry"])
-async def test_a_lease_holds_a_segment_through_compaction(daemon: Daemon, sock_dir: Path, how: str) -> None:
-    sock = _start(daemon, sock_dir)
+def _reader_connection(sock: str, token: str) -> PlanConnection:
+    """A plan connection that a reader worker holds (--workers 2): its leases
+    are the ones the writer, which compacts and evicts, must be told of."""
+    for _ in range(50):
+        conn = PlanConnection(sock, token)
+        status, doc, _ = conn._exchange("GET", "/healthz", None)
+        if status == 200 and doc["role"] == "reader":
+            return conn
+        conn.close()
+    raise AssertionError("no connection landed on a reader worker")
+
+
+@pytest.mark.parametrize(("how", "workers"), [(h, w) for w in (1, 2) for h in ("release", "disconnect", "expiry")])
+async def test_a_lease_holds_a_segment_through_compaction(
+    daemon: Daemon, sock_dir: Path, how: str, workers: int
+) -> None:
+    sock = _start(daemon, sock_dir, workers)
     blocks = _blocks("c", 12)  # segments 1 and 2 sealed, 3 open
     async with aiohttp.ClientSession() as s:
         token = await _tenant(s, daemon.base, "c", "direct")
@@ -205,7 +238,7 @@ async def test_a_lease_holds_a_segment_through_compaction(daemon: Daemon, sock_d
                 assert r.status == 204
         first = daemon.data_dir / "segments" / "c" / "0000000000000001.seg"
         assert first.exists()
-        conn = PlanConnection(sock, token)
+        conn = PlanConnection(sock, token) if workers == 1 else _reader_connection(sock, token)
         plan = conn.plan(["c0"], lease_s=1.0 if how == "expiry" else 60.0)
         block = plan.blocks["c0"]
         assert await _compact(s, daemon.base, "c") == 0  # leased: not rewritten

@@ -1,0 +1,119 @@
+"""Records as stored, for clients that decode them themselves.
+
+``GET /v1/records/{key}`` answers the stored frames that cover the block
+(or the bytes a ``Range`` names), sent as they are on disk (sendfile from a
+local segment), with what opens exactly those frames: the frame table and,
+for a sealed tenant, the record's own derived key (never the tenant's data
+key). The daemon neither decrypts nor decompresses; the client checks each
+frame's xxh3-64 and GCM tag and decodes, in parallel, into its own buffer.
+
+A record's key is handed out only where no one else can read it: over TLS,
+a unix socket, or a loopback connection (``403 insecure_transport``
+elsewhere). The answer is ``Cache-Control: no-store``.
+
+The envelope (docs/API.md, "Records as stored")::
+
+    magic     4 bytes   b"KVE1"
+    meta_len  u32 LE    bytes of meta
+    meta      JSON      what opens the frames (record_meta below)
+    frames    bytes     stored frames first..last, back to back
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import json
+import struct
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.engine.format import CODEC_NAMES
+from kvstore.engine.reader import StoredFrames
+from kvstore.errors import InsecureTransport
+from kvstore.names import validate_key
+from kvstore.transport.http_blocks import etag, send_bytes
+from kvstore.transport.http_common import store_of, tenant_of
+from kvstore.transport.ranges import etag_matches, parse_range
+
+routes = web.RouteTableDef()
+ENVELOPE_MAGIC = b"KVE1"
+ENVELOPE_HEAD = struct.Struct("<4sI")
+RECORD_TYPE = "application/vnd.kvstore.record"
+
+
+def client_decode_allowed(transport: Any) -> bool:
+    """Whether a record's key may go out on this connection: TLS, a unix
+    socket, or a peer on a loopback address (127.0.0.0/8, ::1, and
+    IPv4-mapped loopback)."""
+    if transport is None or transport.is_closing():
+        return False
+    if transport.get_extra_info("sslcontext") is not None:
+        return True
+    if isinstance(transport.get_extra_info("sockname"), str | bytes):
+        return True  # AF_UNIX: the socket file's mode and group decide who connects
+    peer = transport.get_extra_info("peername")
+    if not isinstance(peer, tuple) or not peer:
+        return False
+    try:
+        ip = ipaddress.ip_address(str(peer[0]).split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
+
+
+def record_meta(tenant: str, key: str, size: int, start: int, end: int, f: StoredFrames) -> dict[str, Any]:
+    """What a client needs to check and open frames ``f.first``..``f.last``
+    and cut bytes [start, end) of the block from them."""
+    h = f.header
+    return {
+        "tenant": tenant,
+        "key": key,
+        "size": size,
+        "start": start,
+        "end": end,
+        "record_id": h.record_id.hex(),
+        "key_version": h.key_version,
+        "frame_size": h.frame_size,
+        "frame_count": len(h.frames),
+        "first": f.first,
+        "frames": [
+            {"len": e.stored_len, "codec": CODEC_NAMES[e.codec], "xxh3": f"{e.checksum:016x}"}
+            for e in h.frames[f.first : f.last + 1]
+        ],
+        "sealed": h.sealed,
+        "frame_key": None if f.frame_key is None else base64.b64encode(f.frame_key).decode(),
+    }
+
+
+def envelope_head(meta: dict[str, Any]) -> bytes:
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    return ENVELOPE_HEAD.pack(ENVELOPE_MAGIC, len(raw)) + raw
+
+
+@routes.get("/v1/records/{key}", allow_head=False)
+async def get_record(request: web.Request) -> web.StreamResponse:
+    tenant = tenant_of(request)
+    key = validate_key(request.match_info["key"])
+    if not client_decode_allowed(request.transport):
+        raise InsecureTransport(
+            "a record is sent with its own key only over TLS, a unix socket or loopback; "
+            "use GET /v1/blocks/{key} (the daemon decodes) on this connection"
+        )
+    store = store_of(request)
+    info = await store.head(tenant, key)
+    headers = {"ETag": etag(info.etag), "Accept-Ranges": "bytes", "Cache-Control": "no-store"}
+    if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
+        return web.Response(status=304, headers=headers)
+    ranges = parse_range(request.headers.get("Range"), info.size)
+    start, end = (ranges[0].start, ranges[0].end) if ranges is not None and len(ranges) == 1 else (0, info.size)
+    rec = await store.get_stored(tenant, key, start, end)
+    try:
+        headers["ETag"] = etag(rec.frames.header.record_id.hex())  # the record sent, written again or not
+        meta = record_meta(tenant, key, rec.frames.header.logical_size, rec.start, rec.end, rec.frames)
+        return await send_bytes(request, rec.body, 200, headers, head=envelope_head(meta), content_type=RECORD_TYPE)
+    finally:
+        rec.release()
