@@ -518,6 +518,12 @@ class AsyncClient:
         stored and decode them here."""
         return any(ep.session is s and ep.client_decode for ep in self._endpoints.values())
 
+    def _server_decodes(self, s: aiohttp.ClientSession) -> None:
+        """From now on, reads on ``s``'s endpoint leave decoding to the daemon."""
+        for ep in self._endpoints.values():
+            if ep.session is s:
+                ep.client_decode = False
+
     async def _read_record(
         self, s: aiohttp.ClientSession, key: str, rng: tuple[int, int] | None, dest: Callable[[int], memoryview]
     ) -> int:
@@ -533,9 +539,7 @@ class AsyncClient:
             if r.status == 403 and self.decode == "auto":
                 err = _error_from(r.status, await r.read(), r)
                 if err.code == "insecure_transport":  # behind a proxy, say: the daemon decodes
-                    for ep in self._endpoints.values():
-                        if ep.session is s:
-                            ep.client_decode = False
+                    self._server_decodes(s)
                     raise _ServerDecodes
                 raise err
             await _check(r, ok=(200,))
@@ -548,6 +552,10 @@ class AsyncClient:
                     raise ProtocolError(f"block {key}: the record sent covers [{meta.start}, {meta.end}), not {rng}")
                 if r.content_length is not None and r.content_length != record.HEAD.size + meta_len + meta.stored_len:
                     raise ProtocolError(f"block {key}: Content-Length does not match the record envelope")
+                if self.decode == "auto" and meta.frame_key is None and all(f.codec == "raw" for f in meta.frames):
+                    # A direct tenant: the daemon sends its blocks with sendfile and
+                    # decodes nothing, so GET (one copy fewer here) serves it better.
+                    self._server_decodes(s)
                 opener = record.RecordOpener(meta, dest(meta.end - meta.start))
                 await self._open_frames(r, opener)
             except asyncio.IncompleteReadError as e:

@@ -332,3 +332,17 @@ def test_the_client_refuses_client_decode_where_keys_would_cross_the_network() -
     )
     assert [ep.client_decode for ep in kv._endpoints.values()] == [False, True, True, True, True]
     asyncio.run(kv.close())
+
+
+async def test_auto_leaves_a_direct_tenant_to_the_daemon_after_one_record(served: Any) -> None:
+    """A direct tenant's frames are raw and unsealed: the daemon decodes
+    nothing for it, so auto goes back to GET (one copy fewer in the client)."""
+    base, _ = served
+    async with aiohttp.ClientSession() as session:
+        token = await _tenant(session, base, "d", policy="direct")
+    async with AsyncClient(base, token, decode="auto", strict=True) as kv:
+        assert await kv.put("a", BLOCKS["bf16"])
+        assert await kv.get("a") == BLOCKS["bf16"]
+        assert await kv.get("a") == BLOCKS["bf16"]
+        assert kv.stats["client_decodes"] == 1
+        assert not next(iter(kv._endpoints.values())).client_decode
