@@ -126,6 +126,11 @@ async def _envelope(session: aiohttp.ClientSession, base: str, token: str, key: 
         return await r.read()
 
 
+async def _put(session: aiohttp.ClientSession, base: str, token: str, key: str, data: bytes) -> None:
+    async with session.put(f"{base}/v1/blocks/{key}", data=data, headers={"Authorization": f"Bearer {token}"}) as r:
+        assert r.status == 201, await r.text()
+
+
 def _split(env: bytes) -> tuple[dict[str, Any], bytes]:
     magic, n = client_record.HEAD.unpack_from(env)
     assert magic == b"KVE1"
@@ -148,10 +153,8 @@ async def test_the_envelope_carries_the_records_key_not_the_tenants(served: Any)
     data = BLOCKS["bf16"]
     async with aiohttp.ClientSession() as session:
         token = await _tenant(session, base, "s", policy="sealed")
-        async with session.put(f"{base}/v1/blocks/a", data=data, headers={"Authorization": f"Bearer {token}"}) as r:
-            assert r.status == 201
-        async with session.put(f"{base}/v1/blocks/b", data=data, headers={"Authorization": f"Bearer {token}"}) as r:
-            assert r.status == 201
+        await _put(session, base, token, "a", data)
+        await _put(session, base, token, "b", data)
         meta_a, frames_a = _split(await _envelope(session, base, token, "a"))
         meta_b, _ = _split(await _envelope(session, base, token, "b"))
         part, frames_p = _split(await _envelope(session, base, token, "a", f"bytes={FRAME + 3}-{2 * FRAME + 9}"))
@@ -170,8 +173,7 @@ async def test_a_tampered_record_raises_never_returns_bytes(served: Any) -> None
     data = BLOCKS["bf16"]
     async with aiohttp.ClientSession() as session:
         token = await _tenant(session, base, "s", policy="sealed")
-        async with session.put(f"{base}/v1/blocks/a", data=data, headers={"Authorization": f"Bearer {token}"}) as r:
-            assert r.status == 201
+        await _put(session, base, token, "a", data)
         meta, frames = _split(await _envelope(session, base, token, "a"))
     n0 = meta["frames"][0]["len"]
 
