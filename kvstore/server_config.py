@@ -100,6 +100,12 @@ class ServerConfig:
     unix_socket_mode: int = 0o660
     unix_socket_group: str | None = None
     sendfile: bool = True
+    plan_paths: bool = False
+    nixl: bool = False
+    nixl_backend: str = "UCX"
+    nixl_staging_bytes: int = 256 << 20
+    nixl_lease_s: int = 30
+    nixl_devices: str = "auto"
 
     @property
     def tcp_addresses(self) -> list[tuple[str, int]]:
@@ -151,6 +157,12 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "unix_socket_mode": _mode,
     "unix_socket_group": _str,
     "sendfile": parse_bool,
+    "plan_paths": parse_bool,
+    "nixl": parse_bool,
+    "nixl_backend": _str,
+    "nixl_staging_bytes": parse_size,
+    "nixl_lease_s": _positive,
+    "nixl_devices": _str,
 }
 _STORE_FIELDS = {f.name for f in fields(StoreConfig)} - {"data_dir"}
 SETTINGS: tuple[str, ...] = ("data_dir", *_SERVER_PARSERS, *sorted(_STORE_FIELDS))
