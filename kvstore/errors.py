@@ -80,6 +80,14 @@ class UnixSocketRequired(KVStoreError):
     code = "unix_socket_required"
 
 
+class PathsNotOffered(KVStoreError):
+    """A read plan with paths was asked for, but the daemon does not give
+    them (``plan_paths`` is off)."""
+
+    status = 400
+    code = "paths_not_offered"
+
+
 class InsecureTransport(KVStoreError):
     """A record's own key is handed out only where no one else can read it:
     over TLS, a unix socket, or loopback."""

@@ -45,13 +45,14 @@ from kvstore_client.breaker import CircuitBreaker
 from kvstore_client.errors import (
     BufferTooSmall,
     CircuitOpenError,
+    CorruptBlock,
     DeadlineExceeded,
     KVStoreClientError,
     ProtocolError,
     ServerError,
     UnavailableError,
 )
-from kvstore_client.plans import Plan, PlanConnection, PlannedBlock
+from kvstore_client.plans import Plan, PlanConnection, PlannedBlock, parse_plan
 from kvstore_client.sharding import UNIX, rank_endpoints
 from kvstore_client.sharding import normalize as _normalize
 
@@ -89,6 +90,7 @@ class _Endpoint:
     breaker: CircuitBreaker
     session: aiohttp.ClientSession | None = None
     plans: PlanConnection | None = None  # unix: endpoints, read plans
+    paths_offered: bool = True  # http(s) endpoints: False once the daemon answered paths_not_offered
     client_decode: bool = False  # read records as stored and decode them here
 
 
@@ -211,6 +213,7 @@ class AsyncClient:
         read_plans: bool = True,
         decode: Decode = "auto",
         decode_threads: int | None = None,
+        plan_paths: bool = False,
     ) -> None:
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not eps:
@@ -237,6 +240,7 @@ class AsyncClient:
         self.max_batch_keys = max_batch_keys
         self.max_lookup_keys = max_lookup_keys
         self.read_plans = read_plans
+        self.plan_paths = plan_paths
         self._ssl: ssl.SSLContext | None = ssl.create_default_context(cafile=ca_file) if ca_file else None
         if decode not in ("server", "client", "auto"):
             raise ValueError(f"decode must be 'server', 'client' or 'auto', got {decode!r}")
@@ -483,6 +487,12 @@ class AsyncClient:
                 self.stats["plan_reads"] += 1
                 return n
             self.stats["plan_fallbacks"] += 1
+        elif self._asks_paths(self.owners(key)[0]):
+            planned, n = await self._path_read(self._endpoints[self.owners(key)[0]], key, mv)
+            if planned:
+                self.stats["plan_reads"] += 1
+                return n
+            self.stats["plan_fallbacks"] += 1
 
         def dest(n: int) -> memoryview:
             if n > mv.nbytes:
@@ -599,6 +609,80 @@ class AsyncClient:
             ep.plans = PlanConnection(url[len(UNIX) :], self._tokens.get(url, self.token), self.timeout)
         return ep.plans
 
+    def _asks_paths(self, url: str) -> bool:
+        """Whether get_into asks ``url`` (http or https) for plans with paths."""
+        ep = self._endpoints[url]
+        return self.plan_paths and self.read_plans and not url.startswith(UNIX) and ep.paths_offered
+
+    async def _path_plan(self, ep: _Endpoint, keys: list[str], lease_s: float | None) -> Plan:
+        """``POST /v1/read-plan`` with paths on an http(s) endpoint's session."""
+        body: dict[str, Any] = {"keys": keys, "paths": True}
+        if lease_s is not None:
+            body["lease_s"] = lease_s
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self._session(ep).post("/v1/read-plan", json=body) as r:
+                    if r.status != 200:
+                        err = _error_from(r.status, await r.read(), r)
+                        if err.code == "paths_not_offered":
+                            ep.paths_offered = False  # not asked again; read_plan still raises
+                        err.endpoint = ep.url
+                        raise err
+                    doc = await _json(r)
+        except TimeoutError:
+            raise DeadlineExceeded(f"no read plan within {self.timeout} s", endpoint=ep.url) from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise UnavailableError(f"{type(e).__name__}: {e}", endpoint=ep.url) from None
+        return parse_plan(doc, "", {}, endpoint=ep.url)
+
+    async def _release_path_plan(self, ep: _Endpoint, lease: str) -> None:
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self._session(ep).delete(f"/v1/read-plan/{lease}") as r:
+                    if r.status != 204:
+                        raise _error_from(r.status, await r.read(), r)
+        except TimeoutError:
+            raise DeadlineExceeded(f"no answer within {self.timeout} s", endpoint=ep.url) from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise UnavailableError(f"{type(e).__name__}: {e}", endpoint=ep.url) from None
+
+    async def _path_read(self, ep: _Endpoint, key: str, mv: memoryview) -> tuple[bool, int | None]:
+        """``key`` read through a plan with paths into ``mv``: (True, its
+        size, or None for a miss), or (False, None) when it must be read with
+        GET: the plan refused (paths_not_offered, then never asked again
+        here; insecure_transport for a sealed block on plain TCP; 409), or
+        the file could not be read here (not mounted, no permission, gone).
+        A block that fails its checksums is read with GET too (once, never
+        returned): the file may have been compacted away and its name taken
+        again after the lease ended; the daemon checks what it sends."""
+        if ep.breaker.state != "closed":
+            return False, None  # GET: the breaker decides
+        try:
+            plan = await self._path_plan(ep, [key], None)
+        except KVStoreClientError as e:
+            self._log.warning("kvstore read plan with paths failed, reading over HTTP: %s", e)
+            return False, None
+        try:
+            block = plan.blocks.get(key)
+            if block is None:
+                status, _ = plan.others.get(key, (0, ""))
+                return (True, None) if status == 404 else (False, None)
+            if block.size > mv.nbytes:
+                raise BufferTooSmall(f"block {key} is {block.size} bytes; the buffer holds {mv.nbytes}")
+            if block.record is not None and self.decode == "server":
+                return False, None  # sealed: the caller wants the daemon to decode it
+            try:
+                n = await asyncio.to_thread(PlanConnection.read_into, block, mv, self._decode_pool())
+            except (OSError, CorruptBlock) as e:
+                self._log.warning("kvstore read of %s from its path failed, reading over HTTP: %s", key, e)
+                return False, None
+            return True, n
+        finally:
+            try:
+                await self._release_path_plan(ep, plan.lease)
+            except KVStoreClientError as e:  # it expires on its own
+                self._log.warning("kvstore read plan release failed: %s", e)
+
     def _planned_read(self, conn: PlanConnection, key: str, mv: memoryview) -> tuple[bool, int | None]:
         """On a thread: ``key`` read through a read plan into ``mv``: (True,
         its size, or None for a miss), or (False, None) when it must be read
@@ -624,21 +708,26 @@ class AsyncClient:
             except KVStoreClientError as e:  # it expires on its own
                 self._log.warning("kvstore read plan release failed: %s", e)
 
-    async def read_plan(self, keys: Sequence[str], lease_s: float | None = None) -> Plan:
-        """A read plan of ``keys`` from a ``unix:`` endpoint (the first owner
-        of the first key): where each direct block's bytes are, with the
-        files' descriptors; read a block with :meth:`read_planned`, release
-        the plan with :meth:`release_plan` (or let it expire)."""
+    async def read_plan(self, keys: Sequence[str], lease_s: float | None = None, paths: bool = False) -> Plan:
+        """A read plan of ``keys`` from the first owner of the first key:
+        where each block's bytes are, with the files' descriptors (a
+        ``unix:`` endpoint) or, with ``paths``, their paths on a shared
+        filesystem (any endpoint of a daemon with ``plan_paths`` on; the data
+        directory mounted at the same path here). Read a block with
+        :meth:`read_planned`, release the plan with :meth:`release_plan` (or
+        let it expire)."""
         if not keys:
             raise ValueError("a read plan needs at least one key")
         for k in keys:
             framing.check_key(k)
         url = self.owners(keys[0])[0]
         if not url.startswith(UNIX):
-            raise ValueError(f"read plans need a unix:PATH endpoint, not {url}")
+            if not paths:
+                raise ValueError(f"read plans with descriptors need a unix:PATH endpoint, not {url}; ask for paths")
+            return await self._path_plan(self._endpoints[url], list(keys), lease_s)
         conn = self._plans_of(url) or PlanConnection(url[len(UNIX) :], self._tokens.get(url, self.token))
         self._endpoints[url].plans = conn
-        return await asyncio.to_thread(conn.plan, list(keys), lease_s)
+        return await asyncio.to_thread(conn.plan, list(keys), lease_s, paths)
 
     async def read_planned(self, block: PlannedBlock, buf: Any) -> int:
         """Read a planned block into ``buf`` (checked; a CUDA buffer via kvikio)."""
@@ -646,6 +735,9 @@ class AsyncClient:
 
     async def release_plan(self, plan: Plan) -> None:
         """Let the daemon compact and drop the plan's segments again."""
+        if plan.endpoint is not None:
+            await self._release_path_plan(self._endpoints[plan.endpoint], plan.lease)
+            return
         conn = self._endpoints[UNIX + plan.path].plans
         if conn is not None:
             await asyncio.to_thread(conn.release, plan.lease)

@@ -15,6 +15,13 @@ The HTTP exchange is written by hand on a blocking socket because the
 descriptors arrive as ancillary data, which HTTP client libraries drop.
 Blocks a plan cannot give (sealed, in the object tier only) are read with
 GET by the caller.
+
+A plan may carry paths instead (``{"paths": true}``, a daemon with
+``plan_paths`` on, over any endpoint): for a host that mounts the daemon's
+data directory at the same path (NFS, Lustre, WEKA, VAST). A path block is
+read by opening its file read-only for the read (kvikio opens the path
+itself), with the same checks; a file compacted away after the lease fails
+to open or fails the checksums, never returns other bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from kvstore_client.errors import CorruptBlock, KVStoreClientError, ServerError, UnavailableError
+from kvstore_client.errors import CorruptBlock, KVStoreClientError, ProtocolError, ServerError, UnavailableError
 
 if TYPE_CHECKING:
     from kvstore_client.record import RecordMeta
@@ -42,13 +49,18 @@ RECV = 1 << 16
 @dataclass(frozen=True, slots=True)
 class PlannedBlock:
     key: str
-    fd: int  # this connection's descriptor of the segment file (owned by the connection)
+    #: this connection's descriptor of the segment file (owned by the
+    #: connection); -1 for a block given by path
+    fd: int
     offset: int
     size: int
     frame_size: int
     checksums: tuple[int, ...]
     #: a sealed block: its stored frames start at ``offset``; this opens them
     record: RecordMeta | None = None
+    #: the segment file's absolute path on a shared filesystem (a plan with
+    #: paths), opened for each read instead of ``fd``
+    path: str | None = None
 
     @property
     def stored_len(self) -> int:
@@ -58,12 +70,54 @@ class PlannedBlock:
 
 @dataclass(slots=True)
 class Plan:
-    path: str  # the daemon's socket
+    path: str  # the daemon's socket ("" for a plan from an http(s) endpoint)
     lease: str
     expires_in_s: float
     blocks: dict[str, PlannedBlock] = field(default_factory=dict)
     #: keys the plan does not give, with (status, code): 404 is a miss, others are read with GET
     others: dict[str, tuple[int, str]] = field(default_factory=dict)
+    #: the http(s) endpoint that gave a plan with paths (released there); None: the unix socket ``path``
+    endpoint: str | None = None
+
+
+def parse_plan(doc: Any, path: str, fds: dict[int, int], endpoint: str | None = None) -> Plan:
+    """A plan from the daemon's answer; ``fds``: this connection's file ids
+    to descriptors (empty for a plan with paths). Raises ProtocolError on a
+    malformed answer."""
+    try:
+        lease = doc["lease"]
+        if not isinstance(lease, str) or not lease.isalnum():
+            raise ValueError(f"lease {lease!r}")
+        plan = Plan(path, lease, float(doc["expires_in_s"]), endpoint=endpoint)
+        for b in doc["blocks"]:
+            key = str(b["key"])
+            if b["status"] != 200:
+                plan.others[key] = (int(b["status"]), str(b.get("error", {}).get("code", "")))
+                continue
+            record = None
+            if "record" in b:  # sealed: opened here, if the decode extra is installed
+                try:
+                    from kvstore_client.record import meta_of
+                except ImportError:
+                    plan.others[key] = (409, "decode_unavailable")
+                    continue
+                record = meta_of(b["record"], key)
+            file_path = b.get("path")
+            if file_path is not None and (not isinstance(file_path, str) or not os.path.isabs(file_path)):
+                raise ValueError(f"block {key}: path {file_path!r} is not absolute")
+            plan.blocks[key] = PlannedBlock(
+                key,
+                -1 if file_path is not None else fds[b["file"]],
+                int(b["offset"]),
+                int(b["size"]),
+                int(b["frame_size"]),
+                tuple(int(c, 16) for c in b["xxh3"]),
+                record,
+                file_path,
+            )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ProtocolError(f"malformed read plan: {type(e).__name__}: {e}") from None
+    return plan
 
 
 class PlanConnection:
@@ -82,10 +136,14 @@ class PlanConnection:
 
     # -- the plan ---------------------------------------------------------------
 
-    def plan(self, keys: list[str], lease_s: float | None = None) -> Plan:
+    def plan(self, keys: list[str], lease_s: float | None = None, paths: bool = False) -> Plan:
+        """A plan of ``keys``; ``paths``: with the files' paths (the daemon's
+        ``plan_paths``), not descriptors."""
         body: dict[str, Any] = {"keys": keys}
         if lease_s is not None:
             body["lease_s"] = lease_s
+        if paths:
+            body["paths"] = True
         with self._lock:
             status, doc, fds = self._exchange("POST", "/v1/read-plan", json.dumps(body).encode())
             if status != 200:
@@ -102,29 +160,8 @@ class PlanConnection:
             for fid in doc.get("closed", ()):
                 if fid in self._fds:
                     self._to_close.append(self._fds.pop(fid))
-            plan = Plan(self.path, doc["lease"], float(doc["expires_in_s"]))
+            plan = parse_plan(doc, self.path, self._fds)
             self._outstanding.add(plan.lease)
-            for b in doc["blocks"]:
-                if b["status"] != 200:
-                    plan.others[b["key"]] = (int(b["status"]), str(b.get("error", {}).get("code", "")))
-                    continue
-                record = None
-                if "record" in b:  # sealed: opened here, if the decode extra is installed
-                    try:
-                        from kvstore_client.record import meta_of
-                    except ImportError:
-                        plan.others[b["key"]] = (409, "decode_unavailable")
-                        continue
-                    record = meta_of(b["record"], b["key"])
-                plan.blocks[b["key"]] = PlannedBlock(
-                    b["key"],
-                    self._fds[b["file"]],
-                    int(b["offset"]),
-                    int(b["size"]),
-                    int(b["frame_size"]),
-                    tuple(int(c, 16) for c in b["xxh3"]),
-                    record,
-                )
             return plan
 
     def release(self, lease: str) -> None:
@@ -145,7 +182,9 @@ class PlanConnection:
     def read_into(block: PlannedBlock, buf: Any, pool: Executor | None = None) -> int:
         """Read ``block`` into ``buf`` (host memory: checked; a CUDA buffer:
         through kvikio); returns its size. A sealed block's frames are opened
-        here (on ``pool``'s threads when given) into host memory only."""
+        here (on ``pool``'s threads when given) into host memory only. A
+        block given by path opens its file for the read (OSError if it
+        cannot: gone, no permission, not mounted here)."""
         if hasattr(buf, "__cuda_array_interface__"):
             if block.record is not None:
                 raise KVStoreClientError(
@@ -156,14 +195,13 @@ class PlanConnection:
         mv = memoryview(buf).cast("B")
         if mv.nbytes < block.size:
             raise KVStoreClientError(f"block {block.key} is {block.size} bytes; the buffer holds {mv.nbytes}")
-        if block.record is not None:
-            return _read_sealed(block, block.record, mv[: block.size], pool)
-        _pread_all(block, mv[: block.size])
-        fs = block.frame_size
-        for i, want in enumerate(block.checksums):
-            if xxhash.xxh3_64_intdigest(mv[i * fs : min((i + 1) * fs, block.size)]) != want:
-                raise CorruptBlock(f"block {block.key}: frame {i} fails its checksum")
-        return block.size
+        if block.path is None:
+            return _read_host(block, block.fd, mv[: block.size], pool)
+        fd = os.open(block.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return _read_host(block, fd, mv[: block.size], pool)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         with self._lock:
@@ -247,22 +285,34 @@ def _raise(status: int, doc: Any, what: str) -> None:
     )
 
 
-def _pread_all(block: PlannedBlock, mv: memoryview) -> None:
+def _read_host(block: PlannedBlock, fd: int, out: memoryview, pool: Executor | None) -> int:
+    """``block`` from the open file ``fd`` into ``out`` (its size), checked."""
+    if block.record is not None:
+        return _read_sealed(block, fd, block.record, out, pool)
+    _pread_all(block, fd, out)
+    fs = block.frame_size
+    for i, want in enumerate(block.checksums):
+        if xxhash.xxh3_64_intdigest(out[i * fs : min((i + 1) * fs, block.size)]) != want:
+            raise CorruptBlock(f"block {block.key}: frame {i} fails its checksum")
+    return block.size
+
+
+def _pread_all(block: PlannedBlock, fd: int, mv: memoryview) -> None:
     n = 0
     while n < len(mv):
-        got = os.preadv(block.fd, [mv[n:]], block.offset + n)
+        got = os.preadv(fd, [mv[n:]], block.offset + n)
         if got <= 0:
             raise CorruptBlock(f"block {block.key}: its segment file ends {len(mv) - n} bytes short")
         n += got
 
 
-def _read_sealed(block: PlannedBlock, meta: RecordMeta, out: memoryview, pool: Executor | None) -> int:
+def _read_sealed(block: PlannedBlock, fd: int, meta: RecordMeta, out: memoryview, pool: Executor | None) -> int:
     """The stored frames of a sealed block, read in one preadv and opened
     (checksum, GCM tag, codec) into ``out``, frames in parallel on ``pool``."""
     from kvstore_client.record import RecordOpener
 
     stored = bytearray(meta.stored_len)
-    _pread_all(block, memoryview(stored))
+    _pread_all(block, fd, memoryview(stored))
     opener = RecordOpener(meta, out)
     parts, at = [], 0
     for j, f in enumerate(meta.frames):
@@ -286,9 +336,10 @@ def _read_gpu(block: PlannedBlock, buf: Any) -> int:
         raise KVStoreClientError(
             "a CUDA buffer needs kvikio (pip install 'kvstore-client[gds]')", code="gds_unavailable"
         ) from None
-    # kvikio opens by path: the descriptor's own path reaches the same file,
-    # unlinked or not, without any permission on the data directory.
-    with kvikio.CuFile(f"/proc/self/fd/{block.fd}", "r") as f:
+    # kvikio opens by path: a plan's path on the shared filesystem, or the
+    # descriptor's own path, which reaches the same file, unlinked or not,
+    # without any permission on the data directory.
+    with kvikio.CuFile(block.path or f"/proc/self/fd/{block.fd}", "r") as f:
         n = int(f.pread(buf, block.size, block.offset).get())
     if n != block.size:
         raise CorruptBlock(f"block {block.key}: read {n} of {block.size} bytes into GPU memory")

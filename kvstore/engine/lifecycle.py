@@ -210,6 +210,9 @@ class Lease:
     id: str
     segments: frozenset[SegmentKey]
     expires: float  # time.monotonic()
+    #: the tenant that may release it from any connection (a read plan with
+    #: paths); None: only its holder can (a connection, a task)
+    owner: str | None = None
 
 
 class Leases:
@@ -235,10 +238,13 @@ class Leases:
         with self._lock:
             self._claims.discard(key)
 
-    def acquire(self, segments: Iterable[SegmentKey], ttl_s: float, lease_id: str | None = None) -> Lease:
+    def acquire(
+        self, segments: Iterable[SegmentKey], ttl_s: float, lease_id: str | None = None, owner: str | None = None
+    ) -> Lease:
         """A lease on ``segments`` for ``ttl_s`` seconds; ``lease_id``: the id
-        a reader worker gave the same lease (the writer holds it for it)."""
-        lease = Lease(lease_id or uuid.uuid4().hex, frozenset(segments), time.monotonic() + ttl_s)
+        a reader worker gave the same lease (the writer holds it for it);
+        ``owner``: the tenant that may release it (:meth:`release_owned`)."""
+        lease = Lease(lease_id or uuid.uuid4().hex, frozenset(segments), time.monotonic() + ttl_s, owner)
         with self._lock:
             self._leases[lease.id] = lease
         return lease
@@ -247,10 +253,30 @@ class Leases:
         with self._lock:
             return self._leases.pop(lease_id, None) is not None
 
-    def _expire(self) -> None:
+    def release_owned(self, lease_id: str, owner: str) -> bool:
+        """Release a lease ``owner`` holds and that has not expired; False
+        (and nothing released) for any other: unknown, expired, held by a
+        connection, or another tenant's."""
+        with self._lock:
+            self._expire()
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.owner is None or lease.owner != owner:
+                return False
+            del self._leases[lease_id]
+            return True
+
+    def forget_expired(self) -> int:
+        """Drop the leases past their expiry (a process that never asks
+        :meth:`held` would keep them); returns how many."""
+        with self._lock:
+            return self._expire()
+
+    def _expire(self) -> int:
         now = time.monotonic()
-        for lid in [lid for lid, lease in self._leases.items() if lease.expires <= now]:
+        gone = [lid for lid, lease in self._leases.items() if lease.expires <= now]
+        for lid in gone:
             del self._leases[lid]
+        return len(gone)
 
     def held(self, key: SegmentKey) -> bool:
         with self._lock:

@@ -68,21 +68,25 @@ def _json_object(raw: bytes, what: str) -> dict[str, Any]:
 
 @routes.post("/_internal/leases")
 async def hold_lease(request: web.Request) -> web.Response:
-    """A reader's read-plan lease, held here under the same id."""
+    """A reader's read-plan lease, held here under the same id (and, for a
+    plan with paths, for the same tenant, who may release it here)."""
     if not _on_private_socket(request):
         raise NotFound("no such route")
     doc = _json_object(await request.read(), "leases")
-    lid, segs, ttl = doc.get("id"), doc.get("segments"), doc.get("ttl_s")
+    lid, segs, ttl, owner = doc.get("id"), doc.get("segments"), doc.get("ttl_s"), doc.get("tenant")
     if (
         not isinstance(lid, str)
         or not isinstance(ttl, int | float)
+        or not (owner is None or isinstance(owner, str))
         or not isinstance(segs, list)
         or not all(
             isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], int) for x in segs
         )
     ):
-        raise InvalidInput('leases: expected {"id": str, "segments": [[tenant, id], ...], "ttl_s": number}')
-    store_of(request).leases.acquire([(t, sid) for t, sid in segs], float(ttl), lid)
+        raise InvalidInput(
+            'leases: expected {"id": str, "segments": [[tenant, id], ...], "ttl_s": number, "tenant"?: str}'
+        )
+    store_of(request).leases.acquire([(t, sid) for t, sid in segs], float(ttl), lid, owner)
     return web.Response(status=204)
 
 
@@ -100,9 +104,13 @@ async def release_leases(request: web.Request) -> web.Response:
 
 async def share_lease(app: web.Application, lease: Lease, ttl_s: float) -> None:
     """A reader: have the writer hold ``lease`` too, before the plan is sent.
-    If the writer cannot be reached the plan still reads the right bytes
-    (descriptors keep them), it only loses the writer's pin: logged."""
-    doc = {"id": lease.id, "segments": sorted(lease.segments), "ttl_s": ttl_s}
+    If the writer cannot be reached the plan is sent all the same, without
+    the writer's pin (logged): descriptors keep their bytes; a path read may
+    then find its file compacted away, which fails (ENOENT) or fails the
+    frame checksums, never returns other bytes."""
+    doc: dict[str, Any] = {"id": lease.id, "segments": sorted(lease.segments), "ttl_s": ttl_s}
+    if lease.owner is not None:  # a plan with paths: its tenant may release it on any worker
+        doc["tenant"] = lease.owner
     try:
         async with app[WRITER].post(
             "http://writer/_internal/leases", json=doc, timeout=aiohttp.ClientTimeout(total=10)

@@ -16,6 +16,19 @@ file lives on while a descriptor is open), so a plan never reads other bytes.
 So that the space of such files comes back, each answer lists in ``closed``
 the ids of files given before whose segments are gone; the client closes
 those descriptors once no plan of its own still uses them.
+
+With ``plan_paths`` on, ``{"paths": true}`` asks for the segment files'
+absolute paths instead (``"path"`` in each block, no descriptors, ``files``
+and ``closed`` empty), over any listener: for clients on other hosts that
+mount the data directory at the same path (NFS, Lustre, WEKA, VAST). A
+sealed block's ``record`` (its own key) goes only where
+``client_decode_allowed`` (TLS, unix, loopback); elsewhere that block is
+``403 insecure_transport``. Such a lease belongs to the tenant, not to the
+connection: any connection of the tenant releases it, else it expires. A
+path read after the lease ended may find the file gone (a compacted segment's
+file is removed, and its records live on in a newer segment, a new file
+name) and fails (ENOENT); the frame checksums catch anything else, so a
+path read never returns other bytes than the block's.
 """
 
 from __future__ import annotations
@@ -32,18 +45,28 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from kvstore.engine.lifecycle import Leases
 from kvstore.engine.store_read import PlannedBlock
-from kvstore.errors import InvalidInput, KVStoreError, NotFound, UnixSocketRequired
+from kvstore.errors import (
+    InsecureTransport,
+    InvalidInput,
+    KVStoreError,
+    NotFound,
+    NotPlannable,
+    PathsNotOffered,
+    StoreClosed,
+    UnixSocketRequired,
+)
 from kvstore.tasks import Background
 from kvstore.transport.http_blocks import keys_field
 from kvstore.transport.http_body import json_body
 from kvstore.transport.http_common import STATE, STORE, config_of, reset_connection, send, store_of, tenant_of
-from kvstore.transport.http_forward import WRITER
+from kvstore.transport.http_forward import WRITER, writer_url
 from kvstore.transport.http_internal import share_lease
-from kvstore.transport.http_records import record_meta
+from kvstore.transport.http_records import client_decode_allowed, record_meta
 
 log = logging.getLogger("kvstore.transport.plans")
 routes = web.RouteTableDef()
@@ -95,14 +118,25 @@ class PlanState:
             self._released().extend(ids)
 
     def sweep(self) -> int:
-        """Release the leases of connections that ended; returns how many."""
+        """Release the leases of connections that ended, and forget expired
+        ones (path plans' leases, held by no connection, end so); returns
+        how many of the former."""
         n = 0
         for key in [k for k, c in self._conns.items() if c.closed()]:
             ids = list(self._conns.pop(key).leases)
             self._tell_writer(ids)
             for lid in ids:
                 n += self._leases.release(lid)
+        self._leases.forget_expired()
         return n
+
+    def release_path_lease(self, tenant: str, lease_id: str) -> bool:
+        """Release a path plan's lease of ``tenant`` held in this process
+        (False: none such here); a reader tells the writer too."""
+        if not self._leases.release_owned(lease_id, tenant):
+            return False
+        self._tell_writer([lease_id])
+        return True
 
 
 PLANS = web.AppKey("plans", PlanState)
@@ -125,13 +159,22 @@ async def plans_ctx(app: web.Application) -> AsyncIterator[None]:
     await bg.close()
 
 
-def _unix_transport(request: web.Request) -> asyncio.Transport:
+def _on_unix(request: web.Request) -> asyncio.Transport | None:
+    """The request's transport if it is a unix socket's, else None."""
     transport = request.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
     if transport is None or sock is None or sock.family != socket.AF_UNIX:
+        return None
+    return transport
+
+
+def _unix_transport(request: web.Request) -> asyncio.Transport:
+    transport = _on_unix(request)
+    if transport is None:
+        also = ' (or, with plan_paths on, ask for paths: {"paths": true})' if config_of(request).plan_paths else ""
         raise UnixSocketRequired(
             "read plans pass file descriptors, so they are served on the daemon's unix socket only "
-            "(listen = unix:PATH); use GET /v1/blocks/{key} here"
+            f"(listen = unix:PATH){also}; use GET /v1/blocks/{{key}} here"
         )
     return transport
 
@@ -146,9 +189,17 @@ def _lease_s(body: dict[str, Any]) -> float:
 @routes.post("/v1/read-plan")
 async def read_plan(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
-    transport = _unix_transport(request)
     body = await json_body(request)
-    unknown = set(body) - {"keys", "lease_s"}
+    paths = body.get("paths", False)
+    if not isinstance(paths, bool):
+        raise InvalidInput(f"field 'paths' must be true or false; got {paths!r}")
+    if paths and not config_of(request).plan_paths:
+        raise PathsNotOffered(
+            "this daemon gives read plans with descriptors only: set plan_paths = true to offer paths "
+            "(the data directory must then be mounted at the same path on the client)"
+        )
+    transport = None if paths else _unix_transport(request)
+    unknown = set(body) - {"keys", "lease_s", "paths"}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
     keys = keys_field(body, config_of(request).max_batch_keys, validate=False)
@@ -156,6 +207,8 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
     store = store_of(request)
     planned = await store.plan_reads(tenant, keys)
     try:
+        if transport is None:
+            return await _path_plan(request, tenant, keys, planned, lease_s)
         conn = request.app[PLANS].connection(transport)
         # Files given before whose segments are gone (compacted, dropped,
         # deleted): the client closes its descriptors, so their space returns.
@@ -199,11 +252,54 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
                 p.segment.release()
 
 
-def _block(tenant: str, p: PlannedBlock, fid: int) -> dict[str, Any]:
-    doc = {
+async def _path_plan(
+    request: web.Request, tenant: str, keys: list[str], planned: list[PlannedBlock | KVStoreError], lease_s: float
+) -> web.Response:
+    """A plan with the segment files' paths (any listener): leased for the
+    tenant, not the connection; no descriptors."""
+    store = store_of(request)
+    decode_ok = client_decode_allowed(request.transport)
+    entries: list[PlannedBlock | KVStoreError] = []
+    for p in planned:
+        if isinstance(p, PlannedBlock) and p.record is not None and not decode_ok:
+            entries.append(
+                InsecureTransport(
+                    f"key {p.key!r} is sealed: its record's key goes out only over TLS, a unix socket or "
+                    "loopback; GET it (the daemon decodes)"
+                )
+            )
+        else:
+            entries.append(p)
+    segments = {(p.file[0], p.file[2]) for p in entries if isinstance(p, PlannedBlock)}
+    lease = store.leases.acquire(segments, lease_s, owner=tenant)
+    if WRITER in request.app:  # a reader: the writer, which compacts and evicts, holds it too
+        await share_lease(request.app, lease, lease_s)
+    # Held now: a segment still local at this point stays until the lease
+    # ends. One compacted or dropped before it was taken is named not_plannable.
+    alive = {p.file: store.segment_alive(*p.file) for p in entries if isinstance(p, PlannedBlock)}
+    blocks: list[dict[str, Any]] = []
+    for key, p in zip(keys, entries, strict=True):
+        if isinstance(p, PlannedBlock) and not alive[p.file]:
+            p = NotPlannable(f"key {key!r} moved while it was planned: GET it")
+        if isinstance(p, KVStoreError):
+            blocks.append({"key": key, "status": p.status, "error": {"code": p.code, "message": str(p)}})
+            continue
+        blocks.append(_block(tenant, p, os.path.abspath(p.segment.path)))
+    doc = {"lease": lease.id, "expires_in_s": lease_s, "files": [], "closed": [], "blocks": blocks}
+    return web.json_response(doc, headers={"Kvstore-Fds": "0"}, dumps=_dumps)
+
+
+def _dumps(doc: Any) -> str:
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def _block(tenant: str, p: PlannedBlock, where: int | str) -> dict[str, Any]:
+    """A planned block's entry: ``where`` is its file's id on the connection
+    (an int) or its path (a str)."""
+    doc: dict[str, Any] = {
         "key": p.key,
         "status": 200,
-        "file": fid,
+        "file" if isinstance(where, int) else "path": where,
         "offset": p.offset,
         "size": p.size,
         "frame_size": p.frame_size,
@@ -258,8 +354,37 @@ def _sendmsg(transport: asyncio.Transport, data: bytes, fds: array.array[int]) -
 
 @routes.delete("/v1/read-plan/{lease}")
 async def release_plan(request: web.Request) -> web.Response:
-    tenant_of(request)
-    transport = _unix_transport(request)
-    if not request.app[PLANS].release(transport, request.match_info["lease"]):
+    tenant = tenant_of(request)
+    lease_id = request.match_info["lease"]
+    transport = _on_unix(request)
+    if transport is not None and request.app[PLANS].release(transport, lease_id):
+        return web.Response(status=204)  # a descriptor plan's, held by this connection
+    if not config_of(request).plan_paths:
+        _unix_transport(request)  # descriptor plans only: over TCP, 400 as ever
         raise NotFound("no such lease on this connection (released, expired, or never given)")
+    if not await _release_path_lease(request, tenant, lease_id):
+        raise NotFound(
+            "no such lease: released, expired, never given, another tenant's, or a descriptor plan's "
+            "(those are released on the connection that holds them)"
+        )
     return web.Response(status=204)
+
+
+async def _release_path_lease(request: web.Request, tenant: str, lease_id: str) -> bool:
+    """Release a path plan's lease of ``tenant``. On a reader worker the
+    writer decides: it holds every path lease any worker granted (share_lease),
+    so the lease is released whichever worker this connection landed on."""
+    mine = request.app[PLANS].release_path_lease(tenant, lease_id)
+    if WRITER not in request.app:
+        return mine
+    headers = {"Authorization": request.headers.get("Authorization", "")}
+    try:
+        async with request.app[WRITER].delete(
+            writer_url(request), headers=headers, timeout=aiohttp.ClientTimeout(total=10)
+        ) as r:
+            theirs = r.status == 204
+    except (aiohttp.ClientError, ConnectionError, TimeoutError) as e:
+        if not mine:
+            raise StoreClosed(f"the writer process is unavailable ({type(e).__name__}); retry") from None
+        theirs = False  # released here; the relay tells the writer
+    return mine or theirs

@@ -63,8 +63,10 @@ async def test_answers_match_the_description(api: Api) -> None:
         ("GET", "/v1/records/{key}", "/v1/records/k1", {**t, "Range": "bytes=5000-"}, b"", 416),
         ("GET", "/v1/records/{key}", "/v1/records/nope", t, b"", 404),
         ("GET", "/v1/records/{key}", "/v1/records/k1", {}, b"", 401),
-        # Read plans are for the unix socket (tests/http/test_read_plans.py checks their 200 answers).
+        # Read plans with descriptors are for the unix socket (tests/http/test_read_plans.py checks them).
         ("POST", "/v1/read-plan", "/v1/read-plan", t, b'{"keys": ["k1"]}', 400),
+        # Plans with paths need plan_paths (tests/http/test_plan_paths.py checks them with it on).
+        ("POST", "/v1/read-plan", "/v1/read-plan", t, b'{"keys": ["k1"], "paths": true}', 400),
         ("POST", "/v1/read-plan", "/v1/read-plan", {}, b'{"keys": ["k1"]}', 401),
         ("DELETE", "/v1/read-plan/{lease}", "/v1/read-plan/" + "0" * 32, t, b"", 400),
         ("DELETE", "/v1/read-plan/{lease}", "/v1/read-plan/nope", t, b"", 400),
