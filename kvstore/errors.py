@@ -96,6 +96,44 @@ class InsecureTransport(KVStoreError):
     code = "insecure_transport"
 
 
+# -- NIXL transfers (/v1/xfer/*) ----------------------------------------------
+
+
+class NixlDisabled(KVStoreError):
+    """This daemon runs no NIXL agent (``nixl = false``): use HTTP."""
+
+    status = 501
+    code = "nixl_disabled"
+
+
+class AgentUnknown(KVStoreError):
+    """A transfer names a NIXL agent this daemon has not been introduced to
+    (or that another tenant introduced): POST /v1/xfer/agents first."""
+
+    status = 409
+    code = "agent_unknown"
+
+
+class AgentTaken(KVStoreError):
+    """Another tenant registered a NIXL agent of this name."""
+
+    status = 409
+    code = "agent_taken"
+
+
+class LeaseNotFound(NotFound):
+    code = "lease_not_found"
+
+
+class TransferFailed(KVStoreError):
+    """A one-sided transfer between the daemon's agent and a client's failed
+    or did not finish in time."""
+
+    status = 502
+    code = "transfer_failed"
+    retryable = True
+
+
 class ConfigError(KVStoreError):
     """A bad configuration value; the message names the key and the value."""
 

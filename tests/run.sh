@@ -4,6 +4,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/setup-venv.sh test
 .venv/bin/python -m pip install --quiet -e 'clients[decode]'  # the client library is its own package
+# NIXL for the /v1/xfer tests: --no-deps, or its wheel's metadata pulls torch and a CUDA stack.
+.venv/bin/python -m pip install --quiet --no-deps nixl-cu12==1.5.1 nixl==1.5.1
+# pyverbs (rdma-core) comes from the distribution, not PyPI; the RDMA status reports without it too.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s python3-pyverbs >/dev/null 2>&1; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pyverbs >/dev/null
+fi
 export PYTHONHASHSEED="${PYTHONHASHSEED:-0}"
 # One command per line: under set -e a failure on the left of && would not stop the script.
 echo "== ruff"

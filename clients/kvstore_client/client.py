@@ -52,6 +52,7 @@ from kvstore_client.errors import (
     ServerError,
     UnavailableError,
 )
+from kvstore_client.nixl import NixlAgent, NixlFallback, nixl_available
 from kvstore_client.plans import Plan, PlanConnection, PlannedBlock, parse_plan
 from kvstore_client.sharding import UNIX, rank_endpoints
 from kvstore_client.sharding import normalize as _normalize
@@ -71,6 +72,9 @@ _STAT_NAMES = (
     "plan_reads",  # get_into served from a read plan (the segment file, no HTTP body)
     "plan_fallbacks",  # get_into that fell back to GET (sealed, object tier only, plan failed)
     "client_decodes",  # reads of records as stored, checked and decoded here (decode="client"/"auto")
+    "nixl_reads",  # get_into served over NIXL (transport="nixl")
+    "nixl_writes",  # blocks put over NIXL
+    "nixl_fallbacks",  # NIXL reads or write batches that went over HTTP instead
     "calls",
     "hits",
     "misses",
@@ -92,6 +96,7 @@ class _Endpoint:
     plans: PlanConnection | None = None  # unix: endpoints, read plans
     paths_offered: bool = True  # http(s) endpoints: False once the daemon answered paths_not_offered
     client_decode: bool = False  # read records as stored and decode them here
+    nixl: bool = True  # transport="nixl": False once the daemon answered nixl_disabled
 
 
 Decode = Literal["server", "client", "auto"]
@@ -214,6 +219,9 @@ class AsyncClient:
         decode: Decode = "auto",
         decode_threads: int | None = None,
         plan_paths: bool = False,
+        transport: Literal["http", "nixl"] = "http",
+        nixl_name: str | None = None,
+        nixl_devices: str | None = None,
     ) -> None:
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not eps:
@@ -264,6 +272,13 @@ class AsyncClient:
         decodes = decode != "server" and decode_available()
         for ep in self._endpoints.values():
             ep.client_decode = decodes and decode_allowed(ep.url)
+        if transport not in ("http", "nixl"):
+            raise ValueError(f"transport must be 'http' or 'nixl', got {transport!r}")
+        if transport == "nixl" and not nixl_available():
+            raise ValueError("transport='nixl' needs NIXL: pip install --no-deps nixl-cu12 nixl (see README)")
+        self.transport = transport
+        self._nixl_options = (nixl_name, nixl_devices)
+        self._nixl: NixlAgent | None = None
         self._urls = urls
         self._log = _RateLimitedLog(log_interval)
         self.stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
@@ -298,6 +313,9 @@ class AsyncClient:
         if self._decoder is not None:
             self._decoder.shutdown(wait=False, cancel_futures=True)
             self._decoder = None
+        if self._nixl is not None:
+            self._nixl.close()
+            self._nixl = None
 
     @property
     def endpoints(self) -> list[str]:
@@ -480,6 +498,10 @@ class AsyncClient:
 
     async def _get_into(self, key: str, mv: memoryview) -> int | None:
         framing.check_key(key)
+        if self.transport == "nixl":
+            done, got = await self._nixl_read(key, mv)
+            if done:
+                return got
         conn = self._plans_of(self.owners(key)[0])
         if conn is not None:
             planned, n = await asyncio.to_thread(self._planned_read, conn, key, mv)
@@ -742,6 +764,56 @@ class AsyncClient:
         if conn is not None:
             await asyncio.to_thread(conn.release, plan.lease)
 
+    # -- NIXL ------------------------------------------------------------------
+
+    def _nixl_agent(self) -> NixlAgent:
+        if self._nixl is None:
+            self._nixl = NixlAgent(self._nixl_options[0], devices=self._nixl_options[1])
+        return self._nixl
+
+    async def _nixl_read(self, key: str, mv: memoryview) -> tuple[bool, int | None]:
+        """``key`` read over NIXL into ``mv``: (True, size or None for a
+        miss), or (False, None) when HTTP must serve it."""
+        ep = self._endpoints[self.owners(key)[0]]
+        if not ep.nixl or not ep.breaker.allow():
+            return False, None
+        try:
+            got = await self._nixl_agent().read_into(
+                self._session(ep), ep.url, key, mv, time.monotonic() + self.timeout
+            )
+        except NixlFallback as e:
+            self._nixl_failed(ep, e)
+            return False, None
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            self._nixl_failed(ep, NixlFallback(f"{type(e).__name__}: {e}"))
+            return False, None
+        self.stats["nixl_reads"] += 1
+        return True, got
+
+    async def _nixl_write(
+        self, url: str, items: list[tuple[str, framing.BufferLike]], idx: list[int], ok: list[bool]
+    ) -> bool:
+        """Put ``items[idx]`` on ``url`` over NIXL; False: HTTP must."""
+        ep = self._endpoints[url]
+        if not ep.nixl or not ep.breaker.allow():
+            return False
+        chosen = [(items[i][0], memoryview(items[i][1]).cast("B")) for i in idx]
+        try:
+            results = await self._nixl_agent().write(self._session(ep), url, chosen)
+        except (TimeoutError, NixlFallback, aiohttp.ClientError, OSError) as e:
+            self._nixl_failed(ep, e if isinstance(e, NixlFallback) else NixlFallback(f"{type(e).__name__}: {e}"))
+            return False
+        for i, res in zip(idx, results, strict=True):
+            ok[i] = isinstance(res, dict) and res.get("status") in (200, 201)
+        self.stats["nixl_writes"] += len(idx)
+        return True
+
+    def _nixl_failed(self, ep: _Endpoint, e: NixlFallback) -> None:
+        self.stats["nixl_fallbacks"] += 1
+        if e.permanent:
+            ep.nixl = False
+        self._log.warning("kvstore NIXL transfer with %s fell back to HTTP: %s", ep.url, e)
+
     async def exists(self, key: str) -> bool:
         async def run() -> bool:
             framing.check_key(key)
@@ -961,6 +1033,10 @@ class AsyncClient:
         for i, (k, _) in enumerate(items):
             for url in self.owners(k):
                 groups.setdefault(url, []).append(i)
+        if self.transport == "nixl":
+            for url in list(groups):
+                if await self._nixl_write(url, items, groups[url], ok):
+                    del groups[url]
         calls = [
             self._put_chunk(url, items, idx[c : c + self.max_batch_keys], ok, deadline)
             for url, idx in groups.items()

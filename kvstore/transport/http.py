@@ -23,7 +23,15 @@ from kvstore.errors import InvalidRange, KVStoreError, Overloaded, Unauthorized
 from kvstore.names import PATH_PARAMS
 from kvstore.server_config import ServerConfig
 from kvstore.tasks import Background
-from kvstore.transport import http_admin, http_batch, http_blocks, http_internal, http_plans, http_records
+from kvstore.transport import (
+    http_admin,
+    http_batch,
+    http_blocks,
+    http_internal,
+    http_plans,
+    http_records,
+    http_xfer,
+)
 from kvstore.transport.http_body import BAD_BODY_FRAMING, BUDGET, BodyBudget
 from kvstore.transport.http_common import (
     CONFIG,
@@ -247,6 +255,8 @@ def make_app(
 
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(http_plans.plans_ctx)
+    if not reader:  # one NIXL agent, the writer's: readers relay /v1/xfer/* to it
+        app.cleanup_ctx.append(http_xfer.xfer_ctx)
     if reader:
         app.cleanup_ctx.append(writer_ctx)
     app.on_shutdown.append(not_ready_on_shutdown)
@@ -258,6 +268,7 @@ def make_app(
     app.router.add_routes(http_admin.routes)
     app.router.add_routes(http_plans.routes)
     app.router.add_routes(http_records.routes)
+    app.router.add_routes(http_xfer.routes)
     if role == "writer":
         app.router.add_routes(http_internal.routes)
     return app

@@ -1,7 +1,9 @@
-"""Admin routes (admin token): tenants, tokens, key rotation, flush, scrub."""
+"""Admin routes (admin token): tenants, tokens, key rotation, flush, scrub, status."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 from typing import Any
 
 from aiohttp import web
@@ -12,7 +14,9 @@ from kvstore.errors import InvalidInput, MasterKeyError
 from kvstore.names import validate_tenant
 from kvstore.redaction import SCRUBBER
 from kvstore.transport.http_body import json_body
-from kvstore.transport.http_common import require_admin, store_of
+from kvstore.transport.http_common import STATE, require_admin, store_of
+from kvstore.transport.http_xfer import XFER
+from kvstore.transport.nixl.devices import discover
 
 routes = web.RouteTableDef()
 FLUSH_TIMEOUT_S = 600
@@ -188,3 +192,16 @@ async def verify(request: web.Request) -> web.Response:
     deep = request.query.get("deep", "false").lower() in ("1", "true", "yes")
     report = await store_of(request).verify(deep=deep)
     return web.json_response(report.as_dict(), status=200)
+
+
+@routes.get("/v1/admin/status", allow_head=False)
+async def status(request: web.Request) -> web.Response:
+    """The process that answers (the writer, with several workers), its NIXL
+    agent (``{"enabled": false}`` when ``nixl`` is off) and the host's RDMA
+    devices as pyverbs sees them (an empty list with the reason)."""
+    require_admin(request)
+    nixl = request.app[XFER].status() if XFER in request.app else {"enabled": False}
+    found = await asyncio.to_thread(discover)
+    return web.json_response(
+        {"role": request.app[STATE]["role"], "pid": os.getpid(), "nixl": nixl, "rdma": found.as_dict()}
+    )

@@ -17,7 +17,17 @@ from kvstore_client.client import AsyncClient
 T = TypeVar("T")
 
 # Settings every adapter accepts (the engine-specific ones are added by each adapter).
-CLIENT_SETTINGS = ("endpoints", "token", "token_file", "timeout", "retries", "replicas", "ca_file")
+CLIENT_SETTINGS = (
+    "endpoints",
+    "token",
+    "token_file",
+    "timeout",
+    "retries",
+    "replicas",
+    "ca_file",
+    "transport",  # "http" (default) or "nixl": get_into/put_many over NIXL, falling back to HTTP
+    "nixl_devices",  # UCX_NET_DEVICES for the client's NIXL agent (unset: UCX's choice)
+)
 
 
 class Settings:
@@ -109,6 +119,8 @@ class Settings:
             "retries": self.get_int("retries", 1),
             "replicas": self.get_int("replicas", 1, minimum=1),
             "ca_file": self.get_str("ca_file"),
+            "transport": self.choice("transport", "http", ("http", "nixl")),
+            "nixl_devices": self.get_str("nixl_devices"),
         }
         kwargs.update(overrides)
         return AsyncClient(self.endpoints(), **kwargs)

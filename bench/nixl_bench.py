@@ -1,0 +1,222 @@
+"""NIXL reads against HTTP GET of the same blocks and a plain socket copy,
+in one run (issue 12's targets here, over TCP: NIXL >= 1.0x the daemon's
+HTTP GET and >= 0.7x a plain socket copy, direct tenant).
+
+Starts ``server.py`` with ``nixl = true`` (UCX on ``--ucx-devices``, TCP by
+default) on a fresh data directory, loads ``--blocks`` direct blocks of
+``--block-size`` (real KV bytes, repeated), then reads all of them with
+``AsyncClient.get_into`` at 1 and ``--depth`` outstanding reads:
+
+* ``nixl``: ``transport="nixl"``: POST /v1/xfer/read, a one-sided READ into
+  the caller's (registered) buffer, POST /v1/xfer/release;
+* ``http``: ``transport="http"``: GET into the same buffers;
+* ``socket``: another process writes the same number of bytes into a TCP
+  socket on 127.0.0.1 and this one reads them into a buffer (the floor).
+
+Each figure is the median of ``--repeats`` passes: GB/s, p50/p99 per block,
+and GB per daemon CPU-second (the daemon's user+system time over the pass):
+one-sided transfers should leave the daemon cool.
+
+    .venv/bin/python -m bench.nixl_bench [--blocks 64] [--block-size 2MiB] [--depth 8] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
+from kvstore_client import AsyncClient
+
+from kvstore.config import parse_size
+from kvstore.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "tests" / "data" / "kv" / "gemma3-270m.bf16.layers8-9.bin"
+GB = 1e9
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _admin(base: str, token: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        base + path,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        doc: dict[str, Any] = json.loads(r.read())
+        return doc
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def _pass(client: AsyncClient, keys: list[str], size: int, depth: int, pid: int) -> dict[str, float]:
+    bufs = [bytearray(size) for _ in range(depth)]
+    free = list(range(depth))
+    lat: list[float] = []
+    sem = asyncio.Semaphore(depth)
+
+    async def one(k: str) -> None:
+        async with sem:
+            i = free.pop()
+            t0 = time.perf_counter()
+            n = await client.get_into(k, bufs[i])
+            lat.append(time.perf_counter() - t0)
+            free.append(i)
+            assert n == size, f"{k}: {n}"
+
+    cpu0, t0 = _cpu_s(pid), time.perf_counter()
+    await asyncio.gather(*(one(k) for k in keys))
+    wall, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
+    moved = size * len(keys) / GB
+    return {
+        "gbps": moved / wall,
+        "p50_ms": _pct(lat, 0.5) * 1e3,
+        "p99_ms": _pct(lat, 0.99) * 1e3,
+        "gb_per_daemon_cpu_s": moved / cpu if cpu > 0 else float("inf"),
+    }
+
+
+def _socket_copy(total: int, size: int) -> float:
+    """GB/s of ``total`` bytes written by another process into a loopback TCP socket."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port = srv.getsockname()[1]
+        code = (
+            f"import socket;s=socket.create_connection(('127.0.0.1',{port}));b=bytes({size})\n"
+            f"for _ in range({total // size}): s.sendall(b)\ns.close()"
+        )
+        child = subprocess.Popen([sys.executable, "-c", code])
+        conn, _ = srv.accept()
+        buf = bytearray(size)
+        mv = memoryview(buf)
+        got, t0 = 0, time.perf_counter()
+        with conn:
+            while got < total:
+                n = conn.recv_into(mv[: min(size, total - got)])
+                if not n:
+                    break
+                got += n
+        dt = time.perf_counter() - t0
+        child.wait(30)
+    return got / dt / GB
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.nixl_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", type=int, default=64)
+    p.add_argument("--block-size", default="2MiB")
+    p.add_argument("--depth", type=int, default=8, help="outstanding reads of the second run (default 8)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ucx-devices", default="lo")
+    p.add_argument("--ucx-tls", default="tcp", help="UCX_TLS for both agents ('' for UCX's choice)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    try:
+        size = parse_size("--block-size", args.block_size)
+    except ConfigError as e:
+        p.error(str(e))
+    if args.blocks < 1 or args.depth < 1 or args.repeats < 1:
+        p.error("--blocks, --depth and --repeats must be at least 1")
+    if args.ucx_tls:
+        os.environ["UCX_TLS"] = args.ucx_tls
+    root = Path(tempfile.mkdtemp(prefix="kvstore-nixl-bench-", dir="/var/tmp"))
+    admin = secrets.token_hex(16)
+    key_file = root / "master.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    port = _port()
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "KVSTORE_ADMIN_TOKEN": admin}
+    env |= {"KVSTORE_MASTER_KEY_FILE": str(key_file), "KVSTORE_NIXL": "1", "KVSTORE_NIXL_DEVICES": args.ucx_devices}
+    env |= {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(root / "data"), "--compact-interval-s", "0"]
+    cmd += ["--listen", f"127.0.0.1:{port}", "--max-block-size", str(max(size, 4 << 20))]
+    with (root / "kvstore.log").open("ab") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                token = _admin(base, admin, "/v1/admin/tenants", {"name": "bench", "policy": "direct"})["token"]
+                break
+            except OSError as e:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the daemon did not start: {(root / 'kvstore.log').read_text()[-2000:]}") from e
+                time.sleep(0.1)
+        sample = SAMPLE.read_bytes()
+        data = (sample * (size // len(sample) + 1))[:size]
+        keys = [f"b{i:05d}" for i in range(args.blocks)]
+
+        async def measure() -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            async with AsyncClient(base, token, strict=True, timeout=60) as c:
+                await c.put_many([(k, data) for k in keys])
+            transports: tuple[Literal["nixl", "http"], ...] = ("nixl", "http")
+            for transport in transports:
+                name = transport
+                async with AsyncClient(
+                    base, token, strict=True, timeout=60, transport=transport, nixl_devices=args.ucx_devices
+                ) as c:
+                    await _pass(c, keys, size, args.depth, proc.pid)  # warm: registrations, connections, page cache
+                    for depth in (1, args.depth):
+                        runs = [await _pass(c, keys, size, depth, proc.pid) for _ in range(args.repeats)]
+                        out[f"{name}@{depth}"] = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+                    if transport == "nixl":
+                        assert c.stats["nixl_fallbacks"] == 0, c.stats
+            return out
+
+        results = asyncio.run(measure())
+        sock = statistics.median(_socket_copy(size * args.blocks, size) for _ in range(args.repeats))
+        results["socket"] = {"gbps": sock}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{args.blocks} x {size} B direct blocks, UCX_TLS={args.ucx_tls or 'default'}, medians of {args.repeats}")
+    print(f"{'':10} {'GB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'GB/daemon-cpu-s':>16} {'vs http':>8} {'vs socket':>9}")
+    for name in ("nixl", "http"):
+        for depth in (1, args.depth):
+            r = results[f"{name}@{depth}"]
+            vs_http = r["gbps"] / results[f"http@{depth}"]["gbps"]
+            print(
+                f"{name + '@' + str(depth):10} {r['gbps']:7.2f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f}"
+                f" {r['gb_per_daemon_cpu_s']:16.2f} {vs_http:7.2f}x {r['gbps'] / sock:8.2f}x"
+            )
+    print(f"{'socket':10} {sock:7.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"block_size": size, "blocks": args.blocks, **results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

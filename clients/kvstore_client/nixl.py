@@ -1,0 +1,311 @@
+"""Reads and writes over NIXL: the bytes move one-sided between this
+process's agent and the daemon's (RDMA where there is a NIC, UCX over TCP
+otherwise), not through HTTP bodies.
+
+``pip install --no-deps nixl-cu12 nixl`` (its wheel declares torch, which
+would pull a CUDA stack; host memory needs none of it). A read: ``POST
+/v1/xfer/read`` answers where the block is in the daemon's agent under a
+lease, this agent READs it into the caller's buffer (registered once, host
+memory or a CUDA buffer as VRAM), and ``POST /v1/xfer/release`` confirms
+that the lease still held when the READ was done (``404``: it expired, the
+bytes are discarded and the caller reads over HTTP). A write: values are
+copied into a registered buffer and ``POST /v1/xfer/write`` makes the daemon
+READ them. Any failure raises :class:`NixlFallback`: the client then uses
+HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import ctypes
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+
+from kvstore_client.errors import BufferTooSmall
+
+PROGRESS_DELAY_US = 100  # the progress thread's sleep between polls (NIXL's wrapper uses 0: a spinning core)
+POLL_S = (0.002, 0.005)  # yield without sleeping this long, then sleep up to this
+MAX_REGISTERED = 256  # caller buffers kept registered (least recently used go first)
+_make_lock = threading.Lock()
+
+
+class NixlFallback(Exception):
+    """This transfer cannot go over NIXL: use HTTP. ``permanent``: the daemon
+    has no NIXL agent (do not ask it again)."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl._api  # type: ignore[import-untyped]  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _make_agent(name: str, backend: str) -> Any:
+    import nixl._api as api
+
+    bindings: Any = api.nixlBind
+    real = bindings.nixlAgent
+
+    def with_delay(agent_name: str, config: Any) -> Any:
+        config.pthrDelay = PROGRESS_DELAY_US
+        return real(agent_name, config)
+
+    with _make_lock:  # the wrapper has no option for the delay: its call into the bindings is wrapped
+        bindings.nixlAgent = with_delay
+        try:
+            return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=[backend]))
+        finally:
+            bindings.nixlAgent = real
+
+
+def _where(buf: Any) -> tuple[int, int, str, int]:
+    """(address, bytes, memory type, device) of a writable contiguous buffer."""
+    cai = getattr(buf, "__cuda_array_interface__", None)
+    if cai is not None:
+        n = int(getattr(buf, "nbytes", 0))
+        device = getattr(buf, "device", None)
+        dev = int(getattr(device, "index", None) or getattr(device, "id", 0) or 0)
+        return int(cai["data"][0]), n, "VRAM", dev
+    mv = memoryview(buf).cast("B")
+    if mv.readonly:
+        raise TypeError("the buffer is read-only")
+    n = mv.nbytes
+    if n == 0:
+        return 0, 0, "DRAM", 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv)), n, "DRAM", 0
+
+
+class NixlAgent:
+    """This process's NIXL agent, shared by the endpoints of one client.
+    Event-loop only."""
+
+    def __init__(self, name: str | None = None, backend: str = "UCX", devices: str | None = None) -> None:
+        if devices:
+            os.environ["UCX_NET_DEVICES"] = devices
+        for var in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
+            os.environ.setdefault(var, "512k")
+        self.name = name or f"kvstore-client-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.agent = _make_agent(self.name, backend)
+        # Registered caller buffers, oldest first, each with the buffer itself: held, so
+        # its memory cannot be freed and reused by another object while registered.
+        self._regs: dict[tuple[int, int, str, int], tuple[Any, Any]] = {}
+        self._daemons: dict[str, str] = {}  # endpoint -> the daemon's agent name
+        self._bounce: tuple[bytearray, Any] | None = None  # (bytearray, registration) for writes
+        self._bounce_new = False  # registered since the daemon last got our metadata
+        self._write_lock = asyncio.Lock()
+
+    def close(self) -> None:
+        for reg, _ in self._regs.values():
+            self.agent.deregister_memory(reg)
+        self._regs.clear()
+        if self._bounce is not None:
+            self.agent.deregister_memory(self._bounce[1])
+            self._bounce = None
+
+    # -- control calls ------------------------------------------------------------
+
+    async def _post(self, s: aiohttp.ClientSession, path: str, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        async with s.post(path, json=doc) as r:
+            body = await r.read()
+        try:
+            parsed = json.loads(body) if body else {}
+        except ValueError:
+            parsed = {}
+        return r.status, parsed if isinstance(parsed, dict) else {}
+
+    async def _daemon(self, s: aiohttp.ClientSession, url: str, again: bool = False) -> str:
+        name = self._daemons.get(url)
+        if name is not None and not again:
+            return name
+        meta = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        status, doc = await self._post(s, "/v1/xfer/agents", {"name": self.name, "metadata": meta})
+        _check(status, doc, "registering the agent")
+        try:
+            loaded = self.agent.add_remote_agent(base64.b64decode(doc["metadata"]))
+        except Exception as e:  # noqa: BLE001 - NIXL's errors for bad metadata
+            raise NixlFallback(f"the daemon's agent metadata does not load: {e}") from None
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        self._daemons[url] = name
+        self._bounce_new = False  # the full metadata just sent covers the bounce buffer
+        return name
+
+    async def _call(
+        self, s: aiohttp.ClientSession, url: str, path: str, doc: dict[str, Any]
+    ) -> tuple[str, dict[str, Any]]:
+        """A control call naming our agent; re-registers once when the
+        daemon does not know it (it restarted)."""
+        daemon = await self._daemon(s, url)
+        status, answer = await self._post(s, path, doc)
+        if status == 409 and _code(answer) == "agent_unknown":
+            daemon = await self._daemon(s, url, again=True)
+            status, answer = await self._post(s, path, doc)
+        _check(status, answer, path)
+        return daemon, answer
+
+    # -- reads ----------------------------------------------------------------------
+
+    async def read_into(self, s: aiohttp.ClientSession, url: str, key: str, buf: Any, deadline: float) -> int | None:
+        """Read ``key`` into ``buf`` over NIXL: its size, or None for a miss."""
+        addr, cap, mem, dev = _where(buf)
+        daemon, doc = await self._call(s, url, "/v1/xfer/read", {"agent": self.name, "keys": [key]})
+        lease = str(doc.get("lease", ""))
+        try:
+            blocks = doc.get("blocks") or [{}]
+            b = blocks[0]
+            if b.get("status") == 404:
+                if lease:
+                    await self._release(s, lease, quiet=True)
+                return None
+            if b.get("status") != 200:
+                raise NixlFallback(f"the daemon cannot serve {key} over NIXL: {_code(b)}")
+            n = int(b["len"])
+            if n > cap:
+                raise BufferTooSmall(f"block {key} is {n} bytes; the buffer holds {cap}")
+            if doc.get("metadata"):
+                self.agent.add_remote_agent(base64.b64decode(doc["metadata"]))
+            if n:
+                self._register(buf, addr, cap, mem, dev)
+                await self._transfer(
+                    "READ", daemon, [(addr, n, dev)], [(int(b["addr"]), n, int(b["dev"]))], mem, deadline
+                )
+        except BaseException:
+            if lease:
+                await self._release(s, lease, quiet=True)
+            raise
+        if lease and not await self._release(s, lease):
+            raise NixlFallback(f"the lease of {key} expired before its READ was confirmed: read it again")
+        return n
+
+    async def _release(self, s: aiohttp.ClientSession, lease: str, quiet: bool = False) -> bool:
+        """Whether the lease still held (the bytes READ under it are the block's)."""
+        try:
+            status, doc = await self._post(s, "/v1/xfer/release", {"lease": lease})
+        except (TimeoutError, aiohttp.ClientError):
+            if quiet:
+                return False
+            raise
+        if status == 204:
+            return True
+        if status == 404 or quiet:
+            return False
+        _check(status, doc, "releasing the lease")
+        return False
+
+    # -- writes ---------------------------------------------------------------------
+
+    async def write(
+        self, s: aiohttp.ClientSession, url: str, items: list[tuple[str, memoryview]]
+    ) -> list[dict[str, Any]]:
+        """Store ``items`` through the daemon's READs of a registered copy."""
+        async with self._write_lock:  # one bounce buffer
+            await self._daemon(s, url)
+            total = sum(v.nbytes for _, v in items)
+            buf = self._bounce_of(total)
+            base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            blocks, at = [], 0
+            for key, v in items:
+                buf[at : at + v.nbytes] = v
+                blocks.append({"key": key, "addr": base + at, "len": v.nbytes, "dev": 0})
+                at += v.nbytes
+            doc: dict[str, Any] = {"agent": self.name, "blocks": blocks}
+            if self._bounce_new and self._bounce is not None:
+                md = self.agent.get_partial_agent_metadata(self._bounce[1], True)
+                doc["metadata"] = base64.b64encode(md).decode()
+            _, answer = await self._call(s, url, "/v1/xfer/write", doc)
+            self._bounce_new = False
+            results = answer.get("results")
+            if not isinstance(results, list) or len(results) != len(items):
+                raise NixlFallback("the daemon's write answer does not list every block")
+            return results
+
+    def _bounce_of(self, n: int) -> bytearray:
+        if self._bounce is None or len(self._bounce[0]) < n:
+            if self._bounce is not None:
+                self.agent.deregister_memory(self._bounce[1])
+            size = max(n, 1 << 20, 2 * len(self._bounce[0]) if self._bounce else 0)
+            buf = bytearray(size)
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            self._bounce = (buf, self.agent.register_memory([(addr, size, 0, "")], "DRAM"))
+            self._bounce_new = True
+        return self._bounce[0]
+
+    # -- memory and transfers -------------------------------------------------------
+
+    def _register(self, obj: Any, addr: int, n: int, mem: str, dev: int) -> None:
+        """Register a caller's buffer once (kept, with ``obj``, for later calls)."""
+        key = (addr, n, mem, dev)
+        if key in self._regs:
+            self._regs[key] = self._regs.pop(key)  # most recently used last
+            return
+        for (a, m, kind, d), _ in self._regs.items():
+            if kind == mem and d == dev and a <= addr and addr + n <= a + m:
+                return
+        self._regs[key] = (self.agent.register_memory([(addr, n, dev, "")], mem), obj)
+        while len(self._regs) > MAX_REGISTERED:
+            old = next(iter(self._regs))
+            self.agent.deregister_memory(self._regs.pop(old)[0])
+
+    async def _transfer(
+        self,
+        op: str,
+        daemon: str,
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
+        mem: str,
+        deadline: float,
+    ) -> None:
+        agent = self.agent
+        try:
+            handle = agent.initialize_xfer(
+                op, agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, "DRAM"), daemon
+            )
+        except Exception as e:  # noqa: BLE001 - NIXL's errors: descriptors, a peer gone
+            raise NixlFallback(f"the NIXL {op} could not start: {e}") from None
+        try:
+            state = agent.transfer(handle)
+            spin_until = time.monotonic() + POLL_S[0]
+            delay = 0.0
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise NixlFallback(f"the NIXL {op} did not finish within the deadline")
+                # Yield (other tasks run) while the transfer is young; then sleep, at most POLL_S[1].
+                await asyncio.sleep(delay)
+                if time.monotonic() > spin_until:
+                    delay = min(max(delay * 2, 0.0005), POLL_S[1])
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise NixlFallback(f"the NIXL {op} failed")
+        except NixlFallback:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. the daemon went away mid-transfer
+            raise NixlFallback(f"the NIXL {op} failed: {e}") from None
+        finally:
+            with contextlib.suppress(Exception):  # a transfer that cannot be cancelled keeps its handle
+                handle.release()
+
+
+def _code(doc: dict[str, Any]) -> str:
+    err = doc.get("error")
+    return str(err.get("code", "")) if isinstance(err, dict) else ""
+
+
+def _check(status: int, doc: dict[str, Any], what: str) -> None:
+    if status == 200:
+        return
+    code = _code(doc)
+    raise NixlFallback(f"{what}: {status} {code}".strip(), permanent=code == "nixl_disabled")

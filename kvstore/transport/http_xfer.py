@@ -1,0 +1,166 @@
+"""``/v1/xfer/*``: NIXL transfers, the control calls (bodies are JSON).
+
+- ``POST /v1/xfer/agents`` ``{"name", "metadata": base64}``: introduce the
+  client's agent; answers the daemon's ``{"name", "metadata"}``.
+- ``POST /v1/xfer/read`` ``{"agent", "keys"}``: where each block's bytes
+  are in the daemon's agent, under a lease; the client READs them.
+- ``POST /v1/xfer/release`` ``{"lease"}``: ``204``; ``404 lease_not_found``
+  when it had expired (the client discards what it read under it).
+- ``POST /v1/xfer/write`` ``{"agent", "metadata"?, "blocks": [{"key",
+  "addr", "len", "dev"}]}``: the daemon READs each block from the client's
+  memory and stores it as a PUT would.
+
+One agent serves the daemon: the writer's (single or writer role). Reader
+workers relay these routes to it like every write (see http_forward).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.errors import InvalidInput, NixlDisabled
+from kvstore.names import validate_key
+from kvstore.tasks import Background
+from kvstore.transport.http_blocks import keys_field
+from kvstore.transport.http_body import json_body
+from kvstore.transport.http_common import CONFIG, STORE, config_of, tenant_of
+from kvstore.transport.nixl.devices import discover
+from kvstore.transport.nixl.service import XferService
+
+routes = web.RouteTableDef()
+XFER = web.AppKey("xfer", XferService)
+SWEEP_S = 1.0
+NAME_MAX = 256
+
+
+async def xfer_ctx(app: web.Application) -> AsyncIterator[None]:
+    """After the store opens, where ``nixl`` is on: the agent and its sweeper."""
+    config = app[CONFIG]
+    if not config.nixl:
+        yield
+        return
+    found = await asyncio.to_thread(discover)
+    service = XferService(app[STORE], config, found)
+    app[XFER] = service
+    bg = Background()
+
+    async def sweeper() -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            service.sweep()
+
+    bg.spawn(sweeper(), "nixl-sweeper")
+    yield
+    await bg.close()
+    service.close()
+
+
+def _service(request: web.Request) -> XferService:
+    if XFER not in request.app:
+        raise NixlDisabled("this daemon runs no NIXL agent (nixl = false): read and write over HTTP")
+    return request.app[XFER]
+
+
+def _fields(body: dict[str, Any], required: set[str], optional: frozenset[str] = frozenset()) -> None:
+    unknown = set(body) - required - optional
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
+    missing = required - set(body)
+    if missing:
+        raise InvalidInput(f"missing field(s): {', '.join(sorted(missing))}")
+
+
+def _name(body: dict[str, Any], field: str) -> str:
+    value = body[field]
+    if not isinstance(value, str) or not 0 < len(value) <= NAME_MAX:
+        raise InvalidInput(f"field {field!r} must be an agent name of 1 to {NAME_MAX} characters")
+    return value
+
+
+def _b64(body: dict[str, Any], field: str) -> bytes:
+    value = body[field]
+    try:
+        if not isinstance(value, str):
+            raise ValueError
+        return base64.b64decode(value, validate=True)
+    except (ValueError, binascii.Error):
+        raise InvalidInput(f"field {field!r} must be base64 text") from None
+
+
+def _uint(block: dict[str, Any], field: str, i: int, limit: int) -> int:
+    value = block.get(field)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise InvalidInput(f"field 'blocks[{i}].{field}' must be an integer in [0, {limit}]; got {value!r}")
+    return value
+
+
+@routes.post("/v1/xfer/agents")
+async def register_agent(request: web.Request) -> web.Response:
+    tenant = tenant_of(request)
+    service = _service(request)
+    body = await json_body(request)
+    _fields(body, {"name", "metadata"})
+    name = _name(body, "name")
+    ours = service.register(tenant, name, _b64(body, "metadata"))
+    return web.json_response({"name": service.name, "metadata": base64.b64encode(ours).decode()})
+
+
+@routes.post("/v1/xfer/read")
+async def xfer_read(request: web.Request) -> web.Response:
+    tenant = tenant_of(request)
+    service = _service(request)
+    body = await json_body(request)
+    _fields(body, {"agent", "keys"})
+    agent = _name(body, "agent")
+    keys = keys_field(body, config_of(request).max_batch_keys, validate=False)
+    return web.json_response(await service.read(tenant, agent, keys))
+
+
+@routes.post("/v1/xfer/release")
+async def xfer_release(request: web.Request) -> web.Response:
+    tenant = tenant_of(request)
+    service = _service(request)
+    body = await json_body(request)
+    _fields(body, {"lease"})
+    lease = body["lease"]
+    if not isinstance(lease, str) or not 0 < len(lease) <= NAME_MAX:
+        raise InvalidInput("field 'lease' must be the lease string a read answered")
+    service.release(tenant, lease)
+    return web.Response(status=204)
+
+
+@routes.post("/v1/xfer/write")
+async def xfer_write(request: web.Request) -> web.Response:
+    tenant = tenant_of(request)
+    service = _service(request)
+    config = config_of(request)
+    body = await json_body(request)
+    _fields(body, {"agent", "blocks"}, frozenset({"metadata"}))
+    agent = _name(body, "agent")
+    metadata = _b64(body, "metadata") if body.get("metadata") else None
+    raw = body["blocks"]
+    if not isinstance(raw, list) or not raw or len(raw) > config.max_batch_keys:
+        raise InvalidInput(f"field 'blocks' must be a list of 1 to {config.max_batch_keys} blocks")
+    blocks: list[tuple[str, int, int, int]] = []
+    for i, b in enumerate(raw):
+        if not isinstance(b, dict) or set(b) - {"key", "addr", "len", "dev"}:
+            raise InvalidInput(f"field 'blocks[{i}]' must be an object with key, addr, len and dev")
+        try:
+            key = validate_key(b.get("key"))
+        except InvalidInput as e:
+            raise InvalidInput(f"field 'blocks[{i}].key': {e}") from None
+        blocks.append(
+            (
+                key,
+                _uint(b, "addr", i, (1 << 64) - 1),
+                _uint(b, "len", i, config.store.max_block_size),
+                _uint(b, "dev", i, (1 << 32) - 1),
+            )
+        )
+    return web.json_response({"results": await service.write(tenant, agent, metadata, blocks)})
