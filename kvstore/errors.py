@@ -100,9 +100,10 @@ class InsecureTransport(KVStoreError):
 
 
 class NixlDisabled(KVStoreError):
-    """This daemon runs no NIXL agent (``nixl = false``): use HTTP."""
+    """This daemon runs no NIXL agent (``nixl = false``): use HTTP. A 404
+    (the transfer routes are not offered), not a 5xx: nothing failed."""
 
-    status = 501
+    status = 404
     code = "nixl_disabled"
 
 

@@ -73,6 +73,14 @@ def _make_agent(name: str, backend: str) -> Any:
             bindings.nixlAgent = real
 
 
+def _rdma_devices() -> list[str]:
+    """The host's RDMA devices as the kernel lists them."""
+    try:
+        return os.listdir("/sys/class/infiniband")
+    except OSError:
+        return []
+
+
 def _where(buf: Any) -> tuple[int, int, str, int]:
     """(address, bytes, memory type, device) of a writable contiguous buffer."""
     cai = getattr(buf, "__cuda_array_interface__", None)
@@ -99,6 +107,10 @@ class NixlAgent:
             os.environ["UCX_NET_DEVICES"] = devices
         for var in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
             os.environ.setdefault(var, "512k")
+        if not _rdma_devices():
+            # Nothing for UCX's ib module to drive; the libnl it loads (bundled with
+            # nixl-cu12 1.5.1) crashes the process at exit (SIGSEGV in its destructor).
+            os.environ.setdefault("UCX_MODULES", "^ib")
         self.name = name or f"kvstore-client-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = _make_agent(self.name, backend)
         # Registered caller buffers, oldest first, each with the buffer itself: held, so
@@ -116,6 +128,9 @@ class NixlAgent:
         if self._bounce is not None:
             self.agent.deregister_memory(self._bounce[1])
             self._bounce = None
+        # The agent goes now, while UCX is whole: left to the interpreter's exit,
+        # its teardown crashed the process (SIGSEGV after the last test).
+        self.agent = None
 
     # -- control calls ------------------------------------------------------------
 

@@ -279,7 +279,7 @@ async def test_a_daemon_without_nixl_is_read_over_http(daemon: Daemon, session: 
     blocks = _blocks("h", 2)
     await _put(session, base, token, blocks)
     status, err = await _post(session, base, token, "/v1/xfer/read", {"agent": "a", "keys": ["h0"]})
-    assert (status, err["error"]["code"]) == (501, "nixl_disabled")
+    assert (status, err["error"]["code"]) == (404, "nixl_disabled")
     async with AsyncClient(base, token, transport="nixl") as c:
         for k, v in blocks.items():
             buf = bytearray(len(v))

@@ -39,10 +39,15 @@ def ucx_devices(setting: str, found: Discovery) -> str | None:
     return setting
 
 
-def configure_ucx(devices: str | None) -> None:
-    """UCX reads its environment when the backend starts: set it before."""
+def configure_ucx(devices: str | None, rdma: bool) -> None:
+    """UCX reads its environment when the backend starts: set it before.
+    Without RDMA devices (``rdma`` False) UCX's ib module is not loaded:
+    it has nothing to drive, and the libnl it loads (bundled with nixl-cu12
+    1.5.1) crashes the process at exit (SIGSEGV in its destructor)."""
     if devices is not None:
         os.environ["UCX_NET_DEVICES"] = devices
+    if not rdma:
+        os.environ.setdefault("UCX_MODULES", "^ib")
     for name, value in UCX_DEFAULTS.items():
         os.environ.setdefault(name, value)
 

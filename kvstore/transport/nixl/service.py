@@ -65,6 +65,14 @@ class XferLease:
     pieces: list[Piece] = field(default_factory=list)
 
 
+def _sys_rdma() -> bool:
+    """Whether the kernel lists RDMA devices (pyverbs may be missing)."""
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -76,7 +84,7 @@ class XferService:
         self._store = store
         self._config = config
         self.devices = ucx_devices(config.nixl_devices, found)
-        configure_ucx(self.devices)
+        configure_ucx(self.devices, rdma=bool(found.ports) or _sys_rdma())
         self.name = f"kvstore-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = make_agent(self.name, config.nixl_backend)
         self.memory = Memory(self.agent, config.nixl_staging_bytes)
@@ -308,3 +316,6 @@ class XferService:
             self._end(lease)
         self._leases.clear()
         self.memory.close()
+        for name in list(self._peers):
+            self._forget(name)
+        self.agent = None  # destroyed now, not at the interpreter's exit (a crash there)
