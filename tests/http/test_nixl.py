@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ctypes
 import json
 import os
 import random
@@ -65,6 +66,10 @@ async def _post(s: aiohttp.ClientSession, base: str, token: str, path: str, doc:
         return r.status, (await r.json() if r.content_type == "application/json" else None)
 
 
+def _addr(buf: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
 async def _read_many(
     agent: NixlAgent, s: aiohttp.ClientSession, base: str, keys: list[str], sizes: int
 ) -> tuple[dict[str, bytes], dict[str, int], str]:
@@ -73,7 +78,7 @@ async def _read_many(
     if doc["metadata"]:
         agent.agent.add_remote_agent(base64.b64decode(doc["metadata"]))
     buf = bytearray(sizes)
-    base_addr = __import__("ctypes").addressof(__import__("ctypes").c_char.from_buffer(buf))
+    base_addr = _addr(buf)
     local, remote, spans, at = [], [], {}, 0
     misses = {}
     for b in doc["blocks"]:
@@ -191,7 +196,7 @@ async def test_lease_holds_a_compacted_segment_and_ends(daemon: Daemon, session:
             report = await _admin(session, base, "POST", "/v1/admin/compact")
             assert isinstance(report, dict)
             buf = bytearray(b["len"])
-            addr = __import__("ctypes").addressof(__import__("ctypes").c_char.from_buffer(buf))
+            addr = _addr(buf)
             agent._register(buf, addr, len(buf), "DRAM", 0)
             await agent._transfer(
                 "READ", daemon_name, [(addr, b["len"], 0)], [(b["addr"], b["len"], 0)], "DRAM", time.monotonic() + 10
@@ -253,7 +258,7 @@ async def test_the_daemon_killed_mid_transfer_is_an_error_in_time(
         b = doc["blocks"][0]
         daemon.stop(signal.SIGKILL)
         buf = bytearray(b["len"])
-        addr = __import__("ctypes").addressof(__import__("ctypes").c_char.from_buffer(buf))
+        addr = _addr(buf)
         agent._register(buf, addr, len(buf), "DRAM", 0)
         t0 = time.monotonic()
         with pytest.raises(NixlFallback):
