@@ -303,6 +303,10 @@ class AsyncClient:
 
     async def close(self) -> None:
         self._closed = True
+        if self._nixl is not None:  # leases of verified reads still to release
+            for ep in self._endpoints.values():
+                if ep.session is not None:
+                    await self._nixl.flush(ep.session, ep.url)
         for ep in self._endpoints.values():
             if ep.session is not None:
                 await ep.session.close()
@@ -502,6 +506,10 @@ class AsyncClient:
             done, got = await self._nixl_read(key, mv)
             if done:
                 return got
+        return await self._get_into_here(key, mv)
+
+    async def _get_into_here(self, key: str, mv: memoryview) -> int | None:
+        """``get_into`` by a read plan where there is one, else HTTP."""
         conn = self._plans_of(self.owners(key)[0])
         if conn is not None:
             planned, n = await asyncio.to_thread(self._planned_read, conn, key, mv)
@@ -774,21 +782,47 @@ class AsyncClient:
     async def _nixl_read(self, key: str, mv: memoryview) -> tuple[bool, int | None]:
         """``key`` read over NIXL into ``mv``: (True, size or None for a
         miss), or (False, None) when HTTP must serve it."""
-        ep = self._endpoints[self.owners(key)[0]]
-        if not ep.nixl or not ep.breaker.allow():
-            return False, None
-        try:
-            got = await self._nixl_agent().read_into(
-                self._session(ep), ep.url, key, mv, time.monotonic() + self.timeout
-            )
-        except NixlFallback as e:
-            self._nixl_failed(ep, e)
-            return False, None
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            self._nixl_failed(ep, NixlFallback(f"{type(e).__name__}: {e}"))
-            return False, None
-        self.stats["nixl_reads"] += 1
-        return True, got
+        got = (await self._nixl_reads([key], [mv]))[0]
+        if isinstance(got, BufferTooSmall):
+            raise got
+        return (False, None) if isinstance(got, Exception) else (True, got)
+
+    async def _nixl_reads(self, keys: list[str], mvs: list[memoryview]) -> list[int | Exception | None]:
+        """Each key read over NIXL into its buffer, one call per owner: its
+        size, None for a miss, or the error that sends it to HTTP."""
+        out: list[int | Exception | None] = [NixlFallback("not tried")] * len(keys)
+        groups: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            groups.setdefault(self.owners(k)[0], []).append(i)
+
+        async def one(url: str, idx: list[int]) -> None:
+            ep = self._endpoints[url]
+            if not ep.nixl or not ep.breaker.allow():
+                return
+            for c in range(0, len(idx), self.max_batch_keys):
+                part = idx[c : c + self.max_batch_keys]
+                try:
+                    got = await self._nixl_agent().read_many(
+                        self._session(ep),
+                        ep.url,
+                        [keys[i] for i in part],
+                        [mvs[i] for i in part],
+                        time.monotonic() + self.timeout,
+                    )
+                except (NixlFallback, TimeoutError, aiohttp.ClientError, OSError) as e:
+                    self._nixl_failed(
+                        ep, e if isinstance(e, NixlFallback) else NixlFallback(f"{type(e).__name__}: {e}")
+                    )
+                    return
+                for i, g in zip(part, got, strict=True):
+                    out[i] = g
+                    if isinstance(g, NixlFallback):
+                        self._nixl_failed(ep, g)
+                    elif not isinstance(g, Exception):
+                        self.stats["nixl_reads"] += 1
+
+        await asyncio.gather(*(one(url, idx) for url, idx in groups.items()))
+        return out
 
     async def _nixl_write(
         self, url: str, items: list[tuple[str, framing.BufferLike]], idx: list[int], ok: list[bool]
@@ -955,6 +989,51 @@ class AsyncClient:
         for r in result:
             self._count(r is not None)
         return result
+
+    async def get_many_into(self, keys: Sequence[str], bufs: Sequence[Any]) -> list[int | None]:
+        """Read each of ``keys`` into the buffer at the same place in ``bufs``
+        (as ``get_into``): the bytes written, None where absent (or failed,
+        a buffer too small included, in non-strict mode: the other keys are
+        still read; strict mode raises the first error). Over NIXL the batch takes one control call and
+        one transfer per owner; otherwise the keys are read concurrently."""
+        keys = list(keys)
+        if len(bufs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
+        mvs = [_writable_view(b) for b in bufs]
+        misses: list[int | None] = [None] * len(keys)
+        result = await self._guard("get_many_into", misses, self._get_many_into(keys, mvs))
+        for r in result:
+            self._count(r is not None)
+        return result
+
+    async def _get_many_into(self, keys: list[str], mvs: list[memoryview]) -> list[int | None]:
+        for k in keys:
+            framing.check_key(k)
+        out: list[int | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        errors: list[BaseException] = []
+        if self.transport == "nixl":
+            got = await self._nixl_reads(keys, mvs)
+            todo = []
+            for i, g in enumerate(got):
+                if isinstance(g, BufferTooSmall):
+                    errors.append(g)
+                elif isinstance(g, Exception):
+                    todo.append(i)
+                else:
+                    out[i] = g
+        results = await asyncio.gather(*(self._get_into_here(keys[i], mvs[i]) for i in todo), return_exceptions=True)
+        for i, r in zip(todo, results, strict=True):
+            if isinstance(r, BaseException):
+                errors.append(r)
+            else:
+                out[i] = r
+        for e in errors:
+            if not isinstance(e, KVStoreClientError) or self.strict:
+                raise e
+        if errors:
+            self._log.warning("kvstore get_many_into: %d keys failed, first: %s", len(errors), errors[0])
+        return out
 
     async def _get_many(self, keys: list[str]) -> list[bytes | None]:
         for k in keys:

@@ -2,10 +2,13 @@
 
 - ``POST /v1/xfer/agents`` ``{"name", "metadata": base64}``: introduce the
   client's agent; answers the daemon's ``{"name", "metadata"}``.
-- ``POST /v1/xfer/read`` ``{"agent", "keys"}``: where each block's bytes
-  are in the daemon's agent, under a lease; the client READs them.
+- ``POST /v1/xfer/read`` ``{"agent", "keys", "checksums"?, "release"?}``:
+  where each block's bytes are in the daemon's agent, under a lease; the
+  client READs them. ``checksums``: each block carries its frames' xxh3 for
+  the client to verify; ``release``: leases of earlier reads to end first.
 - ``POST /v1/xfer/release`` ``{"lease"}``: ``204``; ``404 lease_not_found``
   when it had expired (the client discards what it read under it).
+  ``{"leases": [...]}``: ends those still held, ``204`` whatever they were.
 - ``POST /v1/xfer/write`` ``{"agent", "metadata"?, "blocks": [{"key",
   "addr", "len", "dev"}]}``: the daemon READs each block from the client's
   memory and stores it as a PUT would.
@@ -116,10 +119,26 @@ async def xfer_read(request: web.Request) -> web.Response:
     tenant = tenant_of(request)
     service = _service(request)
     body = await json_body(request)
-    _fields(body, {"agent", "keys"})
+    _fields(body, {"agent", "keys"}, frozenset({"checksums", "release"}))
     agent = _name(body, "agent")
-    keys = keys_field(body, config_of(request).max_batch_keys, validate=False)
-    return web.json_response(await service.read(tenant, agent, keys))
+    limit = config_of(request).max_batch_keys
+    keys = keys_field(body, limit, validate=False)
+    checksums = body.get("checksums", False)
+    if not isinstance(checksums, bool):
+        raise InvalidInput("field 'checksums' must be true or false")
+    release = _leases(body, "release", limit) if "release" in body else []
+    return web.json_response(await service.read(tenant, agent, keys, checksums, release))
+
+
+def _leases(body: dict[str, Any], field: str, limit: int) -> list[str]:
+    value = body[field]
+    if (
+        not isinstance(value, list)
+        or len(value) > limit
+        or not all(isinstance(v, str) and 0 < len(v) <= NAME_MAX for v in value)
+    ):
+        raise InvalidInput(f"field {field!r} must be a list of at most {limit} lease strings")
+    return value
 
 
 @routes.post("/v1/xfer/release")
@@ -127,6 +146,11 @@ async def xfer_release(request: web.Request) -> web.Response:
     tenant = tenant_of(request)
     service = _service(request)
     body = await json_body(request)
+    if "leases" in body:
+        _fields(body, {"leases"})
+        for lease_id in _leases(body, "leases", config_of(request).max_batch_keys):
+            service.release_quietly(tenant, lease_id)
+        return web.Response(status=204)
     _fields(body, {"lease"})
     lease = body["lease"]
     if not isinstance(lease, str) or not 0 < len(lease) <= NAME_MAX:

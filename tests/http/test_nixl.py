@@ -13,8 +13,10 @@ import json
 import os
 import random
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -276,6 +278,154 @@ async def test_the_daemon_killed_mid_transfer_is_an_error_in_time(
         assert time.monotonic() - t0 < 10 and c.stats["nixl_fallbacks"] == 1
 
 
+async def _nixl_status(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
+    async with session.get(base + "/v1/admin/status", headers=_auth(ADMIN)) as r:
+        doc = await r.json()
+    return dict(doc["nixl"])
+
+
+async def test_get_many_into_takes_one_call_and_releases_on_the_next(
+    daemon: Daemon, session: aiohttp.ClientSession
+) -> None:
+    _start(daemon, workers=2)
+    base = daemon.base
+    for policy in ("direct", "sealed"):
+        token = await _tenant(session, base, f"m{policy}", policy)
+        blocks = _blocks(f"m{policy}", 6)
+        await _put(session, base, token, blocks)
+        keys = [*blocks, "absent"]
+        async with AsyncClient(base, token, transport="nixl", timeout=10) as c:
+            before = await _nixl_status(session, base)
+            bufs = [bytearray(BLOCK + 20) for _ in keys]
+            assert await c.get_many_into(keys, bufs) == [len(v) for v in blocks.values()] + [None]
+            assert [bytes(b[: len(v)]) for b, v in zip(bufs, blocks.values(), strict=False)] == list(blocks.values())
+            after = await _nixl_status(session, base)
+            assert after["reads"] == before["reads"] + 1  # one control call for the batch
+            assert after["leases"] == 1  # released with the next read, or shortly
+            assert c.stats["nixl_reads"] == len(keys) and c.stats["nixl_fallbacks"] == 0
+            # The next read carries the release; nothing is left held once it is done.
+            assert await c.get_into(f"m{policy}0", bufs[0]) == BLOCK
+            assert (await _nixl_status(session, base))["leases"] == 1
+            # A buffer too small for its block: an error in strict mode, the batch's other keys still served.
+            small = [bytearray(BLOCK + 20), bytearray(10)]
+            assert await c.get_many_into([f"m{policy}1", f"m{policy}2"], small) == [BLOCK + 1, None]
+            assert bytes(small[0][: BLOCK + 1]) == blocks[f"m{policy}1"]
+            with pytest.raises(ValueError):
+                await c.get_many_into(["a", "b"], [bytearray(1)])
+        deadline = time.monotonic() + 5
+        while (await _nixl_status(session, base))["leases"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert (await _nixl_status(session, base))["leases"] == 0  # close() released the last
+    # Batched releases: every lease ends; unknown ones are ignored.
+    token = await _tenant(session, base, "r", "direct")
+    await _put(session, base, token, _blocks("r", 2))
+    agent = NixlAgent(devices="lo")
+    try:
+        async with aiohttp.ClientSession(base, headers=_auth(token)) as ts:
+            leases = [
+                (await agent._call(ts, base, "/v1/xfer/read", {"agent": agent.name, "keys": [k]}))[1]["lease"]
+                for k in ("r0", "r1")
+            ]
+        assert (await _nixl_status(session, base))["leases"] == 2
+        status, _ = await _post(session, base, token, "/v1/xfer/release", {"leases": [*leases, "unknown"]})
+        assert status == 204 and (await _nixl_status(session, base))["leases"] == 0
+    finally:
+        agent.close()
+
+
+async def test_a_slow_read_past_its_lease_fails_its_checksum_and_goes_over_http(
+    daemon: Daemon, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lease of a sealed block expires while the client's READ is held
+    up; another read is staged in the same memory; the late READ gets those
+    bytes, their checksum fails, and the client reads the block over HTTP."""
+    _start(daemon, nixl_lease_s="1")
+    base = daemon.base
+    token = await _tenant(session, base, "slow", "sealed")
+    blocks = {k: random.Random(k).randbytes(BLOCK) for k in ("a", "b")}
+    await _put(session, base, token, blocks)
+    async with (
+        AsyncClient(base, token, transport="nixl", timeout=10) as slow,
+        AsyncClient(base, token, transport="nixl", timeout=10) as quick,
+    ):
+        agent = slow._nixl_agent()
+        real = agent._transfer
+        staged: list[int] = []
+
+        async def held_up(op: str, peer: str, local: Any, remote: Any, mem: str, deadline: float) -> None:
+            staged.append(remote[0][0])
+            await asyncio.sleep(3)  # the fault: past the lease (1 s) and the sweep that ends it
+            await real(op, peer, local, remote, mem, deadline)
+
+        agent._transfer = held_up  # type: ignore[method-assign]
+        buf = bytearray(BLOCK)
+        late = asyncio.ensure_future(slow.get_into("a", buf))
+        await asyncio.sleep(2.5)
+        assert (await _nixl_status(session, base))["leases"] == 0  # expired and swept
+        other = bytearray(BLOCK)
+        assert await quick.get_into("b", other) == BLOCK and other == blocks["b"]
+        q = quick._nixl_agent()
+        assert q._pending  # its release is pending: the staging memory is "b"'s until it goes
+        assert await late == BLOCK
+        assert buf == blocks["a"]
+        assert slow.stats["nixl_fallbacks"] == 1 and slow.stats["nixl_reads"] == 0
+        assert "fails its checksum" in caplog.text
+
+
+async def test_a_killed_client_process_lets_its_lease_and_memory_go(
+    daemon: Daemon, session: aiohttp.ClientSession, tmp_path: Any
+) -> None:
+    """A client process killed with transfers in flight: its lease expires,
+    the staging memory it held is free again, and the daemon serves others."""
+    _start(daemon, nixl_lease_s="1")
+    base = daemon.base
+    token = await _tenant(session, base, "kill", "sealed")
+    blocks = _blocks("kill", 4)
+    await _put(session, base, token, blocks)
+    script = tmp_path / "client.py"
+    script.write_text(
+        "import asyncio, sys, time\n"
+        "from kvstore_client import AsyncClient\n"
+        "async def main():\n"
+        f"    async with AsyncClient({base!r}, {token!r}, transport='nixl', timeout=30) as c:\n"
+        "        agent = c._nixl_agent()\n"
+        "        real = agent._transfer\n"
+        "        async def start_and_hang(*a):\n"
+        "            t = asyncio.ensure_future(real(*a))\n"
+        "            print('started', flush=True)\n"
+        "            await asyncio.sleep(60)\n"
+        "        agent._transfer = start_and_hang\n"
+        f"        await c.get_many_into({list(blocks)!r}, [bytearray({BLOCK + 10}) for _ in range(4)])\n"
+        "asyncio.run(main())\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "clients"), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(script), stdout=asyncio.subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None
+        lines: list[bytes] = []
+        while not lines or lines[-1].strip() != b"started":  # NIXL logs to stdout too
+            lines.append(await asyncio.wait_for(proc.stdout.readline(), 30))
+            assert lines[-1], lines
+        held = await _nixl_status(session, base)
+        assert held["leases"] == 1 and held["memory"]["staging_in_use"] >= 4 * BLOCK
+    finally:
+        proc.kill()
+        await proc.wait()
+    deadline = time.monotonic() + 10
+    while (await _nixl_status(session, base))["leases"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    after = await _nixl_status(session, base)
+    assert after["leases"] == 0 and after["memory"]["staging_in_use"] == 0
+    async with AsyncClient(base, token, transport="nixl", timeout=10) as c:
+        bufs = [bytearray(BLOCK + 10) for _ in blocks]
+        assert await c.get_many_into(list(blocks), bufs) == [len(v) for v in blocks.values()]
+        assert [bytes(b[: len(v)]) for b, v in zip(bufs, blocks.values(), strict=True)] == list(blocks.values())
+        assert c.stats["nixl_fallbacks"] == 0
+
+
 async def test_a_daemon_without_nixl_is_read_over_http(daemon: Daemon, session: aiohttp.ClientSession) -> None:
     daemon.extra = ["--compact-interval-s", "0"]
     daemon.start()
@@ -308,7 +458,11 @@ async def test_bad_input_names_the_field(daemon: Daemon, session: aiohttp.Client
         ("/v1/xfer/read", {"agent": "x"}, "keys"),
         ("/v1/xfer/read", {"agent": "x", "keys": "k"}, "keys"),
         ("/v1/xfer/read", {"agent": "x", "keys": [], "extra": 1}, "extra"),
+        ("/v1/xfer/read", {"agent": "x", "keys": ["k"], "checksums": 1}, "checksums"),
+        ("/v1/xfer/read", {"agent": "x", "keys": ["k"], "release": "l"}, "release"),
         ("/v1/xfer/release", {"lease": 5}, "lease"),
+        ("/v1/xfer/release", {"leases": [5]}, "leases"),
+        ("/v1/xfer/release", {"leases": [], "lease": "l"}, "lease"),
         ("/v1/xfer/write", {"agent": "x", "blocks": []}, "blocks"),
         ("/v1/xfer/write", {"agent": "x", "blocks": [{"key": "k", "addr": -1, "len": 1, "dev": 0}]}, "addr"),
         ("/v1/xfer/write", {"agent": "x", "blocks": [{"key": "k", "addr": 1, "len": 1 << 40, "dev": 0}]}, "len"),

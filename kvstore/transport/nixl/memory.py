@@ -242,6 +242,7 @@ class Memory:
             "segment_regions": len(self._segments) + len(self._outgrown),
             "staging_chunks": sum(len(c) for c in self._chunks.values()),
             "staging_bytes": self.mapped_staging,
+            "staging_in_use": sum(c.length - sum(n for _, n in c.free) for cs in self._chunks.values() for c in cs),
             "staging_budget": self.budget,
             "retired_regions": len(self._retired) + len(self._blanked),
         }

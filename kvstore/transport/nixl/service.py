@@ -9,6 +9,11 @@
   the store into a staging piece. A lease pins the segments (no compaction,
   no drop) and the pieces until ``release`` or expiry. The answer carries
   the partial metadata of the regions the peer has not been sent yet.
+  With ``checksums``, each block carries the xxh3-64 of its frames and the
+  client verifies what it READ instead of the daemon verifying first: the
+  client then needs no confirmation that the lease held (a READ of memory
+  reused after expiry fails its checksum), so its release can wait and ride
+  on its next read (``release``).
 - ``write`` READs the client's blocks into staging and stores each as a PUT
   would (first write wins, same durability).
 """
@@ -129,8 +134,12 @@ class XferService:
 
     # -- reads ------------------------------------------------------------------
 
-    async def read(self, tenant: str, agent: str, keys: list[str]) -> dict[str, Any]:
+    async def read(
+        self, tenant: str, agent: str, keys: list[str], checksums: bool = False, release: list[str] | None = None
+    ) -> dict[str, Any]:
         peer = self._peer(tenant, agent)
+        for lease_id in release or ():
+            self.release_quietly(tenant, lease_id)
         lease = XferLease(uuid.uuid4().hex, tenant, time.monotonic() + self._config.nixl_lease_s)
         store = self._store
         planned = await store.plan_reads(tenant, keys)
@@ -139,7 +148,7 @@ class XferService:
         try:
             for key, p in zip(keys, planned, strict=True):
                 try:
-                    blocks.append(await self._read_one(tenant, key, p, lease, segments))
+                    blocks.append(await self._read_one(tenant, key, p, lease, segments, checksums))
                 except KVStoreError as e:
                     blocks.append({"key": key, "status": e.status, "error": {"code": e.code, "message": str(e)}})
             if segments:
@@ -171,27 +180,35 @@ class XferService:
         p: PlannedBlock | KVStoreError,
         lease: XferLease,
         segments: set[tuple[str, int]],
+        checksums: bool,
     ) -> dict[str, Any]:
         if isinstance(p, NotFound):
             raise p
         if isinstance(p, PlannedBlock) and p.record is None:
             region = self.memory.segment(tenant, p.file, p.segment.fd, p.offset + p.size)
-            if await self._verified(region, p):
+            if checksums or await self._verified(region, p):
                 self.memory.hold(region, lease.id)
                 lease.regions.append(region)
                 segments.add((p.file[0], p.file[2]))
                 self.counts["read_bytes"] += p.size
                 addr = region.addr + p.offset
-                return {"key": key, "status": 200, "size": p.size, "addr": addr, "len": p.size, "dev": 0}
+                answer = {"key": key, "status": 200, "size": p.size, "addr": addr, "len": p.size, "dev": 0}
+                if checksums:
+                    answer |= {"frame_size": p.frame_size, "xxh3": [f"{c:016x}" for c in p.checksums]}
+                return answer
             log.warning("NIXL read of %s: a frame fails its checksum in the mapping; read through the store", key)
         # Sealed, in the object tier only, moved, or failing a check: the store's own read path.
         data = await self._store.get_buffer(tenant, key)
-        piece = self.memory.stage(tenant, len(data))
+        n = len(data)
+        piece = self.memory.stage(tenant, n)
         lease.pieces.append(piece)
-        piece.view(len(data))[:] = data
-        self.counts["read_bytes"] += len(data)
-        self.counts["staged_bytes"] += len(data)
-        return {"key": key, "status": 200, "size": len(data), "addr": piece.addr, "len": len(data), "dev": 0}
+        piece.view(n)[:] = data
+        self.counts["read_bytes"] += n
+        self.counts["staged_bytes"] += n
+        answer = {"key": key, "status": 200, "size": n, "addr": piece.addr, "len": n, "dev": 0}
+        if checksums:  # one frame: the plaintext as staged
+            answer |= {"frame_size": max(n, 1), "xxh3": [f"{xxhash.xxh3_64_intdigest(data):016x}"] if n else []}
+        return answer
 
     async def _verified(self, region: Region, p: PlannedBlock) -> bool:
         def check() -> bool:
@@ -210,6 +227,13 @@ class XferService:
             raise LeaseNotFound("no such NIXL lease (released, expired, or never given): discard what was read")
         del self._leases[lease_id]
         self._end(lease)
+
+    def release_quietly(self, tenant: str, lease_id: str) -> None:
+        """End a lease if it is this tenant's and still held; else nothing."""
+        lease = self._leases.get(lease_id)
+        if lease is not None and lease.tenant == tenant:
+            del self._leases[lease_id]
+            self._end(lease)
 
     def _end(self, lease: XferLease) -> None:
         self._store.leases.release(lease.id)
