@@ -9,13 +9,18 @@ default) on a fresh data directory, loads ``--blocks`` direct blocks of
 
 * ``nixl``: ``transport="nixl"``: POST /v1/xfer/read, a one-sided READ into
   the caller's (registered) buffer, POST /v1/xfer/release;
+* ``nixl-many``: ``get_many_into`` of ``--depth`` keys at a time over NIXL
+  (one control call, one transfer; latency per batch);
 * ``http``: ``transport="http"``: GET into the same buffers;
 * ``socket``: another process writes the same number of bytes into a TCP
   socket on 127.0.0.1 and this one reads them into a buffer (the floor).
 
-Each figure is the median of ``--repeats`` passes: GB/s, p50/p99 per block,
-and GB per daemon CPU-second (the daemon's user+system time over the pass):
-one-sided transfers should leave the daemon cool.
+Passes alternate between the transports round by round, so the noise of a
+shared machine lands on all of them. Each figure is the median of
+``--repeats`` passes: GB/s, p50/p99 per block, GB per daemon CPU-second
+(the daemon's user+system time over the pass: one-sided transfers should
+leave the daemon cool), and the median of each pass's ratio to the HTTP and
+socket passes of its own round.
 
     .venv/bin/python -m bench.nixl_bench [--blocks 64] [--block-size 2MiB] [--depth 8] [--json PATH]
 """
@@ -36,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
 from kvstore_client import AsyncClient
@@ -60,7 +65,11 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-async def _pass(client: AsyncClient, keys: list[str], size: int, depth: int, pid: int) -> dict[str, float]:
+async def _pass(
+    client: AsyncClient, keys: list[str], size: int, depth: int, pid: int, batch: bool = False
+) -> dict[str, float]:
+    """``depth`` reads outstanding, or (``batch``) ``get_many_into`` of
+    ``depth`` keys at a time, one batch outstanding (latency: per batch)."""
     bufs = [bytearray(size) for _ in range(depth)]
     free = list(range(depth))
     lat: list[float] = []
@@ -75,8 +84,19 @@ async def _pass(client: AsyncClient, keys: list[str], size: int, depth: int, pid
             free.append(i)
             assert n == size, f"{k}: {n}"
 
+    async def batches() -> None:
+        for at in range(0, len(keys), depth):
+            part = keys[at : at + depth]
+            t0 = time.perf_counter()
+            got = await client.get_many_into(part, bufs[: len(part)])
+            lat.append(time.perf_counter() - t0)
+            assert got == [size] * len(part), f"{part}: {got}"
+
     cpu0, t0 = _cpu_s(pid), time.perf_counter()
-    await asyncio.gather(*(one(k) for k in keys))
+    if batch:
+        await batches()
+    else:
+        await asyncio.gather(*(one(k) for k in keys))
     wall, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
     moved = size * len(keys) / GB
     return {
@@ -163,38 +183,52 @@ def main(argv: list[str] | None = None) -> int:
             out: dict[str, Any] = {}
             async with AsyncClient(base, token, strict=True, timeout=60) as c:
                 await c.put_many([(k, data) for k in keys])
-            transports: tuple[Literal["nixl", "http"], ...] = ("nixl", "http")
-            for transport in transports:
-                name = transport
-                async with AsyncClient(
-                    base, token, strict=True, timeout=60, transport=transport, nixl_devices=args.ucx_devices
-                ) as c:
+            # Passes alternate between the transports (and the socket copy), so a burst of
+            # noise on this shared machine lands on all of them; figures are medians.
+            nixl = AsyncClient(base, token, strict=True, timeout=60, transport="nixl", nixl_devices=args.ucx_devices)
+            http = AsyncClient(base, token, strict=True, timeout=60)
+            async with nixl, http:
+                for c in (nixl, http):
                     await _pass(c, keys, size, args.depth, proc.pid)  # warm: registrations, connections, page cache
+                runs: dict[str, list[dict[str, float]]] = {}
+                for _ in range(args.repeats):
                     for depth in (1, args.depth):
-                        runs = [await _pass(c, keys, size, depth, proc.pid) for _ in range(args.repeats)]
-                        out[f"{name}@{depth}"] = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
-                    if transport == "nixl":
-                        assert c.stats["nixl_fallbacks"] == 0, c.stats
+                        for name, c in (("nixl", nixl), ("http", http)):
+                            runs.setdefault(f"{name}@{depth}", []).append(await _pass(c, keys, size, depth, proc.pid))
+                    many = await _pass(nixl, keys, size, args.depth, proc.pid, True)
+                    runs.setdefault(f"nixl-many@{args.depth}", []).append(many)
+                    sock = await asyncio.to_thread(_socket_copy, size * args.blocks, size)
+                    runs.setdefault("socket", []).append({"gbps": sock})
+                assert nixl.stats["nixl_fallbacks"] == 0, nixl.stats
+            for name, rs in runs.items():
+                out[name] = {m: statistics.median(r[m] for r in rs) for m in rs[0]}
+            for name, rs in runs.items():  # each pass against its peers of the same round
+                if name != "socket":
+                    peer = runs["http@" + name.split("@")[1]]
+                    out[name]["vs_http"] = statistics.median(
+                        r["gbps"] / h["gbps"] for r, h in zip(rs, peer, strict=True)
+                    )
+                    out[name]["vs_socket"] = statistics.median(
+                        r["gbps"] / k["gbps"] for r, k in zip(rs, runs["socket"], strict=True)
+                    )
             return out
 
         results = asyncio.run(measure())
-        sock = statistics.median(_socket_copy(size * args.blocks, size) for _ in range(args.repeats))
-        results["socket"] = {"gbps": sock}
+        sock = results["socket"]["gbps"]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.blocks} x {size} B direct blocks, UCX_TLS={args.ucx_tls or 'default'}, medians of {args.repeats}")
-    print(f"{'':10} {'GB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'GB/daemon-cpu-s':>16} {'vs http':>8} {'vs socket':>9}")
-    for name in ("nixl", "http"):
-        for depth in (1, args.depth):
-            r = results[f"{name}@{depth}"]
-            vs_http = r["gbps"] / results[f"http@{depth}"]["gbps"]
-            print(
-                f"{name + '@' + str(depth):10} {r['gbps']:7.2f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f}"
-                f" {r['gb_per_daemon_cpu_s']:16.2f} {vs_http:7.2f}x {r['gbps'] / sock:8.2f}x"
-            )
-    print(f"{'socket':10} {sock:7.2f}")
+    print(f"{'':13} {'GB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'GB/daemon-cpu-s':>16} {'vs http':>8} {'vs socket':>9}")
+    rows = [f"{name}@{depth}" for name in ("nixl", "http") for depth in (1, args.depth)]
+    for row in [*rows[:2], f"nixl-many@{args.depth}", *rows[2:]]:
+        r = results[row]
+        print(
+            f"{row:13} {r['gbps']:7.2f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f}"
+            f" {r['gb_per_daemon_cpu_s']:16.2f} {r['vs_http']:7.2f}x {r['vs_socket']:8.2f}x"
+        )
+    print(f"{'socket':13} {sock:7.2f}")
     if args.json:
         args.json.write_text(json.dumps({"block_size": size, "blocks": args.blocks, **results}, indent=2))
     return 0
