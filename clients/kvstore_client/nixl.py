@@ -58,6 +58,11 @@ class NixlFallback(Exception):
         self.permanent = permanent
 
 
+class _NotLoaded(NixlFallback):
+    """A transfer names daemon memory whose metadata this agent has not
+    loaded yet: another read's answer, still on its way, carries it."""
+
+
 def nixl_available() -> bool:
     try:
         import nixl._api  # type: ignore[import-untyped]  # noqa: F401
@@ -127,11 +132,16 @@ class NixlAgent:
         # Registered caller buffers, oldest first, each with the buffer itself: held, so
         # its memory cannot be freed and reused by another object while registered.
         self._regs: dict[tuple[int, int, str, int], tuple[Any, Any]] = {}
+        self._pinned: dict[tuple[int, int, str, int], int] = {}  # registrations a transfer in flight uses
         self._daemons: dict[str, str] = {}  # endpoint -> the daemon's agent name
         self._bounce: tuple[bytearray, Any] | None = None  # (bytearray, registration) for writes
         self._bounce_new = False  # registered since the daemon last got our metadata
         self._write_lock = asyncio.Lock()
         self._poller = _Poller(self.agent)
+        # Read calls in flight per endpoint; the daemon sends a region's metadata once, in
+        # one answer, and another answer naming that region may arrive before it.
+        self._asking: dict[str, int] = {}
+        self._loaded = asyncio.Event()  # set (and replaced) whenever an answer's metadata is loaded
         self._pending: dict[str, list[str]] = {}  # endpoint -> leases of verified reads, to release
         self._flushing: dict[str, asyncio.Task[None]] = {}
 
@@ -207,7 +217,11 @@ class NixlAgent:
         done = self._take_releases(url)
         if done:
             doc["release"] = done
-        daemon, answer = await self._call(s, url, "/v1/xfer/read", doc)
+        self._asking[url] = self._asking.get(url, 0) + 1
+        try:
+            daemon, answer = await self._call(s, url, "/v1/xfer/read", doc)
+        finally:
+            self._asking[url] -= 1
         lease = str(answer.get("lease", ""))
         blocks = answer.get("blocks")
         if not isinstance(blocks, list) or len(blocks) != len(keys):
@@ -216,9 +230,12 @@ class NixlAgent:
         out: list[int | Exception | None] = [None] * len(keys)
         # (memory type, device) -> (index, local addr, remote addr, len, remote dev)
         moves: dict[tuple[str, int], list[tuple[int, int, int, int, int]]] = {}
+        pins: list[tuple[int, int, str, int]] = []
         try:
             if answer.get("metadata"):
                 self.agent.add_remote_agent(base64.b64decode(answer["metadata"]))
+                self._loaded.set()
+                self._loaded = asyncio.Event()
             for i, (key, b, buf, (addr, cap, mem, dev)) in enumerate(zip(keys, blocks, bufs, where, strict=True)):
                 status = b.get("status") if isinstance(b, dict) else None
                 if status == 404:
@@ -231,15 +248,17 @@ class NixlAgent:
                 if n > cap:
                     out[i] = BufferTooSmall(f"block {key} is {n} bytes; the buffer holds {cap}")
                 elif n:
-                    self._register(buf, addr, cap, mem, dev)
+                    pins.append(self._register(buf, addr, cap, mem, dev, pin=True))
                     moves.setdefault((mem, dev), []).append((i, addr, int(b["addr"]), n, int(b["dev"])))
             for (mem, dev), spans in moves.items():
                 local = [(a, n, dev) for _, a, _, n, _ in spans]
                 remote = [(r, n, d) for _, _, r, n, d in spans]
-                await self._transfer("READ", daemon, local, remote, mem, deadline)
+                await self._read(url, daemon, local, remote, mem, deadline)
         except BaseException:
             await self._release(s, lease, quiet=True)
             raise
+        finally:
+            self._unpin(pins)
         if not verify:
             if lease and not await self._release(s, lease):
                 raise NixlFallback("the lease expired before its READs were confirmed: read again")
@@ -250,6 +269,28 @@ class NixlAgent:
                 if not _frames_match(bufs[i], n, blocks[i]):
                     out[i] = NixlFallback(f"block {keys[i]}: what was READ fails its checksum (the lease expired?)")
         return out
+
+    async def _read(
+        self,
+        url: str,
+        daemon: str,
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
+        mem: str,
+        deadline: float,
+    ) -> None:
+        """A READ that waits, while other read calls are in flight, for the
+        metadata of the daemon's memory it names (sent in one of their answers)."""
+        while True:
+            try:
+                return await self._transfer("READ", daemon, local, remote, mem, deadline)
+            except _NotLoaded:
+                if not self._asking.get(url):
+                    raise
+                try:
+                    await asyncio.wait_for(self._loaded.wait(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise NixlFallback("the daemon's metadata for a READ never came") from None
 
     def _take_releases(self, url: str) -> list[str]:
         pending = self._pending.get(url)
@@ -334,19 +375,43 @@ class NixlAgent:
 
     # -- memory and transfers -------------------------------------------------------
 
-    def _register(self, obj: Any, addr: int, n: int, mem: str, dev: int) -> None:
-        """Register a caller's buffer once (kept, with ``obj``, for later calls)."""
+    def _register(
+        self, obj: Any, addr: int, n: int, mem: str, dev: int, pin: bool = False
+    ) -> tuple[int, int, str, int]:
+        """Register a caller's buffer once (kept, with ``obj``, for later
+        calls); the registration covering it. ``pin``: not let go until
+        ``_unpin`` (a transfer in flight uses it)."""
         key = (addr, n, mem, dev)
         if key in self._regs:
             self._regs[key] = self._regs.pop(key)  # most recently used last
-            return
-        for (a, m, kind, d), _ in self._regs.items():
-            if kind == mem and d == dev and a <= addr and addr + n <= a + m:
-                return
-        self._regs[key] = (self.agent.register_memory([(addr, n, dev, "")], mem), obj)
-        while len(self._regs) > MAX_REGISTERED:
-            old = next(iter(self._regs))
-            self.agent.deregister_memory(self._regs.pop(old)[0])
+        else:
+            for k in self._regs:
+                a, m, kind, d = k
+                if kind == mem and d == dev and a <= addr and addr + n <= a + m:
+                    key = k
+                    break
+            else:
+                self._regs[key] = (self.agent.register_memory([(addr, n, dev, "")], mem), obj)
+        if pin:
+            self._pinned[key] = self._pinned.get(key, 0) + 1
+        self._trim()
+        return key
+
+    def _unpin(self, keys: list[tuple[int, int, str, int]]) -> None:
+        for key in keys:
+            left = self._pinned[key] - 1
+            if left:
+                self._pinned[key] = left
+            else:
+                del self._pinned[key]
+        self._trim()
+
+    def _trim(self) -> None:
+        """Let the least recently used registrations go, down to
+        MAX_REGISTERED, except those in use (a batch may hold more)."""
+        excess = len(self._regs) - MAX_REGISTERED
+        for key in [k for k in self._regs if k not in self._pinned][: max(excess, 0)]:
+            self.agent.deregister_memory(self._regs.pop(key)[0])
 
     async def _transfer(
         self,
@@ -363,6 +428,8 @@ class NixlAgent:
                 op, agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, "DRAM"), daemon
             )
         except Exception as e:  # noqa: BLE001 - NIXL's errors: descriptors, a peer gone
+            if type(e).__name__ == "nixlNotFoundError":
+                raise _NotLoaded(f"the NIXL {op} could not start: {e}") from None
             raise NixlFallback(f"the NIXL {op} could not start: {e}") from None
         try:
             state = agent.transfer(handle)

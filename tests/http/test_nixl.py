@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 from kvstore_client import AsyncClient
-from kvstore_client.nixl import NixlAgent, NixlFallback, nixl_available
+from kvstore_client.nixl import MAX_REGISTERED, NixlAgent, NixlFallback, nixl_available
 
 from ..conftest import kv_sample
 from .conftest import ADMIN, Daemon
@@ -316,6 +316,17 @@ async def test_get_many_into_takes_one_call_and_releases_on_the_next(
         while (await _nixl_status(session, base))["leases"] and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert (await _nixl_status(session, base))["leases"] == 0  # close() released the last
+    # More buffers in one batch than the client keeps registered: none is let go while the READ needs it.
+    token = await _tenant(session, base, "many", "direct")
+    small = {f"s{i}": random.Random(i).randbytes(1000 + i) for i in range(MAX_REGISTERED + 44)}
+    async with AsyncClient(base, token, timeout=30) as c:
+        assert all(await c.put_many(small.items()))
+    async with AsyncClient(base, token, transport="nixl", timeout=30, strict=True) as c:
+        bufs = [bytearray(len(v)) for v in small.values()]
+        assert await c.get_many_into(list(small), bufs) == [len(v) for v in small.values()]
+        assert bufs == list(small.values()) and c.stats["nixl_fallbacks"] == 0
+        agent = c._nixl_agent()
+        assert len(agent._regs) == MAX_REGISTERED and not agent._pinned
     # Batched releases: every lease ends; unknown ones are ignored.
     token = await _tenant(session, base, "r", "direct")
     await _put(session, base, token, _blocks("r", 2))
