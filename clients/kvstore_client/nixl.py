@@ -28,6 +28,7 @@ import asyncio
 import base64
 import contextlib
 import ctypes
+import importlib
 import json
 import os
 import socket
@@ -65,15 +66,31 @@ class _NotLoaded(NixlFallback):
 
 def nixl_available() -> bool:
     try:
-        import nixl._api  # type: ignore[import-untyped]  # noqa: F401
+        nixl_api()
     except ImportError:
         return False
     return True
 
 
-def _make_agent(name: str, backend: str) -> Any:
-    import nixl._api as api
+def nixl_api() -> Any:
+    """NIXL's Python API. ``nixl`` picks the wheel for the CUDA it detects and
+    fails when that one is not installed (vLLM's CPU build makes it detect
+    CUDA 13 beside an installed nixl-cu12): the installed wheels are then
+    tried directly."""
+    try:
+        import nixl._api as api  # type: ignore[import-untyped]
+    except ImportError as first:
+        for wheel in ("nixl_cu12", "nixl_cu13"):
+            try:
+                return importlib.import_module(wheel + "._api")
+            except ImportError:
+                continue
+        raise first from None
+    return api
 
+
+def _make_agent(name: str, backend: str) -> Any:
+    api = nixl_api()
     bindings: Any = api.nixlBind
     real = bindings.nixlAgent
 

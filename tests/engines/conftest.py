@@ -4,6 +4,7 @@ daemon of tests/http) with a tenant, and the engines' own packages from
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -65,6 +66,13 @@ class Kvstore:
             self.token = str(json.loads(r.read())["token"])
         return self.token
 
+    def nixl_reads(self) -> int:
+        """Read calls the daemon's NIXL agent answered (0 without one)."""
+        req = urllib.request.Request(self.url + "/v1/admin/status")
+        req.add_header("Authorization", f"Bearer {ADMIN}")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return int(json.loads(r.read())["nixl"].get("reads", 0))
+
     def blocks(self) -> int:
         req = urllib.request.Request(self.url + "/v1/stats")
         req.add_header("Authorization", f"Bearer {self.token}")
@@ -72,9 +80,20 @@ class Kvstore:
             return int(json.loads(r.read())["blocks"])
 
 
-def make_kvstore(workdir: Path) -> Kvstore:
+def nixl_installed() -> bool:
+    return importlib.util.find_spec("nixl") is not None
+
+
+# UCX for the daemon's and the engines' NIXL agents: TCP on loopback (no RDMA here).
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+def make_kvstore(workdir: Path, nixl: bool = False) -> Kvstore:
+    """A daemon with one tenant; ``nixl``: with its NIXL agent (UCX over TCP on lo)."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = daemon_env(workdir, segment_size="16MiB", durability="interval")
+    if nixl:
+        env |= {"KVSTORE_NIXL": "1", "KVSTORE_NIXL_DEVICES": "lo", **UCX_ENV}
     kv = Kvstore(Daemon(workdir / "data", free_port(), env)).start()
     kv.create_tenant()
     return kv

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from bench.engine_ttft import build_llama
-from tests.engines.conftest import ENGINE_ENV, Kvstore, dead_endpoint, make_kvstore
+from tests.engines.conftest import ENGINE_ENV, UCX_ENV, Kvstore, dead_endpoint, make_kvstore, nixl_installed
 
 # Engine starts take 20-90 s each; module fixtures start up to two before a test.
 pytestmark = pytest.mark.timeout(900)
@@ -103,7 +103,7 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[lis
 def stored(model: Path, reference: list[list[int]], tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Engine process 1: computes the prompts and stores their KV in a daemon."""
     tmp = tmp_path_factory.mktemp("stored")
-    kv = make_kvstore(tmp / "kvstore")
+    kv = make_kvstore(tmp / "kvstore", nixl=nixl_installed())  # with its agent, for the NIXL load below
     out = run_engine(tmp, "store", model, connector(kv))
     yield kv, out
     kv.stop()
@@ -131,6 +131,23 @@ def test_fresh_process_loads_from_kvstore(
         assert o["num_cached_tokens"] == (o["prompt_tokens"] - 1) // BLOCK * BLOCK > 0
     assert out["log"].count(" tokens from kvstore") == len(PROMPTS)  # the connector's own account
     assert kv.blocks() == before  # the loaded blocks were not stored again
+
+
+@pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (deploy/setup-engines.sh installs it)")
+def test_fresh_process_loads_over_nixl(stored: Any, model: Path, reference: list[list[int]], tmp_path: Path) -> None:
+    """The connector with ``transport: "nixl"``: the blocks arrive by one-sided
+    READs from the daemon's agent (UCX over TCP here), one control call per
+    group of blocks, and the outputs match the engine's own."""
+    kv, _ = stored
+    before = kv.nixl_reads()
+    extra = {"transport": "nixl", "nixl_devices": "lo"}
+    out = run_engine(tmp_path, "load-nixl", model, connector(kv, **extra), env=UCX_ENV)
+    assert token_ids(out) == reference
+    for o in out["outputs"]:
+        assert o["num_cached_tokens"] == (o["prompt_tokens"] - 1) // BLOCK * BLOCK > 0
+    assert out["log"].count(" tokens from kvstore") == len(PROMPTS)
+    assert "fell back to HTTP" not in out["log"]
+    assert 1 <= kv.nixl_reads() - before <= len(PROMPTS) * 2  # a call per group of blocks, not per block
 
 
 def test_daemon_stopped_recomputes(model: Path, reference: list[list[int]], tmp_path: Path) -> None:

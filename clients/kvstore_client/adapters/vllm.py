@@ -165,6 +165,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.load_async = s.choice("load_mode", "async", ("async", "sync")) == "async"
         self.max_pending_save_bytes = int(s.get_float("max_pending_save_mb", 1024.0) * (1 << 20))
         self.load_concurrency = s.get_int("load_concurrency", 16, minimum=1)
+        self._load_buffers: list[list[torch.Tensor]] = []  # host buffers of finished loads, for the next
         tc = self._kv_transfer_config
         self.do_load = bool(getattr(tc, "is_kv_consumer", True))
         self.do_save = bool(getattr(tc, "is_kv_producer", True))
@@ -505,26 +506,35 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if len(keys) != len(load.block_ids):
             return set(load.block_ids)
         done: set[int] = set()
-        sem = asyncio.Semaphore(self.load_concurrency)
+        bufs = self._load_buffers.pop() if self._load_buffers else []
 
-        async def one(key: str, block_id: int) -> None:
-            async with sem:
-                buf = self._host_buffer()
-                n = await self._load_client.get_into(key, buf.numpy())
+        async def group(part: list[tuple[str, int]]) -> None:
+            # One get_many_into per group: over NIXL one control call and one transfer,
+            # into host buffers reused from load to load (registered once).
+            while len(bufs) < len(part):
+                bufs.append(self._host_buffer())
+            got = await self._load_client.get_many_into([k for k, _ in part], [b.numpy() for b in bufs[: len(part)]])
+            for (key, block_id), buf, n in zip(part, bufs, got, strict=False):
                 if n != self._block_nbytes:
                     if n is not None:
                         log.warning("kvstore block %s is %d bytes, expected %d: not loaded", key, n, self._block_nbytes)
-                    return
+                    continue
                 if bytes(buf[:HEADER_SIZE].numpy()) != self._header:
                     log.warning("kvstore block %s was stored with another KV layout: not loaded", key)
-                    return
+                    continue
                 self._copy_in(buf, block_id)
                 done.add(block_id)
+
+        async def all_groups() -> None:
+            pairs = list(zip(keys, load.block_ids, strict=True))
+            for at in range(0, len(pairs), self.load_concurrency):
+                await group(pairs[at : at + self.load_concurrency])
 
         t0 = time.monotonic()
         try:
             async with asyncio.timeout(self.load_timeout):
-                await asyncio.gather(*(one(k, b) for k, b in zip(keys, load.block_ids, strict=True)))
+                await all_groups()
+            self._load_buffers.append(bufs)  # not after a timeout: a READ may still land in them
         except TimeoutError:
             log.warning("kvstore: loading request %s timed out after %s s", load.req_id, self.load_timeout)
         except Exception:

@@ -15,6 +15,7 @@ HTTP control calls.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -52,11 +53,28 @@ def configure_ucx(devices: str | None, rdma: bool) -> None:
         os.environ.setdefault(name, value)
 
 
+def nixl_api() -> Any:
+    """NIXL's Python API. ``nixl`` picks the wheel for the CUDA it detects and
+    fails when that one is not installed (vLLM's CPU build makes it detect
+    CUDA 13 beside an installed nixl-cu12): the installed wheels are then
+    tried directly."""
+    try:
+        import nixl._api as api  # type: ignore[import-untyped]
+    except ImportError as first:
+        for wheel in ("nixl_cu12", "nixl_cu13"):
+            try:
+                return importlib.import_module(wheel + "._api")
+            except ImportError:
+                continue
+        raise first from None
+    return api
+
+
 def make_agent(name: str, backend: str, delay_us: int = PROGRESS_DELAY_US) -> Any:
     """A NIXL agent named ``name`` with ``backend`` and a progress thread
     that sleeps ``delay_us`` between polls."""
     try:
-        import nixl._api as api  # type: ignore[import-untyped]
+        api = nixl_api()
     except ImportError as e:
         raise ConfigError(
             f"nixl = true needs the nixl package (pip install --no-deps nixl-cu12 nixl; see README): {e}"

@@ -18,10 +18,11 @@ over TCP checks no memory keys on the serving side, so a peer that READs
 after its lease ended (it kept stale metadata) makes the daemon's progress
 thread copy from whatever is at that address; an unmapped address kills the
 daemon (measured: SIGSEGV). So a retired region is deregistered at once,
-stays mapped ``GRACE_S`` (a late READ gets the old bytes; the client learns
-from the release call that its lease was gone and discards them), is then
-replaced in place by zero pages (its file or memory is let go; a late READ
-gets zeros, discarded the same way) and only unmapped ``UNMAP_S`` later.
+stays mapped ``GRACE_S`` (a late READ gets the old bytes, which fail the
+frames' checksums the client verifies, or which the release call tells it
+to discard), is then replaced in place by zero pages (its file or memory is
+let go; a late READ gets zeros, discarded the same way) and only unmapped
+``UNMAP_S`` later.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import BodyTooLarge, Overloaded, StorageIOError
+from kvstore.transport.nixl.agent import nixl_api
 
 GRACE_S = 30.0  # a retired region keeps its bytes this long
 UNMAP_S = 3600.0  # and its (zero) pages this long
@@ -232,9 +234,8 @@ class Memory:
         if regions:
             descs = self._agent.get_reg_descs([(r.addr, r.length, 0, "") for r in regions], "DRAM")
         else:  # connection info only (the wrapper cannot build an empty list)
-            import nixl._api as api  # type: ignore[import-untyped]
-
-            descs = api.nixlBind.nixlRegDList(api.nixlBind.DRAM_SEG)
+            bind = nixl_api().nixlBind
+            descs = bind.nixlRegDList(bind.DRAM_SEG)
         return bytes(self._agent.get_partial_agent_metadata(descs, True))
 
     def stats(self) -> dict[str, int]:
