@@ -129,9 +129,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{size,ttft,run,codec}")
-    # codec has its own parser (bench/codec_bench.py); main() hands it the rest of argv.
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{size,ttft,run,codec,nixl}")
+    # codec and nixl have their own parsers (bench/codec_bench.py, bench/nixl_bench.py); main() hands them the rest of argv.
     sub.add_parser("codec", help="encode/decode GB/s per core and ratio of each compression, on real KV caches")
+    sub.add_parser("nixl", help="NIXL reads against HTTP GET and a plain socket copy (needs NIXL)")
 
     size = sub.add_parser("size", help="KV bytes per token, block, TP rank, session; fleet capacity")
     _add_model_args(size)
@@ -401,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import codec_bench
 
         return codec_bench.main(args_in[1:])
+    if args_in[:1] == ["nixl"]:
+        from bench import nixl_bench
+
+        return nixl_bench.main(args_in[1:])
     parser, subparsers = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "size":

@@ -22,7 +22,7 @@ shared machine lands on all of them. Each figure is the median of
 leave the daemon cool), and the median of each pass's ratio to the HTTP and
 socket passes of its own round.
 
-    .venv/bin/python -m bench.nixl_bench [--blocks 64] [--block-size 2MiB] [--depth 8] [--json PATH]
+    kvstore-bench nixl [--blocks 64] [--block-size 2MiB] [--depth 8] [--json PATH]
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _socket_copy(total: int, size: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.nixl_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvstore-bench nixl", description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, default=64)
     p.add_argument("--block-size", default="2MiB")
     p.add_argument("--depth", type=int, default=8, help="outstanding reads of the second run (default 8)")
