@@ -130,7 +130,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{size,ttft,run,codec,nixl}")
-    # codec and nixl have their own parsers (bench/codec_bench.py, bench/nixl_bench.py); main() hands them the rest of argv.
+    # codec and nixl have their own parsers (bench/codec_bench.py, bench/nixl_bench.py):
+    # main() hands them the rest of argv.
     sub.add_parser("codec", help="encode/decode GB/s per core and ratio of each compression, on real KV caches")
     sub.add_parser("nixl", help="NIXL reads against HTTP GET and a plain socket copy (needs NIXL)")
 
