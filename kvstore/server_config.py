@@ -72,6 +72,13 @@ def _positive(name: str, value: object) -> int:
     return n
 
 
+def _zmq_endpoint(name: str, value: object) -> str:
+    text = _str(name, value)
+    if not text.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(f"{name}={value!r}: expected a ZMQ endpoint such as tcp://127.0.0.1:5557 or ipc:///run/x")
+    return text
+
+
 def _log_level(name: str, value: object) -> str:
     return parse_choice(name, value, ("debug", "info", "warning", "error"))
 
@@ -106,6 +113,13 @@ class ServerConfig:
     nixl_staging_bytes: int = 256 << 20
     nixl_lease_s: int = 30
     nixl_devices: str = "auto"
+    events_zmq: str | None = None  # a ZMQ PUB endpoint (tcp://HOST:PORT, ipc://PATH): events in vLLM's format
+    events_zmq_replay: str | None = None  # a ZMQ ROUTER endpoint replaying the backlog from a sequence
+    events_encoding: str = "map"  # vLLM's current tagged-map events, or "array" (vLLM before 0.10)
+    events_backlog: int = 10_000  # events kept for SSE resumption and ZMQ replay
+    events_queue: int = 10_000  # events a subscriber may fall behind by before it loses some (a gap)
+    events_medium_local: str = "STORAGE"  # the medium of events about blocks on local disk
+    events_medium_object: str = "OBJECT_STORE"  # and about blocks only in the object tier
 
     @property
     def tcp_addresses(self) -> list[tuple[str, int]]:
@@ -163,6 +177,13 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "nixl_staging_bytes": parse_size,
     "nixl_lease_s": _positive,
     "nixl_devices": _str,
+    "events_zmq": _zmq_endpoint,
+    "events_zmq_replay": _zmq_endpoint,
+    "events_encoding": lambda name, value: parse_choice(name, value, ("map", "array")),
+    "events_backlog": _positive,
+    "events_queue": _positive,
+    "events_medium_local": _str,
+    "events_medium_object": _str,
 }
 _STORE_FIELDS = {f.name for f in fields(StoreConfig)} - {"data_dir"}
 SETTINGS: tuple[str, ...] = ("data_dir", *_SERVER_PARSERS, *sorted(_STORE_FIELDS))
@@ -217,6 +238,10 @@ def load(
     cfg = ServerConfig(store=store, **values)
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ConfigError("tls_cert and tls_key must be set together")
+    if cfg.events_zmq_replay and not cfg.events_zmq:
+        raise ConfigError("events_zmq_replay needs events_zmq (the replay serves what the PUB socket published)")
+    if cfg.events_zmq_replay and cfg.events_zmq_replay == cfg.events_zmq:
+        raise ConfigError("events_zmq and events_zmq_replay must be two endpoints")
     if cfg.max_buffered_body_bytes < store.max_block_size:
         raise ConfigError(
             f"max_buffered_body_bytes={cfg.max_buffered_body_bytes} is below max_block_size={store.max_block_size}:"

@@ -24,7 +24,7 @@ import contextlib
 import heapq
 import logging
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kvstore.engine.access import CHECKPOINT_S, AccessLog, now_ms
@@ -55,7 +55,9 @@ class Retention:
         appender: Callable[[str], Appender],
         run: Callable[..., Awaitable[Any]],
         metrics: Metrics,
+        removed: Callable[[str, str, Sequence[tuple[str, IndexEntry]]], None] = lambda tenant, cause, entries: None,
     ) -> None:
+        self._removed = removed  # (tenant, cause, entries): blocks gone, for the residency events
         self._index = index
         self._registry = registry
         self._access = access
@@ -130,7 +132,7 @@ class Retention:
             need = used + incoming - int(t.quota_bytes * QUOTA_LOW)
             await self.checkpoint()  # the LRU order sees the latest reads
             victims = await self._run(self._lru, t.name, need)
-            freed = await self._remove(t.name, victims)
+            freed = await self._remove(t.name, victims, "quota")
             self._metrics.inc("kvstore_quota_evictions_total", len(victims))
             self._metrics.inc("kvstore_quota_evicted_bytes_total", freed)
             return freed
@@ -157,13 +159,14 @@ class Retention:
             after = page[-1][0]
         return [(key, entry) for _, key, entry in sorted(heap, reverse=True)]
 
-    async def _remove(self, tenant: str, victims: list[tuple[str, IndexEntry]]) -> int:
+    async def _remove(self, tenant: str, victims: list[tuple[str, IndexEntry]], cause: str) -> int:
         freed = 0
         app = self._appender(tenant)
         for i in range(0, len(victims), DROP_CHUNK):
             chunk = victims[i : i + DROP_CHUNK]
             gone = set(await app.drop(chunk))
             freed += sum(e.record_len for k, e in chunk if k in gone)
+            self._removed(tenant, cause, [(k, e) for k, e in chunk if k in gone])
         return freed
 
     # -- TTL ------------------------------------------------------------------------
@@ -187,7 +190,7 @@ class Retention:
             try:
                 victims = await self._run(self._expired_entries, t)
                 removed += len(victims)
-                await self._remove(name, victims)
+                await self._remove(name, victims, "expired")
             except KVStoreError as e:  # the tenant went meanwhile
                 log.info("TTL sweep of %s stopped: %s", name, e)
         self._metrics.inc("kvstore_expired_total", removed)

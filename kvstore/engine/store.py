@@ -161,6 +161,7 @@ class Store(StoreReads, StoreWrites):
             drop_entries=self._drop_segment_entries,
             before_drop=lambda tenant, sid: self._compactor.carry_tombstones(tenant, sid),
             adopted=self.adopted,
+            moved=self._moved,
         )
         mirror = None
         if self.tier is not None and not readonly and not self.adopted and self._background:
@@ -195,6 +196,7 @@ class Store(StoreReads, StoreWrites):
             lambda name: self._appender(self._registry.get(name)),
             self._run,
             self.metrics,
+            removed=self._removed,
         )
         if not readonly and not self.adopted and self._background:
             self._tiering.spawn(self._compactor.loop(), "compactor")
@@ -465,6 +467,8 @@ class Store(StoreReads, StoreWrites):
             self._tiering.tenant_deleted(name, incarnation)
             moved = await self._run(trash, self._seg_root, name)
             self._tails.pop(name, None)
+            if self.events is not None:
+                self.events.publish(name, "cleared", "tenant_deleted")
         finally:
             self._deleting.discard(name)
         if moved is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,7 +19,7 @@ from kvstore.engine.access import AccessLog
 from kvstore.engine.appender import Appender, OpenSegment
 from kvstore.engine.compactor import Compactor
 from kvstore.engine.crypto import MasterKey
-from kvstore.engine.index import Index
+from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Leases, Lifecycle
 from kvstore.engine.recovery import RecoveryReport
 from kvstore.engine.registry import Registry, Tenant
@@ -31,6 +31,8 @@ from kvstore.errors import (
     StoreClosed,
     TenantNotFound,
 )
+from kvstore.events.bus import EventBus
+from kvstore.events.model import TierName
 from kvstore.metrics import Metrics
 from kvstore.names import validate_tenant
 from kvstore.tier.base import Tier
@@ -73,6 +75,7 @@ class StoreCore:
         self.leases = Leases()
         self.access = AccessLog()
         self._background = True
+        self.events: EventBus | None = None  # set by the daemon where events are on (the writer)
 
     # -- helpers --------------------------------------------------------------
 
@@ -133,7 +136,48 @@ class StoreCore:
         victims = await self._run(self._index.entries_in, tenant, sid)
         if not victims:
             return 0
-        return len(await self._appender(self._registry.get(tenant)).drop(victims))
+        gone = set(await self._appender(self._registry.get(tenant)).drop(victims))
+        self._removed(tenant, "evicted", [(k, e) for k, e in victims if k in gone], "local")
+        return len(gone)
+
+    # -- residency events -------------------------------------------------------
+
+    def _stored(self, tenant: str, cause: str, tier: TierName, keys: Sequence[str], sizes: Sequence[int]) -> None:
+        if self.events is not None and keys:
+            self.events.publish(tenant, "stored", cause, tier, keys, sizes)
+
+    def _removed(
+        self, tenant: str, cause: str, entries: Sequence[tuple[str, IndexEntry]], tier: TierName | None = None
+    ) -> None:
+        """Blocks gone: each from the tier it was read from (its segment's
+        local copy, else the object tier), unless ``tier`` says."""
+        if self.events is None or not entries:
+            return
+        by_tier: dict[TierName, list[str]] = {}
+        for key, entry in entries:
+            where = tier or self._tier_of(tenant, entry.segment_id)
+            by_tier.setdefault(where, []).append(key)
+        for where, keys in by_tier.items():
+            self.events.publish(tenant, "removed", cause, where, keys)
+
+    def _tier_of(self, tenant: str, segment_id: int) -> TierName:
+        ts = self._index.tier_state(tenant, segment_id)
+        return "local" if ts is None or ts.local else "object"
+
+    async def _moved(self, tenant: str, segment_id: int, to: TierName) -> None:
+        """A segment's blocks are now read from ``to`` (its local copy was
+        dropped: ``object``; it was rehydrated: ``local``)."""
+        if self.events is None:
+            return
+        entries = await self._run(self._index.entries_in, tenant, segment_id)
+        if self.events is None:
+            return
+        if not entries:
+            return
+        keys = [k for k, _ in entries]
+        cause = "moved" if to == "object" else "rehydrated"
+        self.events.publish(tenant, "stored", cause, to, keys, [e.logical_size for _, e in entries])
+        self.events.publish(tenant, "removed", cause, "object" if to == "local" else "local", keys)
 
     def _sealed_elsewhere(self, loop: asyncio.AbstractEventLoop, tenant: str, segment_id: int) -> None:
         """An appender thread sealed a segment: tell the tiering, on the loop."""

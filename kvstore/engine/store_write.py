@@ -78,6 +78,7 @@ class StoreWrites(StoreCore):
             async with self._retention.reserve(t, record.length):
                 await self._appender(t).submit(record)
             self._tiering.space.wrote(record.length)
+            self._stored(tenant, "put", "local", [key], [len(view)])
             self.metrics.inc("kvstore_puts_total", result="created")
             self.metrics.inc("kvstore_bytes_in_total", len(view))
             return True
@@ -101,6 +102,7 @@ class StoreWrites(StoreCore):
             if entry is None:
                 return False
             await self._appender(t).submit(tombstone(tenant, key, entry.segment_id))
+            self._removed(tenant, "deleted", [(key, entry)])
             self.metrics.inc("kvstore_deletes_total")
             return True
         finally:

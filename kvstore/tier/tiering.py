@@ -40,6 +40,7 @@ from kvstore.errors import (
     TierRangeError,
     TierUnavailable,
 )
+from kvstore.events.model import TierName
 from kvstore.metrics import Metrics
 from kvstore.tasks import Background, wait_event
 from kvstore.tier.base import Tier
@@ -70,7 +71,9 @@ class Tiering:
         drop_entries: Callable[[str, int], Awaitable[int]] | None = None,
         before_drop: Callable[[str, int], Awaitable[int]] | None = None,
         adopted: bool = False,
+        moved: Callable[[str, int, TierName], Awaitable[None]] | None = None,
     ) -> None:
+        self._moved = moved  # (tenant, segment, tier): its blocks are now read from there (residency events)
         self.config = config
         self._life = lifecycle
         self._leases = leases
@@ -265,6 +268,8 @@ class Tiering:
             await download_segment(self.tier, name, ts.size, dest, self._run)
             await self._run(self._life.rehydrated, tenant, sid)
             self._remote_only.discard(k)
+            if self._moved is not None:
+                await self._moved(tenant, sid, "local")
             self.space.wrote(ts.size)
             self._metrics.inc("kvstore_tier_rehydrations_total")
             self._metrics.inc("kvstore_tier_download_bytes_total", ts.size)
@@ -365,6 +370,8 @@ class Tiering:
                 return False
             await self._run(self._life.dropped, tenant, sid)
             self._remote_only.add(c.key)
+            if self._moved is not None:
+                await self._moved(tenant, sid, "object")
             kind = "mirrored"
         else:
             if phase is not Phase.SEALED or self._drop_entries is None:

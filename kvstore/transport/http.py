@@ -27,6 +27,7 @@ from kvstore.transport import (
     http_admin,
     http_batch,
     http_blocks,
+    http_events,
     http_internal,
     http_plans,
     http_records,
@@ -255,7 +256,8 @@ def make_app(
 
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(http_plans.plans_ctx)
-    if not reader:  # one NIXL agent, the writer's: readers relay /v1/xfer/* to it
+    if not reader:  # one NIXL agent and one event bus, the writer's: readers relay to them
+        app.cleanup_ctx.append(http_events.events_ctx)
         app.cleanup_ctx.append(http_xfer.xfer_ctx)
     if reader:
         app.cleanup_ctx.append(writer_ctx)
@@ -269,6 +271,7 @@ def make_app(
     app.router.add_routes(http_plans.routes)
     app.router.add_routes(http_records.routes)
     app.router.add_routes(http_xfer.routes)
+    app.router.add_routes(http_events.routes)
     if role == "writer":
         app.router.add_routes(http_internal.routes)
     return app

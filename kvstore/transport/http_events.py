@@ -1,0 +1,106 @@
+"""``GET /v1/events``: residency events as Server-Sent Events, and the
+event bus's place in the daemon.
+
+Each event is ``id: SEQ``, ``event: stored|removed|cleared`` and ``data:``
+one JSON object (``seq``, ``ts``, ``tenant``, ``kind``, ``cause``, ``tier``,
+``blocks`` with each block's key, size and engine identity). Sequence
+numbers count the node's events, every tenant's, so a tenant's stream
+skips the numbers of others; a loss is always said: ``event: gap`` with
+``{"first", "last"}`` (gone from the backlog before a resumption, or
+dropped because this client read too slowly), its ``id`` the last lost
+one. ``Last-Event-ID`` (or ``?since=SEQ``, the first wanted) resumes within
+the backlog. A tenant's token sees its own events; the admin token every
+tenant's. A comment line every ``KEEPALIVE_S`` keeps idle streams open.
+
+Events come from the writer (single or writer role): reader workers relay
+this route to it like every write.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from kvstore.errors import InvalidInput, NotFound
+from kvstore.events.bus import EventBus, Gap
+from kvstore.events.zmq_pub import ZmqPublisher
+from kvstore.transport.http_common import CONFIG, STORE, is_admin, send, tenant_of
+
+routes = web.RouteTableDef()
+EVENTS = web.AppKey("events", EventBus)
+KEEPALIVE_S = 15.0
+
+
+async def events_ctx(app: web.Application) -> AsyncIterator[None]:
+    """After the store opens: the bus (the store publishes to it) and, where
+    ``events_zmq`` is set, the ZMQ publisher."""
+    config, store = app[CONFIG], app[STORE]
+    bus = EventBus(config.events_backlog, config.events_queue, store.metrics)
+    app[EVENTS] = bus
+    store.events = bus
+    publisher = None
+    if config.events_zmq:
+        mediums = {"local": config.events_medium_local, "object": config.events_medium_object}
+        publisher = ZmqPublisher(
+            bus,
+            config.events_zmq,
+            config.events_zmq_replay,
+            "array" if config.events_encoding == "array" else "map",
+            mediums,
+            config.events_backlog,
+            store.metrics,
+        )
+        publisher.start()
+    yield
+    store.events = None
+    if publisher is not None:
+        await publisher.close()
+
+
+def _since(request: web.Request) -> int | None:
+    last = request.headers.get("Last-Event-ID")
+    raw = request.query.get("since")
+    try:
+        if last is not None and last.strip():
+            return int(last) + 1
+        if raw is not None:
+            value = int(raw)
+            if value < 0:
+                raise ValueError
+            return value
+    except ValueError:
+        what = "header 'Last-Event-ID'" if last is not None else "query parameter 'since'"
+        raise InvalidInput(f"{what} must be an event sequence number (an integer >= 0)") from None
+    return None
+
+
+@routes.get("/v1/events")
+async def events(request: web.Request) -> web.StreamResponse:
+    tenant = None if is_admin(request) else tenant_of(request)
+    if EVENTS not in request.app:
+        raise NotFound("this process publishes no events")
+    since = _since(request)
+    sub = request.app[EVENTS].subscribe(tenant, since)
+    try:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        )
+        await resp.prepare(request)
+        await send(request, resp, b": kvstore events\n\n")
+        while True:
+            items = await sub.next_batch(KEEPALIVE_S)
+            if not items:
+                await send(request, resp, b": keepalive\n\n")
+                continue
+            out = []
+            for item in items:
+                if isinstance(item, Gap):
+                    doc = json.dumps({"first": item.first, "last": item.last})
+                    out.append(f"id: {item.last}\nevent: gap\ndata: {doc}\n\n")
+                else:
+                    out.append(f"id: {item.seq}\nevent: {item.kind}\ndata: {json.dumps(item.as_dict())}\n\n")
+            await send(request, resp, "".join(out).encode())
+    finally:
+        sub.close()
