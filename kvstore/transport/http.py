@@ -141,6 +141,9 @@ def raise_internal(request: web.Request) -> None:
     request.app[METRICS].inc("kvstore_errors_total", code="internal")
 
 
+ADMIN_OR_TENANT = frozenset({"/v1/events"})  # a tenant's token, or the admin's for every tenant
+
+
 @web.middleware
 async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The same checks, in the same order, on every worker, before a route is
@@ -150,6 +153,9 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
         route = route_of(request)
         if route.startswith("/v1/admin/"):
             require_admin(request)
+        elif route in ADMIN_OR_TENANT:
+            if not is_admin(request):
+                tenant_of(request)
         elif route.startswith("/v1/"):
             tenant_of(request)
         for name, value in request.match_info.items():

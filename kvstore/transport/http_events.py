@@ -76,7 +76,7 @@ def _since(request: web.Request) -> int | None:
     return None
 
 
-@routes.get("/v1/events")
+@routes.get("/v1/events", allow_head=False)
 async def events(request: web.Request) -> web.StreamResponse:
     tenant = None if is_admin(request) else tenant_of(request)
     if EVENTS not in request.app:

@@ -76,6 +76,9 @@ async def test_answers_match_the_description(api: Api) -> None:
         ("POST", "/v1/xfer/read", "/v1/xfer/read", {}, b'{"agent": "a", "keys": ["k1"]}', 401),
         ("POST", "/v1/xfer/release", "/v1/xfer/release", t, b'{"lease": "x"}', 404),
         ("POST", "/v1/xfer/write", "/v1/xfer/write", t, b'{"agent": "a", "blocks": []}', 404),
+        # The event stream does not end (tests/http/test_events.py reads it); its refusals here.
+        ("GET", "/v1/events", "/v1/events?since=x", t, b"", 400),
+        ("GET", "/v1/events", "/v1/events", {}, b"", 401),
         ("HEAD", "/v1/stats", "/v1/stats", t, b"", 200),
         ("POST", "/v1/batch/put", "/v1/batch/put", t, batch, 200),
         ("POST", "/v1/batch/put", "/v1/batch/put", t, b"NOPE", 400),

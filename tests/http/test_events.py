@@ -1,0 +1,220 @@
+"""Residency events from a real daemon: Server-Sent Events (order, tenant
+isolation, resumption, the gap, relayed by a reader worker) and ZMQ in
+vLLM's wire format (both encodings, gapless batch numbers, replay)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvstore.events.model import key_hash
+
+from .conftest import ADMIN, Daemon, free_port
+from .test_read_plans import _admin, _tenant
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def _put(s: aiohttp.ClientSession, base: str, token: str, key: str, data: bytes = b"v" * 100) -> None:
+    async with s.put(f"{base}/v1/blocks/{key}", data=data, headers=_auth(token)) as r:
+        assert r.status == 201, await r.text()
+
+
+async def _delete(s: aiohttp.ClientSession, base: str, token: str, key: str) -> None:
+    async with s.delete(f"{base}/v1/blocks/{key}", headers=_auth(token)) as r:
+        assert r.status == 204
+
+
+class Sse:
+    """An open ``GET /v1/events`` stream."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self.resp = resp
+
+    async def next(self, timeout: float = 10) -> tuple[str, str, Any]:
+        """(id, event, data) of the next message, comments skipped."""
+        fields: dict[str, str] = {}
+        while True:
+            line = (await asyncio.wait_for(self.resp.content.readline(), timeout)).decode()
+            assert line, "the stream ended"
+            line = line.rstrip("\n")
+            if not line:
+                if fields:
+                    return fields.get("id", ""), fields.get("event", "message"), json.loads(fields["data"])
+                continue
+            if line.startswith(":"):
+                continue
+            name, _, value = line.partition(": ")
+            fields[name] = value
+
+
+async def _sse(s: aiohttp.ClientSession, base: str, token: str, **headers: str) -> Sse:
+    resp = await s.get(f"{base}/v1/events", headers=_auth(token) | headers, timeout=aiohttp.ClientTimeout(total=None))
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    return Sse(resp)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_sse_order_isolation_resume_and_gap(daemon: Daemon, workers: int) -> None:
+    daemon.env |= {"KVSTORE_EVENTS_BACKLOG": "20"}
+    daemon.extra = ["--workers", str(workers)]
+    daemon.start()
+    base = daemon.base
+    async with aiohttp.ClientSession() as s:
+        ta = await _tenant(s, base, "a", "sealed")
+        tb = await _tenant(s, base, "b", "direct")
+        mine, everyone = await _sse(s, base, ta), await _sse(s, base, ADMIN)
+        await _put(s, base, ta, "k1", b"x" * 1234)
+        await _put(s, base, tb, "k1")
+        await _delete(s, base, ta, "k1")
+        # The tenant sees its own events only, in order; the admin sees every tenant's.
+        first = await mine.next()
+        assert first[1] == "stored"
+        assert first[2]["tenant"] == "a" and first[2]["cause"] == "put" and first[2]["tier"] == "local"
+        assert first[2]["blocks"] == [
+            {
+                "key": "k1",
+                "size": 1234,
+                "block_hash": key_hash("k1"),
+                "parent_block_hash": None,
+                "token_ids": [],
+                "block_size": 0,
+                "lora_id": None,
+                "lora_name": None,
+                "extra_keys": None,
+            }
+        ]
+        second = await mine.next()
+        assert second[1] == "removed" and second[2]["cause"] == "deleted" and int(second[0]) > int(first[0])
+        seen = [await everyone.next() for _ in range(3)]
+        assert [(e, d["tenant"]) for _, e, d in seen] == [("stored", "a"), ("stored", "b"), ("removed", "a")]
+        ids = [int(i) for i, _, _ in seen]
+        assert ids == list(range(ids[0], ids[0] + 3))  # the node's numbers, without gaps
+        # Resumption: from after the first event of tenant a.
+        again = await _sse(s, base, ta, **{"Last-Event-ID": first[0]})
+        assert (await again.next())[:2] == (second[0], "removed")
+        # A resumption from numbers no longer kept starts with a gap.
+        for i in range(30):
+            await _put(s, base, ta, f"m{i}")
+        late = await _sse(s, base, ta, **{"Last-Event-ID": "0"})
+        sid, kind, gap = await late.next()
+        assert kind == "gap" and gap["first"] == 1 and gap["last"] >= 10 and sid == str(gap["last"])
+        following = await late.next()
+        assert following[1] == "stored" and int(following[0]) == gap["last"] + 1
+        # Bad input names the field.
+        async with s.get(f"{base}/v1/events?since=-3", headers=_auth(ta)) as r:
+            assert r.status == 400 and "since" in (await r.json())["error"]["message"]
+        async with s.get(f"{base}/v1/events", headers={"Last-Event-ID": "x", **_auth(ta)}) as r:
+            assert r.status == 400 and "Last-Event-ID" in (await r.json())["error"]["message"]
+        async with s.get(f"{base}/v1/events", headers=_auth("nope")) as r:
+            assert r.status == 401
+        for stream in (mine, everyone, again, late):
+            stream.resp.close()
+
+
+def _decode(payload: bytes, encoding: str) -> tuple[float, list[Any], Any]:
+    ts, events, rank = msgpack.unpackb(payload, raw=False)
+    assert isinstance(ts, float) and rank is None
+    if encoding == "map":
+        return ts, events, rank
+    # The array encoding: [tag, fields...] as vLLM before 0.10 sent them; as maps for the checks.
+    names = {
+        "BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"],
+        "BlockRemoved": ["block_hashes", "medium"],
+        "AllBlocksCleared": [],
+    }
+    return ts, [{"type": e[0], **dict(zip(names[e[0]], e[1:], strict=True))} for e in events], rank
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+async def test_zmq_batches_in_vllms_format_with_replay(daemon: Daemon, encoding: str) -> None:
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    daemon.env |= {
+        "KVSTORE_EVENTS_ZMQ": pub,
+        "KVSTORE_EVENTS_ZMQ_REPLAY": replay,
+        "KVSTORE_EVENTS_ENCODING": encoding,
+        "KVSTORE_EVENTS_MEDIUM_LOCAL": "SSD",
+    }
+    daemon.start()
+    base = daemon.base
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    try:
+        async with aiohttp.ClientSession() as s:
+            ta = await _tenant(s, base, "za", "direct")
+            tb = await _tenant(s, base, "zb", "sealed")
+            # A subscriber joins a PUB socket asynchronously: wait until it gets batches.
+            n = 0
+            while True:
+                await _put(s, base, ta, f"warm{n}")
+                n += 1
+                if await sub.poll(200):
+                    break
+                assert n < 50, "the subscriber never connected"
+            got = [await sub.recv_multipart()]
+            await _put(s, base, tb, "k1")
+            await _delete(s, base, ta, "warm0")
+            await _admin(s, base, "DELETE", "/v1/admin/tenants/zb")
+            events: list[tuple[bytes, int, dict[str, Any]]] = []
+            while len(events) < 3:
+                got.append(await asyncio.wait_for(sub.recv_multipart(), 10))
+                topic, seq, payload = got[-1]
+                _, evs, _ = _decode(payload, encoding)
+                if topic == b"za" and evs[0]["type"] == "BlockStored" and evs[0]["block_hashes"] != [key_hash("warm0")]:
+                    continue  # later warm-up puts
+                events += [(topic, int.from_bytes(seq, "big"), e) for e in evs]
+        seqs = [int.from_bytes(m[1], "big") for m in got]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # gapless batch numbers
+        stored, removed, cleared = events[-3:]
+        assert stored[0] == b"zb" and stored[2] == {
+            "type": "BlockStored",
+            "block_hashes": [key_hash("k1")],
+            "parent_block_hash": None,
+            "token_ids": [],
+            "block_size": 0,
+            "lora_id": None,
+            "medium": "SSD",
+            **({"lora_name": None} if encoding == "map" else {}),
+        }
+        assert removed[0] == b"za" and removed[2] == {
+            "type": "BlockRemoved",
+            "block_hashes": [key_hash("warm0")],
+            "medium": "SSD",
+        }
+        assert cleared[0] == b"zb" and cleared[2] == {"type": "AllBlocksCleared"}
+        # Replay from a number: exactly the batches published from there, then -1.
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(replay)
+        start = seqs[1]
+        await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        replayed = []
+        while True:
+            frames = await asyncio.wait_for(dealer.recv_multipart(), 10)
+            assert frames[0] == b""
+            if int.from_bytes(frames[2], "big", signed=True) == -1:
+                break
+            replayed.append(frames[1:])
+        published = [m for m in got if int.from_bytes(m[1], "big") >= start]
+        assert replayed[: len(published)] == published
+        dealer.close(linger=0)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+
+
+def test_replay_needs_the_pub_socket(daemon: Daemon) -> None:
+    daemon.env |= {"KVSTORE_EVENTS_ZMQ_REPLAY": f"tcp://127.0.0.1:{free_port()}"}
+    with pytest.raises(RuntimeError, match="events_zmq_replay needs events_zmq"):
+        daemon.start(timeout=10)
