@@ -30,7 +30,11 @@ for _k, _v in ENGINE_ENV.items():
 
 # Warnings the engines' own imports raise (third-party code; the repository's
 # pytest settings turn warnings into errors): ignored by exact message.
-ENGINE_WARNINGS = (r"ignore:`LoggingHandler` in `opentelemetry-sdk` is deprecated:DeprecationWarning",)
+ENGINE_WARNINGS = (
+    r"ignore:`LoggingHandler` in `opentelemetry-sdk` is deprecated:DeprecationWarning",
+    # torch's own modules, imported by vllm.distributed.kv_events in this process
+    r"ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -88,10 +92,11 @@ def nixl_installed() -> bool:
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
-def make_kvstore(workdir: Path, nixl: bool = False) -> Kvstore:
-    """A daemon with one tenant; ``nixl``: with its NIXL agent (UCX over TCP on lo)."""
+def make_kvstore(workdir: Path, nixl: bool = False, **settings: str) -> Kvstore:
+    """A daemon with one tenant; ``nixl``: with its NIXL agent (UCX over TCP
+    on lo); ``settings``: more of its settings."""
     workdir.mkdir(parents=True, exist_ok=True)
-    env = daemon_env(workdir, segment_size="16MiB", durability="interval")
+    env = daemon_env(workdir, segment_size="16MiB", durability="interval", **settings)
     if nixl:
         env |= {"KVSTORE_NIXL": "1", "KVSTORE_NIXL_DEVICES": "lo", **UCX_ENV}
     kv = Kvstore(Daemon(workdir / "data", free_port(), env)).start()
