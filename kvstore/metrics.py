@@ -1,6 +1,8 @@
 """Process-local metrics: counters and histograms, rendered as Prometheus text.
 
 Thread-safe (the executor threads record fsync latency and batch sizes).
+With several worker processes, each one's :meth:`Metrics.snapshot` is
+merged into one exposition by :func:`merged` (see transport/http_metrics.py).
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -63,6 +67,18 @@ class Metrics:
                 h = self._hists[key] = _Histogram(_buckets_for(name))
             h.observe(value)
 
+    def snapshot(self) -> dict[str, Any]:
+        """Everything recorded, as JSON-able lists (for another process to merge)."""
+        with self._lock:
+            return {
+                "counters": [[n, list(map(list, ls)), v] for (n, ls), v in self._counters.items()],
+                "gauges": [[n, list(map(list, ls)), v] for (n, ls), v in self._gauges.items()],
+                "hists": [
+                    [n, list(map(list, ls)), list(h.buckets), list(h.counts), h.total, h.count]
+                    for (n, ls), h in self._hists.items()
+                ],
+            }
+
     def counter(self, name: str, **labels: str) -> float:
         with self._lock:
             return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
@@ -91,6 +107,39 @@ class Metrics:
                 lines.append(f"{name}_sum{_fmt(labels)} {_num(h.total)}")
                 lines.append(f"{name}_count{_fmt(labels)} {h.count}")
         return "\n".join(lines) + "\n"
+
+
+def _labels(raw: Any) -> Labels:
+    return tuple((str(k), str(v)) for k, v in raw)
+
+
+def merged(snapshots: Sequence[dict[str, Any]], summed_gauges: frozenset[str]) -> Metrics:
+    """One process's worth of metrics from several processes' snapshots:
+    counters and histograms added up; a gauge in ``summed_gauges`` (one
+    per process, such as requests in flight) added up, any other (the
+    store's, the same whichever process reads it) taken from the first
+    snapshot that has it: the writer's, when it comes first."""
+    out = Metrics()
+    for snap in snapshots:
+        for name, labels, value in snap.get("counters", []):
+            out._counters[(name, _labels(labels))] += value
+        for name, labels, value in snap.get("gauges", []):
+            key = (name, _labels(labels))
+            if name in summed_gauges:
+                out._gauges[key] = out._gauges.get(key, 0.0) + value
+            else:
+                out._gauges.setdefault(key, value)
+        for name, labels, buckets, counts, total, count in snap.get("hists", []):
+            key = (name, _labels(labels))
+            h = out._hists.get(key)
+            if h is None:
+                h = out._hists[key] = _Histogram(tuple(buckets))
+            if list(h.buckets) != list(buckets):
+                continue  # another version's buckets: not comparable
+            h.counts = [a + b for a, b in zip(h.counts, counts, strict=True)]
+            h.total += total
+            h.count += count
+    return out
 
 
 def _num(v: float) -> str:

@@ -29,6 +29,7 @@ from kvstore.transport import (
     http_blocks,
     http_events,
     http_internal,
+    http_metrics,
     http_plans,
     http_records,
     http_xfer,
@@ -177,24 +178,6 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
-async def metrics(request: web.Request) -> web.Response:
-    store = request.app[STORE]
-    m = request.app[METRICS]
-    blocks = stored = logical = 0
-    for t in store.tenants():
-        s = await store.stats(t["name"])
-        blocks, stored, logical = blocks + s.blocks, stored + s.stored_bytes, logical + s.logical_bytes
-    m.set("kvstore_blocks", blocks, tier="g3")
-    m.set("kvstore_bytes_stored", stored, tier="g3")
-    m.set("kvstore_bytes_logical", logical, tier="g3")
-    m.set("kvstore_tenants", len(store.tenants()))
-    m.set("kvstore_http_inflight", request.app[STATE]["inflight"])
-    m.set("kvstore_http_buffered_body_bytes", request.app[BUDGET].used)
-    return web.Response(
-        text=m.render(), content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"}
-    )
-
-
 @web.middleware
 async def forward_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if relayed(request):
@@ -261,6 +244,7 @@ def make_app(
             await relay.close()
 
     app.cleanup_ctx.append(store_ctx)
+    app.cleanup_ctx.append(http_metrics.metrics_ctx)
     app.cleanup_ctx.append(http_plans.plans_ctx)
     if not reader:  # one NIXL agent and one event bus, the writer's: readers relay to them
         app.cleanup_ctx.append(http_events.events_ctx)
@@ -270,7 +254,7 @@ def make_app(
     app.on_shutdown.append(not_ready_on_shutdown)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", http_metrics.metrics)
     app.router.add_routes(http_blocks.routes)
     app.router.add_routes(http_batch.routes)
     app.router.add_routes(http_admin.routes)

@@ -26,7 +26,10 @@ from tests.http.conftest import ADMIN
 from tests.http.openapi import Operation, Spec
 
 SPEC = Spec.load()
-OPERATIONS = SPEC.operations()
+# The event stream does not end: a fuzzed call that is answered 200 would never
+# return (tests/http/test_events.py checks it, its bad input included).
+STREAMS = {("GET", "/v1/events")}
+OPERATIONS = [op for op in SPEC.operations() if (op.method, op.path) not in STREAMS]
 RETRYABLE_5XX = {503: {"overloaded", "not_ready", "io_error"}, 507: {"storage_full"}}
 # Never aimed at the canaries the final check reads back: deleting them, or
 # changing their tenant (a quota could evict them).

@@ -102,6 +102,8 @@ async def test_reader_relayed_decoded_path_to_writer(daemon: Daemon, tmp_path: P
                     continue  # would create a tenant on the first worker: a 409 on the second
                 if method == "POST" and path == "/v1/admin/flush":
                     continue  # valid on both, and slow
+                if path == "/v1/events" and who != "none":
+                    continue  # a stream that does not end (tests/http/test_events.py reads it on both)
                 body = b"{}" if method in ("PUT", "POST") else b""
                 answers = {role: await c.request(method, path, h, body) for role, c in conns.items()}
                 diff = _differ(answers["writer"], answers["reader"])

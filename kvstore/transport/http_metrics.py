@@ -1,0 +1,112 @@
+"""``GET /metrics``: one Prometheus exposition for the whole daemon,
+whatever ``--workers`` is.
+
+Each worker of a multi-worker daemon writes a snapshot of its metrics every
+``SNAPSHOT_S`` (and on each scrape it answers) into the workers' private
+directory (the one holding the writer's socket, mode 0700); the worker that
+a scrape lands on merges every snapshot younger than ``STALE_S``: counters
+and histograms added up, per-process gauges (requests in flight, buffered
+bodies) added up, the store's gauges taken from the writer. Another
+worker's counts are at most ``SNAPSHOT_S`` old. ``kvstore_workers`` says
+how many processes the answer covers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.metrics import merged
+from kvstore.transport.http_body import BUDGET
+from kvstore.transport.http_common import METRICS, STATE, STORE
+
+SNAPSHOT_S = 0.5
+STALE_S = 5.0
+PER_PROCESS_GAUGES = frozenset({"kvstore_http_inflight", "kvstore_http_buffered_body_bytes"})
+
+
+def _directory(app: web.Application) -> Path | None:
+    sock = app[STATE].get("writer_socket")
+    return Path(sock).parent / "metrics" if sock else None
+
+
+def _own_file(app: web.Application, directory: Path) -> Path:
+    # The writer's sorts first: its store gauges are the ones kept.
+    rank = "0" if app[STATE]["role"] == "writer" else "1"
+    return directory / f"{rank}-{os.getpid()}.json"
+
+
+def _write_snapshot(app: web.Application, directory: Path) -> None:
+    path = _own_file(app, directory)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(app[METRICS].snapshot()))
+    tmp.replace(path)
+
+
+def _read_snapshots(directory: Path) -> list[dict[str, Any]]:
+    now = time.time()
+    out = []
+    for path in sorted(directory.glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):  # a worker gone, or a file being replaced
+            if now - path.stat().st_mtime <= STALE_S:
+                out.append(json.loads(path.read_text()))
+    return out
+
+
+async def metrics_ctx(app: web.Application) -> AsyncIterator[None]:
+    """With several workers: this worker's snapshots, every SNAPSHOT_S."""
+    directory = _directory(app)
+    if directory is None:
+        yield
+        return
+    directory.mkdir(mode=0o700, exist_ok=True)
+
+    async def loop() -> None:
+        while True:
+            _write_snapshot(app, directory)
+            await asyncio.sleep(SNAPSHOT_S)
+
+    task = asyncio.get_running_loop().create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    with contextlib.suppress(OSError):
+        _own_file(app, directory).unlink()
+
+
+async def metrics(request: web.Request) -> web.Response:
+    app = request.app
+    store = app[STORE]
+    m = app[METRICS]
+    blocks = stored = logical = 0
+    for t in store.tenants():
+        s = await store.stats(t["name"])
+        blocks, stored, logical = blocks + s.blocks, stored + s.stored_bytes, logical + s.logical_bytes
+    m.set("kvstore_blocks", blocks, tier="g3")
+    m.set("kvstore_bytes_stored", stored, tier="g3")
+    m.set("kvstore_bytes_logical", logical, tier="g3")
+    m.set("kvstore_tenants", len(store.tenants()))
+    m.set("kvstore_http_inflight", app[STATE]["inflight"])
+    m.set("kvstore_http_buffered_body_bytes", app[BUDGET].used)
+    directory = _directory(app)
+    if directory is None:
+        m.set("kvstore_workers", 1)
+        text = m.render()
+    else:
+        _write_snapshot(app, directory)
+        snapshots = _read_snapshots(directory)
+        whole = merged(snapshots, PER_PROCESS_GAUGES)
+        whole.set("kvstore_workers", len(snapshots))
+        text = whole.render()
+    return web.Response(
+        text=text, content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"}
+    )
