@@ -6,10 +6,17 @@ deploy/setup-venv.sh test
 .venv/bin/python -m pip install --quiet -e 'clients[decode]'  # the client library is its own package
 # NIXL for the /v1/xfer tests: --no-deps, or its wheel's metadata pulls torch and a CUDA stack.
 .venv/bin/python -m pip install --quiet --no-deps nixl-cu12==1.5.1 nixl==1.5.1
-# pyverbs (rdma-core) comes from the distribution, not PyPI; the RDMA status reports without it too.
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s python3-pyverbs >/dev/null 2>&1; then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pyverbs >/dev/null
+# From the distribution, not PyPI: pyverbs (rdma-core; the RDMA status reports without it too) and
+# promtool (prometheus; checks deploy/prometheus/alerts.yml, else only their schema is checked).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  missing=""
+  dpkg -s python3-pyverbs >/dev/null 2>&1 || missing="$missing python3-pyverbs"
+  command -v promtool >/dev/null || missing="$missing prometheus"
+  if [ -n "$missing" ]; then
+    apt-get update -qq
+    # shellcheck disable=SC2086
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  fi
 fi
 export PYTHONHASHSEED="${PYTHONHASHSEED:-0}"
 # One command per line: under set -e a failure on the left of && would not stop the script.
