@@ -69,6 +69,7 @@ class _Write:
     future: asyncio.Future[tuple[bool, IndexEntry | None]]  # (written, its entry)
     copy: bool = False
     expect: IndexEntry | None = None
+    ident: bytes | None = None  # the block's engine identity, indexed with its entry
 
 
 @dataclass(slots=True)
@@ -113,10 +114,11 @@ class Appender:
 
     # -- public ---------------------------------------------------------------
 
-    async def submit(self, record: EncodedRecord) -> IndexEntry | None:
-        """Append ``record``; return once it is durable under the policy and indexed."""
+    async def submit(self, record: EncodedRecord, ident: bytes | None = None) -> IndexEntry | None:
+        """Append ``record``; return once it is durable under the policy and
+        indexed (with ``ident``, the block's engine identity, if given)."""
         fut: asyncio.Future[tuple[bool, IndexEntry | None]] = self._future()
-        self._queue.append(_Write(record, fut))
+        self._queue.append(_Write(record, fut, ident=ident))
         self._wake.set()
         return (await fut)[1]
 
@@ -298,14 +300,16 @@ class Appender:
                 seg.sync()
                 self._metrics.observe("kvstore_fsync_seconds", time.perf_counter() - t0)
                 self._tail.synced_upto = seg.size
-            footer, ops = [], []
+            footer, ops, idents = [], [], {}
             pos = start
             for item in todo:
                 fe = footer_entry(pos, item.record.header)
                 footer.append(fe)
                 ops.append((fe.key, index_entry(seg.segment_id, fe)))
+                if item.ident is not None:
+                    idents[fe.key] = item.ident
                 pos += item.record.length
-            self._life.appended(self.tenant, seg.segment_id, ops, seg.size, self._tail.synced_upto)
+            self._life.appended(self.tenant, seg.segment_id, ops, seg.size, self._tail.synced_upto, idents)
         except Exception as e:  # noqa: BLE001 - any failure (OSError, LMDB) must undo the batch
             self._undo(seg, start)
             if isinstance(e, OSError):

@@ -114,6 +114,25 @@ def new_data_key() -> bytes:
     return AESGCM.generate_key(bit_length=256)
 
 
+def seal_small(data_key: bytes, key_version: int, data: bytes, aad: bytes) -> bytes:
+    """``data`` sealed under ``data_key`` (a fresh random nonce): version
+    (4 bytes), nonce (12), ciphertext and tag. For small metadata kept
+    beside a record (a block's engine identity), never for frames."""
+    nonce = os.urandom(12)
+    return key_version.to_bytes(4, "big") + nonce + AESGCM(data_key).encrypt(nonce, data, aad)
+
+
+def small_version(blob: bytes) -> int:
+    return int.from_bytes(blob[:4], "big")
+
+
+def open_small(data_key: bytes, blob: bytes, aad: bytes) -> bytes:
+    try:
+        return AESGCM(data_key).decrypt(blob[4:16], blob[16:], aad)
+    except InvalidTag:
+        raise CorruptionError("sealed metadata failed authentication (AES-GCM tag)") from None
+
+
 def derive_frame_key(data_key: bytes, record_id: bytes, tenant: str, key_version: int) -> bytes:
     """The key that seals the frames of one record, and only those: what a
     client that decodes a record itself is given (never the data key)."""

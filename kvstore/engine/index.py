@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import struct
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -143,7 +143,7 @@ class Index:
             self.env = lmdb.open(
                 str(path),
                 map_size=map_size,
-                max_dbs=8,
+                max_dbs=16,
                 subdir=True,
                 sync=sync,
                 metasync=False,  # the last commit may be lost in a crash; recovery replays it
@@ -160,6 +160,8 @@ class Index:
             self._tiers = self.env.open_db(b"tiers", create=not readonly)
             self._live = self.env.open_db(b"live", create=not readonly)
             self._access = self.env.open_db(b"access", create=not readonly)
+            # A block's engine identity (Kvstore-Block-Meta), removed with its entry.
+            self._idents = self.env.open_db(b"idents", create=not readonly)
             if readonly:
                 return
             with self.env.begin(write=True) as txn:
@@ -261,6 +263,11 @@ class Index:
                 if txn.get(bk, db=self._blocks) is not None:
                     txn.put(bk, ACCESS.pack(ms), db=self._access)
 
+    def idents(self, tenant: str, keys: Sequence[str]) -> list[bytes | None]:
+        """The stored engine identities of ``keys`` (None: stored without one)."""
+        with self.env.begin() as txn:
+            return [txn.get(_bkey(tenant, k), db=self._idents) for k in keys]
+
     def tier_state(self, tenant: str, segment_id: int) -> TierState | None:
         with self.env.begin(db=self._tiers) as txn:
             raw = txn.get(_skey(tenant, segment_id))
@@ -292,16 +299,24 @@ class Index:
         ops: Iterable[tuple[str, IndexEntry | None]],
         segment_id: int,
         segment: SegmentState | None,
+        idents: Mapping[str, bytes] | None = None,
     ) -> None:
         """Apply puts (entry) and deletes (None) in order, in one transaction,
         together with the segment's new state, the tenant's usage and the
-        live bytes of every segment the ops point into or away from."""
+        live bytes of every segment the ops point into or away from.
+        ``idents``: the engine identities of keys put (a delete drops one)."""
         with self.env.begin(write=True) as txn:
-            self._apply(txn, tenant, ops)
+            self._apply(txn, tenant, ops, idents)
             if segment is not None:
                 self._put_segment(txn, tenant, segment_id, segment)
 
-    def _apply(self, txn: lmdb.Transaction, tenant: str, ops: Iterable[tuple[str, IndexEntry | None]]) -> None:
+    def _apply(
+        self,
+        txn: lmdb.Transaction,
+        tenant: str,
+        ops: Iterable[tuple[str, IndexEntry | None]],
+        idents: Mapping[str, bytes] | None = None,
+    ) -> None:
         raw = txn.get(tenant.encode(), db=self._stats)
         blocks, stored, logical = STATS.unpack(raw) if raw else (0, 0, 0)
         live: dict[int, list[int]] = {}
@@ -325,8 +340,11 @@ class Index:
                 if old is not None:
                     txn.delete(bk, db=self._blocks)
                     txn.delete(bk, db=self._access)
+                    txn.delete(bk, db=self._idents)
             else:
                 txn.put(bk, entry.pack(), db=self._blocks)
+                if idents and key in idents:
+                    txn.put(bk, idents[key], db=self._idents)
                 blocks, stored, logical = blocks + 1, stored + entry.record_len, logical + entry.logical_size
                 count(entry.segment_id, 1, entry.record_len)
         txn.put(tenant.encode(), STATS.pack(blocks, stored, logical), db=self._stats)
@@ -394,7 +412,7 @@ class Index:
         prefix = tenant.encode() + _SEP
         with self.env.begin(write=True) as txn:
             self._bump_epoch(txn)
-            for db in (self._blocks, self._segments, self._tiers, self._live, self._access):
+            for db in (self._blocks, self._segments, self._tiers, self._live, self._access, self._idents):
                 cur = txn.cursor(db=db)
                 if cur.set_range(prefix):
                     while cur.key().startswith(prefix):

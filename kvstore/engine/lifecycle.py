@@ -37,7 +37,7 @@ import enum
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvstore.engine.index import (
@@ -128,11 +128,18 @@ class Lifecycle:
         self._index.set_segment_states(tenant, sid, SegmentState(SEG_OPEN, size, size), None)
 
     def appended(
-        self, tenant: str, sid: int, ops: Iterable[tuple[str, IndexEntry | None]], size: int, synced: int
+        self,
+        tenant: str,
+        sid: int,
+        ops: Iterable[tuple[str, IndexEntry | None]],
+        size: int,
+        synced: int,
+        idents: Mapping[str, bytes] | None = None,
     ) -> None:
-        """A batch landed in the open segment: its entries and the new
-        watermarks, in one transaction (recovery trusts exactly that)."""
-        self._index.apply(tenant, ops, sid, SegmentState(SEG_OPEN, size, synced))
+        """A batch landed in the open segment: its entries (and the engine
+        identities of those that have one) and the new watermarks, in one
+        transaction (recovery trusts exactly that)."""
+        self._index.apply(tenant, ops, sid, SegmentState(SEG_OPEN, size, synced), idents)
 
     def synced(self, tenant: str, sid: int, size: int) -> None:
         self._index.set_segment_states(tenant, sid, SegmentState(SEG_OPEN, size, size), None)

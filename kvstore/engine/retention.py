@@ -24,7 +24,7 @@ import contextlib
 import heapq
 import logging
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from kvstore.engine.access import CHECKPOINT_S, AccessLog, now_ms
@@ -32,6 +32,7 @@ from kvstore.engine.appender import Appender
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.registry import Registry, Tenant
 from kvstore.errors import KVStoreError, QuotaExceeded
+from kvstore.events.model import BlockMeta
 from kvstore.metrics import Metrics
 
 log = logging.getLogger("kvstore.engine.retention")
@@ -39,6 +40,9 @@ QUOTA_LOW = 0.9
 SWEEP_S = 30.0
 PAGE = 4096
 DROP_CHUNK = 1024
+
+
+Removed = Callable[[str, str, Sequence[tuple[str, IndexEntry]], Mapping[str, BlockMeta]], None]
 
 
 def last_access(entry: IndexEntry, checkpointed: int, in_memory: int) -> int:
@@ -55,9 +59,13 @@ class Retention:
         appender: Callable[[str], Appender],
         run: Callable[..., Awaitable[Any]],
         metrics: Metrics,
-        removed: Callable[[str, str, Sequence[tuple[str, IndexEntry]]], None] = lambda tenant, cause, entries: None,
+        removed: Removed | None = None,
+        identities: Callable[[str, Sequence[str]], Mapping[str, BlockMeta]] | None = None,
     ) -> None:
-        self._removed = removed  # (tenant, cause, entries): blocks gone, for the residency events
+        # For the residency events: blocks gone (tenant, cause, entries, identities),
+        # and the identities of blocks about to go (read before they do).
+        self._removed = removed
+        self._identities = identities
         self._index = index
         self._registry = registry
         self._access = access
@@ -164,9 +172,11 @@ class Retention:
         app = self._appender(tenant)
         for i in range(0, len(victims), DROP_CHUNK):
             chunk = victims[i : i + DROP_CHUNK]
+            metas = self._identities(tenant, [k for k, _ in chunk]) if self._identities is not None else {}
             gone = set(await app.drop(chunk))
             freed += sum(e.record_len for k, e in chunk if k in gone)
-            self._removed(tenant, cause, [(k, e) for k, e in chunk if k in gone])
+            if self._removed is not None:
+                self._removed(tenant, cause, [(k, e) for k, e in chunk if k in gone], metas)
         return freed
 
     # -- TTL ------------------------------------------------------------------------

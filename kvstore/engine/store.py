@@ -197,6 +197,7 @@ class Store(StoreReads, StoreWrites):
             self._run,
             self.metrics,
             removed=self._removed,
+            identities=self._identities,
         )
         if not readonly and not self.adopted and self._background:
             self._tiering.spawn(self._compactor.loop(), "compactor")

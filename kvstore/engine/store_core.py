@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,7 +18,7 @@ from kvstore.config import StoreConfig
 from kvstore.engine.access import AccessLog
 from kvstore.engine.appender import Appender, OpenSegment
 from kvstore.engine.compactor import Compactor
-from kvstore.engine.crypto import MasterKey
+from kvstore.engine.crypto import MasterKey, open_small, seal_small, small_version
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Leases, Lifecycle
 from kvstore.engine.recovery import RecoveryReport
@@ -26,13 +26,14 @@ from kvstore.engine.registry import Registry, Tenant
 from kvstore.engine.retention import Retention
 from kvstore.engine.segcache import SegmentCache
 from kvstore.errors import (
+    KVStoreError,
     ReadOnlyNode,
     ReadOnlyStore,
     StoreClosed,
     TenantNotFound,
 )
 from kvstore.events.bus import EventBus
-from kvstore.events.model import TierName
+from kvstore.events.model import BlockMeta, TierName
 from kvstore.metrics import Metrics
 from kvstore.names import validate_tenant
 from kvstore.tier.base import Tier
@@ -136,21 +137,68 @@ class StoreCore:
         victims = await self._run(self._index.entries_in, tenant, sid)
         if not victims:
             return 0
+        metas = self._identities(tenant, [k for k, _ in victims])
         gone = set(await self._appender(self._registry.get(tenant)).drop(victims))
-        self._removed(tenant, "evicted", [(k, e) for k, e in victims if k in gone], "local")
+        self._removed(tenant, "evicted", [(k, e) for k, e in victims if k in gone], metas, "local")
         return len(gone)
 
     # -- residency events -------------------------------------------------------
 
-    def _stored(self, tenant: str, cause: str, tier: TierName, keys: Sequence[str], sizes: Sequence[int]) -> None:
+    def _ident_blob(self, t: Tenant, key: str, meta: BlockMeta) -> bytes:
+        """A block's engine identity as indexed: sealed under the tenant's
+        data key for a sealed tenant (token ids are the prompt's plaintext)."""
+        raw = meta.pack()
+        if not t.sealed:
+            return raw
+        return seal_small(self._registry.data_key(t.name, t.key_version), t.key_version, raw, _ident_aad(t.name, key))
+
+    def _identities(self, tenant: str, keys: Sequence[str]) -> dict[str, BlockMeta]:
+        """The engine identities of ``keys`` as stored (the key's hash for a
+        block stored without one); nothing when no one listens."""
+        if self.events is None or not keys:
+            return {}
+        t = self._registry.get(tenant) if tenant in self._registry else None
+        out: dict[str, BlockMeta] = {}
+        for key, blob in zip(keys, self._index.idents(tenant, keys), strict=True):
+            meta = None
+            if blob is not None and t is not None:
+                try:
+                    raw = (
+                        open_small(self._registry.data_key(tenant, small_version(blob)), blob, _ident_aad(tenant, key))
+                        if t.sealed
+                        else blob
+                    )
+                    meta = BlockMeta.unpack(raw)
+                except (KVStoreError, ValueError) as e:
+                    log.warning(
+                        "the engine identity of %s/%s is unreadable (%s): its key's hash is used", tenant, key, e
+                    )
+            out[key] = meta or BlockMeta.of_key(key)
+        return out
+
+    def _stored(
+        self,
+        tenant: str,
+        cause: str,
+        tier: TierName,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        metas: Sequence[BlockMeta] | None = None,
+    ) -> None:
         if self.events is not None and keys:
-            self.events.publish(tenant, "stored", cause, tier, keys, sizes)
+            self.events.publish(tenant, "stored", cause, tier, keys, sizes, metas)
 
     def _removed(
-        self, tenant: str, cause: str, entries: Sequence[tuple[str, IndexEntry]], tier: TierName | None = None
+        self,
+        tenant: str,
+        cause: str,
+        entries: Sequence[tuple[str, IndexEntry]],
+        metas: Mapping[str, BlockMeta],
+        tier: TierName | None = None,
     ) -> None:
         """Blocks gone: each from the tier it was read from (its segment's
-        local copy, else the object tier), unless ``tier`` says."""
+        local copy, else the object tier), unless ``tier`` says. ``metas``:
+        their identities, read before they went."""
         if self.events is None or not entries:
             return
         by_tier: dict[TierName, list[str]] = {}
@@ -158,7 +206,8 @@ class StoreCore:
             where = tier or self._tier_of(tenant, entry.segment_id)
             by_tier.setdefault(where, []).append(key)
         for where, keys in by_tier.items():
-            self.events.publish(tenant, "removed", cause, where, keys)
+            ids = [metas.get(k) or BlockMeta.of_key(k) for k in keys]
+            self.events.publish(tenant, "removed", cause, where, keys, (), ids)
 
     def _tier_of(self, tenant: str, segment_id: int) -> TierName:
         ts = self._index.tier_state(tenant, segment_id)
@@ -170,14 +219,14 @@ class StoreCore:
         if self.events is None:
             return
         entries = await self._run(self._index.entries_in, tenant, segment_id)
-        if self.events is None:
-            return
-        if not entries:
+        if self.events is None or not entries:
             return
         keys = [k for k, _ in entries]
+        ids = self._identities(tenant, keys)
+        metas = [ids[k] for k in keys]
         cause = "moved" if to == "object" else "rehydrated"
-        self.events.publish(tenant, "stored", cause, to, keys, [e.logical_size for _, e in entries])
-        self.events.publish(tenant, "removed", cause, "object" if to == "local" else "local", keys)
+        self.events.publish(tenant, "stored", cause, to, keys, [e.logical_size for _, e in entries], metas)
+        self.events.publish(tenant, "removed", cause, "object" if to == "local" else "local", keys, (), metas)
 
     def _sealed_elsewhere(self, loop: asyncio.AbstractEventLoop, tenant: str, segment_id: int) -> None:
         """An appender thread sealed a segment: tell the tiering, on the loop."""
@@ -195,3 +244,7 @@ class StoreCore:
     def _release(self, tenant: str, key: str, fut: asyncio.Future[None]) -> None:
         del self._inflight[(tenant, key)]
         fut.set_result(None)
+
+
+def _ident_aad(tenant: str, key: str) -> bytes:
+    return b"kvstore/v1 ident\x00" + tenant.encode() + b"\x00" + key.encode()

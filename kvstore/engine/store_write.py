@@ -10,7 +10,7 @@ handed to the tenant's appender, which answers once it is durable.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvstore.engine.crypto import RecordCipher
@@ -21,6 +21,7 @@ from kvstore.errors import (
     BlockTooLarge,
     InvalidInput,
 )
+from kvstore.events.model import BlockMeta
 from kvstore.names import validate_key
 
 Data = bytes | bytearray | memoryview
@@ -57,8 +58,10 @@ class StoreWrites(StoreCore):
             done = [f for part in parts for f in part]
         return assemble(t.name, key, n, fs, done, record_id, kv, sealed, t.policy == "direct")
 
-    async def put(self, tenant: str, key: str, data: Data) -> bool:
+    async def put(self, tenant: str, key: str, data: Data, meta: BlockMeta | None = None) -> bool:
         """Store ``data`` under ``key``. True: written; False: the key existed.
+        ``meta``: the engine's identity of the block (Kvstore-Block-Meta),
+        indexed with it and told in its residency events.
 
         Returns once the write is durable under the configured policy. The
         caller must not change ``data`` until then.
@@ -75,22 +78,29 @@ class StoreWrites(StoreCore):
                 return False
             await self._tiering.admit(len(view))
             record = await self._encode(t, key, view)
+            ident = self._ident_blob(t, key, meta) if meta is not None else None
             async with self._retention.reserve(t, record.length):
-                await self._appender(t).submit(record)
+                await self._appender(t).submit(record, ident)
             self._tiering.space.wrote(record.length)
-            self._stored(tenant, "put", "local", [key], [len(view)])
+            self._stored(tenant, "put", "local", [key], [len(view)], [meta or BlockMeta.of_key(key)])
             self.metrics.inc("kvstore_puts_total", result="created")
             self.metrics.inc("kvstore_bytes_in_total", len(view))
             return True
         finally:
             self._release(tenant, key, claim)
 
-    async def put_many(self, tenant: str, items: Iterable[tuple[str, Data]]) -> list[bool]:
-        """Put several blocks; they share group-commit batches. Fails as a whole
-        on the first invalid item, before writing anything."""
+    async def put_many(
+        self, tenant: str, items: Iterable[tuple[str, Data]], metas: Sequence[BlockMeta | None] | None = None
+    ) -> list[bool]:
+        """Put several blocks (``metas``: their engine identities, in order);
+        they share group-commit batches. Fails as a whole on the first
+        invalid item, before writing anything."""
         self._tenant(tenant)
         checked = [(validate_key(k), self._check_data(d)) for k, d in items]
-        return list(await asyncio.gather(*(self.put(tenant, k, d) for k, d in checked)))
+        ids = list(metas) if metas is not None else [None] * len(checked)
+        if len(ids) != len(checked):
+            raise ValueError(f"{len(checked)} items but {len(ids)} identities")
+        return list(await asyncio.gather(*(self.put(tenant, k, d, m) for (k, d), m in zip(checked, ids, strict=True))))
 
     async def delete(self, tenant: str, key: str) -> bool:
         """Delete ``key`` (a durable tombstone). False when it was absent."""
@@ -101,8 +111,9 @@ class StoreWrites(StoreCore):
             entry = self._index.get(tenant, key)
             if entry is None:
                 return False
+            metas = self._identities(tenant, [key])
             await self._appender(t).submit(tombstone(tenant, key, entry.segment_id))
-            self._removed(tenant, "deleted", [(key, entry)])
+            self._removed(tenant, "deleted", [(key, entry)], metas)
             self.metrics.inc("kvstore_deletes_total")
             return True
         finally:

@@ -74,6 +74,15 @@ class BlockMeta:
         return _from_doc(json.loads(raw), "stored block metadata")
 
     @classmethod
+    def from_json(cls, raw: bytes, where: str) -> BlockMeta:
+        """The JSON object itself (a batch item's identity)."""
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise InvalidInput(f"{where} must be a JSON object") from None
+        return _from_doc(doc, where)
+
+    @classmethod
     def from_header(cls, value: str) -> BlockMeta:
         """``Kvstore-Block-Meta``: base64url (padding optional) of a JSON object."""
         try:

@@ -5,9 +5,14 @@
 the decoders here hold one block at a time, never a whole batch. The layout is
 specified in docs/batch-framing.md; in short (integers little-endian)::
 
-    stream   = MAGIC *item END          MAGIC = "KVB1", END = u16 0
+    stream   = MAGIC *item END          MAGIC = "KVB1" (or "KVB2"), END = u16 0
     put item = u16 key_len, key, u64 data_len, data
+    put item = u16 key_len, key, u32 meta_len, meta, u64 data_len, data   (KVB2)
     get item = u16 key_len, key, u16 status, u64 payload_len, payload
+
+``KVB2`` put items carry the block's engine identity: ``meta`` is the JSON
+object of the ``Kvstore-Block-Meta`` header (not base64), ``meta_len`` 0
+when an item has none.
 
 ``key_len`` is 1..256 (0 is the END marker) and the key is ASCII that passes
 :func:`kvstore.names.validate_key`. A put item's ``data_len`` is 1..max_block_size.
@@ -37,9 +42,12 @@ from kvstore.names import KEY_MAX_LEN, validate_key
 
 CONTENT_TYPE = "application/x-kvstore-batch"
 MAGIC = b"KVB1"
+MAGIC_META = b"KVB2"  # put items with an engine identity each
+META_MAX = 64 << 10
 END = b"\x00\x00"  # a u16 key length of 0
 
 _U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _STATUS_LEN = struct.Struct("<HQ")
 _U64_MAX = (1 << 64) - 1
@@ -60,15 +68,22 @@ def _key_bytes(key: str) -> bytes:
     return validate_key(key).encode("ascii")
 
 
-def put_item_header(key: str, data_len: int) -> bytes:
-    """The bytes before a put item's data: ``u16 key_len, key, u64 data_len``.
+def put_item_header(key: str, data_len: int, meta: bytes | None = None) -> bytes:
+    """The bytes before a put item's data: ``u16 key_len, key, u64 data_len``,
+    or with ``meta`` (b"" for none) the KVB2 layout ``u16 key_len, key, u32
+    meta_len, meta, u64 data_len``.
 
-    Raises InvalidKey for a bad key, ValueError for ``data_len`` outside 1..2**64-1.
+    Raises InvalidKey for a bad key, ValueError for ``data_len`` outside
+    1..2**64-1 or a meta over 64 KiB.
     """
     if not 1 <= data_len <= _U64_MAX:
         raise ValueError(f"data_len must be 1 to 2**64-1 (blocks are never empty), got {data_len}")
     k = _key_bytes(key)
-    return _U16.pack(len(k)) + k + _U64.pack(data_len)
+    if meta is None:
+        return _U16.pack(len(k)) + k + _U64.pack(data_len)
+    if len(meta) > META_MAX:
+        raise ValueError(f"a meta of {len(meta)} bytes is over {META_MAX}")
+    return _U16.pack(len(k)) + k + _U32.pack(len(meta)) + meta + _U64.pack(data_len)
 
 
 def get_item_header(key: str, status: int, payload_len: int) -> bytes:
@@ -91,11 +106,14 @@ def error_payload(code: str, message: str) -> bytes:
     return json.dumps({"code": code, "message": message}, ensure_ascii=False).encode()
 
 
-def encode_put_stream(items: Iterable[tuple[str, Buffer]]) -> bytes:
-    """A whole batch/put request body in memory (for tests and small clients)."""
-    parts: list[Buffer] = [MAGIC]
+def encode_put_stream(items: Iterable[tuple[str, Buffer]], metas: Iterable[bytes | None] | None = None) -> bytes:
+    """A whole batch/put request body in memory (for tests and small clients);
+    with ``metas`` (each item's identity as JSON bytes, or None), KVB2."""
+    parts: list[Buffer] = [MAGIC if metas is None else MAGIC_META]
+    ids = iter(metas) if metas is not None else None
     for key, data in items:
-        parts += (put_item_header(key, memoryview(data).nbytes), data)
+        meta = (next(ids) or b"") if ids is not None else None
+        parts += (put_item_header(key, memoryview(data).nbytes, meta), data)
     parts.append(END)
     return b"".join(parts)
 
@@ -130,10 +148,12 @@ class _Cursor:
         self.offset += n
         return data
 
-    async def magic(self) -> None:
+    async def magic(self, allowed: tuple[bytes, ...] = (MAGIC,)) -> bytes:
         magic = await self.read(len(MAGIC), "the 4-byte magic")
-        if magic != MAGIC:
-            raise BadFraming(f"bad magic {magic!r} at byte offset 0: expected {MAGIC!r} ({CONTENT_TYPE})")
+        if magic not in allowed:
+            expected = " or ".join(repr(m) for m in allowed)
+            raise BadFraming(f"bad magic {magic!r} at byte offset 0: expected {expected} ({CONTENT_TYPE})")
+        return magic
 
     async def key(self, index: int, max_items: int | None = None) -> str | None:
         """Item ``index``'s key, or None at the end marker (then checks that nothing follows)."""
@@ -167,22 +187,42 @@ class _Cursor:
 
 
 async def read_put_items(reader: ByteReader, max_block_size: int, max_items: int) -> AsyncIterator[tuple[str, bytes]]:
-    """Decode a batch/put request body, yielding ``(key, data)`` one item at a time.
+    """Decode a batch/put request body, yielding ``(key, data)`` one item at
+    a time (a KVB2 stream's identities are dropped: see read_put_items_meta)."""
+    async for key, data, _ in read_put_items_meta(reader, max_block_size, max_items):
+        yield key, data
+
+
+async def read_put_items_meta(
+    reader: ByteReader, max_block_size: int, max_items: int
+) -> AsyncIterator[tuple[str, bytes, bytes | None]]:
+    """Decode a batch/put request body (KVB1 or KVB2), yielding ``(key,
+    data, meta)`` one item at a time; ``meta`` is the item's identity as
+    JSON bytes, None when it has none.
 
     Raises BadFraming (400) for a bad magic, a key length over 256, an invalid
-    key, a ``data_len`` of 0, more than ``max_items`` items, a stream that ends
-    before the end marker or has data after it; BlockTooLarge (413) for a
-    ``data_len`` over ``max_block_size``, before reading the data.
+    key, a ``meta_len`` over 64 KiB, a ``data_len`` of 0, more than
+    ``max_items`` items, a stream that ends before the end marker or has data
+    after it; BlockTooLarge (413) for a ``data_len`` over ``max_block_size``,
+    before reading the data.
     """
     if max_block_size < 1 or max_items < 1:
         raise ValueError(f"max_block_size and max_items must be positive, got {max_block_size}, {max_items}")
     cur = _Cursor(reader)
-    await cur.magic()
+    with_meta = await cur.magic((MAGIC, MAGIC_META)) == MAGIC_META
     index = 0
     while True:
         key = await cur.key(index, max_items)
         if key is None:
             return
+        meta = None
+        if with_meta:
+            at = cur.offset
+            (meta_len,) = _U32.unpack(await cur.read(4, f"item {index} ({key}): 4-byte meta length"))
+            if meta_len > META_MAX:
+                raise BadFraming(f"item {index} ({key}): meta length {meta_len} at byte offset {at}: over {META_MAX}")
+            if meta_len:
+                meta = await cur.read(meta_len, f"item {index} ({key}): {meta_len}-byte meta")
         at = cur.offset
         (data_len,) = _U64.unpack(await cur.read(8, f"item {index} ({key}): 8-byte data length"))
         if data_len == 0:
@@ -193,7 +233,7 @@ async def read_put_items(reader: ByteReader, max_block_size: int, max_items: int
                 f"the maximum block size {max_block_size}"
             )
         data = await cur.read(data_len, f"item {index} ({key}): {data_len}-byte data")
-        yield key, data
+        yield key, data, meta
         index += 1
 
 

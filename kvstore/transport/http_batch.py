@@ -15,7 +15,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidInput, KVStoreError
+from kvstore.events.model import BlockMeta
 from kvstore.transport import batchframe
 from kvstore.transport.http_blocks import keys_field
 from kvstore.transport.http_body import BAD_BODY_FRAMING, BatchBody, json_body
@@ -54,9 +55,21 @@ async def batch_put(request: web.Request) -> web.Response:
         return lambda _task: body.release(held)  # the block's bytes are no longer held
 
     try:
-        async for key, data in batchframe.read_put_items(body, store.config.max_block_size, cfg.max_batch_keys):
+        items = batchframe.read_put_items_meta(body, store.config.max_block_size, cfg.max_batch_keys)
+        async for key, data, raw_meta in items:
             metrics.inc("kvstore_http_bytes_in_total", len(data))
-            task = asyncio.ensure_future(store.put(tenant, key, data))
+            try:
+                meta = (
+                    BlockMeta.from_json(raw_meta, f"item {len(pending) + len(results)} ({key}): meta")
+                    if raw_meta
+                    else None
+                )
+            except InvalidInput as e:
+                body.release(body.take())
+                await settle(0)
+                results.append(_result(key, e.status, e))
+                continue
+            task = asyncio.ensure_future(store.put(tenant, key, data, meta))
             task.add_done_callback(stored(body.take()))
             pending.append((key, task))
             await settle(_WINDOW - 1)

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import InvalidInput, NotFound
+from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_key
 from kvstore.transport.http_body import block_body, json_body
 from kvstore.transport.http_common import METRICS, config_of, send, store_of, tenant_of
@@ -33,8 +34,10 @@ async def put_block(request: web.Request) -> web.Response:
     tenant = tenant_of(request)
     key = validate_key(request.match_info["key"])
     store = store_of(request)
+    raw_meta = request.headers.get(META_HEADER)
+    meta = BlockMeta.from_header(raw_meta) if raw_meta is not None else None
     async with block_body(request, store.config.max_block_size) as data:
-        created = await store.put(tenant, key, data)
+        created = await store.put(tenant, key, data, meta)
     info = await store.head(tenant, key)
     return web.json_response(
         {"key": key, "size": info.size, "created": created},

@@ -29,7 +29,15 @@ from kvstore.transport.http_body import BAD_BODY_FRAMING, check_length
 from kvstore.transport.http_common import client_gone, config_of, route_of, send, store_of
 
 WRITER = web.AppKey("writer", aiohttp.ClientSession)
-_SENT = ("Authorization", "Content-Type", "Content-Length", "If-None-Match", "Range", "Last-Event-ID")
+_SENT = (
+    "Authorization",
+    "Content-Type",
+    "Content-Length",
+    "If-None-Match",
+    "Range",
+    "Last-Event-ID",
+    "Kvstore-Block-Meta",
+)
 _RETURNED = ("Content-Type", "ETag", "WWW-Authenticate", "Retry-After", "Content-Range", "Allow", "Cache-Control")
 # Routes every worker answers itself; every other matched route goes to the writer.
 LOCAL_ROUTES = frozenset(

@@ -5,6 +5,7 @@ vLLM's wire format (both encodings, gapless batch numbers, replay)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from typing import Any
 
@@ -15,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from kvstore.events.model import key_hash
+from kvstore.transport import batchframe
 
 from .conftest import ADMIN, Daemon, free_port
 from .test_read_plans import _admin, _tenant
@@ -218,3 +220,57 @@ def test_replay_needs_the_pub_socket(daemon: Daemon) -> None:
     daemon.env |= {"KVSTORE_EVENTS_ZMQ_REPLAY": f"tcp://127.0.0.1:{free_port()}"}
     with pytest.raises(RuntimeError, match="events_zmq_replay needs events_zmq"):
         daemon.start(timeout=10)
+
+
+def _meta_header(doc: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(doc).encode()).decode().rstrip("=")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_the_engines_identity_from_a_put_is_in_its_events(daemon: Daemon, workers: int) -> None:
+    daemon.extra = ["--workers", str(workers)]  # a reader relays the header to the writer
+    daemon.start()
+    base = daemon.base
+    ident = {"block_hash": 123456789, "parent_block_hash": 42, "token_ids": [5, 6, 7, 8], "block_size": 4}
+    async with aiohttp.ClientSession() as s:
+        token = await _tenant(s, base, "e", "sealed")
+        stream = await _sse(s, base, token)
+        headers = _auth(token) | {"Kvstore-Block-Meta": _meta_header(ident)}
+        async with s.put(f"{base}/v1/blocks/b1", data=b"x" * 10, headers=headers) as r:
+            assert r.status == 201
+        _, kind, doc = await stream.next()
+        assert kind == "stored" and doc["blocks"][0] | {} == {
+            "key": "b1",
+            "size": 10,
+            **ident,
+            "lora_id": None,
+            "lora_name": None,
+            "extra_keys": None,
+        }
+        # A batch in KVB2: each item its own identity; a bad one refuses that item only.
+        metas = [json.dumps({"block_hash": 7}).encode(), b'{"block_hash": "x"}', None]
+        body = batchframe.encode_put_stream([("c0", b"0"), ("c1", b"1"), ("c2", b"2")], metas)
+        async with s.post(
+            f"{base}/v1/batch/put", data=body, headers=_auth(token) | {"Content-Type": batchframe.CONTENT_TYPE}
+        ) as r:
+            results = (await r.json())["results"]
+        assert [x["status"] for x in results] == [201, 400, 201]
+        assert "item 1 (c1): meta" in results[1]["error"]["message"] and "block_hash" in results[1]["error"]["message"]
+        got = [await stream.next() for _ in range(2)]
+        assert [(d["blocks"][0]["key"], d["blocks"][0]["block_hash"]) for _, _, d in got] == [
+            ("c0", 7),
+            ("c2", key_hash("c2")),
+        ]
+        async with s.delete(f"{base}/v1/blocks/b1", headers=_auth(token)) as r:
+            assert r.status == 204
+        _, kind, doc = await stream.next()
+        assert kind == "removed" and doc["blocks"][0]["block_hash"] == 123456789  # as it was stored
+        # Bad headers name the header and the field; nothing is stored.
+        for bad, field in (("%%%", "Kvstore-Block-Meta"), (_meta_header({"token_ids": [1]}), "block_hash")):
+            async with s.put(
+                f"{base}/v1/blocks/bad", data=b"x", headers=_auth(token) | {"Kvstore-Block-Meta": bad}
+            ) as r:
+                assert r.status == 400 and field in (await r.json())["error"]["message"]
+        async with s.get(f"{base}/v1/blocks/bad", headers=_auth(token)) as r:
+            assert r.status == 404
+        stream.resp.close()

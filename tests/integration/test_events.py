@@ -15,7 +15,7 @@ from kvstore.config import StoreConfig
 from kvstore.engine.crypto import MasterKey
 from kvstore.engine.store import Store
 from kvstore.events.bus import EventBus, Gap, Subscription
-from kvstore.events.model import Event, key_hash
+from kvstore.events.model import BlockMeta, Event, key_hash
 from kvstore.metrics import Metrics
 from tests.conftest import OpenStore
 from tests.integration.test_g4 import G4Open, bucket, fill, g4_config, g4_open, local_segments, payload
@@ -167,3 +167,45 @@ async def test_a_subscriber_that_falls_behind_sees_a_gap_and_the_bus_never_block
     assert bus.subscribe(since=2).drain()[0] == Gap(2, 4)  # the backlog keeps 5..9
     resumed = bus.subscribe(since=7).drain()
     assert [e.seq for e in resumed if isinstance(e, Event)] == [7, 8, 9]
+
+
+async def test_the_engines_identity_is_kept_with_the_block_and_told_on_removal(open_store: OpenStore) -> None:
+    store = await open_store()
+    sub = attach(store)
+    await store.create_tenant("sealed")
+    await store.create_tenant("plain", "direct")
+    ident = BlockMeta(2**63 + 5, 42, tuple(range(1000, 1016)), 16, None, "adapter-1", [["salt"]])
+    for tenant in ("sealed", "plain"):
+        assert await store.put(tenant, "b0", b"x" * 500, ident)
+        assert await store.put(tenant, "b1", b"y" * 500)
+    # Kept in the index: sealed under the tenant's key (token ids are the prompt), plain otherwise.
+    raw_sealed, raw_plain = store._index.idents("sealed", ["b0"])[0], store._index.idents("plain", ["b0"])[0]
+    assert raw_plain is not None and b"1000,1001" in raw_plain
+    assert raw_sealed is not None and b"1000" not in raw_sealed and b"adapter-1" not in raw_sealed
+    assert store._index.idents("sealed", ["b1"]) == [None]
+    # Blocks moved by compaction keep their identity: the segment is mostly dead, then rewritten.
+    for i in range(30):
+        await store.put("sealed", f"f{i}", block(f"f{i}", 60 * KiB))
+    for i in range(30):
+        await store.delete("sealed", f"f{i}")
+    before = store._index.get("sealed", "b0")
+    await store.flush()
+    report = await store.compact("sealed")
+    after = store._index.get("sealed", "b0")
+    assert report.segments_rewritten and before is not None and after is not None
+    assert after.segment_id != before.segment_id
+    assert store._index.idents("sealed", ["b0"]) == [raw_sealed]
+    for tenant in ("sealed", "plain"):
+        assert await store.delete(tenant, "b0") and await store.delete(tenant, "b1")
+    evs = events(sub)
+    stored = [e for e in evs if e.kind == "stored" and e.keys[0][0] == "b"]
+    removed = [e for e in evs if e.kind == "removed" and e.keys[0][0] == "b"]
+    assert [e.metas[0] for e in stored] == [ident, BlockMeta.of_key("b1")] * 2
+    assert [e.metas[0] for e in removed] == [ident, BlockMeta.of_key("b1")] * 2
+    assert store._index.idents("sealed", ["b0"]) == [None]  # gone with the block
+    # A removal by quota tells the identity too.
+    await store.create_tenant("q", quota_bytes=256 * KiB)
+    for i in range(8):
+        await store.put("q", f"c{i}", block(f"c{i}", 60 * KiB), BlockMeta(i, i - 1 if i else None, (i,), 1))
+    quota = [e for e in events(sub) if e.cause == "quota"]
+    assert quota and all(m.block_hash == int(k[1:]) for e in quota for k, m in zip(e.keys, e.metas, strict=True))

@@ -258,12 +258,13 @@ async def test_put_empty_stream() -> None:
     assert str(err) == "truncated stream: the 4-byte magic at byte offset 0: expected 4 bytes, the stream ended after 0"
 
 
-@pytest.mark.parametrize("magic", [b"KVB2", b"kvb1", b"\x00\x00\x00\x00", b"POST"])
+@pytest.mark.parametrize("magic", [b"KVB3", b"kvb1", b"\x00\x00\x00\x00", b"POST"])
 async def test_put_bad_magic(magic: bytes) -> None:
     got, err = await put_until_error(magic + TWO[4:])
     assert got == []
     assert isinstance(err, BadFraming)
-    assert str(err) == f"bad magic {magic!r} at byte offset 0: expected b'KVB1' (application/x-kvstore-batch)"
+    expected = "expected b'KVB1' or b'KVB2' (application/x-kvstore-batch)"
+    assert str(err) == f"bad magic {magic!r} at byte offset 0: {expected}"
 
 
 async def test_put_bad_framing_is_a_400() -> None:
@@ -488,3 +489,32 @@ async def test_get_items_streams() -> None:
     r.feed_eof()
     with pytest.raises(StopAsyncIteration):
         await anext(gen)
+
+
+async def test_kvb2_put_items_carry_their_identities() -> None:
+    from kvstore.transport.batchframe import MAGIC_META, META_MAX, read_put_items_meta
+
+    metas = [b'{"block_hash": 7}', None, b'{"block_hash": 9, "token_ids": [1, 2]}']
+    body = encode_put_stream([("a", b"1" * 10), ("b", b"2" * 20), ("c", b"3" * 30)], metas)
+    assert body.startswith(MAGIC_META)
+    # a: u16 1, "a", u32 17, the JSON, u64 10
+    assert body[4:28] == b"\x01\x00a\x11\x00\x00\x00" + metas[0]  # type: ignore[operator]
+    for chunk in (None, 1, 7):
+        r = asyncio.StreamReader()
+        if chunk is None:
+            got = [i async for i in read_put_items_meta(fed(body), MiB, 10)]
+        else:
+            feeder = asyncio.create_task(dribble(r, body, chunk))
+            got = [i async for i in read_put_items_meta(r, MiB, 10)]
+            await feeder
+        assert got == [("a", b"1" * 10, metas[0]), ("b", b"2" * 20, None), ("c", b"3" * 30, metas[2])]
+    # The plain reader takes KVB2 too (the identities dropped), and KVB1 gives no identities.
+    assert await put_items(body) == [("a", b"1" * 10), ("b", b"2" * 20), ("c", b"3" * 30)]
+    plain = encode_put_stream([("a", b"1")])
+    assert [i async for i in read_put_items_meta(fed(plain), MiB, 10)] == [("a", b"1", None)]
+    # A meta length over the limit is bad framing, naming the item and the offset.
+    huge = MAGIC_META + b"\x01\x00a" + (META_MAX + 1).to_bytes(4, "little")
+    with pytest.raises(BadFraming, match=r"item 0 \(a\): meta length .* at byte offset 7"):
+        [i async for i in read_put_items_meta(fed(huge), MiB, 10)]
+    with pytest.raises(BadFraming, match="truncated stream: item 0 \\(a\\): 17-byte meta"):
+        [i async for i in read_put_items_meta(fed(body[:15]), MiB, 10)]
