@@ -825,15 +825,21 @@ class AsyncClient:
         return out
 
     async def _nixl_write(
-        self, url: str, items: list[tuple[str, framing.BufferLike]], idx: list[int], ok: list[bool]
+        self,
+        url: str,
+        items: list[tuple[str, framing.BufferLike]],
+        idx: list[int],
+        ok: list[bool],
+        metas: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> bool:
         """Put ``items[idx]`` on ``url`` over NIXL; False: HTTP must."""
         ep = self._endpoints[url]
         if not ep.nixl or not ep.breaker.allow():
             return False
         chosen = [(items[i][0], memoryview(items[i][1]).cast("B")) for i in idx]
+        ids = [metas[i] for i in idx] if metas is not None else None
         try:
-            results = await self._nixl_agent().write(self._session(ep), url, chosen)
+            results = await self._nixl_agent().write(self._session(ep), url, chosen, ids)
         except (TimeoutError, NixlFallback, aiohttp.ClientError, OSError) as e:
             self._nixl_failed(ep, e if isinstance(e, NixlFallback) else NixlFallback(f"{type(e).__name__}: {e}"))
             return False
@@ -863,24 +869,27 @@ class AsyncClient:
         self._count(result)
         return result
 
-    async def put(self, key: str, data: framing.BufferLike) -> bool:
+    async def put(self, key: str, data: framing.BufferLike, meta: Mapping[str, Any] | None = None) -> bool:
         """Store ``data`` under ``key`` on its owner(s); True if at least one stored
-        it (or already had it: first write wins)."""
-        result = await self._guard("put", False, self._put(key, data))
+        it (or already had it: first write wins). ``meta``: the engine's
+        identity of the block (``block_hash``, ``parent_block_hash``,
+        ``token_ids``, ``block_size``, ...), told in the residency events."""
+        result = await self._guard("put", False, self._put(key, data, meta))
         self.stats["puts"] += 1
         if not result:
             self.stats["put_failures"] += 1
         return result
 
-    async def _put(self, key: str, data: framing.BufferLike) -> bool:
+    async def _put(self, key: str, data: framing.BufferLike, meta: Mapping[str, Any] | None) -> bool:
         framing.check_key(key)
         if memoryview(data).nbytes == 0:
             raise KVStoreClientError("blocks are 1 byte or more", code="invalid_input")
         deadline = self._deadline()
+        headers = {framing.META_HEADER: framing.meta_header(meta)} if meta is not None else None
 
         async def fn(s: aiohttp.ClientSession) -> bool:
             body = _BuffersPayload([data], "application/octet-stream")
-            async with s.put(f"/v1/blocks/{key}", data=body) as r:
+            async with s.put(f"/v1/blocks/{key}", data=body, headers=headers) as r:
                 await _check(r, ok=(200, 201))
                 return True
 
@@ -1095,15 +1104,24 @@ class AsyncClient:
 
         await self._attempts(self._endpoints[url], fn, deadline)
 
-    async def put_many(self, items: Iterable[tuple[str, framing.BufferLike]]) -> list[bool]:
-        """Store many blocks with ``/v1/batch/put``; per item, whether it is stored."""
+    async def put_many(
+        self,
+        items: Iterable[tuple[str, framing.BufferLike]],
+        metas: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> list[bool]:
+        """Store many blocks with ``/v1/batch/put``; per item, whether it is
+        stored. ``metas``: each item's engine identity (as ``put``), or None."""
         items = list(items)
-        result = await self._guard("put_many", [False] * len(items), self._put_many(items))
+        if metas is not None and len(metas) != len(items):
+            raise ValueError(f"{len(items)} items but {len(metas)} metas")
+        result = await self._guard("put_many", [False] * len(items), self._put_many(items, metas))
         self.stats["puts"] += len(items)
         self.stats["put_failures"] += result.count(False)
         return result
 
-    async def _put_many(self, items: list[tuple[str, framing.BufferLike]]) -> list[bool]:
+    async def _put_many(
+        self, items: list[tuple[str, framing.BufferLike]], metas: Sequence[Mapping[str, Any] | None] | None = None
+    ) -> list[bool]:
         for k, _ in items:
             framing.check_key(k)
         deadline = self._deadline()
@@ -1114,10 +1132,10 @@ class AsyncClient:
                 groups.setdefault(url, []).append(i)
         if self.transport == "nixl":
             for url in list(groups):
-                if await self._nixl_write(url, items, groups[url], ok):
+                if await self._nixl_write(url, items, groups[url], ok, metas):
                     del groups[url]
         calls = [
-            self._put_chunk(url, items, idx[c : c + self.max_batch_keys], ok, deadline)
+            self._put_chunk(url, items, idx[c : c + self.max_batch_keys], ok, deadline, metas)
             for url, idx in groups.items()
             for c in range(0, len(idx), self.max_batch_keys)
         ]
@@ -1130,10 +1148,18 @@ class AsyncClient:
         return ok
 
     async def _put_chunk(
-        self, url: str, items: list[tuple[str, framing.BufferLike]], idx: list[int], ok: list[bool], deadline: float
+        self,
+        url: str,
+        items: list[tuple[str, framing.BufferLike]],
+        idx: list[int],
+        ok: list[bool],
+        deadline: float,
+        metas: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> None:
+        chosen = [metas[i] for i in idx] if metas is not None else None
+
         async def fn(s: aiohttp.ClientSession) -> None:
-            body = _BuffersPayload(framing.encode_put_stream(items[i] for i in idx), framing.CONTENT_TYPE)
+            body = _BuffersPayload(framing.encode_put_stream((items[i] for i in idx), chosen), framing.CONTENT_TYPE)
             async with s.post("/v1/batch/put", data=body) as r:
                 if r.status in (200, 400, 413) and r.content_type == "application/json":
                     doc = await _json(r)

@@ -3,28 +3,37 @@
 A client-side re-implementation of docs/batch-framing.md (the server package
 is not a dependency). Integers are little-endian::
 
-    stream   = MAGIC *item END          MAGIC = "KVB1", END = u16 0
+    stream   = MAGIC *item END          MAGIC = "KVB1" (or "KVB2"), END = u16 0
     put item = u16 key_len, key, u64 data_len, data
+    put item = u16 key_len, key, u32 meta_len, meta, u64 data_len, data   (KVB2)
     get item = u16 key_len, key, u16 status, u64 payload_len, payload
+
+A KVB2 put item carries the block's engine identity (``meta``: the JSON of
+``Kvstore-Block-Meta``; ``meta_len`` 0 for none).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import re
 import struct
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, Protocol
 
 from kvstore_client.errors import InvalidKeyError, ProtocolError
 
 CONTENT_TYPE = "application/x-kvstore-batch"
 MAGIC = b"KVB1"
+MAGIC_META = b"KVB2"
+META_HEADER = "Kvstore-Block-Meta"
 END = b"\x00\x00"
 KEY_MAX_LEN = 256
 
 _KEY_RE = re.compile(r"[A-Za-z0-9._~:@=+\-]{1,256}")
 _U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _STATUS_LEN = struct.Struct("<HQ")
 
@@ -48,19 +57,43 @@ def check_key(key: str) -> str:
     return key
 
 
-def put_item_header(key: str, data_len: int) -> bytes:
+def put_item_header(key: str, data_len: int, meta: bytes | None = None) -> bytes:
+    """A put item's header; with ``meta`` (b"" for none), the KVB2 layout."""
     if not 1 <= data_len < 1 << 64:
         raise ValueError(f"blocks are 1 byte or more, got {data_len} for {key!r}")
     k = check_key(key).encode("ascii")
-    return _U16.pack(len(k)) + k + _U64.pack(data_len)
+    if meta is None:
+        return _U16.pack(len(k)) + k + _U64.pack(data_len)
+    return _U16.pack(len(k)) + k + _U32.pack(len(meta)) + meta + _U64.pack(data_len)
 
 
-def encode_put_stream(items: Iterable[tuple[str, BufferLike]]) -> list[BufferLike]:
+def meta_json(meta: Mapping[str, Any]) -> bytes:
+    """A block identity (``block_hash``, ``parent_block_hash``, ``token_ids``,
+    ``block_size``, ``lora_id``, ``lora_name``, ``extra_keys``) as compact JSON."""
+    if "block_hash" not in meta:
+        raise ValueError("a block identity needs 'block_hash'")
+    return json.dumps(dict(meta), separators=(",", ":")).encode()
+
+
+def meta_header(meta: Mapping[str, Any]) -> str:
+    """The ``Kvstore-Block-Meta`` header's value: base64url, no padding."""
+    return base64.urlsafe_b64encode(meta_json(meta)).decode().rstrip("=")
+
+
+def encode_put_stream(
+    items: Iterable[tuple[str, BufferLike]], metas: Iterable[Mapping[str, Any] | None] | None = None
+) -> list[BufferLike]:
     """A batch/put body as a list of parts (the blocks are not copied); join
-    them, or send them as they are."""
-    parts: list[BufferLike] = [MAGIC]
+    them, or send them as they are. With ``metas`` (one per item, None for
+    none), KVB2: each item carries its identity."""
+    parts: list[BufferLike] = [MAGIC if metas is None else MAGIC_META]
+    ids = iter(metas) if metas is not None else None
     for key, data in items:
-        parts += (put_item_header(key, memoryview(data).nbytes), data)
+        meta = None
+        if ids is not None:
+            m = next(ids)
+            meta = meta_json(m) if m is not None else b""
+        parts += (put_item_header(key, memoryview(data).nbytes, meta), data)
     parts.append(END)
     return parts
 

@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -355,18 +356,26 @@ class NixlAgent:
     # -- writes ---------------------------------------------------------------------
 
     async def write(
-        self, s: aiohttp.ClientSession, url: str, items: list[tuple[str, memoryview]]
+        self,
+        s: aiohttp.ClientSession,
+        url: str,
+        items: list[tuple[str, memoryview]],
+        metas: list[Mapping[str, Any] | None] | None = None,
     ) -> list[dict[str, Any]]:
-        """Store ``items`` through the daemon's READs of a registered copy."""
+        """Store ``items`` through the daemon's READs of a registered copy
+        (``metas``: each block's engine identity, or None)."""
         async with self._write_lock:  # one bounce buffer
             await self._daemon(s, url)
             total = sum(v.nbytes for _, v in items)
             buf = self._bounce_of(total)
             base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
             blocks, at = [], 0
-            for key, v in items:
+            for i, (key, v) in enumerate(items):
                 buf[at : at + v.nbytes] = v
-                blocks.append({"key": key, "addr": base + at, "len": v.nbytes, "dev": 0})
+                block: dict[str, Any] = {"key": key, "addr": base + at, "len": v.nbytes, "dev": 0}
+                if metas is not None and metas[i] is not None:
+                    block["meta"] = dict(metas[i] or {})
+                blocks.append(block)
                 at += v.nbytes
             doc: dict[str, Any] = {"agent": self.name, "blocks": blocks}
             if self._bounce_new and self._bounce is not None:

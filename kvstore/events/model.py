@@ -74,6 +74,11 @@ class BlockMeta:
         return _from_doc(json.loads(raw), "stored block metadata")
 
     @classmethod
+    def from_doc(cls, doc: Any, where: str) -> BlockMeta:
+        """An already parsed JSON object."""
+        return _from_doc(doc, where)
+
+    @classmethod
     def from_json(cls, raw: bytes, where: str) -> BlockMeta:
         """The JSON object itself (a batch item's identity)."""
         try:

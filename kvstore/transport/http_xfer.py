@@ -10,8 +10,9 @@
   when it had expired (the client discards what it read under it).
   ``{"leases": [...]}``: ends those still held, ``204`` whatever they were.
 - ``POST /v1/xfer/write`` ``{"agent", "metadata"?, "blocks": [{"key",
-  "addr", "len", "dev"}]}``: the daemon READs each block from the client's
-  memory and stores it as a PUT would.
+  "addr", "len", "dev", "meta"?}]}``: the daemon READs each block from the
+  client's memory and stores it as a PUT would (``meta``: the block's
+  engine identity, as ``Kvstore-Block-Meta``'s JSON).
 
 One agent serves the daemon: the writer's (single or writer role). Reader
 workers relay these routes to it like every write (see http_forward).
@@ -28,6 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from kvstore.errors import InvalidInput, NixlDisabled
+from kvstore.events.model import BlockMeta
 from kvstore.names import validate_key
 from kvstore.tasks import Background
 from kvstore.transport.http_blocks import keys_field
@@ -172,9 +174,11 @@ async def xfer_write(request: web.Request) -> web.Response:
     if not isinstance(raw, list) or not raw or len(raw) > config.max_batch_keys:
         raise InvalidInput(f"field 'blocks' must be a list of 1 to {config.max_batch_keys} blocks")
     blocks: list[tuple[str, int, int, int]] = []
+    metas: list[BlockMeta | None] = []
     for i, b in enumerate(raw):
-        if not isinstance(b, dict) or set(b) - {"key", "addr", "len", "dev"}:
-            raise InvalidInput(f"field 'blocks[{i}]' must be an object with key, addr, len and dev")
+        if not isinstance(b, dict) or set(b) - {"key", "addr", "len", "dev", "meta"}:
+            raise InvalidInput(f"field 'blocks[{i}]' must be an object with key, addr, len, dev (and meta)")
+        metas.append(BlockMeta.from_doc(b["meta"], f"field 'blocks[{i}].meta'") if "meta" in b else None)
         try:
             key = validate_key(b.get("key"))
         except InvalidInput as e:
@@ -187,4 +191,4 @@ async def xfer_write(request: web.Request) -> web.Response:
                 _uint(b, "dev", i, (1 << 32) - 1),
             )
         )
-    return web.json_response({"results": await service.write(tenant, agent, metadata, blocks)})
+    return web.json_response({"results": await service.write(tenant, agent, metadata, blocks, metas)})

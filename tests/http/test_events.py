@@ -274,3 +274,32 @@ async def test_the_engines_identity_from_a_put_is_in_its_events(daemon: Daemon, 
         async with s.get(f"{base}/v1/blocks/bad", headers=_auth(token)) as r:
             assert r.status == 404
         stream.resp.close()
+
+
+@pytest.mark.parametrize("transport", ["http", "nixl"])
+async def test_the_client_sends_identities(daemon: Daemon, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore_client import AsyncClient
+    from kvstore_client.nixl import nixl_available
+
+    if transport == "nixl":
+        if not nixl_available():
+            pytest.skip("NIXL is not installed (tests/run.sh installs it)")
+        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        daemon.env |= {"KVSTORE_NIXL": "1", "KVSTORE_NIXL_DEVICES": "lo", "UCX_TLS": "tcp"}
+    daemon.start()
+    base = daemon.base
+    async with aiohttp.ClientSession() as s:
+        token = await _tenant(s, base, "cl", "direct")
+        stream = await _sse(s, base, token)
+        async with AsyncClient(base, token, strict=True, transport=transport) as c:  # type: ignore[arg-type]
+            assert await c.put("one", b"1" * 10, {"block_hash": 11, "token_ids": [1, 2], "block_size": 2})
+            metas = [{"block_hash": 21, "parent_block_hash": 11}, None]
+            assert await c.put_many([("two", b"2" * 10), ("three", b"3" * 10)], metas) == [True, True]
+            if transport == "nixl":
+                assert c.stats["nixl_writes"] == 2 and c.stats["nixl_fallbacks"] == 0
+        got = [
+            (d["blocks"][0]["key"], d["blocks"][0]["block_hash"]) for _, _, d in [await stream.next() for _ in range(3)]
+        ]
+        assert sorted(got) == sorted([("one", 11), ("two", 21), ("three", key_hash("three"))])
+        stream.resp.close()

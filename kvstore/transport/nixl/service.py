@@ -44,6 +44,7 @@ from kvstore.errors import (
     NotFound,
     TransferFailed,
 )
+from kvstore.events.model import BlockMeta
 from kvstore.server_config import ServerConfig
 from kvstore.transport.nixl.agent import configure_ucx, make_agent, ucx_devices
 from kvstore.transport.nixl.devices import Discovery
@@ -254,9 +255,15 @@ class XferService:
     # -- writes -----------------------------------------------------------------
 
     async def write(
-        self, tenant: str, agent: str, metadata: bytes | None, blocks: list[tuple[str, int, int, int]]
+        self,
+        tenant: str,
+        agent: str,
+        metadata: bytes | None,
+        blocks: list[tuple[str, int, int, int]],
+        metas: list[BlockMeta | None] | None = None,
     ) -> list[dict[str, Any]]:
-        """READ ``blocks`` (key, addr, len, dev) from the peer and put them."""
+        """READ ``blocks`` (key, addr, len, dev) from the peer and put them
+        (``metas``: their engine identities, or None)."""
         self._peer(tenant, agent)
         if metadata:
             loaded = self._load(metadata, "metadata")
@@ -274,9 +281,10 @@ class XferService:
                 await self._transfer("READ", agent, moving)
             results: list[dict[str, Any]] = []
             data = piece.view()
-            for (key, _, n, _), (off, *_rest) in zip(blocks, spans, strict=True):
+            ids = metas if metas is not None else [None] * len(blocks)
+            for (key, _, n, _), (off, *_rest), meta in zip(blocks, spans, ids, strict=True):
                 try:
-                    created = await self._store.put(tenant, key, data[off : off + n])
+                    created = await self._store.put(tenant, key, data[off : off + n], meta)
                     results.append({"key": key, "status": 201 if created else 200, "size": n, "created": created})
                 except KVStoreError as e:
                     results.append({"key": key, "status": e.status, "error": {"code": e.code, "message": str(e)}})
