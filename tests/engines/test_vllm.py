@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 
 from bench.engine_ttft import build_llama
 from tests.engines.conftest import ENGINE_ENV, UCX_ENV, Kvstore, dead_endpoint, make_kvstore, nixl_installed
+from tests.http.conftest import free_port
 
 # Engine starts take 20-90 s each; module fixtures start up to two before a test.
 pytestmark = pytest.mark.timeout(900)
@@ -33,8 +36,17 @@ PROMPTS: list[Any] = [
 MAX_TOKENS = 12
 
 
-def run_engine(tmp: Path, name: str, model: Path, kv: dict[str, Any] | None, env: dict[str, str] | None = None) -> Any:
+def run_engine(
+    tmp: Path,
+    name: str,
+    model: Path,
+    kv: dict[str, Any] | None,
+    env: dict[str, str] | None = None,
+    events: dict[str, Any] | None = None,
+) -> Any:
     spec = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "kv_transfer_config": kv}
+    if events:
+        spec["kv_events_config"] = events
     spec_path, out_path, log_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
     full_env = {
@@ -148,6 +160,79 @@ def test_fresh_process_loads_over_nixl(stored: Any, model: Path, reference: list
     assert out["log"].count(" tokens from kvstore") == len(PROMPTS)
     assert "fell back to HTTP" not in out["log"]
     assert 1 <= kv.nixl_reads() - before <= len(PROMPTS) * 2  # a call per group of blocks, not per block
+
+
+def _kvstore_events(kv: Kvstore) -> list[dict[str, Any]]:
+    """Every event kvstore kept, read from GET /v1/events until it goes quiet."""
+    req = urllib.request.Request(kv.url + "/v1/events?since=0")
+    req.add_header("Authorization", f"Bearer {kv.token}")
+    out: list[dict[str, Any]] = []
+    with urllib.request.urlopen(req, timeout=2) as r:
+        try:
+            for line in r:
+                if line.startswith(b"data: "):
+                    out.append(json.loads(line[6:]))
+        except TimeoutError:
+            pass
+    return out
+
+
+def test_saved_blocks_are_told_with_the_engines_own_hashes(model: Path, tmp_path: Path) -> None:
+    """kvstore's BlockStored events for the blocks the connector saved carry
+    the block hashes, parents and tokens of vLLM's own KV events."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(endpoint)  # vLLM's publisher connects to an endpoint without a wildcard host
+    kv = make_kvstore(tmp_path / "kvstore")
+    # Received while the engine runs: a connecting peer's unread messages go when it exits.
+    payloads: list[bytes] = []
+    running = threading.Event()
+    running.set()
+
+    def receive() -> None:
+        while running.is_set():
+            if sub.poll(100):
+                payloads.append(sub.recv_multipart()[-1])
+
+    receiver = threading.Thread(target=receive, daemon=True)
+    receiver.start()
+    try:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+        out = run_engine(tmp_path, "events", model, connector(kv), events=events)
+        running.clear()
+        receiver.join(5)
+        engine: dict[int, Any] = {}
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        for payload in payloads:
+            for ev in decoder.decode(payload).events:
+                if isinstance(ev, BlockStored):
+                    tokens = list(ev.token_ids)
+                    for i, h in enumerate(ev.block_hashes):
+                        engine[h] = (i, ev, tokens[i * ev.block_size : (i + 1) * ev.block_size])
+        ours = [b for e in _kvstore_events(kv) if e["kind"] == "stored" for b in e["blocks"]]
+    finally:
+        running.clear()
+        receiver.join(5)
+        sub.close(linger=0)
+        ctx.term()
+        kv.stop()
+    assert token_ids(out) and engine, "vLLM published no BlockStored events"
+    assert len(ours) == kv_blocks_expected(out)
+    for b in ours:
+        assert b["block_hash"] in engine, f"block {b['key']}: hash {b['block_hash']} is not one of vLLM's"
+        i, ev, tokens = engine[b["block_hash"]]
+        parent = ev.parent_block_hash if i == 0 else ev.block_hashes[i - 1]
+        assert (b["parent_block_hash"], b["token_ids"], b["block_size"]) == (parent, tokens, BLOCK)
+
+
+def kv_blocks_expected(out: Any) -> int:
+    return sum(o["prompt_tokens"] // BLOCK for o in out["outputs"])
 
 
 def test_daemon_stopped_recomputes(model: Path, reference: list[list[int]], tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """One vLLM engine process for the tests: greedy generation of some prompts,
 results as JSON. Run as ``python -m tests.engines.vllm_engine SPEC.json OUT.json``.
 
-SPEC: ``{"model": dir, "prompts": [str or token ids], "max_tokens": n, "kv_transfer_config": {...} | null}``.
+SPEC: ``{"model": dir, "prompts": [str or token ids], "max_tokens": n, "kv_transfer_config": {...} | null,
+"kv_events_config": {...}?}`` (the engine's own KV events, e.g. over ZMQ).
 OUT: ``{"outputs": [{"token_ids": [...], "text": str, "num_cached_tokens": n}], "seconds": s}``.
 """
 
@@ -17,8 +18,10 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.config.kv_events import KVEventsConfig
 
     kv = spec.get("kv_transfer_config")
+    events = spec.get("kv_events_config")
     llm = LLM(
         model=spec["model"],
         dtype="float32",
@@ -28,12 +31,15 @@ def main(spec_path: str, out_path: str) -> None:
         seed=0,
         enable_prefix_caching=spec.get("prefix_caching", True),
         kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+        kv_events_config=KVEventsConfig(**events) if events else None,
     )
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
     t0 = time.monotonic()
     prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in spec["prompts"]]
     results = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.monotonic() - t0
+    if events:
+        time.sleep(1.0)  # the publisher thread sends the last batches
     outputs = [
         {
             "token_ids": list(r.outputs[0].token_ids),

@@ -115,6 +115,8 @@ class BlockTransfer:
     req_id: str
     block_ids: list[int]
     keys: dict[str, list[str]]
+    # The engine's identity of each block (saves), for kvstore's residency events.
+    metas: list[dict[str, Any] | None] | None = None
 
 
 @dataclass
@@ -135,6 +137,7 @@ class _RequestState:
     tokens: list[int]
     keys: dict[str, list[str]]  # rank label -> keys of the prompt's full blocks
     present: list[bool]  # per full block: kvstore has it for every rank (from the last lookup)
+    idents: list[dict[str, Any] | None] = field(default_factory=list)  # per full block: the engine's identity
     block_ids: list[int] = field(default_factory=list)
     load_start: int = 0  # pending load: blocks [load_start, load_end)
     load_end: int = 0
@@ -270,9 +273,37 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             label: block_keys(self._fingerprint(t, p, salt), tokens, self.block_size) for label, t, p in self._labels()
         }
         n = len(tokens) // self.block_size
-        st = _RequestState(tokens=tokens, keys=keys, present=[False] * n)
+        st = _RequestState(tokens=tokens, keys=keys, present=[False] * n, idents=self._identities(request, tokens, n))
         self._reqs[request.request_id] = st
         return st
+
+    def _identities(self, request: Request, tokens: list[int], n: int) -> list[dict[str, Any] | None]:
+        """Each full block's identity as vLLM's own KV events give it: its
+        hash as an integer (the low 64 bits, vLLM's default for events), its
+        parent's, its tokens, the LoRA. None where vLLM has not hashed it."""
+        hashes = list(getattr(request, "block_hashes", None) or [])[:n]
+        lora = getattr(request, "lora_request", None)
+        out: list[dict[str, Any] | None] = []
+        parent: int | None = None
+        bs = self.block_size
+        for i in range(n):
+            if i >= len(hashes) or not isinstance(hashes[i], (bytes, bytearray)):
+                out.append(None)
+                parent = None
+                continue
+            h = int.from_bytes(hashes[i], "big") & ((1 << 64) - 1)
+            out.append(
+                {
+                    "block_hash": h,
+                    "parent_block_hash": parent,
+                    "token_ids": tokens[i * bs : (i + 1) * bs],
+                    "block_size": bs,
+                    "lora_id": getattr(lora, "adapter_id", None) if lora else None,
+                    "lora_name": getattr(lora, "name", None) if lora else None,
+                }
+            )
+            parent = h
+        return out
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
@@ -377,7 +408,10 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if todo:
                 meta.saves.append(
                     BlockTransfer(
-                        req_id, [st.block_ids[i] for i in todo], {lb: [k[i] for i in todo] for lb, k in st.keys.items()}
+                        req_id,
+                        [st.block_ids[i] for i in todo],
+                        {lb: [k[i] for i in todo] for lb, k in st.keys.items()},
+                        [st.idents[i] if i < len(st.idents) else None for i in todo],
                     )
                 )
 
@@ -603,18 +637,22 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _save(self, saves: list[BlockTransfer]) -> None:
         items: list[tuple[str, torch.Tensor]] = []
+        metas: list[dict[str, Any] | None] = []
         for save in saves:
             keys = save.keys.get(self._label, [])
-            for key, block_id in zip(keys, save.block_ids, strict=True):
+            idents = save.metas or [None] * len(keys)
+            for key, block_id, ident in zip(keys, save.block_ids, idents, strict=True):
                 if self._pending_save_bytes + self._block_nbytes > self.max_pending_save_bytes:
                     self.stats["dropped_save_blocks"] += 1
                     continue
                 items.append((key, self._copy_out(block_id)))
+                metas.append(ident)
                 self._pending_save_bytes += self._block_nbytes
         if not items:
             return
         nbytes = len(items) * self._block_nbytes
-        fut = self._loop.submit(self._save_client.put_many([(k, b.numpy()) for k, b in items]))
+        ids = metas if any(m is not None for m in metas) else None
+        fut = self._loop.submit(self._save_client.put_many([(k, b.numpy()) for k, b in items], ids))
         with self._lock:
             self._pending_saves.add(fut)
 
