@@ -129,11 +129,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{size,ttft,run,codec,nixl}")
-    # codec and nixl have their own parsers (bench/codec_bench.py, bench/nixl_bench.py):
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{size,ttft,run,codec,nixl,events}")
+    # codec, nixl and events have their own parsers (bench/codec_bench.py, nixl_bench.py, events_bench.py):
     # main() hands them the rest of argv.
     sub.add_parser("codec", help="encode/decode GB/s per core and ratio of each compression, on real KV caches")
     sub.add_parser("nixl", help="NIXL reads against HTTP GET and a plain socket copy (needs NIXL)")
+    sub.add_parser("events", help="what residency events cost PUTs and GETs, and the rate one subscriber takes")
 
     size = sub.add_parser("size", help="KV bytes per token, block, TP rank, session; fleet capacity")
     _add_model_args(size)
@@ -407,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import nixl_bench
 
         return nixl_bench.main(args_in[1:])
+    if args_in[:1] == ["events"]:
+        from bench import events_bench
+
+        return events_bench.main(args_in[1:])
     parser, subparsers = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "size":

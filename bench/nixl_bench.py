@@ -31,14 +31,10 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
-import shutil
-import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +42,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
 from kvstore_client import AsyncClient
 
-from bench.plan_bench import SAMPLE, _admin, _port
+from bench.daemon import daemon
+from bench.plan_bench import SAMPLE
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 
@@ -151,30 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--blocks, --depth and --repeats must be at least 1")
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
-    root = Path(tempfile.mkdtemp(prefix="kvstore-nixl-bench-", dir="/var/tmp"))
-    admin = secrets.token_hex(16)
-    key_file = root / "master.key"
-    key_file.write_bytes(os.urandom(32))
-    key_file.chmod(0o600)
-    port = _port()
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "KVSTORE_ADMIN_TOKEN": admin}
-    env |= {"KVSTORE_MASTER_KEY_FILE": str(key_file), "KVSTORE_NIXL": "1", "KVSTORE_NIXL_DEVICES": args.ucx_devices}
-    env |= {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-    cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(root / "data"), "--compact-interval-s", "0"]
-    cmd += ["--listen", f"127.0.0.1:{port}", "--max-block-size", str(max(size, 4 << 20))]
-    with (root / "kvstore.log").open("ab") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                token = _admin(base, admin, "/v1/admin/tenants", {"name": "bench", "policy": "direct"})["token"]
-                break
-            except OSError as e:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the daemon did not start: {(root / 'kvstore.log').read_text()[-2000:]}") from e
-                time.sleep(0.1)
+    settings = {"nixl": "1", "nixl_devices": args.ucx_devices}
+    with daemon(settings, ["--max-block-size", str(max(size, 4 << 20))]) as d:
+        proc, base, token = d.proc, d.base, d.token
         sample = SAMPLE.read_bytes()
         data = (sample * (size // len(sample) + 1))[:size]
         keys = [f"b{i:05d}" for i in range(args.blocks)]
@@ -215,10 +191,6 @@ def main(argv: list[str] | None = None) -> int:
 
         results = asyncio.run(measure())
         sock = results["socket"]["gbps"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        shutil.rmtree(root, ignore_errors=True)
     print(f"{args.blocks} x {size} B direct blocks, UCX_TLS={args.ucx_tls or 'default'}, medians of {args.repeats}")
     print(f"{'':13} {'GB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'GB/daemon-cpu-s':>16} {'vs http':>8} {'vs socket':>9}")
     rows = [f"{name}@{depth}" for name in ("nixl", "http") for depth in (1, args.depth)]

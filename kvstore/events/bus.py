@@ -36,6 +36,7 @@ class Subscription:
         self._wake = asyncio.Event()
         self._lost: Gap | None = None  # dropped since the queue was last drained
         self.dropped = 0
+        self.ended = False  # the daemon is stopping: no more events for this subscriber
 
     def offer(self, ev: Event) -> None:
         if self.tenant is not None and ev.tenant != self.tenant:
@@ -64,9 +65,14 @@ class Subscription:
         self._wake.clear()
         return out
 
+    def end(self) -> None:
+        """Wake the subscriber for good (the daemon stops)."""
+        self.ended = True
+        self._wake.set()
+
     async def next_batch(self, timeout: float | None = None) -> list[Event | Gap]:
         """Everything queued, waiting up to ``timeout`` for something."""
-        if not self._queue and self._lost is None:
+        if not self._queue and self._lost is None and not self.ended:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
@@ -133,6 +139,11 @@ class EventBus:
         self._subs.add(sub)
         self._metrics.set("kvstore_event_subscribers", len(self._subs))
         return sub
+
+    def end(self) -> None:
+        """The daemon stops: every subscriber is woken and told so."""
+        for sub in list(self._subs):
+            sub.end()
 
     def unsubscribe(self, sub: Subscription) -> None:
         self._subs.discard(sub)

@@ -75,7 +75,7 @@ class ZmqPublisher:
         log.info("events on ZMQ %s (replay: %s, encoding %s)", self.endpoint, self.replay_endpoint, self._encoding)
 
     async def _publish(self) -> None:
-        while True:
+        while not self._sub.ended:
             items = await self._sub.next_batch()
             by_topic: dict[str, list[Any]] = {}
             for item in items:
@@ -85,7 +85,7 @@ class ZmqPublisher:
                     self._seq += 1  # a batch that cannot be built: its number is skipped
                     continue
                 by_topic.setdefault(item.tenant, []).extend(vllm_events(item, self._mediums, self._encoding))
-            self._flush(by_topic)
+            self._flush(by_topic)  # the last events too, when the daemon stops
 
     def _flush(self, by_topic: dict[str, list[Any]]) -> None:
         ts = time.time()

@@ -252,6 +252,7 @@ def make_app(
     if reader:
         app.cleanup_ctx.append(writer_ctx)
     app.on_shutdown.append(not_ready_on_shutdown)
+    app.on_shutdown.append(http_events.end_streams)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", http_metrics.metrics)

@@ -59,6 +59,12 @@ async def events_ctx(app: web.Application) -> AsyncIterator[None]:
         await publisher.close()
 
 
+async def end_streams(app: web.Application) -> None:
+    """On shutdown: the event streams end now (not after shutdown_timeout_s)."""
+    if EVENTS in app:
+        app[EVENTS].end()
+
+
 def _since(request: web.Request) -> int | None:
     last = request.headers.get("Last-Event-ID")
     raw = request.query.get("since")
@@ -91,6 +97,8 @@ async def events(request: web.Request) -> web.StreamResponse:
         await send(request, resp, b": kvstore events\n\n")
         while True:
             items = await sub.next_batch(KEEPALIVE_S)
+            if sub.ended or request.transport is None or request.transport.is_closing():
+                break  # the daemon stops, or the client went away
             if not items:
                 await send(request, resp, b": keepalive\n\n")
                 continue
@@ -102,5 +110,7 @@ async def events(request: web.Request) -> web.StreamResponse:
                 else:
                     out.append(f"id: {item.seq}\nevent: {item.kind}\ndata: {json.dumps(item.as_dict())}\n\n")
             await send(request, resp, "".join(out).encode())
+        await resp.write_eof()
+        return resp
     finally:
         sub.close()

@@ -303,3 +303,20 @@ async def test_the_client_sends_identities(daemon: Daemon, transport: str, monke
         ]
         assert sorted(got) == sorted([("one", 11), ("two", 21), ("three", key_hash("three"))])
         stream.resp.close()
+
+
+async def test_a_daemon_with_streams_open_stops_at_once(daemon: Daemon) -> None:
+    """SIGTERM ends the event streams (and the ZMQ publisher) instead of
+    waiting shutdown_timeout_s for them; it once spun the loop for ever."""
+    daemon.env |= {"KVSTORE_EVENTS_ZMQ": f"tcp://127.0.0.1:{free_port()}"}
+    daemon.start()
+    async with aiohttp.ClientSession() as s:
+        token = await _tenant(s, daemon.base, "stop", "direct")
+        stream = await _sse(s, daemon.base, token)
+        await _put(s, daemon.base, token, "k")
+        assert (await stream.next())[1] == "stored"
+        t0 = asyncio.get_running_loop().time()
+        assert await asyncio.to_thread(daemon.stop, timeout=10) == 0
+        assert asyncio.get_running_loop().time() - t0 < 5
+        rest = await asyncio.wait_for(stream.resp.content.read(), 5)  # the stream ended cleanly
+        assert b"event:" not in rest
