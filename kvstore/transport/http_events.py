@@ -25,6 +25,7 @@ from aiohttp import web
 
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.bus import EventBus, Gap
+from kvstore.events.model import Event
 from kvstore.events.zmq_pub import ZmqPublisher
 from kvstore.transport.http_common import CONFIG, STORE, is_admin, send, tenant_of
 
@@ -57,6 +58,14 @@ async def events_ctx(app: web.Application) -> AsyncIterator[None]:
     store.events = None
     if publisher is not None:
         await publisher.close()
+
+
+def sse_message(item: Event | Gap) -> str:
+    """One Server-Sent Events message."""
+    if isinstance(item, Gap):
+        doc = json.dumps({"first": item.first, "last": item.last})
+        return f"id: {item.last}\nevent: gap\ndata: {doc}\n\n"
+    return f"id: {item.seq}\nevent: {item.kind}\ndata: {json.dumps(item.as_dict())}\n\n"
 
 
 async def end_streams(app: web.Application) -> None:
@@ -102,14 +111,7 @@ async def events(request: web.Request) -> web.StreamResponse:
             if not items:
                 await send(request, resp, b": keepalive\n\n")
                 continue
-            out = []
-            for item in items:
-                if isinstance(item, Gap):
-                    doc = json.dumps({"first": item.first, "last": item.last})
-                    out.append(f"id: {item.last}\nevent: gap\ndata: {doc}\n\n")
-                else:
-                    out.append(f"id: {item.seq}\nevent: {item.kind}\ndata: {json.dumps(item.as_dict())}\n\n")
-            await send(request, resp, "".join(out).encode())
+            await send(request, resp, "".join(sse_message(item) for item in items).encode())
         await resp.write_eof()
         return resp
     finally:
