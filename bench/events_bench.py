@@ -133,14 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--burst", type=int, default=20_000)
+    p.add_argument("--in-process", type=int, default=200_000, help="events for the one-core rates")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     try:
         size = parse_size("--block-size", args.block_size)
     except ConfigError as e:
         p.error(str(e))
-    if min(args.blocks, args.depth, args.repeats, args.burst) < 1:
-        p.error("--blocks, --depth, --repeats and --burst must be at least 1")
+    if min(args.blocks, args.depth, args.repeats, args.burst, args.in_process) < 1:
+        p.error("--blocks, --depth, --repeats, --burst and --in-process must be at least 1")
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     zmq_ep = f"tcp://127.0.0.1:{_port()}"
     # durability "interval": the figures are the daemon's work, not this disk's fsync latency.
@@ -178,13 +179,15 @@ def main(argv: list[str] | None = None) -> int:
             return out
 
         results = asyncio.run(measure())
-        results["in_process"] = _in_process(200_000)
+        results["in_process"] = _in_process(args.in_process)
         total = args.repeats * args.blocks + args.burst  # every event the "on" daemon published
         sub.stdin.write(f"{total}\n")
         sub.stdin.flush()
         line = sub.stdout.readline()
         sub.kill()
         sub.wait()
+        sub.stdin.close()
+        sub.stdout.close()
         seen = json.loads(line)
         results["subscriber"] = seen | {"events_per_s": seen["events"] / seen["seconds"] if seen["seconds"] else 0.0}
     r = results

@@ -11,7 +11,8 @@ from bench import cli
 
 def test_events_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "events.json"
-    argv = ["events", "--blocks", "20", "--block-size", "4KiB", "--repeats", "1", "--burst", "300", "--json", str(out)]
+    argv = ["events", "--blocks", "20", "--block-size", "4KiB", "--repeats", "1", "--burst", "300"]
+    argv += ["--in-process", "5000", "--json", str(out)]
     assert cli.main(argv) == 0
     doc = json.loads(out.read_text())
     for name in ("off", "on"):
