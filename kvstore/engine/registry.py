@@ -71,6 +71,7 @@ class Tenant:
     quota_bytes: int = 0  # bytes stored across tiers; 0: no quota (retention.py)
     ttl_s: int = 0  # a block neither read nor written for this long is a miss; 0: none
     frame_size: int = 0  # plaintext bytes per frame of new records; 0: the store's frame_size
+    events_topic: str = ""  # the ZMQ topic of its residency events; "": its name
 
     @property
     def sealed(self) -> bool:
@@ -88,6 +89,7 @@ class Tenant:
             "quota_bytes": self.quota_bytes or None,
             "ttl_s": self.ttl_s or None,
             "frame_size": self.frame_size or None,
+            "events_topic": self.events_topic or None,
             "tokens": [{"id": tid, "created_ns": t["created_ns"]} for tid, t in sorted(self.tokens.items())],
         }
 
@@ -168,6 +170,7 @@ class Registry:
                 quota_bytes=int(t.get("quota_bytes") or 0),
                 ttl_s=int(t.get("ttl_s") or 0),
                 frame_size=int(t.get("frame_size") or 0),
+                events_topic=str(t.get("events_topic") or ""),
             )
             self._tenants[name] = tenant
             for version, wrapped in tenant.wrapped_keys.items():
@@ -257,6 +260,7 @@ class Registry:
         quota_bytes: int = 0,
         ttl_s: int = 0,
         frame_size: int = 0,
+        events_topic: str = "",
     ) -> Tenant:
         validate_tenant(name)
         if policy not in POLICIES:
@@ -280,6 +284,7 @@ class Registry:
                 quota_bytes=quota_bytes,
                 ttl_s=ttl_s,
                 frame_size=frame_size,
+                events_topic=events_topic,
             )
             self._deleted.pop(_name_digest(name), None)
             if policy == "sealed":
@@ -323,12 +328,20 @@ class Registry:
         }
 
     def set_limits(
-        self, name: str, quota_bytes: int | None = None, ttl_s: int | None = None, frame_size: int | None = None
+        self,
+        name: str,
+        quota_bytes: int | None = None,
+        ttl_s: int | None = None,
+        frame_size: int | None = None,
+        events_topic: str | None = None,
     ) -> Tenant:
-        """Change the tenant's quota, TTL and frame size of new records (None:
-        leave as is; 0: none, or the store's frame size)."""
+        """Change the tenant's quota, TTL, frame size of new records and
+        events topic (None: leave as is; 0 or "": none, the store's frame
+        size, the tenant's name)."""
         with self._lock:
             t = self.get(name)
+            if events_topic is not None:
+                t.events_topic = events_topic
             if quota_bytes is not None:
                 t.quota_bytes = quota_bytes
             if ttl_s is not None:

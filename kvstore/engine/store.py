@@ -395,13 +395,16 @@ class Store(StoreReads, StoreWrites):
         quota_bytes: int | None = None,
         ttl_s: int | None = None,
         frame_size: int | None = None,
+        events_topic: str | None = None,
     ) -> dict[str, Any]:
         """``durability``: persistent (never dropped before it is in the object
         tier) or ephemeral (may be dropped when the disk is full); default the
         ``default_durability`` setting. ``quota_bytes`` and ``ttl_s``: None for
         the configured defaults, 0 for none. ``frame_size``: plaintext bytes
         per frame of its records (a ranged read of a sealed block decodes the
-        frames it covers); None or 0 for the store's ``frame_size``."""
+        frames it covers); None or 0 for the store's ``frame_size``.
+        ``events_topic``: the ZMQ topic of its residency events (None or "":
+        its name)."""
         self._check_writable()
         validate_tenant(name)
         if compression is None and policy == "sealed":
@@ -410,13 +413,19 @@ class Store(StoreReads, StoreWrites):
         quota = self.config.default_quota_bytes if quota_bytes is None else _limit("quota_bytes", quota_bytes)
         ttl = self.config.default_ttl_s if ttl_s is None else _limit("ttl_s", ttl_s)
         fs = _frame_size(frame_size or 0)
+        topic = _topic(events_topic or "")
         await self._run(trash, self._seg_root, name)  # files of a deleted incarnation, if any are left
-        t = await self._run(self._registry.create, name, policy, compression, durability, quota, ttl, fs)
+        t = await self._run(self._registry.create, name, policy, compression, durability, quota, ttl, fs, topic)
         self._tails[name] = OpenSegment(None)
         return t.public()
 
     async def set_limits(
-        self, name: str, quota_bytes: int | None = None, ttl_s: int | None = None, frame_size: int | None = None
+        self,
+        name: str,
+        quota_bytes: int | None = None,
+        ttl_s: int | None = None,
+        frame_size: int | None = None,
+        events_topic: str | None = None,
     ) -> dict[str, Any]:
         """Change a tenant's quota, TTL and frame size (None: unchanged; 0:
         none, or the store's frame size). A lower quota is enforced at once, a
@@ -427,7 +436,8 @@ class Store(StoreReads, StoreWrites):
         quota = None if quota_bytes is None else _limit("quota_bytes", quota_bytes)
         ttl = None if ttl_s is None else _limit("ttl_s", ttl_s)
         fs = None if frame_size is None else _frame_size(frame_size)
-        t = await self._run(self._registry.set_limits, name, quota, ttl, fs)
+        topic = None if events_topic is None else _topic(events_topic)
+        t = await self._run(self._registry.set_limits, name, quota, ttl, fs, topic)
         await self._retention.enforce(t)
         return t.public()
 
@@ -456,6 +466,7 @@ class Store(StoreReads, StoreWrites):
         The files are moved aside in one rename, then removed in the background."""
         self._check_writable()
         incarnation = self._tenant(name).created_ns
+        topic = self._topic(name)  # for its last event, told once it is gone
         self._deleting.add(name)
         try:
             app = self._appenders.pop(name, None)
@@ -469,7 +480,7 @@ class Store(StoreReads, StoreWrites):
             moved = await self._run(trash, self._seg_root, name)
             self._tails.pop(name, None)
             if self.events is not None:
-                self.events.publish(name, "cleared", "tenant_deleted")
+                self.events.publish(name, "cleared", "tenant_deleted", topic=topic)
         finally:
             self._deleting.discard(name)
         if moved is not None:
@@ -563,6 +574,16 @@ class Store(StoreReads, StoreWrites):
 def _limit(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
         raise InvalidInput(f"field {name!r} must be null or a non-negative integer, got {value!r}")
+    return value
+
+
+def _topic(value: str) -> str:
+    if (
+        not isinstance(value, str)
+        or len(value.encode()) > 256
+        or not all(c.isprintable() and not c.isspace() for c in value)
+    ):
+        raise InvalidInput("field 'events_topic' must be up to 256 bytes of printable text without spaces, or null")
     return value
 
 

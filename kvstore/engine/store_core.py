@@ -186,7 +186,7 @@ class StoreCore:
         metas: Sequence[BlockMeta] | None = None,
     ) -> None:
         if self.events is not None and keys:
-            self.events.publish(tenant, "stored", cause, tier, keys, sizes, metas)
+            self.events.publish(tenant, "stored", cause, tier, keys, sizes, metas, self._topic(tenant))
 
     def _removed(
         self,
@@ -207,7 +207,11 @@ class StoreCore:
             by_tier.setdefault(where, []).append(key)
         for where, keys in by_tier.items():
             ids = [metas.get(k) or BlockMeta.of_key(k) for k in keys]
-            self.events.publish(tenant, "removed", cause, where, keys, (), ids)
+            self.events.publish(tenant, "removed", cause, where, keys, (), ids, self._topic(tenant))
+
+    def _topic(self, tenant: str) -> str:
+        """The tenant's events topic ("" for its name)."""
+        return self._registry.get(tenant).events_topic if tenant in self._registry else ""
 
     def _tier_of(self, tenant: str, segment_id: int) -> TierName:
         ts = self._index.tier_state(tenant, segment_id)
@@ -225,8 +229,9 @@ class StoreCore:
         ids = self._identities(tenant, keys)
         metas = [ids[k] for k in keys]
         cause = "moved" if to == "object" else "rehydrated"
-        self.events.publish(tenant, "stored", cause, to, keys, [e.logical_size for _, e in entries], metas)
-        self.events.publish(tenant, "removed", cause, "object" if to == "local" else "local", keys, (), metas)
+        topic = self._topic(tenant)
+        self.events.publish(tenant, "stored", cause, to, keys, [e.logical_size for _, e in entries], metas, topic)
+        self.events.publish(tenant, "removed", cause, "object" if to == "local" else "local", keys, (), metas, topic)
 
     def _sealed_elsewhere(self, loop: asyncio.AbstractEventLoop, tenant: str, segment_id: int) -> None:
         """An appender thread sealed a segment: tell the tiering, on the loop."""

@@ -105,6 +105,7 @@ class EventBus:
         keys: Sequence[str] = (),
         sizes: Sequence[int] = (),
         metas: Sequence[BlockMeta] | None = None,
+        topic: str = "",
     ) -> Event:
         ks = tuple(keys)
         ev = Event(
@@ -117,6 +118,7 @@ class EventBus:
             ks,
             tuple(sizes),
             tuple(metas) if metas is not None else tuple(BlockMeta.of_key(k) for k in ks),
+            topic,
         )
         self._next += 1
         self._backlog.append(ev)

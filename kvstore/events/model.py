@@ -154,6 +154,7 @@ class Event:
     keys: tuple[str, ...] = ()
     sizes: tuple[int, ...] = ()  # stored: the blocks' sizes (bytes), in the order of keys
     metas: tuple[BlockMeta, ...] = field(default=())  # stored and removed: one per key
+    topic: str = ""  # the tenant's events topic when it happened ("": its name)
 
     def as_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"seq": self.seq, "ts": self.ts, "tenant": self.tenant, "kind": self.kind}

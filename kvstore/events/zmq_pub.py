@@ -1,7 +1,7 @@
 """Residency events over ZMQ, as a vLLM engine publishes its KV events.
 
 - A PUB socket (``events_zmq``) sends multipart messages ``[topic, seq,
-  payload]``: the topic is the tenant's name, ``seq`` the batch's number (8
+  payload]``: the topic is the tenant's ``events_topic``, else its name, ``seq`` the batch's number (8
   bytes, big-endian; one counter for the node, every topic), ``payload`` a
   msgpack batch (see vllm_wire). A subscriber that sees a number skipped
   lost a batch: ZMQ dropped it at the high-water mark, or this publisher
@@ -84,7 +84,9 @@ class ZmqPublisher:
                     by_topic = {}
                     self._seq += 1  # a batch that cannot be built: its number is skipped
                     continue
-                by_topic.setdefault(item.tenant, []).extend(vllm_events(item, self._mediums, self._encoding))
+                by_topic.setdefault(item.topic or item.tenant, []).extend(
+                    vllm_events(item, self._mediums, self._encoding)
+                )
             self._flush(by_topic)  # the last events too, when the daemon stops
 
     def _flush(self, by_topic: dict[str, list[Any]]) -> None:

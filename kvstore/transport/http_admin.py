@@ -36,13 +36,20 @@ async def create_tenant(request: web.Request) -> web.Response:
         raise InvalidInput("field 'compression' must be a string")
     if durability is not None and durability not in DURABILITY_CLASSES:
         raise InvalidInput(f"field 'durability' must be one of {', '.join(DURABILITY_CLASSES)}")
-    unknown = set(body) - {"name", "policy", "compression", "durability", *LIMITS}
+    unknown = set(body) - {"name", "policy", "compression", "durability", "events_topic", *LIMITS}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
     limits = _limits(body)
     store = store_of(request)
     tenant = await store.create_tenant(
-        name, policy, compression, durability, limits.get("quota_bytes"), limits.get("ttl_s"), limits.get("frame_size")
+        name,
+        policy,
+        compression,
+        durability,
+        limits.get("quota_bytes"),
+        limits.get("ttl_s"),
+        limits.get("frame_size"),
+        _topic(body),
     )
     token_id, token = await store.issue_token(name)
     return web.json_response({**tenant, "token": token, "token_id": token_id}, status=201)
@@ -74,6 +81,16 @@ def _limits(body: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+def _topic(body: dict[str, Any]) -> str | None:
+    """``events_topic``: a string, or null for the tenant's name ("")."""
+    value = body.get("events_topic")
+    if value is None:
+        return "" if "events_topic" in body else None
+    if not isinstance(value, str):
+        raise InvalidInput("field 'events_topic' must be a string, or null for the tenant's name")
+    return value
+
+
 async def _tenant_with_usage(request: web.Request, name: str) -> dict[str, Any]:
     store = store_of(request)
     s = await store.stats(name)
@@ -88,21 +105,27 @@ async def get_tenant(request: web.Request) -> web.Response:
 
 @routes.patch("/v1/admin/tenants/{name}")
 async def patch_tenant(request: web.Request) -> web.Response:
-    """Change a tenant's ``quota_bytes``, ``ttl_s`` and ``frame_size`` (null:
-    none, or the store's frame size; absent: unchanged). A lower quota is
-    enforced before the answer."""
+    """Change a tenant's ``quota_bytes``, ``ttl_s``, ``frame_size`` and
+    ``events_topic`` (null: none, the store's frame size, the tenant's name;
+    absent: unchanged). A lower quota is enforced before the answer."""
     require_admin(request)
     name = request.match_info["name"]
     body = await json_body(request)
-    unknown = set(body) - set(LIMITS)
+    unknown = set(body) - {*LIMITS, "events_topic"}
     if unknown:
         raise InvalidInput(
-            f"unknown field(s): {', '.join(sorted(unknown))}; PATCH changes quota_bytes, ttl_s and frame_size"
+            f"unknown field(s): {', '.join(sorted(unknown))}; "
+            "PATCH changes quota_bytes, ttl_s, frame_size and events_topic"
         )
     if not body:
-        raise InvalidInput("the body names nothing to change: expected quota_bytes, ttl_s and/or frame_size")
+        raise InvalidInput(
+            "the body names nothing to change: expected quota_bytes, ttl_s, frame_size and/or events_topic"
+        )
     limits = _limits(body)
-    await store_of(request).set_limits(name, limits.get("quota_bytes"), limits.get("ttl_s"), limits.get("frame_size"))
+    topic = _topic(body) if "events_topic" in body else None
+    await store_of(request).set_limits(
+        name, limits.get("quota_bytes"), limits.get("ttl_s"), limits.get("frame_size"), topic
+    )
     return web.json_response(await _tenant_with_usage(request, name))
 
 

@@ -320,3 +320,51 @@ async def test_a_daemon_with_streams_open_stops_at_once(daemon: Daemon) -> None:
         assert asyncio.get_running_loop().time() - t0 < 5
         rest = await asyncio.wait_for(stream.resp.content.read(), 5)  # the stream ended cleanly
         assert b"event:" not in rest
+
+
+async def test_a_tenants_topic(daemon: Daemon) -> None:
+    pub = f"tcp://127.0.0.1:{free_port()}"
+    daemon.env |= {"KVSTORE_EVENTS_ZMQ": pub}
+    daemon.start()
+    base = daemon.base
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    try:
+        async with aiohttp.ClientSession() as s:
+            topic = "kv@pod-7@meta-llama/Llama-3.1-8B"
+            doc = await _admin(s, base, "POST", "/v1/admin/tenants", {"name": "tp", "events_topic": topic})
+            assert isinstance(doc, dict) and doc["events_topic"] == topic
+            token = str(doc["token"])
+            n = 0
+            while True:  # until the subscription has joined
+                await _put(s, base, token, f"w{n}")
+                n += 1
+                if await sub.poll(200):
+                    break
+            assert (await sub.recv_multipart())[0] == topic.encode()
+            # Back to the tenant's name; bad values name the field.
+            doc = await _admin(s, base, "PATCH", "/v1/admin/tenants/tp", {"events_topic": None})
+            assert isinstance(doc, dict) and doc["events_topic"] is None
+            while await sub.poll(300):
+                await sub.recv_multipart()
+            await _put(s, base, token, "after")
+            assert (await asyncio.wait_for(sub.recv_multipart(), 10))[0] == b"tp"
+            for bad in ("two words", 5, "x" * 300):
+                async with s.patch(
+                    f"{base}/v1/admin/tenants/tp", json={"events_topic": bad}, headers=_auth(ADMIN)
+                ) as r:
+                    assert r.status == 400 and "events_topic" in (await r.json())["error"]["message"]
+            # The last events of a deleted tenant keep its topic.
+            await _admin(s, base, "PATCH", "/v1/admin/tenants/tp", {"events_topic": "kv@pod-7@m"})
+            await _admin(s, base, "DELETE", "/v1/admin/tenants/tp")
+            topic_of_cleared = None
+            while topic_of_cleared is None:
+                frames = await asyncio.wait_for(sub.recv_multipart(), 10)
+                if msgpack.unpackb(frames[2])[1][0]["type"] == "AllBlocksCleared":
+                    topic_of_cleared = frames[0]
+            assert topic_of_cleared == b"kv@pod-7@m"
+    finally:
+        sub.close(linger=0)
+        ctx.term()
