@@ -316,6 +316,11 @@ async def test_get_many_into_takes_one_call_and_releases_on_the_next(
         while (await _nixl_status(session, base))["leases"] and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert (await _nixl_status(session, base))["leases"] == 0  # close() released the last
+        source = "mapping" if policy == "direct" else "staging"
+        await asyncio.sleep(0.6)  # one snapshot interval: /metrics covers both workers
+        async with session.get(base + "/metrics") as r:
+            text = await r.text()
+        assert f'kvstore_nixl_bytes_total{{op="read",source="{source}"}}' in text, text[-2000:]
     # More buffers in one batch than the client keeps registered: none is let go while the READ needs it.
     token = await _tenant(session, base, "many", "direct")
     small = {f"s{i}": random.Random(i).randbytes(1000 + i) for i in range(MAX_REGISTERED + 44)}

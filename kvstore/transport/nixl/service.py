@@ -192,6 +192,7 @@ class XferService:
                 lease.regions.append(region)
                 segments.add((p.file[0], p.file[2]))
                 self.counts["read_bytes"] += p.size
+                self._store.metrics.inc("kvstore_nixl_bytes_total", p.size, op="read", source="mapping")
                 addr = region.addr + p.offset
                 answer = {"key": key, "status": 200, "size": p.size, "addr": addr, "len": p.size, "dev": 0}
                 if checksums:
@@ -205,6 +206,7 @@ class XferService:
         lease.pieces.append(piece)
         piece.view(n)[:] = data
         self.counts["read_bytes"] += n
+        self._store.metrics.inc("kvstore_nixl_bytes_total", n, op="read", source="staging")
         self.counts["staged_bytes"] += n
         answer = {"key": key, "status": 200, "size": n, "addr": piece.addr, "len": n, "dev": 0}
         if checksums:  # one frame: the plaintext as staged
@@ -290,6 +292,7 @@ class XferService:
                     results.append({"key": key, "status": e.status, "error": {"code": e.code, "message": str(e)}})
             self.counts["writes"] += 1
             self.counts["write_bytes"] += total
+            self._store.metrics.inc("kvstore_nixl_bytes_total", total, op="write", source="staging")
             return results
         finally:
             self.memory.free(piece)
