@@ -927,9 +927,10 @@ class AsyncClient:
 
     # -- lookup ----------------------------------------------------------------
 
-    async def lookup(self, keys: Sequence[str]) -> int:
-        """How many keys from the start of ``keys`` are stored (0 on failure)."""
-        present = await self.lookup_detail(keys)
+    async def lookup(self, keys: Sequence[str], tokens_per_block: int | None = None) -> int:
+        """How many keys from the start of ``keys`` are stored (0 on failure).
+        ``tokens_per_block``: the engine's, for the daemon's hit rate in tokens."""
+        present = await self.lookup_detail(keys, tokens_per_block)
         n = 0
         for p in present:
             if not p:
@@ -937,12 +938,12 @@ class AsyncClient:
             n += 1
         return n
 
-    async def lookup_detail(self, keys: Sequence[str]) -> list[bool]:
+    async def lookup_detail(self, keys: Sequence[str], tokens_per_block: int | None = None) -> list[bool]:
         """Per key, whether it is stored (False on failure)."""
         keys = list(keys)
-        return await self._guard("lookup", [False] * len(keys), self._lookup(keys))
+        return await self._guard("lookup", [False] * len(keys), self._lookup(keys, tokens_per_block))
 
-    async def _lookup(self, keys: list[str]) -> list[bool]:
+    async def _lookup(self, keys: list[str], tokens_per_block: int | None = None) -> list[bool]:
         for k in keys:
             framing.check_key(k)
         deadline = self._deadline()
@@ -958,7 +959,8 @@ class AsyncClient:
             calls = []
             for url, idx in groups.items():
                 for c in range(0, len(idx), self.max_lookup_keys):
-                    calls.append(self._lookup_chunk(url, keys, idx[c : c + self.max_lookup_keys], deadline))
+                    part = idx[c : c + self.max_lookup_keys]
+                    calls.append(self._lookup_chunk(url, keys, part, deadline, tokens_per_block))
             for result in await asyncio.gather(*calls, return_exceptions=True):
                 if isinstance(result, KVStoreClientError):
                     errors.append(result)
@@ -974,8 +976,12 @@ class AsyncClient:
             self._log.warning("kvstore lookup: %d partial failures, first: %s", len(errors), errors[0])
         return present
 
-    async def _lookup_chunk(self, url: str, keys: list[str], idx: list[int], deadline: float) -> list[tuple[int, bool]]:
-        body = {"keys": [keys[i] for i in idx]}
+    async def _lookup_chunk(
+        self, url: str, keys: list[str], idx: list[int], deadline: float, tokens_per_block: int | None = None
+    ) -> list[tuple[int, bool]]:
+        body: dict[str, Any] = {"keys": [keys[i] for i in idx]}
+        if tokens_per_block:
+            body["tokens_per_block"] = tokens_per_block
 
         async def fn(s: aiohttp.ClientSession) -> list[tuple[int, bool]]:
             async with s.post("/v1/lookup", json=body) as r:

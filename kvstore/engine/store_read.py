@@ -371,8 +371,9 @@ class StoreReads(StoreCore):
         entry = self._index.get(tenant, key)
         return entry is not None and not (t.ttl_s and self._retention.expired(t, key, entry))
 
-    async def lookup(self, tenant: str, keys: Sequence[str]) -> LookupResult:
-        """Which of a chain of keys are present, and how many from the start."""
+    async def lookup(self, tenant: str, keys: Sequence[str], tokens_per_block: int = 0) -> LookupResult:
+        """Which of a chain of keys are present, and how many from the start
+        (``tokens_per_block``: the engine's, for the hit rate in tokens)."""
         t = self._tenant(tenant)
         for i, k in enumerate(keys):
             try:
@@ -390,6 +391,9 @@ class StoreReads(StoreCore):
         self.metrics.inc("kvstore_prefix_lookups_total")
         self.metrics.inc("kvstore_prefix_blocks_total", prefix, result="hit")
         self.metrics.inc("kvstore_prefix_blocks_total", len(present) - prefix, result="miss")
+        if tokens_per_block:
+            self.metrics.inc("kvstore_prefix_tokens_total", prefix * tokens_per_block, result="hit")
+            self.metrics.inc("kvstore_prefix_tokens_total", (len(present) - prefix) * tokens_per_block, result="miss")
         return LookupResult(prefix, present)
 
     def _present_unexpired(self, t: Tenant, keys: list[str]) -> list[bool]:

@@ -138,8 +138,16 @@ def keys_field(body: dict[str, Any], limit: int, validate: bool = True) -> list[
 @routes.post("/v1/lookup")
 async def lookup(request: web.Request) -> web.Response:
     tenant = tenant_of(request)
-    keys = keys_field(await json_body(request), config_of(request).max_lookup_keys, validate=False)
-    r = await store_of(request).lookup(tenant, keys)
+    body = await json_body(request)
+    keys = keys_field(body, config_of(request).max_lookup_keys, validate=False)
+    tpb = body.get("tokens_per_block", 0)
+    if (
+        isinstance(tpb, bool)
+        or not isinstance(tpb, int)
+        or not ((tpb == 0 and "tokens_per_block" not in body) or 1 <= tpb <= 1 << 20)
+    ):
+        raise InvalidInput(f"field 'tokens_per_block' must be an integer from 1 to {1 << 20}; got {tpb!r}")
+    r = await store_of(request).lookup(tenant, keys, tpb)
     return web.json_response({"prefix": r.prefix, "present": r.present})
 
 

@@ -326,7 +326,9 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         labels = list(st.keys)
         flat = [k for label in labels for k in st.keys[label]]
         try:
-            flags = self._loop.run(self._lookup_client.lookup_detail(flat), timeout=self.lookup_timeout + 1.0)
+            flags = self._loop.run(
+                self._lookup_client.lookup_detail(flat, self.block_size), timeout=self.lookup_timeout + 1.0
+            )
         except TimeoutError:
             flags = [False] * len(flat)
         self.stats["lookups"] += 1
