@@ -46,6 +46,7 @@ from kvstore_client.errors import BufferTooSmall
 PROGRESS_DELAY_US = 100  # the progress thread's sleep between polls (NIXL's wrapper uses 0: a spinning core)
 POLL_S = (0.01, 0.002)  # poll without sleeping this long after a transfer starts or ends; then sleep up to this
 MAX_REGISTERED = 256  # caller buffers kept registered (least recently used go first)
+INLINE_VERIFY_BYTES = 4 << 20  # READ bytes checked on the event loop; more go to a thread
 RELEASE_AFTER_S = 0.05  # a verified read's lease waits this long for the next read to carry its release
 MAX_RELEASES = 256  # leases released by one call
 _make_lock = threading.Lock()
@@ -282,10 +283,15 @@ class NixlAgent:
                 raise NixlFallback("the lease expired before its READs were confirmed: read again")
             return out
         self._later(s, url, lease)
-        for spans in moves.values():
-            for i, _, _, n, _ in spans:
-                if not _frames_match(bufs[i], n, blocks[i]):
-                    out[i] = NixlFallback(f"block {keys[i]}: what was READ fails its checksum (the lease expired?)")
+        checks = [(i, n) for spans in moves.values() for i, _, _, n, _ in spans]
+
+        def failed() -> list[int]:
+            return [i for i, n in checks if not _frames_match(bufs[i], n, blocks[i])]
+
+        # Hashed here while small; a large batch on a thread, not holding up the loop.
+        bad = failed() if sum(n for _, n in checks) <= INLINE_VERIFY_BYTES else await asyncio.to_thread(failed)
+        for i in bad:
+            out[i] = NixlFallback(f"block {keys[i]}: what was READ fails its checksum (the lease expired?)")
         return out
 
     async def _read(

@@ -132,12 +132,11 @@ class EventBus:
         backlog's events from there first; a gap when some are gone)."""
         sub = Subscription(self, tenant, self._queue_limit)
         if since is not None and since < self._next:
-            oldest = self._backlog[0].seq if self._backlog else self._next
-            if since < oldest:
-                sub.put_gap(Gap(max(since, 0), oldest - 1))
-            for ev in self._backlog:
-                if ev.seq >= since:
-                    sub.offer(ev)
+            gap, kept = self.backlog_since(since)
+            if gap is not None:
+                sub.put_gap(gap)
+            for ev in kept:
+                sub.offer(ev)
         self._subs.add(sub)
         self._metrics.set("kvstore_event_subscribers", len(self._subs))
         return sub

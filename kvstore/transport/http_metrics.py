@@ -71,7 +71,7 @@ async def metrics_ctx(app: web.Application) -> AsyncIterator[None]:
 
     async def loop() -> None:
         while True:
-            _write_snapshot(app, directory)
+            await asyncio.to_thread(_write_snapshot, app, directory)
             await asyncio.sleep(SNAPSHOT_S)
 
     task = asyncio.get_running_loop().create_task(loop())
@@ -102,8 +102,8 @@ async def metrics(request: web.Request) -> web.Response:
         m.set("kvstore_workers", 1)
         text = m.render()
     else:
-        _write_snapshot(app, directory)
-        snapshots = _read_snapshots(directory)
+        await asyncio.to_thread(_write_snapshot, app, directory)
+        snapshots = await asyncio.to_thread(_read_snapshots, directory)
         whole = merged(snapshots, PER_PROCESS_GAUGES)
         whole.set("kvstore_workers", len(snapshots))
         text = whole.render()

@@ -124,6 +124,16 @@ async def test_sse_order_isolation_resume_and_gap(daemon: Daemon, workers: int) 
             stream.resp.close()
 
 
+async def _joined(sub: zmq.asyncio.Socket, s: aiohttp.ClientSession, base: str, token: str) -> None:
+    """A subscriber joins a PUB socket asynchronously: put warm-up blocks
+    (warm0, warm1, ...) until it gets a batch (left for the caller to read)."""
+    for n in range(50):
+        await _put(s, base, token, f"warm{n}")
+        if await sub.poll(200):
+            return
+    raise AssertionError("the subscriber never connected")
+
+
 def _decode(payload: bytes, encoding: str) -> tuple[float, list[Any], Any]:
     ts, events, rank = msgpack.unpackb(payload, raw=False)
     assert isinstance(ts, float) and rank is None
@@ -157,14 +167,7 @@ async def test_zmq_batches_in_vllms_format_with_replay(daemon: Daemon, encoding:
         async with aiohttp.ClientSession() as s:
             ta = await _tenant(s, base, "za", "direct")
             tb = await _tenant(s, base, "zb", "sealed")
-            # A subscriber joins a PUB socket asynchronously: wait until it gets batches.
-            n = 0
-            while True:
-                await _put(s, base, ta, f"warm{n}")
-                n += 1
-                if await sub.poll(200):
-                    break
-                assert n < 50, "the subscriber never connected"
+            await _joined(sub, s, base, ta)
             got = [await sub.recv_multipart()]
             await _put(s, base, tb, "k1")
             await _delete(s, base, ta, "warm0")
@@ -337,12 +340,7 @@ async def test_a_tenants_topic(daemon: Daemon) -> None:
             doc = await _admin(s, base, "POST", "/v1/admin/tenants", {"name": "tp", "events_topic": topic})
             assert isinstance(doc, dict) and doc["events_topic"] == topic
             token = str(doc["token"])
-            n = 0
-            while True:  # until the subscription has joined
-                await _put(s, base, token, f"w{n}")
-                n += 1
-                if await sub.poll(200):
-                    break
+            await _joined(sub, s, base, token)
             assert (await sub.recv_multipart())[0] == topic.encode()
             # Back to the tenant's name; bad values name the field.
             doc = await _admin(s, base, "PATCH", "/v1/admin/tenants/tp", {"events_topic": None})

@@ -233,14 +233,7 @@ async def test_a_client_that_never_releases_lets_its_memory_go(daemon: Daemon, s
         async with session.get(base + "/v1/admin/status", headers=_auth(ADMIN)) as r:
             before = (await r.json())["nixl"]
         assert before["leases"] == 1 and before["staged_bytes"] >= 3 * BLOCK
-        deadline = time.monotonic() + 10
-        while True:
-            async with session.get(base + "/v1/admin/status", headers=_auth(ADMIN)) as r:
-                after = (await r.json())["nixl"]
-            if after["leases"] == 0 or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.3)
-        assert after["leases"] == 0
+        assert (await _no_leases(session, base))["leases"] == 0
     finally:
         agent.close()
 
@@ -284,6 +277,14 @@ async def _nixl_status(session: aiohttp.ClientSession, base: str) -> dict[str, A
     return dict(doc["nixl"])
 
 
+async def _no_leases(session: aiohttp.ClientSession, base: str, timeout: float = 10) -> dict[str, Any]:
+    """The agent's status once it holds no lease (or when ``timeout`` is up)."""
+    deadline = time.monotonic() + timeout
+    while (status := await _nixl_status(session, base))["leases"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    return status
+
+
 async def test_get_many_into_takes_one_call_and_releases_on_the_next(
     daemon: Daemon, session: aiohttp.ClientSession
 ) -> None:
@@ -312,10 +313,7 @@ async def test_get_many_into_takes_one_call_and_releases_on_the_next(
             assert bytes(small[0][: BLOCK + 1]) == blocks[f"m{policy}1"]
             with pytest.raises(ValueError):
                 await c.get_many_into(["a", "b"], [bytearray(1)])
-        deadline = time.monotonic() + 5
-        while (await _nixl_status(session, base))["leases"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert (await _nixl_status(session, base))["leases"] == 0  # close() released the last
+        assert (await _no_leases(session, base, 5))["leases"] == 0  # close() released the last
         source = "mapping" if policy == "direct" else "staging"
         await asyncio.sleep(0.6)  # one snapshot interval: /metrics covers both workers
         async with session.get(base + "/metrics") as r:
@@ -430,10 +428,7 @@ async def test_a_killed_client_process_lets_its_lease_and_memory_go(
     finally:
         proc.kill()
         await proc.wait()
-    deadline = time.monotonic() + 10
-    while (await _nixl_status(session, base))["leases"] and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
-    after = await _nixl_status(session, base)
+    after = await _no_leases(session, base)
     assert after["leases"] == 0 and after["memory"]["staging_in_use"] == 0
     async with AsyncClient(base, token, transport="nixl", timeout=10) as c:
         bufs = [bytearray(BLOCK + 10) for _ in blocks]

@@ -18,7 +18,7 @@ from kvstore_client import AsyncClient
 from kvstore_client.nixl import nixl_available
 
 from .conftest import Daemon
-from .test_nixl import _auth, _nixl_status, _start
+from .test_nixl import _auth, _no_leases, _start
 from .test_read_plans import _admin, _tenant
 
 pytestmark = pytest.mark.skipif(
@@ -137,7 +137,4 @@ async def test_reads_and_writes_over_nixl_while_blocks_move(daemon: Daemon) -> N
                 bufs = [bytearray(len(book.values[k])) for k in book.live]
                 assert await c.get_many_into(book.live, bufs) == [len(book.values[k]) for k in book.live]
                 assert all(b == book.values[k] for k, b in zip(book.live, bufs, strict=True))
-        deadline = time.monotonic() + 5
-        while (await _nixl_status(s, base))["leases"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert (await _nixl_status(s, base))["leases"] == 0
+        assert (await _no_leases(s, base, 5))["leases"] == 0

@@ -210,7 +210,12 @@ class XferService:
         self.counts["staged_bytes"] += n
         answer = {"key": key, "status": 200, "size": n, "addr": piece.addr, "len": n, "dev": 0}
         if checksums:  # one frame: the plaintext as staged
-            answer |= {"frame_size": max(n, 1), "xxh3": [f"{xxhash.xxh3_64_intdigest(data):016x}"] if n else []}
+            digest = (
+                xxhash.xxh3_64_intdigest(data)
+                if n <= INLINE_VERIFY_BYTES
+                else await asyncio.to_thread(xxhash.xxh3_64_intdigest, data)
+            )
+            answer |= {"frame_size": max(n, 1), "xxh3": [f"{digest:016x}"] if n else []}
         return answer
 
     async def _verified(self, region: Region, p: PlannedBlock) -> bool:
