@@ -36,8 +36,9 @@ from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server_config import SETTINGS, UNIX, ServerConfig, load
 from kvstore.tasks import Background
 from kvstore.transport.http import make_app
-from kvstore.transport.http_common import STATE
+from kvstore.transport.http_common import METRICS, STATE, STORE
 from kvstore.transport.http_server import KVAppRunner
+from kvstore.transport.s3.gateway import make_gateway_app, settings_of
 from kvstore.transport.unix import UnixListener, bind_unix
 from kvstore.tuning import die_with_parent, keep_freed_memory
 
@@ -92,6 +93,7 @@ async def serve(
     )
     await runner.setup()  # opens the store: recovery runs before the port opens
     own_socks: list[UnixListener] = []
+    gw_runner: KVAppRunner | None = None
     try:
         if role == "writer" and writer_socket:
             await web.UnixSite(runner, writer_socket).start()
@@ -104,6 +106,16 @@ async def serve(
             own_socks = unix_sockets(cfg)
         for listener in unix_socks if unix_socks is not None else own_socks:
             await web.SockSite(runner, listener.sock).start()
+        gateway = cfg.s3_gateway_address if role != "reader" else None
+        if gateway is not None:  # the writer's: objects are written where the store's writes are owned
+            gw_runner = KVAppRunner(
+                make_gateway_app(app[STORE], app[METRICS], settings_of(cfg)),
+                keepalive_timeout=cfg.keepalive_timeout_s,
+                shutdown_timeout=cfg.shutdown_timeout_s,
+                access_log=None,
+            )
+            await gw_runner.setup()
+            await web.TCPSite(gw_runner, gateway[0], gateway[1], ssl_context=tls_context(cfg), backlog=1024).start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -125,6 +137,8 @@ async def serve(
             sdnotify.notify("STOPPING=1")
         await watchdog.close()
     finally:
+        if gw_runner is not None:
+            await gw_runner.cleanup()  # before the store closes under it
         await runner.cleanup()  # stop accepting, finish requests, then close the store
         for listener in own_socks:
             listener.remove()
@@ -148,7 +162,8 @@ def serving_on(cfg: ServerConfig) -> str:
     """Where the daemon answers, as clients name it: http(s)://HOST:PORT, unix:PATH."""
     scheme = "https" if cfg.tls_cert else "http"
     tcp = [f"{scheme}://{a}" for a in cfg.listen.split(",") if not a.startswith(UNIX)]
-    return ", ".join(tcp + [UNIX + p for p in cfg.unix_paths])
+    gateway = [f"S3 gateway {scheme}://{cfg.s3_gateway_listen}"] if cfg.s3_gateway_listen else []
+    return ", ".join(tcp + [UNIX + p for p in cfg.unix_paths] + gateway)
 
 
 def _worker(

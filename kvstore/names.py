@@ -63,7 +63,24 @@ def validate_lease(lease: object) -> str:
     return _hex_id(lease, 32, "lease")
 
 
+_ACCESS_KEY_RE = re.compile(r"[A-Z0-9]{16,64}")
+
+
+def validate_access_key_id(value: object) -> str:
+    """Return ``value`` if it has the form of an S3 access key id (16-64 of A-Z 0-9)."""
+    if not isinstance(value, str) or _ACCESS_KEY_RE.fullmatch(value) is None:
+        shown = value[:40] if isinstance(value, str) else type(value).__name__
+        raise InvalidInput(f"access key id {shown!r} is invalid; expected 16-64 characters of A-Z 0-9")
+    return value
+
+
 # Every path parameter of every route, and how it is checked. Every worker
 # checks the decoded parameters with these before it answers or relays a
 # request, so a route means the same on every worker.
-PATH_PARAMS = {"key": validate_key, "name": validate_tenant, "token_id": validate_token_id, "lease": validate_lease}
+PATH_PARAMS = {
+    "key": validate_key,
+    "name": validate_tenant,
+    "token_id": validate_token_id,
+    "lease": validate_lease,
+    "access_key_id": validate_access_key_id,
+}

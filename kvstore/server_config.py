@@ -10,6 +10,7 @@ setting with its default.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -53,6 +54,27 @@ def _listen(name: str, value: object) -> str:
             raise ConfigError(f"{name}={value!r}: {text!r} is given twice")
         out.append(text)
     return ",".join(out)
+
+
+def _tcp_address(name: str, value: object) -> str:
+    text = _listen(name, value)
+    if "," in text or text.startswith(UNIX):
+        raise ConfigError(f"{name}={value!r}: expected one HOST:PORT, such as 127.0.0.1:8421")
+    return text
+
+
+def _region(name: str, value: object) -> str:
+    text = _str(name, value)
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", text):
+        raise ConfigError(f"{name}={value!r}: expected a region name such as us-east-1")
+    return text
+
+
+def _domain(name: str, value: object) -> str:
+    text = _str(name, value).lower().strip(".")
+    if not re.fullmatch(r"[a-z0-9]([a-z0-9.\-]{0,251}[a-z0-9])?", text):
+        raise ConfigError(f"{name}={value!r}: expected a DNS domain such as s3.example.internal")
+    return text
 
 
 def _mode(name: str, value: object) -> int:
@@ -120,6 +142,16 @@ class ServerConfig:
     events_queue: int = 10_000  # events a subscriber may fall behind by before it loses some (a gap)
     events_medium_local: str = "STORAGE"  # the medium of events about blocks on local disk
     events_medium_object: str = "OBJECT_STORE"  # and about blocks only in the object tier
+    s3_gateway_listen: str | None = None  # HOST:PORT of the S3-compatible gateway; off unless set
+    s3_gateway_region: str = "us-east-1"  # the region SigV4 scopes must name
+    s3_gateway_domain: str | None = None  # virtual-host-style addressing: BUCKET.<domain>
+
+    @property
+    def s3_gateway_address(self) -> tuple[str, int] | None:
+        if not self.s3_gateway_listen:
+            return None
+        host, _, port = self.s3_gateway_listen.rpartition(":")
+        return host.strip("[]"), int(port)
 
     @property
     def tcp_addresses(self) -> list[tuple[str, int]]:
@@ -184,6 +216,9 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "events_queue": _positive,
     "events_medium_local": _str,
     "events_medium_object": _str,
+    "s3_gateway_listen": _tcp_address,
+    "s3_gateway_region": _region,
+    "s3_gateway_domain": _domain,
 }
 _STORE_FIELDS = {f.name for f in fields(StoreConfig)} - {"data_dir"}
 SETTINGS: tuple[str, ...] = ("data_dir", *_SERVER_PARSERS, *sorted(_STORE_FIELDS))
@@ -242,6 +277,10 @@ def load(
         raise ConfigError("events_zmq_replay needs events_zmq (the replay serves what the PUB socket published)")
     if cfg.events_zmq_replay and cfg.events_zmq_replay == cfg.events_zmq:
         raise ConfigError("events_zmq and events_zmq_replay must be two endpoints")
+    if cfg.s3_gateway_listen and cfg.s3_gateway_listen in cfg.listen.split(","):
+        raise ConfigError(
+            f"s3_gateway_listen={cfg.s3_gateway_listen!r} is also in listen: the gateway needs its own address"
+        )
     if cfg.max_buffered_body_bytes < store.max_block_size:
         raise ConfigError(
             f"max_buffered_body_bytes={cfg.max_buffered_body_bytes} is below max_block_size={store.max_block_size}:"

@@ -48,18 +48,28 @@ class MasterKey:
         return hmac.new(self.secret, b"kvstore master key id v1", hashlib.sha256).hexdigest()[:16]
 
     def wrap(self, data_key: bytes, tenant: str, version: int) -> str:
-        nonce = os.urandom(_WRAP_NONCE)  # few wraps per key: random nonces are far within limits
-        ct = AESGCM(self.secret).encrypt(nonce, data_key, _wrap_aad(tenant, version))
-        return base64.b64encode(nonce + ct).decode()
+        return self.seal(data_key, _wrap_aad(tenant, version))
 
     def unwrap(self, wrapped: str, tenant: str, version: int) -> bytes:
         try:
-            raw = base64.b64decode(wrapped, validate=True)
-            return AESGCM(self.secret).decrypt(raw[:_WRAP_NONCE], raw[_WRAP_NONCE:], _wrap_aad(tenant, version))
-        except (InvalidTag, binascii.Error, ValueError):
+            return self.open(wrapped, _wrap_aad(tenant, version))
+        except MasterKeyError:
             raise MasterKeyError(
                 f"cannot unwrap data key version {version} of tenant {tenant!r}: wrong master key or damaged registry"
             ) from None
+
+    def seal(self, secret: bytes, aad: bytes) -> str:
+        """``secret`` encrypted under the master key (AES-GCM, ``aad`` bound), as base64."""
+        nonce = os.urandom(_WRAP_NONCE)  # few wraps per key: random nonces are far within limits
+        return base64.b64encode(nonce + AESGCM(self.secret).encrypt(nonce, secret, aad)).decode()
+
+    def open(self, sealed: str, aad: bytes) -> bytes:
+        """The secret :meth:`seal` sealed with the same ``aad``."""
+        try:
+            raw = base64.b64decode(sealed, validate=True)
+            return AESGCM(self.secret).decrypt(raw[:_WRAP_NONCE], raw[_WRAP_NONCE:], aad)
+        except (InvalidTag, binascii.Error, ValueError):
+            raise MasterKeyError("cannot open a secret sealed under the master key: wrong key or damaged") from None
 
 
 def _wrap_aad(tenant: str, version: int) -> bytes:

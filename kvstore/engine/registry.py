@@ -52,6 +52,14 @@ def _name_digest(name: str) -> str:
     return hashlib.sha256(b"kvstore/deleted-tenant\x00" + name.encode()).hexdigest()[:32]
 
 
+S3_KEY_PREFIX = "KVS"
+_AKID_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
+
+
+def _s3_aad(tenant: str, access_key_id: str) -> bytes:
+    return b"kvstore/v1 s3 secret\x00" + tenant.encode() + b"\x00" + access_key_id.encode()
+
+
 def _token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -72,6 +80,9 @@ class Tenant:
     ttl_s: int = 0  # a block neither read nor written for this long is a miss; 0: none
     frame_size: int = 0  # plaintext bytes per frame of new records; 0: the store's frame_size
     events_topic: str = ""  # the ZMQ topic of its residency events; "": its name
+    # S3 gateway credentials: access key id -> {"secret": sealed under the
+    # master key (SigV4 verification needs the secret itself), "created_ns"}
+    s3_keys: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def sealed(self) -> bool:
@@ -91,6 +102,7 @@ class Tenant:
             "frame_size": self.frame_size or None,
             "events_topic": self.events_topic or None,
             "tokens": [{"id": tid, "created_ns": t["created_ns"]} for tid, t in sorted(self.tokens.items())],
+            "s3_keys": [{"access_key_id": k, "created_ns": v["created_ns"]} for k, v in sorted(self.s3_keys.items())],
         }
 
 
@@ -171,6 +183,7 @@ class Registry:
                 ttl_s=int(t.get("ttl_s") or 0),
                 frame_size=int(t.get("frame_size") or 0),
                 events_topic=str(t.get("events_topic") or ""),
+                s3_keys=dict(t.get("s3_secrets", {})),
             )
             self._tenants[name] = tenant
             for version, wrapped in tenant.wrapped_keys.items():
@@ -184,9 +197,10 @@ class Registry:
                 "master_key_id": master.key_id,
                 "tenants": {
                     t.name: {
-                        **{k: v for k, v in t.public().items() if k != "tokens"},
+                        **{k: v for k, v in t.public().items() if k not in ("tokens", "s3_keys")},
                         "keys": {str(v): w for v, w in t.wrapped_keys.items()},
                         "token_hashes": t.tokens,
+                        "s3_secrets": t.s3_keys,
                     }
                     for t in self._tenants.values()
                 },
@@ -242,6 +256,15 @@ class Registry:
         if found is None or not hmac.compare_digest(found[1], digest):
             return None
         return found[0]
+
+    def s3_secret(self, access_key_id: str) -> tuple[str, str] | None:
+        """(tenant, secret access key) of an S3 access key id, or None."""
+        for t in self._tenants.values():
+            entry = t.s3_keys.get(access_key_id)
+            if entry is not None:
+                secret = self._master.open(entry["secret"], _s3_aad(t.name, access_key_id))
+                return t.name, secret.decode()
+        return None
 
     def data_key(self, name: str, version: int) -> bytes:
         k = self._keys.get((name, version))
@@ -312,6 +335,26 @@ class Registry:
             self._save()
             self._reindex()
             return token_id, token
+
+    def issue_s3_key(self, name: str) -> tuple[str, str]:
+        """A new S3 access key of ``name``: (access key id, secret access key).
+        The secret is stored sealed under the master key."""
+        with self._lock:
+            t = self.get(name)
+            akid = S3_KEY_PREFIX + "".join(secrets.choice(_AKID_ALPHABET) for _ in range(17))
+            secret = secrets.token_urlsafe(30)[:40]
+            sealed = self._master.seal(secret.encode(), _s3_aad(name, akid))
+            t.s3_keys[akid] = {"secret": sealed, "created_ns": time.time_ns()}
+            self._save()
+            return akid, secret
+
+    def revoke_s3_key(self, name: str, access_key_id: str) -> None:
+        with self._lock:
+            t = self.get(name)
+            if access_key_id not in t.s3_keys:
+                raise NotFound(f"tenant {name!r} has no S3 access key {access_key_id[:32]!r}")
+            del t.s3_keys[access_key_id]
+            self._save()
 
     def revoke_token(self, name: str, token_id: str) -> None:
         with self._lock:
@@ -385,6 +428,9 @@ class Registry:
             for t in self._tenants.values():
                 for version in t.wrapped_keys:
                     t.wrapped_keys[version] = new_master.wrap(self._keys[(t.name, version)], t.name, version)
+                for akid, entry in t.s3_keys.items():
+                    secret = self._master.open(entry["secret"], _s3_aad(t.name, akid))
+                    entry["secret"] = new_master.seal(secret, _s3_aad(t.name, akid))
             atomic_write(self._path, self._doc(new_master))
             self._master = new_master
         self._changed()

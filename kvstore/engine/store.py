@@ -504,6 +504,31 @@ class Store(StoreReads, StoreWrites):
         self._tenant(name)
         await self._run(self._registry.revoke_token, name, token_id)
 
+    async def issue_s3_key(self, name: str) -> tuple[str, str]:
+        """A new S3 access key for the tenant: (access key id, secret), shown once."""
+        self._check_writable()
+        self._tenant(name)
+        return await self._run(self._registry.issue_s3_key, name)
+
+    async def revoke_s3_key(self, name: str, access_key_id: str) -> None:
+        self._check_writable()
+        self._tenant(name)
+        await self._run(self._registry.revoke_s3_key, name, access_key_id)
+
+    def s3_credentials(self, access_key_id: str) -> tuple[str, str, int] | None:
+        """(tenant, secret access key, the tenant's incarnation) of an S3
+        access key id; None if unknown, revoked or its tenant deleted."""
+        self._check_open()
+        self.refresh()
+        found = self._registry.s3_secret(access_key_id)
+        if found is None or found[0] in self._deleting:
+            return None
+        return found[0], found[1], self._registry.get(found[0]).created_ns
+
+    def incarnation(self, name: str) -> int | None:
+        """The tenant's incarnation (its creation time), None if it does not exist."""
+        return None if name not in self._registry or name in self._deleting else self._registry.get(name).created_ns
+
     async def rotate_tenant_key(self, name: str) -> int:
         self._check_writable()
         self._tenant(name)

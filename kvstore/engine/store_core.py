@@ -152,6 +152,21 @@ class StoreCore:
             return raw
         return seal_small(self._registry.data_key(t.name, t.key_version), t.key_version, raw, _ident_aad(t.name, key))
 
+    def seal_for(self, tenant: str, data: bytes, aad: bytes) -> bytes:
+        """Small metadata of ``tenant`` as it may be stored: sealed under the
+        tenant's data key (AES-GCM, ``aad`` bound) for a sealed tenant, as
+        is for a direct one. :meth:`open_for` reverses it."""
+        t = self._tenant(tenant)
+        if not t.sealed:
+            return data
+        return seal_small(self._registry.data_key(t.name, t.key_version), t.key_version, data, aad)
+
+    def open_for(self, tenant: str, blob: bytes, aad: bytes) -> bytes:
+        t = self._tenant(tenant)
+        if not t.sealed:
+            return blob
+        return open_small(self._registry.data_key(tenant, small_version(blob)), blob, aad)
+
     def _identities(self, tenant: str, keys: Sequence[str]) -> dict[str, BlockMeta]:
         """The engine identities of ``keys`` as stored (the key's hash for a
         block stored without one); nothing when no one listens."""

@@ -396,6 +396,14 @@ class StoreReads(StoreCore):
             self.metrics.inc("kvstore_prefix_tokens_total", (len(present) - prefix) * tokens_per_block, result="miss")
         return LookupResult(prefix, present)
 
+    async def present(self, tenant: str, keys: Sequence[str]) -> list[bool]:
+        """Which of ``keys`` are present (and unexpired), without counting a
+        lookup or touching them: for the store's own bookkeeping."""
+        t = self._tenant(tenant)
+        if t.ttl_s:
+            return await self._run(self._present_unexpired, t, list(keys))
+        return await self._run(self._index.contains, tenant, list(keys))
+
     def _present_unexpired(self, t: Tenant, keys: list[str]) -> list[bool]:
         now = now_ms()
         out = []

@@ -151,6 +151,30 @@ async def revoke_token(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
+@routes.post("/v1/admin/tenants/{name}/s3-keys")
+async def issue_s3_key(request: web.Request) -> web.Response:
+    """An access key for the S3 gateway; the secret is shown once."""
+    require_admin(request)
+    name = request.match_info["name"]
+    akid, secret = await store_of(request).issue_s3_key(name)
+    return web.json_response({"name": name, "access_key_id": akid, "secret_access_key": secret}, status=201)
+
+
+@routes.get("/v1/admin/tenants/{name}/s3-keys")
+async def list_s3_keys(request: web.Request) -> web.Response:
+    require_admin(request)
+    name = request.match_info["name"]
+    tenant = store_of(request).tenant(name)
+    return web.json_response({"name": name, "s3_keys": tenant["s3_keys"]})
+
+
+@routes.delete("/v1/admin/tenants/{name}/s3-keys/{access_key_id}")
+async def revoke_s3_key(request: web.Request) -> web.Response:
+    require_admin(request)
+    await store_of(request).revoke_s3_key(request.match_info["name"], request.match_info["access_key_id"])
+    return web.Response(status=204)
+
+
 @routes.post("/v1/admin/tenants/{name}/rotate-key")
 async def rotate_tenant_key(request: web.Request) -> web.Response:
     require_admin(request)

@@ -1,0 +1,355 @@
+"""The gateway's catalog: buckets, objects, multipart uploads, in SQLite.
+
+An object's bytes are kvstore blocks of the bucket's tenant (keys
+``s3~<uid>~<n>``, see :mod:`kvstore.transport.s3.objects`); the catalog maps
+``(bucket, key)`` to those blocks and to what S3 reports about the object
+(size, ETag, time, metadata). It is not part of the LMDB index, which is a
+cache rebuilt from segments: the catalog holds the only copy of the names, so
+it lives in its own file (``<data_dir>/s3/catalog.sqlite3``), in WAL mode with
+``synchronous=FULL``: a change is on disk before the request is answered.
+
+Keys are stored as their UTF-8 bytes (BLOB), so SQLite's ``memcmp`` order is
+S3's listing order. Every call runs on the catalog's one thread, in order.
+
+Tables:
+    buckets  name -> tenant, the tenant's incarnation (its creation time: a
+             bucket of a deleted tenant is not the new one's), created, region
+    objects  (bucket, key) -> size, etag, mtime, meta (JSON, sealed for a
+             sealed tenant), blocks (JSON [[block key, length], ...])
+    uploads  upload id -> bucket, key, created, meta
+    parts    (upload id, part number) -> size, etag, mtime, blocks
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+Extents = list[tuple[str, int]]  # (block key, length), in the object's order
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS buckets (
+    name TEXT PRIMARY KEY, tenant TEXT NOT NULL, incarnation INTEGER NOT NULL,
+    created_ns INTEGER NOT NULL, region TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS buckets_by_tenant ON buckets (tenant);
+CREATE TABLE IF NOT EXISTS objects (
+    bucket TEXT NOT NULL, key BLOB NOT NULL, size INTEGER NOT NULL, etag TEXT NOT NULL,
+    mtime_ns INTEGER NOT NULL, meta BLOB NOT NULL, blocks TEXT NOT NULL,
+    PRIMARY KEY (bucket, key)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS uploads (
+    upload_id TEXT PRIMARY KEY, bucket TEXT NOT NULL, key BLOB NOT NULL,
+    created_ns INTEGER NOT NULL, meta BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS uploads_by_bucket ON uploads (bucket, key, upload_id);
+CREATE TABLE IF NOT EXISTS parts (
+    upload_id TEXT NOT NULL, part INTEGER NOT NULL, size INTEGER NOT NULL, etag TEXT NOT NULL,
+    mtime_ns INTEGER NOT NULL, blocks TEXT NOT NULL, PRIMARY KEY (upload_id, part)
+) WITHOUT ROWID;
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    name: str
+    tenant: str
+    incarnation: int
+    created_ns: int
+    region: str
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRow:
+    key: bytes
+    size: int
+    etag: str  # with its quotes, as S3 sends it
+    mtime_ns: int
+    meta: bytes
+    blocks: Extents
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    upload_id: str
+    bucket: str
+    key: bytes
+    created_ns: int
+    meta: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PartRow:
+    part: int
+    size: int
+    etag: str
+    mtime_ns: int
+    blocks: Extents
+
+
+def _extents(text: str) -> Extents:
+    return [(str(k), int(n)) for k, n in json.loads(text)]
+
+
+def _text(extents: Extents) -> str:
+    return json.dumps([[k, n] for k, n in extents], separators=(",", ":"))
+
+
+def _object(row: tuple[Any, ...]) -> ObjectRow:
+    return ObjectRow(bytes(row[0]), row[1], row[2], row[3], bytes(row[4]), _extents(row[5]))
+
+
+_OBJECT_COLS = "key, size, etag, mtime_ns, meta, blocks"
+
+
+class Catalog:
+    """The catalog file; every method runs on its own thread (``run``)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="s3-catalog")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._db.close()
+
+    def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            out = fn(self._db)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+        return out
+
+    # -- buckets --------------------------------------------------------------
+
+    def bucket(self, name: str) -> Bucket | None:
+        row = self._db.execute(
+            "SELECT name, tenant, incarnation, created_ns, region FROM buckets WHERE name = ?", (name,)
+        ).fetchone()
+        return Bucket(*row) if row else None
+
+    def buckets(self, tenant: str) -> list[Bucket]:
+        rows = self._db.execute(
+            "SELECT name, tenant, incarnation, created_ns, region FROM buckets WHERE tenant = ? ORDER BY name",
+            (tenant,),
+        ).fetchall()
+        return [Bucket(*r) for r in rows]
+
+    def all_buckets(self) -> list[Bucket]:
+        rows = self._db.execute("SELECT name, tenant, incarnation, created_ns, region FROM buckets").fetchall()
+        return [Bucket(*r) for r in rows]
+
+    def create_bucket(self, bucket: Bucket) -> Bucket | None:
+        """Create ``bucket``; the existing one of that name (nothing created) if any."""
+
+        def tx(db: sqlite3.Connection) -> Bucket | None:
+            found = self.bucket(bucket.name)
+            if found is not None:
+                return found
+            db.execute(
+                "INSERT INTO buckets VALUES (?, ?, ?, ?, ?)",
+                (bucket.name, bucket.tenant, bucket.incarnation, bucket.created_ns, bucket.region),
+            )
+            return None
+
+        return self._tx(tx)
+
+    def delete_bucket(self, name: str, only_if_empty: bool = True) -> tuple[bool, Extents]:
+        """Delete the bucket (False: it holds objects) with its uploads; the
+        blocks that go with them (to delete from the store)."""
+
+        def tx(db: sqlite3.Connection) -> tuple[bool, Extents]:
+            if only_if_empty and db.execute("SELECT 1 FROM objects WHERE bucket = ? LIMIT 1", (name,)).fetchone():
+                return False, []
+            doomed: Extents = []
+            for (text,) in db.execute("SELECT blocks FROM objects WHERE bucket = ?", (name,)):
+                doomed += _extents(text)
+            ids = [r[0] for r in db.execute("SELECT upload_id FROM uploads WHERE bucket = ?", (name,))]
+            for upload_id in ids:
+                doomed += self._drop_upload(db, upload_id)
+            db.execute("DELETE FROM objects WHERE bucket = ?", (name,))
+            db.execute("DELETE FROM buckets WHERE name = ?", (name,))
+            return True, doomed
+
+        return self._tx(tx)
+
+    # -- objects --------------------------------------------------------------
+
+    def get(self, bucket: str, key: bytes) -> ObjectRow | None:
+        row = self._db.execute(
+            f"SELECT {_OBJECT_COLS} FROM objects WHERE bucket = ? AND key = ?", (bucket, key)
+        ).fetchone()
+        return _object(row) if row else None
+
+    def put(self, bucket: str, obj: ObjectRow, expect: Callable[[ObjectRow | None], None] | None = None) -> Extents:
+        """Store (or replace) the object; the replaced object's blocks.
+        ``expect`` sees the current object first and may raise (a
+        conditional write): then nothing changes."""
+
+        def tx(db: sqlite3.Connection) -> Extents:
+            old = self.get(bucket, obj.key)
+            if expect is not None:
+                expect(old)
+            db.execute(
+                "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (bucket, obj.key, obj.size, obj.etag, obj.mtime_ns, obj.meta, _text(obj.blocks)),
+            )
+            return old.blocks if old else []
+
+        return self._tx(tx)
+
+    def delete(self, bucket: str, key: bytes, only_if_blocks: Extents | None = None) -> Extents:
+        """Delete the object; its blocks. ``only_if_blocks``: only if it is
+        still that version (its blocks are these)."""
+
+        def tx(db: sqlite3.Connection) -> Extents:
+            old = self.get(bucket, key)
+            if old is None or (only_if_blocks is not None and old.blocks != only_if_blocks):
+                return []
+            db.execute("DELETE FROM objects WHERE bucket = ? AND key = ?", (bucket, key))
+            return old.blocks
+
+        return self._tx(tx)
+
+    def list_objects(self, bucket: str, after: bytes | None, prefix: bytes, limit: int) -> list[ObjectRow]:
+        """Up to ``limit`` objects with keys starting with ``prefix`` and
+        greater than ``after``, in byte order."""
+        lo = prefix if after is None or after < prefix else after
+        op = ">=" if after is None or after < prefix else ">"
+        # 0xff never occurs in UTF-8: every key starting with the prefix is below prefix+0xff.
+        rows = self._db.execute(
+            f"SELECT {_OBJECT_COLS} FROM objects WHERE bucket = ? AND key {op} ? AND key < ? ORDER BY key LIMIT ?",
+            (bucket, lo, prefix + b"\xff", limit),
+        ).fetchall()
+        return [_object(r) for r in rows]
+
+    # -- multipart uploads ------------------------------------------------------
+
+    def create_upload(self, upload: Upload) -> None:
+        self._tx(
+            lambda db: db.execute(
+                "INSERT INTO uploads VALUES (?, ?, ?, ?, ?)",
+                (upload.upload_id, upload.bucket, upload.key, upload.created_ns, upload.meta),
+            )
+        )
+
+    def upload(self, upload_id: str) -> Upload | None:
+        row = self._db.execute(
+            "SELECT upload_id, bucket, key, created_ns, meta FROM uploads WHERE upload_id = ?", (upload_id,)
+        ).fetchone()
+        return Upload(row[0], row[1], bytes(row[2]), row[3], bytes(row[4])) if row else None
+
+    def uploads(self, bucket: str, prefix: bytes, after: tuple[bytes, str] | None, limit: int) -> list[Upload]:
+        key_after, id_after = after if after is not None else (b"", "")
+        rows = self._db.execute(
+            "SELECT upload_id, bucket, key, created_ns, meta FROM uploads WHERE bucket = ? AND key >= ? AND key < ?"
+            " AND (key > ? OR (key = ? AND upload_id > ?)) ORDER BY key, upload_id LIMIT ?",
+            (bucket, prefix, prefix + b"\xff", key_after, key_after, id_after, limit),
+        ).fetchall()
+        return [Upload(r[0], r[1], bytes(r[2]), r[3], bytes(r[4])) for r in rows]
+
+    def put_part(self, upload_id: str, part: PartRow) -> tuple[bool, Extents]:
+        """Record a part (replacing one of the same number); (whether the
+        upload still exists, the blocks no longer needed)."""
+
+        def tx(db: sqlite3.Connection) -> tuple[bool, Extents]:
+            if self.upload(upload_id) is None:
+                return False, part.blocks
+            old = db.execute(
+                "SELECT blocks FROM parts WHERE upload_id = ? AND part = ?", (upload_id, part.part)
+            ).fetchone()
+            db.execute(
+                "INSERT OR REPLACE INTO parts VALUES (?, ?, ?, ?, ?, ?)",
+                (upload_id, part.part, part.size, part.etag, part.mtime_ns, _text(part.blocks)),
+            )
+            return True, _extents(old[0]) if old else []
+
+        return self._tx(tx)
+
+    def parts(self, upload_id: str, after: int = 0, limit: int = 10_000) -> list[PartRow]:
+        rows = self._db.execute(
+            "SELECT part, size, etag, mtime_ns, blocks FROM parts WHERE upload_id = ? AND part > ?"
+            " ORDER BY part LIMIT ?",
+            (upload_id, after, limit),
+        ).fetchall()
+        return [PartRow(r[0], r[1], r[2], r[3], _extents(r[4])) for r in rows]
+
+    def _drop_upload(self, db: sqlite3.Connection, upload_id: str) -> Extents:
+        doomed: Extents = []
+        for (text,) in db.execute("SELECT blocks FROM parts WHERE upload_id = ?", (upload_id,)):
+            doomed += _extents(text)
+        db.execute("DELETE FROM parts WHERE upload_id = ?", (upload_id,))
+        db.execute("DELETE FROM uploads WHERE upload_id = ?", (upload_id,))
+        return doomed
+
+    def abort(self, upload_id: str) -> tuple[bool, Extents]:
+        def tx(db: sqlite3.Connection) -> tuple[bool, Extents]:
+            if self.upload(upload_id) is None:
+                return False, []
+            return True, self._drop_upload(db, upload_id)
+
+        return self._tx(tx)
+
+    def complete(
+        self, upload: Upload, obj: ObjectRow, used: set[int], expect: Callable[[ObjectRow | None], None] | None = None
+    ) -> Extents:
+        """Make the upload the object: the parts numbered in ``used`` become
+        its blocks (``obj.blocks``); the rest and the replaced object's
+        blocks are returned, to delete."""
+
+        def tx(db: sqlite3.Connection) -> Extents:
+            if self.upload(upload.upload_id) is None:
+                from kvstore.transport.s3.errors import S3Error
+
+                raise S3Error("NoSuchUpload", "The specified upload does not exist.")
+            old = self.get(upload.bucket, obj.key)
+            if expect is not None:
+                expect(old)
+            doomed: Extents = []
+            for p in self.parts(upload.upload_id):
+                if p.part not in used:
+                    doomed += p.blocks
+            db.execute("DELETE FROM parts WHERE upload_id = ?", (upload.upload_id,))
+            db.execute("DELETE FROM uploads WHERE upload_id = ?", (upload.upload_id,))
+            db.execute(
+                "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (upload.bucket, obj.key, obj.size, obj.etag, obj.mtime_ns, obj.meta, _text(obj.blocks)),
+            )
+            return doomed + (old.blocks if old else [])
+
+        return self._tx(tx)
+
+    # -- housekeeping -------------------------------------------------------------
+
+    def referenced(self, buckets: list[str]) -> set[str]:
+        """Every block key the objects and parts of ``buckets`` use."""
+        out: set[str] = set()
+        for name in buckets:
+            for (text,) in self._db.execute("SELECT blocks FROM objects WHERE bucket = ?", (name,)):
+                out.update(k for k, _ in _extents(text))
+            for (text,) in self._db.execute(
+                "SELECT p.blocks FROM parts p JOIN uploads u ON p.upload_id = u.upload_id WHERE u.bucket = ?", (name,)
+            ):
+                out.update(k for k, _ in _extents(text))
+        return out
+
+    def forget_bucket(self, name: str) -> None:
+        """Drop a bucket of a deleted tenant (its blocks went with the tenant)."""
+        self.delete_bucket(name, only_if_empty=False)

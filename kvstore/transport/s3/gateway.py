@@ -1,0 +1,310 @@
+"""The S3-compatible gateway: a second listener that speaks S3's REST API.
+
+It runs in the process that owns the store's writes (the single process, or
+the writer of a multi-worker daemon), on its own address
+(``s3_gateway_listen``), so S3's path layout (``/bucket/key``) never meets
+``/v1``. Every request is authenticated with SigV4 (:mod:`.sigv4`) against
+the access keys the admin API issues per tenant; a bucket belongs to the
+tenant whose key created it. Objects are kvstore blocks of that tenant
+(:mod:`.objects`), named by the catalog (:mod:`.catalog`).
+
+Errors are S3's XML documents with a request id (``x-amz-request-id``); a
+HEAD's error has no body, as S3's.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from urllib.parse import unquote
+
+from aiohttp import web
+
+from kvstore.engine.store import Store
+from kvstore.errors import KVStoreError
+from kvstore.metrics import Metrics
+from kvstore.server_config import ServerConfig
+from kvstore.transport.s3 import bucket_ops, multipart_ops, object_ops, objects
+from kvstore.transport.s3.call import Call, Settings, validate_object_key
+from kvstore.transport.s3.catalog import Catalog
+from kvstore.transport.s3.errors import S3Error, from_kvstore
+from kvstore.transport.s3.sigv4 import RequestParts, check_scope_and_time, parse_authorization, parse_query, verify
+from kvstore.transport.s3.xml import error_document
+
+log = logging.getLogger("kvstore.s3")
+
+STORE = web.AppKey("s3_store", Store)
+CATALOG = web.AppKey("s3_catalog", Catalog)
+SETTINGS = web.AppKey("s3_settings", Settings)
+METRICS = web.AppKey("s3_metrics", Metrics)
+
+Op = Callable[[Call], Awaitable[web.StreamResponse]]
+
+# Sub-resources the gateway does not implement: S3's 501 NotImplemented, by name.
+_UNSUPPORTED = frozenset(
+    {
+        "acl",
+        "policy",
+        "cors",
+        "lifecycle",
+        "tagging",
+        "website",
+        "logging",
+        "notification",
+        "replication",
+        "encryption",
+        "object-lock",
+        "retention",
+        "legal-hold",
+        "torrent",
+        "accelerate",
+        "requestPayment",
+        "inventory",
+        "analytics",
+        "metrics",
+        "intelligent-tiering",
+        "ownershipControls",
+        "publicAccessBlock",
+        "restore",
+        "select",
+        "versions",
+        "attributes",
+        "policyStatus",
+    }
+)
+
+
+def _route(method: str, has_key: bool, query: dict[str, str], headers: object) -> tuple[str, Op]:
+    """(operation name, handler) of a request, as S3 routes it."""
+    unsupported = _UNSUPPORTED.intersection(query)
+    if unsupported and not (method == "PUT" and "acl" in query):
+        return "NotImplemented", _not_implemented(sorted(unsupported)[0])
+    if not has_key:
+        if method == "PUT":
+            if "acl" in query or "versioning" in query:
+                return "PutBucketSubresource", _ignored
+            return "CreateBucket", bucket_ops.create_bucket
+        if method == "HEAD":
+            return "HeadBucket", bucket_ops.head_bucket
+        if method == "DELETE":
+            return "DeleteBucket", bucket_ops.delete_bucket
+        if method == "GET":
+            if "location" in query:
+                return "GetBucketLocation", bucket_ops.get_location
+            if "versioning" in query:
+                return "GetBucketVersioning", bucket_ops.get_versioning
+            if "uploads" in query:
+                return "ListMultipartUploads", multipart_ops.list_uploads
+            return ("ListObjectsV2" if query.get("list-type") == "2" else "ListObjects"), bucket_ops.list_objects
+        if method == "POST" and "delete" in query:
+            return "DeleteObjects", bucket_ops.delete_objects
+        return "MethodNotAllowed", _method_not_allowed
+    if method == "PUT":
+        if "acl" in query:
+            return "PutObjectAcl", _ignored
+        if "uploadId" in query or "partNumber" in query:
+            return "UploadPart", multipart_ops.upload_part
+        if "x-amz-copy-source" in headers:  # type: ignore[operator]
+            return "CopyObject", object_ops.copy_object
+        return "PutObject", object_ops.put_object
+    if method == "GET":
+        if "uploadId" in query:
+            return "ListParts", multipart_ops.list_parts
+        return "GetObject", object_ops.get_object
+    if method == "HEAD":
+        return "HeadObject", _head_object
+    if method == "DELETE":
+        if "uploadId" in query:
+            return "AbortMultipartUpload", multipart_ops.abort
+        return "DeleteObject", object_ops.delete_object
+    if method == "POST":
+        if "uploads" in query:
+            return "CreateMultipartUpload", multipart_ops.create_upload
+        if "uploadId" in query:
+            return "CompleteMultipartUpload", multipart_ops.complete
+    return "MethodNotAllowed", _method_not_allowed
+
+
+async def _head_object(call: Call) -> web.StreamResponse:
+    return await object_ops.get_object(call, head=True)
+
+
+async def _ignored(call: Call) -> web.StreamResponse:
+    """Canned ACLs: buckets and objects are private to their tenant; an ACL
+    request is accepted and changes nothing (as stores without ACLs do)."""
+    if call.bucket_name is not None:
+        await call.bucket()
+    await call.xml_body() if call.request.can_read_body else None
+    return web.Response(status=200)
+
+
+def _not_implemented(name: str) -> Op:
+    async def op(call: Call) -> web.StreamResponse:
+        raise S3Error("NotImplemented", f"the '{name}' sub-resource is not implemented by this gateway")
+
+    return op
+
+
+async def _method_not_allowed(call: Call) -> web.StreamResponse:
+    raise S3Error("MethodNotAllowed", "The specified method is not allowed against this resource.")
+
+
+def _addressing(request: web.Request, domain: str | None) -> tuple[str | None, str]:
+    """(bucket, raw key path) from a virtual-host-style Host or the path."""
+    raw_path = request.raw_path.partition("?")[0]
+    host = (request.headers.get("Host") or "").rpartition(":")[0] or (request.headers.get("Host") or "")
+    if domain and host.lower().endswith("." + domain):
+        return host[: -len(domain) - 1].lower(), raw_path[1:]
+    path = raw_path[1:]
+    bucket, _, key = path.partition("/")
+    return (unquote(bucket) or None), key
+
+
+async def _authenticate(request: web.Request, settings: Settings, store: Store) -> tuple[Call, str]:
+    raw_path, _, raw_query = request.raw_path.partition("?")
+    headers: dict[str, list[str]] = {}
+    for name, value in request.headers.items():
+        headers.setdefault(name.lower(), []).append(value)
+    parts = RequestParts(request.method, raw_path, raw_query, headers)
+    auth = parse_authorization(parts)
+    if auth is None:
+        raise S3Error("AccessDenied", "Access Denied: anonymous requests are not accepted; sign with SigV4")
+    check_scope_and_time(auth, settings.region)
+    found = store.s3_credentials(auth.access_key_id)
+    if found is None:
+        raise S3Error(
+            "InvalidAccessKeyId",
+            "The AWS Access Key Id you provided does not exist in our records.",
+            AWSAccessKeyId=auth.access_key_id[:64],
+        )
+    tenant, secret, incarnation = found
+    key = verify(parts, auth, secret)
+    bucket, raw_key = _addressing(request, settings.domain)
+    query = dict(parse_query(raw_query))
+    try:
+        key_text = unquote(raw_key, errors="strict") if raw_key else ""
+    except UnicodeDecodeError:
+        raise S3Error("InvalidArgument", "the object key is not valid UTF-8") from None
+    call = Call(
+        request=request,
+        store=store,
+        catalog=request.app[CATALOG],
+        settings=settings,
+        tenant=tenant,
+        incarnation=incarnation,
+        auth=auth,
+        signing_key=key,
+        bucket_name=bucket,
+        key=validate_object_key(key_text) if key_text else None,
+        query=query,
+        request_id=request["s3_request_id"],
+    )
+    return call, tenant
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    settings = request.app[SETTINGS]
+    store = request.app[STORE]
+    call, _ = await _authenticate(request, settings, store)
+    if call.bucket_name is None:
+        if request.method != "GET":
+            raise S3Error("MethodNotAllowed", "The specified method is not allowed against this resource.")
+        request["s3_op"] = "ListBuckets"
+        return await bucket_ops.list_buckets(call)
+    name, op = _route(request.method, call.key is not None, call.query, request.headers)
+    request["s3_op"] = name
+    return await op(call)
+
+
+@web.middleware
+async def s3_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every answer carries a request id; every error is S3's XML document
+    (no body for a HEAD); counted by operation and status."""
+    request_id = secrets.token_hex(8).upper()
+    request["s3_request_id"] = request_id
+    metrics = request.app[METRICS]
+    t0 = time.perf_counter()
+    status = "disconnected"
+    try:
+        try:
+            resp = await handler(request)
+        except KVStoreError as e:
+            resp = _error_response(request, from_kvstore(e), request_id)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            resp = _error_response(request, S3Error("InvalidRequest", e.reason), request_id)
+        except (ConnectionError, OSError):
+            raise
+        except Exception:
+            log.exception("%s %s failed", request.method, request.get("s3_op", "?"))
+            resp = _error_response(
+                request, S3Error("InternalError", "We encountered an internal error. Please try again."), request_id
+            )
+        if not resp.prepared:
+            resp.headers["x-amz-request-id"] = request_id
+            resp.headers["x-amz-id-2"] = request_id
+            resp.headers.setdefault("Server", "kvstore")
+        status = str(resp.status)
+        return resp
+    finally:
+        op = request.get("s3_op", "unknown")
+        metrics.inc("kvstore_s3_requests_total", op=op, status=status)
+        metrics.observe("kvstore_s3_request_seconds", time.perf_counter() - t0, op=op)
+
+
+def _error_response(request: web.Request, e: S3Error, request_id: str) -> web.Response:
+    if e.status >= 500:
+        log.error("%s %s: %s %s", request.method, request.get("s3_op", "?"), e.s3_code, e.message)
+    resource = request.raw_path.partition("?")[0]
+    headers = {"x-amz-request-id": request_id, "x-amz-id-2": request_id}
+    if e.s3_code in ("SlowDown", "ServiceUnavailable"):
+        headers["Retry-After"] = "1"
+    if request.method == "HEAD":
+        return web.Response(status=e.status, headers=headers)
+    resp = web.Response(
+        status=e.status, body=error_document(e, resource, request_id), content_type="application/xml", headers=headers
+    )
+    if request.can_read_body and not request.content.is_eof():
+        resp.force_close()  # the body was not read: the connection cannot carry another request
+    return resp
+
+
+async def _expect(request: web.Request) -> None:
+    """``Expect: 100-continue`` gets its 100; any other expectation is
+    ignored, as S3 does (aiohttp would answer 417)."""
+    if (request.headers.get("Expect") or "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+def settings_of(cfg: ServerConfig) -> Settings:
+    return Settings(
+        region=cfg.s3_gateway_region,
+        domain=cfg.s3_gateway_domain,
+        block_size=min(objects.OBJECT_BLOCK, cfg.store.max_block_size),
+    )
+
+
+def make_gateway_app(store: Store, metrics: Metrics, settings: Settings) -> web.Application:
+    """The gateway's application over an open store."""
+    app = web.Application(middlewares=[s3_errors], client_max_size=1 << 20)
+    app[STORE] = store
+    app[SETTINGS] = settings
+    app[METRICS] = metrics
+
+    async def catalog_ctx(app: web.Application) -> AsyncIterator[None]:
+        catalog = Catalog(store.config.data_dir / "s3" / "catalog.sqlite3")
+        app[CATALOG] = catalog
+        await objects.sweep_orphans(store, catalog)
+        yield
+        await catalog.run(lambda: None)  # let the last change finish
+        catalog.close()
+
+    app.cleanup_ctx.append(catalog_ctx)
+    for method in ("GET", "PUT", "POST", "DELETE", "HEAD"):
+        app.router.add_route(method, "/{tail:.*}", handle, expect_handler=_expect)
+    return app

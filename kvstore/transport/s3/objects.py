@@ -1,0 +1,168 @@
+"""Objects as kvstore blocks: writing an upload's bytes, reading ranges back.
+
+An object (or a multipart upload's part) is stored as blocks of the bucket's
+tenant named ``s3~<uid>~<n>``: ``uid`` is fresh for every upload, so a block
+is never rewritten in place, and an object replaced while it is being read
+keeps its old blocks until the catalog no longer names them. Blocks are at
+most :data:`OBJECT_BLOCK` bytes (or the store's ``max_block_size`` if
+smaller); they share the tenant's encryption, compression, quota, TTL,
+compaction, object tier and events with every other block.
+
+The reserved prefix ``s3~`` is the gateway's: blocks under it that no object
+or part names (left by a crash between storing the blocks and committing the
+catalog) are removed when the gateway starts (:func:`sweep_orphans`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+
+from kvstore.engine.store import Store
+from kvstore.errors import KVStoreError
+from kvstore.transport.s3.body import UploadBody
+from kvstore.transport.s3.catalog import Catalog, Extents
+
+log = logging.getLogger("kvstore.s3")
+
+PREFIX = "s3~"
+OBJECT_BLOCK = 16 << 20
+
+
+def new_uid() -> str:
+    return secrets.token_hex(16)
+
+
+def block_key(uid: str, n: int) -> str:
+    return f"{PREFIX}{uid}~{n}"
+
+
+async def store_body(store: Store, tenant: str, body: UploadBody, block_size: int) -> Extents:
+    """Store the body's bytes as blocks; their extents once the whole body
+    has arrived and checked out. On any failure the blocks stored are
+    deleted and the error raised."""
+    uid = new_uid()
+    extents: Extents = []
+    buf = bytearray()
+    try:
+        async for data in body.chunks():
+            buf += data
+            while len(buf) >= block_size:
+                piece = bytes(buf[:block_size])
+                del buf[:block_size]
+                key = block_key(uid, len(extents))
+                await store.put(tenant, key, piece)
+                extents.append((key, len(piece)))
+        body.finish()
+        if buf or not extents:
+            key = block_key(uid, len(extents))
+            await store.put(tenant, key, bytes(buf))
+            extents.append((key, len(buf)))
+    except BaseException:
+        await delete_blocks(store, tenant, extents)
+        raise
+    return extents
+
+
+async def store_bytes(store: Store, tenant: str, chunks: AsyncIterator[bytes], block_size: int) -> Extents:
+    """Store bytes from a trusted source (a copy) as blocks, as :func:`store_body`."""
+    uid = new_uid()
+    extents: Extents = []
+    buf = bytearray()
+    try:
+        async for data in chunks:
+            buf += data
+            while len(buf) >= block_size:
+                key = block_key(uid, len(extents))
+                await store.put(tenant, key, bytes(buf[:block_size]))
+                extents.append((key, block_size))
+                del buf[:block_size]
+        if buf or not extents:
+            key = block_key(uid, len(extents))
+            await store.put(tenant, key, bytes(buf))
+            extents.append((key, len(buf)))
+    except BaseException:
+        await delete_blocks(store, tenant, extents)
+        raise
+    return extents
+
+
+async def delete_blocks(store: Store, tenant: str, extents: Iterable[tuple[str, int]]) -> None:
+    """Delete blocks no object names any more; a failure is logged, not
+    raised (the blocks are orphans the next start-up sweeps)."""
+    for key, _ in extents:
+        try:
+            await store.delete(tenant, key)
+        except KVStoreError as e:
+            log.warning("could not delete block %s of tenant %s: %s", key, tenant, e.code)
+
+
+async def blocks_present(store: Store, tenant: str, extents: Extents) -> bool:
+    if not extents:
+        return True
+    return all(await store.present(tenant, [k for k, _ in extents]))
+
+
+async def read_range(
+    store: Store, tenant: str, extents: Extents, start: int, end: int
+) -> AsyncGenerator[memoryview, None]:
+    """Bytes [start, end) of the object, block by block (NotFound if a block
+    has gone: evicted, expired, deleted). The next block is read while the
+    caller sends the one before."""
+    spans: list[tuple[str, int, int]] = []
+    pos = 0
+    for key, length in extents:
+        lo, hi = max(start, pos), min(end, pos + length)
+        if lo < hi:
+            spans.append((key, lo - pos, hi - pos))
+        pos += length
+        if pos >= end:
+            break
+
+    async def read(span: tuple[str, int, int]) -> memoryview:
+        key, lo, hi = span
+        data = await store.get_buffer(tenant, key, lo, hi)
+        return data if isinstance(data, memoryview) else memoryview(data)
+
+    pending: asyncio.Task[memoryview] | None = None
+    try:
+        for i, span in enumerate(spans):
+            current = pending if pending is not None else asyncio.ensure_future(read(span))
+            pending = asyncio.ensure_future(read(spans[i + 1])) if i + 1 < len(spans) else None
+            yield await current
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, KVStoreError):
+                await pending
+
+
+async def sweep_orphans(store: Store, catalog: Catalog) -> int:
+    """Delete the blocks under ``s3~`` of every tenant with buckets that no
+    object or part names; how many. Runs before the gateway serves."""
+    by_tenant: dict[str, list[str]] = {}
+    for b in await catalog.run(catalog.all_buckets):
+        if store.incarnation(b.tenant) != b.incarnation:
+            await catalog.run(catalog.forget_bucket, b.name)
+            continue
+        by_tenant.setdefault(b.tenant, []).append(b.name)
+    removed = 0
+    for tenant, names in by_tenant.items():
+        used = await catalog.run(catalog.referenced, names)
+        doomed = []
+        # Keys come in byte order: start just below "s3~", stop past its range.
+        async for key in store.iter_keys(tenant, start_after="s3}"):
+            if not key.startswith(PREFIX):
+                if key > PREFIX:
+                    break
+                continue
+            if key not in used:
+                doomed.append((key, 0))
+        await delete_blocks(store, tenant, doomed)
+        removed += len(doomed)
+    if removed:
+        log.info("removed %d orphaned S3 object blocks", removed)
+    return removed
