@@ -57,7 +57,7 @@ async def store_body(store: Store, tenant: str, body: UploadBody, block_size: in
                 await store.put(tenant, key, piece)
                 extents.append((key, len(piece)))
         body.finish()
-        if buf or not extents:
+        if buf:  # an empty object has no block
             key = block_key(uid, len(extents))
             await store.put(tenant, key, bytes(buf))
             extents.append((key, len(buf)))
@@ -80,7 +80,7 @@ async def store_bytes(store: Store, tenant: str, chunks: AsyncIterator[bytes], b
                 await store.put(tenant, key, bytes(buf[:block_size]))
                 extents.append((key, block_size))
                 del buf[:block_size]
-        if buf or not extents:
+        if buf:  # an empty object has no block
             key = block_key(uid, len(extents))
             await store.put(tenant, key, bytes(buf))
             extents.append((key, len(buf)))
