@@ -185,7 +185,7 @@ def test_listing_thousands_of_keys(s3: Any) -> None:
     bucket = fresh_bucket(s3)
     rng = random.Random(3)
     keys = {f"dir{d}/sub{rng.randrange(5)}/obj-{i:05d}" for d in range(4) for i in range(500)}
-    keys |= {"top-%d" % i for i in range(30)}
+    keys |= {f"top-{i}" for i in range(30)}
     keys |= {"odd/sp ace", "odd/pl+us", "odd/per%cent", "odd/ünï©ødé", "odd/日本", "odd/a\x7fb", "odd/" + "k" * 1000}
     from concurrent.futures import ThreadPoolExecutor
 

@@ -61,7 +61,10 @@ def test_get_object_example() -> None:
 
 
 def test_streaming_chunked_example() -> None:
-    signed = "content-encoding;content-length;host;x-amz-content-sha256;x-amz-date;x-amz-decoded-content-length;x-amz-storage-class"
+    signed = (
+        "content-encoding;content-length;host;x-amz-content-sha256;x-amz-date;"
+        "x-amz-decoded-content-length;x-amz-storage-class"
+    )
     headers = {
         "host": ["s3.amazonaws.com"],
         "x-amz-date": ["20130524T000000Z"],
