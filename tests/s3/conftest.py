@@ -103,3 +103,71 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     gw.tenant("beta", "direct")
     yield gw
     gw.daemon.stop()
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def code(self) -> str | None:
+        import xml.etree.ElementTree as ET
+
+        if not self.body:
+            return None
+        found = ET.fromstring(self.body).find("Code")
+        return found.text if found is not None else None
+
+
+def send_signed(
+    gw: Gateway,
+    method: str,
+    path: str,
+    key: tuple[str, str],
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    payload_hash: str | None = None,
+    send_body: bytes | None = None,
+    extra_headers: dict[str, str] | None = None,
+    region: str = REGION,
+) -> Answer:
+    """A request signed by botocore's own SigV4 signer (``payload_hash``: the
+    x-amz-content-sha256 to sign instead of the body's), then sent as is,
+    or with ``send_body`` and ``extra_headers`` swapped in after signing."""
+    import http.client
+
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    class Signer(S3SigV4Auth):
+        def payload(self, request: Any) -> str:
+            return payload_hash if payload_hash is not None else str(super().payload(request))
+
+    req = AWSRequest(method=method, url=gw.endpoint + path, data=body, headers=dict(headers or {}))
+    Signer(Credentials(*key), "s3", region).add_auth(req)
+    out_headers = {k: str(v) for k, v in req.headers.items()}
+    data = body if send_body is None else send_body
+    out_headers["Content-Length"] = str(len(data))
+    out_headers.update(extra_headers or {})
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=60)
+    try:
+        conn.request(method, path, body=data, headers=out_headers)
+        resp = conn.getresponse()
+        return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+    finally:
+        conn.close()
+
+
+def http_error(fn: Any, *args: Any) -> tuple[int, bytes]:
+    """(status, body) of the HTTPError ``fn(*args)`` raises; the response closed."""
+    import urllib.error
+
+    try:
+        fn(*args)
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read()
+    raise AssertionError("expected an HTTP error")
