@@ -142,7 +142,7 @@ def send_signed(
     from botocore.awsrequest import AWSRequest
     from botocore.credentials import Credentials
 
-    class Signer(S3SigV4Auth):
+    class Signer(S3SigV4Auth):  # type: ignore[misc]
         def payload(self, request: Any) -> str:
             return payload_hash if payload_hash is not None else str(super().payload(request))
 

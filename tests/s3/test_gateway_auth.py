@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 import zlib
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -131,7 +132,7 @@ def _chunked(
     from botocore.awsrequest import AWSRequest
     from botocore.credentials import Credentials
 
-    class Signer(S3SigV4Auth):
+    class Signer(S3SigV4Auth):  # type: ignore[misc]
         def payload(self, request: Any) -> str:
             return mode
 
@@ -231,7 +232,7 @@ def test_tenants_kept_apart(gateway: Gateway) -> None:
     bucket = fresh_bucket(acme)
     acme.put_object(Bucket=bucket, Key="secret", Body=b"acme's bytes")
     assert bucket not in [b["Name"] for b in beta.list_buckets()["Buckets"]]
-    calls = [
+    calls: list[Callable[[], Any]] = [
         lambda: beta.head_bucket(Bucket=bucket),
         lambda: beta.list_objects_v2(Bucket=bucket),
         lambda: beta.get_object(Bucket=bucket, Key="secret"),
