@@ -132,6 +132,7 @@ def send_signed(
     send_body: bytes | None = None,
     extra_headers: dict[str, str] | None = None,
     region: str = REGION,
+    host: str | None = None,
 ) -> Answer:
     """A request signed by botocore's own SigV4 signer (``payload_hash``: the
     x-amz-content-sha256 to sign instead of the body's), then sent as is,
@@ -146,7 +147,8 @@ def send_signed(
         def payload(self, request: Any) -> str:
             return payload_hash if payload_hash is not None else str(super().payload(request))
 
-    req = AWSRequest(method=method, url=gw.endpoint + path, data=body, headers=dict(headers or {}))
+    base = f"http://{host}" if host is not None else gw.endpoint
+    req = AWSRequest(method=method, url=base + path, data=body, headers=dict(headers or {}))
     Signer(Credentials(*key), "s3", region).add_auth(req)
     out_headers = {k: str(v) for k, v in req.headers.items()}
     data = body if send_body is None else send_body

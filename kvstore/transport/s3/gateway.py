@@ -151,9 +151,22 @@ async def _method_not_allowed(call: Call) -> web.StreamResponse:
     raise S3Error("MethodNotAllowed", "The specified method is not allowed against this resource.")
 
 
+def _target(request: web.Request) -> tuple[str, str]:
+    """(raw path, raw query) of the request target as sent. An absolute-form
+    target (``GET http://host:port/bucket/key HTTP/1.1``, RFC 9112 §3.2.2,
+    which the AWS CRT sends) is reduced to its path and query, keeping
+    their percent-encoding exactly as signed."""
+    raw = request.raw_path
+    if not raw.startswith("/"):
+        _, sep, rest = raw.partition("://")
+        raw = "/" + rest.partition("/")[2] if sep else "/" + raw
+    path, _, query = raw.partition("?")
+    return path, query
+
+
 def _addressing(request: web.Request, domain: str | None) -> tuple[str | None, str]:
     """(bucket, raw key path) from a virtual-host-style Host or the path."""
-    raw_path = request.raw_path.partition("?")[0]
+    raw_path = _target(request)[0]
     host = (request.headers.get("Host") or "").rpartition(":")[0] or (request.headers.get("Host") or "")
     if domain and host.lower().endswith("." + domain):
         return host[: -len(domain) - 1].lower(), raw_path[1:]
@@ -163,7 +176,7 @@ def _addressing(request: web.Request, domain: str | None) -> tuple[str | None, s
 
 
 async def _authenticate(request: web.Request, settings: Settings, store: Store) -> tuple[Call, str]:
-    raw_path, _, raw_query = request.raw_path.partition("?")
+    raw_path, raw_query = _target(request)
     headers: dict[str, list[str]] = {}
     for name, value in request.headers.items():
         headers.setdefault(name.lower(), []).append(value)
@@ -245,10 +258,6 @@ async def s3_errors(
             resp = _error_response(
                 request, S3Error("InternalError", "We encountered an internal error. Please try again."), request_id
             )
-        if not resp.prepared:
-            resp.headers["x-amz-request-id"] = request_id
-            resp.headers["x-amz-id-2"] = request_id
-            resp.headers.setdefault("Server", "kvstore")
         status = str(resp.status)
         return resp
     finally:
@@ -257,10 +266,19 @@ async def s3_errors(
         metrics.observe("kvstore_s3_request_seconds", time.perf_counter() - t0, op=op)
 
 
+async def _stamp(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer, streamed ones included, names its request as S3's do."""
+    request_id = request.get("s3_request_id")
+    if request_id is not None:
+        response.headers["x-amz-request-id"] = request_id
+        response.headers["x-amz-id-2"] = request_id
+    response.headers["Server"] = "kvstore"
+
+
 def _error_response(request: web.Request, e: S3Error, request_id: str) -> web.Response:
     if e.status >= 500:
         log.error("%s %s: %s %s", request.method, request.get("s3_op", "?"), e.s3_code, e.message)
-    resource = request.raw_path.partition("?")[0]
+    resource = _target(request)[0]
     headers = {"x-amz-request-id": request_id, "x-amz-id-2": request_id}
     if e.s3_code in ("SlowDown", "ServiceUnavailable"):
         headers["Retry-After"] = "1"
@@ -305,6 +323,7 @@ def make_gateway_app(store: Store, metrics: Metrics, settings: Settings) -> web.
         catalog.close()
 
     app.cleanup_ctx.append(catalog_ctx)
+    app.on_response_prepare.append(_stamp)
     for method in ("GET", "PUT", "POST", "DELETE", "HEAD"):
         app.router.add_route(method, "/{tail:.*}", handle, expect_handler=_expect)
     return app
