@@ -160,7 +160,7 @@ async def issue_s3_key(request: web.Request) -> web.Response:
     return web.json_response({"name": name, "access_key_id": akid, "secret_access_key": secret}, status=201)
 
 
-@routes.get("/v1/admin/tenants/{name}/s3-keys")
+@routes.get("/v1/admin/tenants/{name}/s3-keys", allow_head=False)
 async def list_s3_keys(request: web.Request) -> web.Response:
     require_admin(request)
     name = request.match_info["name"]

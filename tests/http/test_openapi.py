@@ -95,6 +95,10 @@ async def test_answers_match_the_description(api: Api) -> None:
         ("GET", "/v1/admin/tenants/{name}", "/v1/admin/tenants/nobody", admin, b"", 404),
         ("HEAD", "/v1/admin/tenants/{name}", "/v1/admin/tenants/alice", admin, b"", 200),
         ("POST", "/v1/admin/tenants/{name}/tokens", "/v1/admin/tenants/bob/tokens", admin, b"", 201),
+        ("POST", "/v1/admin/tenants/{name}/s3-keys", "/v1/admin/tenants/bob/s3-keys", admin, b"", 201),
+        ("POST", "/v1/admin/tenants/{name}/s3-keys", "/v1/admin/tenants/nobody/s3-keys", admin, b"", 404),
+        ("GET", "/v1/admin/tenants/{name}/s3-keys", "/v1/admin/tenants/bob/s3-keys", admin, b"", 200),
+        ("GET", "/v1/admin/tenants/{name}/s3-keys", "/v1/admin/tenants/bob/s3-keys", t, b"", 401),
         ("POST", "/v1/admin/tenants/{name}/rotate-key", "/v1/admin/tenants/alice/rotate-key", admin, b"", 200),
         ("POST", "/v1/admin/master-key", "/v1/admin/master-key", admin, b'{"key_file": "/nonexistent"}', 400),
         ("GET", "/v1/admin/status", "/v1/admin/status", admin, b"", 200),
@@ -127,8 +131,23 @@ async def test_answers_match_the_description(api: Api) -> None:
             problems += spec.problems(method, pattern, r.status, r.headers.get("Content-Type", ""), data)
         exercised.add((method, pattern))
     async with api.session.get(api.url("/v1/admin/tenants/bob"), headers=admin) as r:
-        token_id = json.loads(await r.read())["tokens"][0]["id"]  # revoked, then bob deleted
+        bob = json.loads(await r.read())
+        token_id = bob["tokens"][0]["id"]  # revoked, then bob deleted
+        access_key_id = bob["s3_keys"][0]["access_key_id"]
     for method, pattern, path, status in (
+        (
+            "DELETE",
+            "/v1/admin/tenants/{name}/s3-keys/{access_key_id}",
+            f"/v1/admin/tenants/bob/s3-keys/{access_key_id}",
+            204,
+        ),
+        (
+            "DELETE",
+            "/v1/admin/tenants/{name}/s3-keys/{access_key_id}",
+            f"/v1/admin/tenants/bob/s3-keys/{access_key_id}",
+            404,
+        ),
+        ("DELETE", "/v1/admin/tenants/{name}/s3-keys/{access_key_id}", "/v1/admin/tenants/bob/s3-keys/lower-case", 400),
         ("DELETE", "/v1/admin/tenants/{name}/tokens/{token_id}", f"/v1/admin/tenants/bob/tokens/{token_id}", 204),
         ("DELETE", "/v1/admin/tenants/{name}/tokens/{token_id}", "/v1/admin/tenants/bob/tokens/0000000000000000", 404),
         ("DELETE", "/v1/admin/tenants/{name}", "/v1/admin/tenants/bob", 204),
