@@ -10,7 +10,6 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from kvstore.transport.s3 import objects
 from kvstore.transport.s3.call import Call, validate_bucket_name, validate_object_key
 from kvstore.transport.s3.catalog import Bucket, ObjectRow
 from kvstore.transport.s3.errors import S3Error
@@ -81,7 +80,7 @@ async def delete_bucket(call: Call) -> web.StreamResponse:
     deleted, doomed = await call.catalog.run(call.catalog.delete_bucket, bucket.name, True)
     if not deleted:
         raise S3Error("BucketNotEmpty", "The bucket you tried to delete is not empty", BucketName=bucket.name)
-    await objects.delete_blocks(call.store, call.tenant, doomed)  # its unfinished uploads' parts
+    await call.readers.retire(call.tenant, doomed)  # its unfinished uploads' parts
     return web.Response(status=204)
 
 
@@ -188,7 +187,7 @@ async def _live(call: Call, bucket: str, rows: list[ObjectRow]) -> set[bytes]:
             live.add(row.key)
         else:
             await call.catalog.run(call.catalog.delete, bucket, row.key, row.blocks)
-            await objects.delete_blocks(call.store, call.tenant, row.blocks)
+            await call.readers.retire(call.tenant, row.blocks)
     return live
 
 
@@ -297,7 +296,7 @@ async def delete_objects(call: Call) -> web.StreamResponse:
             )
             continue
         doomed = await call.catalog.run(call.catalog.delete, bucket.name, key, None)
-        await objects.delete_blocks(call.store, call.tenant, doomed)
+        await call.readers.retire(call.tenant, doomed)
         if not quiet:
             out.append("<Deleted>" + element("Key", key_text) + "</Deleted>")
     return _xml(document("DeleteResult", out))

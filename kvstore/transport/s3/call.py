@@ -14,6 +14,7 @@ from kvstore.engine.store import Store
 from kvstore.transport.s3.body import UploadBody
 from kvstore.transport.s3.catalog import Bucket, Catalog
 from kvstore.transport.s3.errors import S3Error
+from kvstore.transport.s3.objects import Readers
 from kvstore.transport.s3.sigv4 import STREAMING_SIGNED, STREAMING_SIGNED_TRAILER, Authorization, ChunkSigner
 from kvstore.transport.s3.xml import MAX_BODY
 
@@ -45,6 +46,7 @@ class Call:
     key: bytes | None
     query: dict[str, str]
     request_id: str
+    readers: Readers
     started: float = field(default_factory=time.time)
 
     @property

@@ -36,6 +36,7 @@ from kvstore.transport.s3.xml import error_document
 log = logging.getLogger("kvstore.s3")
 
 STORE = web.AppKey("s3_store", Store)
+READERS = web.AppKey("s3_readers", objects.Readers)
 CATALOG = web.AppKey("s3_catalog", Catalog)
 SETTINGS = web.AppKey("s3_settings", Settings)
 METRICS = web.AppKey("s3_metrics", Metrics)
@@ -213,6 +214,7 @@ async def _authenticate(request: web.Request, settings: Settings, store: Store) 
         key=validate_object_key(key_text) if key_text else None,
         query=query,
         request_id=request["s3_request_id"],
+        readers=request.app[READERS],
     )
     return call, tenant
 
@@ -317,8 +319,10 @@ def make_gateway_app(store: Store, metrics: Metrics, settings: Settings) -> web.
     async def catalog_ctx(app: web.Application) -> AsyncIterator[None]:
         catalog = Catalog(store.config.data_dir / "s3" / "catalog.sqlite3")
         app[CATALOG] = catalog
+        app[READERS] = readers = objects.Readers(store)
         await objects.sweep_orphans(store, catalog)
         yield
+        await readers.close()
         await catalog.run(lambda: None)  # let the last change finish
         catalog.close()
 

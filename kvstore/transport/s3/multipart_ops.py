@@ -109,13 +109,20 @@ async def _record_part(call: Call, upload: Upload, part: PartRow) -> None:
     except BaseException:
         await objects.delete_blocks(call.store, call.tenant, part.blocks)
         raise
-    await objects.delete_blocks(call.store, call.tenant, doomed)
+    await call.readers.retire(call.tenant, doomed)
     if not exists:  # aborted or completed while the part was arriving
         raise S3Error("NoSuchUpload", "The specified upload does not exist.", UploadId=upload.upload_id)
 
 
 async def _upload_part_copy(call: Call, upload: Upload, number: int) -> web.StreamResponse:
-    src, _ = await read_source(call)
+    src, _, held = await read_source(call)
+    try:
+        return await _copy_part(call, upload, number, src)
+    finally:
+        held.release()
+
+
+async def _copy_part(call: Call, upload: Upload, number: int, src: ObjectRow) -> web.StreamResponse:
     start, end = 0, src.size
     text = call.request.headers.get("x-amz-copy-source-range")
     if text is not None:
@@ -192,7 +199,7 @@ async def complete(call: Call) -> web.StreamResponse:
     doomed = await call.catalog.run(
         call.catalog.complete, upload, row, {p.part for p in chosen}, write_condition(call.request)
     )
-    await objects.delete_blocks(call.store, call.tenant, doomed)
+    await call.readers.retire(call.tenant, doomed)
     host = call.request.host
     body = document(
         "CompleteMultipartUploadResult",
@@ -209,7 +216,7 @@ async def complete(call: Call) -> web.StreamResponse:
 async def abort(call: Call) -> web.StreamResponse:
     upload = await _upload(call)
     _, doomed = await call.catalog.run(call.catalog.abort, upload.upload_id)
-    await objects.delete_blocks(call.store, call.tenant, doomed)
+    await call.readers.retire(call.tenant, doomed)
     return web.Response(status=204)
 
 

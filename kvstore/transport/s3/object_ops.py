@@ -18,6 +18,7 @@ from kvstore.transport.s3.body import UploadBody
 from kvstore.transport.s3.call import Call, validate_bucket_name, validate_object_key
 from kvstore.transport.s3.catalog import ObjectRow
 from kvstore.transport.s3.errors import S3Error
+from kvstore.transport.s3.objects import Held
 from kvstore.transport.s3.sigv4 import STREAMING_SIGNED, STREAMING_SIGNED_TRAILER, ChunkSigner
 from kvstore.transport.s3.xml import document, element, http_time, iso_time
 
@@ -156,21 +157,28 @@ async def _commit(call: Call, bucket: str, row: ObjectRow, expect: Any) -> None:
     except BaseException:
         await objects.delete_blocks(call.store, call.tenant, row.blocks)
         raise
-    await objects.delete_blocks(call.store, call.tenant, old)
+    await call.readers.retire(call.tenant, old)
 
 
-async def _object(call: Call) -> tuple[ObjectRow, dict[str, Any]]:
+async def _object(call: Call) -> tuple[ObjectRow, dict[str, Any], Held]:
+    """The object the request names, its metadata, and its blocks held for
+    this read (the caller releases them once the answer is sent)."""
     bucket = await call.bucket()
     assert call.key is not None
     obj = await call.catalog.run(call.catalog.get, bucket.name, call.key)
     if obj is None:
         raise S3Error("NoSuchKey", "The specified key does not exist.", Key=call.key_text)
-    if not await objects.blocks_present(call.store, call.tenant, obj.blocks):
-        # A block was evicted (quota, disk), expired (TTL) or deleted: the object is gone.
-        await call.catalog.run(call.catalog.delete, bucket.name, call.key, obj.blocks)
-        await objects.delete_blocks(call.store, call.tenant, obj.blocks)
-        raise S3Error("NoSuchKey", "The specified key does not exist.", Key=call.key_text)
-    return obj, call.open_meta(obj.meta)
+    held = call.readers.hold(obj.blocks)  # before anything else awaits: a replacement now waits for us
+    try:
+        if not await objects.blocks_present(call.store, call.tenant, obj.blocks):
+            # A block was evicted (quota, disk), expired (TTL) or deleted: the object is gone.
+            await call.catalog.run(call.catalog.delete, bucket.name, call.key, obj.blocks)
+            await call.readers.retire(call.tenant, obj.blocks)
+            raise S3Error("NoSuchKey", "The specified key does not exist.", Key=call.key_text)
+        return obj, call.open_meta(obj.meta), held
+    except BaseException:
+        held.release()
+        raise
 
 
 def _object_headers(call: Call, obj: ObjectRow, meta: dict[str, Any]) -> dict[str, str]:
@@ -210,7 +218,14 @@ def _part_span(call: Call, obj: ObjectRow, meta: dict[str, Any]) -> tuple[int, i
 
 
 async def get_object(call: Call, head: bool = False) -> web.StreamResponse:
-    obj, meta = await _object(call)
+    obj, meta, held = await _object(call)
+    try:
+        return await _answer(call, obj, meta, head)
+    finally:
+        held.release()
+
+
+async def _answer(call: Call, obj: ObjectRow, meta: dict[str, Any], head: bool) -> web.StreamResponse:
     headers = _object_headers(call, obj, meta)
     status = check_read_conditions(call.request, obj)
     if status == 412:
@@ -269,7 +284,7 @@ async def delete_object(call: Call) -> web.StreamResponse:
     bucket = await call.bucket()
     assert call.key is not None
     doomed = await call.catalog.run(call.catalog.delete, bucket.name, call.key, None)
-    await objects.delete_blocks(call.store, call.tenant, doomed)
+    await call.readers.retire(call.tenant, doomed)
     return web.Response(status=204)
 
 
@@ -284,15 +299,16 @@ def copy_source(call: Call) -> tuple[str, bytes]:
     return validate_bucket_name(name), validate_object_key(key)
 
 
-async def read_source(call: Call) -> tuple[ObjectRow, dict[str, Any]]:
-    """The object x-amz-copy-source names, readable by the caller."""
+async def read_source(call: Call) -> tuple[ObjectRow, dict[str, Any], Held]:
+    """The object x-amz-copy-source names, readable by the caller, its
+    blocks held until the caller releases them."""
     name, key = copy_source(call)
     source = Call(**{**call.__dict__, "bucket_name": name, "key": key, "query": {}})
-    obj, meta = await _object(source)
-    status = _copy_conditions(call, obj)
-    if status is not None:
+    obj, meta, held = await _object(source)
+    if _copy_conditions(call, obj) is not None:
+        held.release()
         raise S3Error("PreconditionFailed", "At least one of the pre-conditions you specified did not hold")
-    return obj, meta
+    return obj, meta, held
 
 
 def _copy_conditions(call: Call, obj: ObjectRow) -> int | None:
@@ -321,12 +337,20 @@ async def source_chunks(call: Call, obj: ObjectRow, start: int, end: int) -> Asy
 async def copy_object(call: Call) -> web.StreamResponse:
     bucket = await call.bucket()
     assert call.key is not None
-    src, src_meta = await read_source(call)
+    src, src_meta, held = await read_source(call)
+    try:
+        return await _copy(call, bucket.name, src, src_meta)
+    finally:
+        held.release()
+
+
+async def _copy(call: Call, bucket: str, src: ObjectRow, src_meta: dict[str, Any]) -> web.StreamResponse:
+    assert call.key is not None
     directive = (call.request.headers.get("x-amz-metadata-directive") or "COPY").upper()
     if directive not in ("COPY", "REPLACE"):
         raise S3Error("InvalidArgument", "Unknown metadata directive.")
     name, key = copy_source(call)
-    if name == bucket.name and key == call.key and directive == "COPY":
+    if name == bucket and key == call.key and directive == "COPY":
         raise S3Error(
             "InvalidRequest",
             "This copy request is illegal because it is trying to copy an object to itself without changing the "
@@ -344,6 +368,6 @@ async def copy_object(call: Call) -> web.StreamResponse:
 
     extents = await objects.store_bytes(call.store, call.tenant, hashed(), call.settings.block_size)
     row = ObjectRow(call.key, src.size, f'"{md5.hexdigest()}"', time.time_ns(), call.seal_meta(meta), extents)
-    await _commit(call, bucket.name, row, expect)
+    await _commit(call, bucket, row, expect)
     body = document("CopyObjectResult", [element("LastModified", iso_time(row.mtime_ns)), element("ETag", row.etag)])
     return web.Response(body=body, content_type="application/xml")

@@ -100,6 +100,74 @@ async def delete_blocks(store: Store, tenant: str, extents: Iterable[tuple[str, 
             log.warning("could not delete block %s of tenant %s: %s", key, tenant, e.code)
 
 
+class Readers:
+    """The blocks reads in flight are using. An object replaced or deleted
+    while it is being read keeps its blocks until the last read of them ends
+    (the catalog already names the new ones): a GET that started on a
+    version finishes on it, whole. Everything runs on the gateway's event
+    loop, so counts need no lock."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._held: dict[str, int] = {}
+        self._doomed: dict[str, str] = {}  # block key -> tenant, to delete once no read holds it
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def hold(self, extents: Extents) -> Held:
+        """Hold ``extents`` until the returned object's ``release``."""
+        for key, _ in extents:
+            self._held[key] = self._held.get(key, 0) + 1
+        return Held(self, [k for k, _ in extents])
+
+    def _release(self, keys: list[str]) -> None:
+        for key in keys:
+            n = self._held[key] - 1
+            if n:
+                self._held[key] = n
+                continue
+            del self._held[key]
+            tenant = self._doomed.pop(key, None)
+            if tenant is not None:
+                self._spawn(tenant, [(key, 0)])
+
+    def _spawn(self, tenant: str, extents: Extents) -> None:
+        task = asyncio.ensure_future(delete_blocks(self._store, tenant, extents))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def retire(self, tenant: str, extents: Extents) -> None:
+        """Delete blocks no object names any more, now or, for those a read
+        holds, when the last such read ends."""
+        now: Extents = []
+        for key, size in extents:
+            if key in self._held:
+                self._doomed[key] = tenant
+            else:
+                now.append((key, size))
+        await delete_blocks(self._store, tenant, now)
+
+    async def close(self) -> None:
+        """Wait for the deletions under way (reads have ended by now)."""
+        for key, tenant in list(self._doomed.items()):
+            self._spawn(tenant, [(key, 0)])
+        self._doomed.clear()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class Held:
+    """Blocks held by one read; ``release`` once, when the read has ended."""
+
+    def __init__(self, readers: Readers, keys: list[str]) -> None:
+        self._readers = readers
+        self._keys: list[str] | None = keys
+
+    def release(self) -> None:
+        if self._keys is not None:
+            keys, self._keys = self._keys, None
+            self._readers._release(keys)
+
+
 async def blocks_present(store: Store, tenant: str, extents: Extents) -> bool:
     if not extents:
         return True
