@@ -281,3 +281,44 @@ def test_malformed_xml(gateway: Gateway) -> None:
     assert a.status == 400
     a = send_signed(gateway, "GET", f"/{bucket}?acl", key)
     assert (a.status, a.code) == (501, "NotImplemented")
+
+
+def _expect_exchange(gateway: Gateway, key: tuple[str, str], path: str, body: bytes) -> tuple[bytes, bytes]:
+    """Send a signed PUT's headers with ``Expect: 100-continue``; (the first
+    answer, the final answer after sending the body if the first was 100)."""
+    import socket
+
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    req = AWSRequest(method="PUT", url=gateway.endpoint + path, data=body)
+    S3SigV4Auth(Credentials(*key), "s3", "us-east-1").add_auth(req)
+    head = f"PUT {path} HTTP/1.1\r\nHost: 127.0.0.1:{gateway.port}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in req.headers.items())
+    head += f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        first = sock.recv(65536)
+        if not first.startswith(b"HTTP/1.1 100"):
+            return first, b""
+        sock.sendall(body)
+        rest = b""
+        while b"\r\n\r\n" not in rest:
+            rest += sock.recv(65536)
+        return first, rest
+
+
+def test_expect_100_continue_is_answered_after_authentication(gateway: Gateway) -> None:
+    """As S3: a request that would be refused is refused before its body is
+    sent; one that will be accepted gets 100 Continue, then its answer."""
+    s3 = gateway.client("acme")
+    bucket = fresh_bucket(s3)
+    body = os.urandom(200_000)
+    first, final = _expect_exchange(gateway, gateway.keys["acme"], f"/{bucket}/expect", body)
+    assert first.startswith(b"HTTP/1.1 100") and final.startswith(b"HTTP/1.1 200"), (first[:80], final[:80])
+    assert s3.get_object(Bucket=bucket, Key="expect")["Body"].read() == body
+    akid, secret = gateway.keys["acme"]
+    first, _ = _expect_exchange(gateway, (akid, "wrong" + secret[5:]), f"/{bucket}/expect2", body)
+    assert first.startswith(b"HTTP/1.1 403") and b"SignatureDoesNotMatch" in first
+    first, _ = _expect_exchange(gateway, gateway.keys["beta"], f"/{bucket}/expect3", body)
+    assert first.startswith(b"HTTP/1.1 403") and b"AccessDenied" in first  # another tenant's bucket

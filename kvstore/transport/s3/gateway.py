@@ -239,7 +239,7 @@ async def s3_errors(
 ) -> web.StreamResponse:
     """Every answer carries a request id; every error is S3's XML document
     (no body for a HEAD); counted by operation and status."""
-    request_id = secrets.token_hex(8).upper()
+    request_id = request.get("s3_request_id") or secrets.token_hex(8).upper()  # the 100-continue check's, if any
     request["s3_request_id"] = request_id
     metrics = request.app[METRICS]
     t0 = time.perf_counter()
@@ -294,11 +294,25 @@ def _error_response(request: web.Request, e: S3Error, request_id: str) -> web.Re
     return resp
 
 
-async def _expect(request: web.Request) -> None:
-    """``Expect: 100-continue`` gets its 100; any other expectation is
-    ignored, as S3 does (aiohttp would answer 417)."""
-    if (request.headers.get("Expect") or "").lower() == "100-continue":
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue``: the request is authenticated and its bucket
+    checked first, as S3 does, so a client that would be refused learns it
+    before it sends the body; then 100. Any other expectation is ignored, as
+    S3 does (aiohttp would answer 417)."""
+    if (request.headers.get("Expect") or "").lower() != "100-continue":
+        return None
+    request_id = request["s3_request_id"] = secrets.token_hex(8).upper()
+    try:
+        call, _ = await _authenticate(request, request.app[SETTINGS], request.app[STORE])
+        if call.bucket_name is not None and not (request.method == "PUT" and call.key is None):
+            await call.bucket()  # every upload but CreateBucket names a bucket that must be the caller's
+    except KVStoreError as e:
+        request.app[METRICS].inc("kvstore_s3_requests_total", op="Expect", status=str(e.status))
+        resp = _error_response(request, from_kvstore(e), request_id)
+        resp.force_close()  # the body it announced will not be read
+        return resp
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    return None
 
 
 def settings_of(cfg: ServerConfig) -> Settings:
