@@ -294,7 +294,9 @@ def _expect_exchange(gateway: Gateway, key: tuple[str, str], path: str, body: by
 
     req = AWSRequest(method="PUT", url=gateway.endpoint + path, data=body)
     S3SigV4Auth(Credentials(*key), "s3", "us-east-1").add_auth(req)
-    head = f"PUT {path} HTTP/1.1\r\nHost: 127.0.0.1:{gateway.port}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in req.headers.items())
+    head = f"PUT {path} HTTP/1.1\r\nHost: 127.0.0.1:{gateway.port}\r\n" + "".join(
+        f"{k}: {v}\r\n" for k, v in req.headers.items()
+    )
     head += f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n"
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
         sock.sendall(head.encode())
