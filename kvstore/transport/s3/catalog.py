@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvstore.transport.s3.errors import S3Error
+
 T = TypeVar("T")
 Extents = list[tuple[str, int]]  # (block key, length), in the object's order
 
@@ -316,8 +318,6 @@ class Catalog:
 
         def tx(db: sqlite3.Connection) -> Extents:
             if self.upload(upload.upload_id) is None:
-                from kvstore.transport.s3.errors import S3Error
-
                 raise S3Error("NoSuchUpload", "The specified upload does not exist.")
             old = self.get(upload.bucket, obj.key)
             if expect is not None:

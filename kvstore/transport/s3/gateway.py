@@ -137,7 +137,8 @@ async def _ignored(call: Call) -> web.StreamResponse:
     request is accepted and changes nothing (as stores without ACLs do)."""
     if call.bucket_name is not None:
         await call.bucket()
-    await call.xml_body() if call.request.can_read_body else None
+    if call.request.can_read_body:
+        await call.xml_body()  # an ACL document: read (and checked), then ignored
     return web.Response(status=200)
 
 

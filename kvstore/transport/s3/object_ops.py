@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import email.utils
 import hashlib
 import time
@@ -303,7 +304,7 @@ async def read_source(call: Call) -> tuple[ObjectRow, dict[str, Any], Held]:
     """The object x-amz-copy-source names, readable by the caller, its
     blocks held until the caller releases them."""
     name, key = copy_source(call)
-    source = Call(**{**call.__dict__, "bucket_name": name, "key": key, "query": {}})
+    source = dataclasses.replace(call, bucket_name=name, key=key, query={})
     obj, meta, held = await _object(source)
     if _copy_conditions(call, obj) is not None:
         held.release()
