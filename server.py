@@ -38,7 +38,7 @@ from kvstore.tasks import Background
 from kvstore.transport.http import make_app
 from kvstore.transport.http_common import METRICS, STATE, STORE
 from kvstore.transport.http_server import KVAppRunner
-from kvstore.transport.s3.gateway import make_gateway_app, settings_of
+from kvstore.transport.s3.gateway import make_gateway_app
 from kvstore.transport.unix import UnixListener, bind_unix
 from kvstore.tuning import die_with_parent, keep_freed_memory
 
@@ -109,7 +109,7 @@ async def serve(
         gateway = cfg.s3_gateway_address if role != "reader" else None
         if gateway is not None:  # the writer's: objects are written where the store's writes are owned
             gw_runner = KVAppRunner(
-                make_gateway_app(app[STORE], app[METRICS], settings_of(cfg)),
+                make_gateway_app(app[STORE], app[METRICS], cfg),
                 keepalive_timeout=cfg.keepalive_timeout_s,
                 shutdown_timeout=cfg.shutdown_timeout_s,
                 access_log=None,

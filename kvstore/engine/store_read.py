@@ -39,6 +39,7 @@ log = logging.getLogger("kvstore.engine.store")
 # far cheaper than the hop to a thread (~100-200 us under load). Chains longer
 # than this still go to the pool, so no single call holds the loop for long.
 INLINE_LOOKUP_KEYS = 1024
+INLINE_PRESENT_KEYS = 64
 T = TypeVar("T")
 # Direct reads up to this size have their frames verified on the event loop.
 INLINE_VERIFY_BYTES = 4 << 20
@@ -400,6 +401,8 @@ class StoreReads(StoreCore):
         """Which of ``keys`` are present (and unexpired), without counting a
         lookup or touching them: for the store's own bookkeeping."""
         t = self._tenant(tenant)
+        if len(keys) <= INLINE_PRESENT_KEYS:  # a few index reads: cheaper here than the hop to a thread
+            return self._present_unexpired(t, list(keys)) if t.ttl_s else self._index.contains(tenant, list(keys))
         if t.ttl_s:
             return await self._run(self._present_unexpired, t, list(keys))
         return await self._run(self._index.contains, tenant, list(keys))

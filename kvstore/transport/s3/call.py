@@ -62,7 +62,7 @@ class Call:
         it does not exist, AccessDenied when another tenant owns it."""
         name = self.bucket_name
         assert name is not None
-        found = await self.catalog.run(self.catalog.bucket, name)
+        found = self.catalog.bucket_now(name)
         if found is not None and self.store.incarnation(found.tenant) != found.incarnation:
             await self.catalog.run(self.catalog.forget_bucket, name)  # its tenant was deleted
             found = None

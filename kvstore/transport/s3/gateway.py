@@ -26,6 +26,7 @@ from kvstore.engine.store import Store
 from kvstore.errors import KVStoreError
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
+from kvstore.transport.http_common import CONFIG, METRICS
 from kvstore.transport.s3 import bucket_ops, multipart_ops, object_ops, objects
 from kvstore.transport.s3.call import Call, Settings, validate_object_key
 from kvstore.transport.s3.catalog import Catalog
@@ -39,7 +40,6 @@ STORE = web.AppKey("s3_store", Store)
 READERS = web.AppKey("s3_readers", objects.Readers)
 CATALOG = web.AppKey("s3_catalog", Catalog)
 SETTINGS = web.AppKey("s3_settings", Settings)
-METRICS = web.AppKey("s3_metrics", Metrics)
 
 Op = Callable[[Call], Awaitable[web.StreamResponse]]
 
@@ -324,12 +324,15 @@ def settings_of(cfg: ServerConfig) -> Settings:
     )
 
 
-def make_gateway_app(store: Store, metrics: Metrics, settings: Settings) -> web.Application:
-    """The gateway's application over an open store."""
+def make_gateway_app(store: Store, metrics: Metrics, cfg: ServerConfig) -> web.Application:
+    """The gateway's application over an open store (the daemon's
+    configuration: its time limits and sendfile apply here too)."""
+    settings = settings_of(cfg)
     app = web.Application(middlewares=[s3_errors], client_max_size=1 << 20)
     app[STORE] = store
     app[SETTINGS] = settings
     app[METRICS] = metrics
+    app[CONFIG] = cfg
 
     async def catalog_ctx(app: web.Application) -> AsyncIterator[None]:
         catalog = Catalog(store.config.data_dir / "s3" / "catalog.sqlite3")

@@ -12,7 +12,9 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
+from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import InvalidRange, KVStoreError, NotFound
+from kvstore.transport.http_common import config_of, send
 from kvstore.transport.ranges import parse_range
 from kvstore.transport.s3 import objects
 from kvstore.transport.s3.body import UploadBody
@@ -22,6 +24,7 @@ from kvstore.transport.s3.errors import S3Error
 from kvstore.transport.s3.objects import Held
 from kvstore.transport.s3.sigv4 import STREAMING_SIGNED, STREAMING_SIGNED_TRAILER, ChunkSigner
 from kvstore.transport.s3.xml import document, element, http_time, iso_time
+from kvstore.transport.sendfile import send_extent
 
 # Headers stored with an object and sent back with it.
 STORED_HEADERS = ("Content-Type", "Content-Disposition", "Content-Language", "Cache-Control", "Expires")
@@ -166,7 +169,7 @@ async def _object(call: Call) -> tuple[ObjectRow, dict[str, Any], Held]:
     this read (the caller releases them once the answer is sent)."""
     bucket = await call.bucket()
     assert call.key is not None
-    obj = await call.catalog.run(call.catalog.get, bucket.name, call.key)
+    obj = call.catalog.get_now(bucket.name, call.key)
     if obj is None:
         raise S3Error("NoSuchKey", "The specified key does not exist.", Key=call.key_text)
     held = call.readers.hold(obj.blocks)  # before anything else awaits: a replacement now waits for us
@@ -260,25 +263,41 @@ async def _answer(call: Call, obj: ObjectRow, meta: dict[str, Any], head: bool) 
     resp = web.StreamResponse(status=code, headers=headers)
     resp.content_length = end - start
     chunks = objects.read_range(call.store, call.tenant, obj.blocks, start, end)
-    first: memoryview | None = None
+    first: objects.Piece | None = None
     try:
         if end > start:
             first = await anext(chunks)  # a block gone since the check above is still a 404
     except (NotFound, StopAsyncIteration):
+        await chunks.aclose()
         raise S3Error("NoSuchKey", "The specified key does not exist.", Key=call.key_text) from None
-    await resp.prepare(call.request)
     try:
+        await resp.prepare(call.request)
         if first is not None:
-            await resp.write(first)
-            async for data in chunks:
-                await resp.write(data)
+            await _send_piece(call, resp, first)
+            first = None
+            async for piece in chunks:
+                await _send_piece(call, resp, piece)
     except KVStoreError as e:
         # Part of the answer is out: only a cut connection can tell the client.
         raise ConnectionResetError(f"the object's block became unreadable mid-answer: {e.code}") from None
     finally:
+        if first is not None:
+            objects.release(first)
         await chunks.aclose()
     await resp.write_eof()
     return resp
+
+
+async def _send_piece(call: Call, resp: web.StreamResponse, piece: objects.Piece) -> None:
+    """Send one block's bytes: a direct block's straight from its segment
+    file (sendfile, as GET /v1/blocks does), others from memory."""
+    try:
+        if isinstance(piece, DirectExtent):
+            await send_extent(call.request, resp, piece, config_of(call.request).sendfile)
+        else:
+            await send(call.request, resp, piece)
+    finally:
+        objects.release(piece)
 
 
 async def delete_object(call: Call) -> web.StreamResponse:
@@ -331,8 +350,11 @@ def _copy_conditions(call: Call, obj: ObjectRow) -> int | None:
 
 
 async def source_chunks(call: Call, obj: ObjectRow, start: int, end: int) -> AsyncIterator[bytes]:
-    async for data in objects.read_range(call.store, call.tenant, obj.blocks, start, end):
-        yield bytes(data)
+    async for piece in objects.read_range(call.store, call.tenant, obj.blocks, start, end):
+        try:
+            yield bytes(piece.view if isinstance(piece, DirectExtent) else piece)
+        finally:
+            objects.release(piece)
 
 
 async def copy_object(call: Call) -> web.StreamResponse:

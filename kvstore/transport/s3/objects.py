@@ -22,6 +22,7 @@ import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 
 from kvstore.engine.store import Store
+from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import KVStoreError
 from kvstore.transport.s3.body import UploadBody
 from kvstore.transport.s3.catalog import Catalog, Extents
@@ -174,12 +175,21 @@ async def blocks_present(store: Store, tenant: str, extents: Extents) -> bool:
     return all(await store.present(tenant, [k for k, _ in extents]))
 
 
-async def read_range(
-    store: Store, tenant: str, extents: Extents, start: int, end: int
-) -> AsyncGenerator[memoryview, None]:
+Piece = DirectExtent | bytearray | memoryview
+
+
+def release(piece: Piece) -> None:
+    """Let go of a piece :func:`read_range` gave (a direct extent holds its segment)."""
+    if isinstance(piece, DirectExtent):
+        piece.release()
+
+
+async def read_range(store: Store, tenant: str, extents: Extents, start: int, end: int) -> AsyncGenerator[Piece, None]:
     """Bytes [start, end) of the object, block by block (NotFound if a block
-    has gone: evicted, expired, deleted). The next block is read while the
-    caller sends the one before."""
+    has gone: evicted, expired, deleted): a direct block in a local segment
+    as a :class:`DirectExtent` (to send with sendfile; the caller releases
+    it), others as bytes. The next block is read while the caller sends the
+    one before."""
     spans: list[tuple[str, int, int]] = []
     pos = 0
     for key, length in extents:
@@ -190,12 +200,11 @@ async def read_range(
         if pos >= end:
             break
 
-    async def read(span: tuple[str, int, int]) -> memoryview:
+    async def read(span: tuple[str, int, int]) -> Piece:
         key, lo, hi = span
-        data = await store.get_buffer(tenant, key, lo, hi)
-        return data if isinstance(data, memoryview) else memoryview(data)
+        return await store.get_sendable(tenant, key, lo, hi)
 
-    pending: asyncio.Task[memoryview] | None = None
+    pending: asyncio.Task[Piece] | None = None
     try:
         for i, span in enumerate(spans):
             current = pending if pending is not None else asyncio.ensure_future(read(span))
@@ -205,7 +214,7 @@ async def read_range(
         if pending is not None:
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError, KVStoreError):
-                await pending
+                release(await pending)
 
 
 async def sweep_orphans(store: Store, catalog: Catalog) -> int:
