@@ -47,9 +47,24 @@ def test_bucket_lifecycle(gateway: Gateway, s3: Any) -> None:
     assert name in [b["Name"] for b in s3.list_buckets()["Buckets"]]
     assert s3.head_bucket(Bucket=name)["ResponseMetadata"]["HTTPStatusCode"] == 200
     assert s3.get_bucket_location(Bucket=name)["LocationConstraint"] is None  # us-east-1, as S3 says it
+    s3.put_object(Bucket=name, Key="kept", Body=b"x")
+    s3.create_bucket(Bucket=name)  # S3's us-east-1 answers success to its owner and changes nothing
+    assert [o["Key"] for o in s3.list_objects_v2(Bucket=name)["Contents"]] == ["kept"]
+    s3.delete_object(Bucket=name, Key="kept")
     with pytest.raises(ClientError) as e:
-        s3.create_bucket(Bucket=name)
-    assert code_of(e) == "BucketAlreadyOwnedByYou"
+        s3.create_bucket(Bucket=name + "-eu", CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+    assert code_of(e) == "IllegalLocationConstraintException"
+    mine = [b["Name"] for b in s3.list_buckets()["Buckets"]]
+    paged: list[str] = []
+    token: dict[str, str] = {}
+    while True:
+        page = s3.list_buckets(MaxBuckets=1, **token)
+        paged += [b["Name"] for b in page["Buckets"]]
+        if "ContinuationToken" not in page:
+            break
+        token = {"ContinuationToken": page["ContinuationToken"]}
+    assert paged == mine and len(mine) >= 1
+    assert [b["Name"] for b in s3.list_buckets(Prefix=name)["Buckets"]] == [name]
     for bad in ("ab", "Upper", "a..b", "192.168.1.1", "-abc", "x" * 64):
         with pytest.raises(ClientError) as e:
             s3.create_bucket(Bucket=bad)
@@ -151,6 +166,15 @@ def test_metadata_and_conditions(s3: Any) -> None:
     assert status_of(e) == 412
     s3.put_object(Bucket=bucket, Key="m", Body=b"other", IfMatch=etag)
     assert s3.get_object(Bucket=bucket, Key="m")["Body"].read() == b"other"
+    other = s3.head_object(Bucket=bucket, Key="m")["ETag"]
+    with pytest.raises(ClientError) as e:
+        s3.put_object(Bucket=bucket, Key="m", Body=b"third", IfNoneMatch=other)  # an entity tag: not this one
+    assert status_of(e) == 412
+    s3.put_object(Bucket=bucket, Key="m", Body=b"third", IfNoneMatch=etag)
+    s3.put_object(Bucket=bucket, Key="m", Body=b"fourth", IfMatch="*")
+    with pytest.raises(ClientError) as e:
+        s3.put_object(Bucket=bucket, Key="absent", Body=b"x", IfMatch="*")
+    assert code_of(e) == "NoSuchKey"
     with pytest.raises(ClientError) as e:
         s3.get_object(Bucket=bucket, Key="missing")
     assert code_of(e) == "NoSuchKey"
@@ -338,6 +362,13 @@ def test_multipart_errors(s3: Any) -> None:
         MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": e1}, {"PartNumber": 2, "ETag": e2}]},
     )
     assert done["ETag"].endswith('-2"')
+    again = s3.complete_multipart_upload(  # a repeated Complete answers as the first did
+        Bucket=bucket,
+        Key="mp",
+        UploadId=up,
+        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": e1}, {"PartNumber": 2, "ETag": e2}]},
+    )
+    assert again["ETag"] == done["ETag"]
     got = s3.get_object(Bucket=bucket, Key="mp")
     assert got["Body"].read() == p1 + p2 and got["Metadata"] == {"x": "y"}
     with pytest.raises(ClientError) as e:

@@ -103,7 +103,10 @@ class UploadBody:
         payload_hash: str,
         signer: ChunkSigner | None,
         max_size: int,
+        checksums: bool = True,
     ) -> None:
+        """``checksums``: whether ``x-amz-checksum-*`` headers are this body's
+        (CompleteMultipartUpload's are the whole object's, not its XML's)."""
         self._content = content
         self._payload_hash = payload_hash
         self._signer = signer
@@ -139,7 +142,7 @@ class UploadBody:
                 raise S3Error("InvalidDigest", "The Content-MD5 you specified was not valid.")
         self.md5 = hashlib.md5(usedforsecurity=False)
         self._sha256 = hashlib.sha256() if payload_hash not in STREAMING and payload_hash != UNSIGNED_PAYLOAD else None
-        found = checksum_header(headers)
+        found = checksum_header(headers) if checksums else None
         self.checksum_algorithm: str | None = None
         self._checksum_expected: str | None = None
         self._checksum: Any = None

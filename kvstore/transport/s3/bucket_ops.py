@@ -28,14 +28,33 @@ def _owner(call: Call) -> str:
 
 
 async def list_buckets(call: Call) -> web.StreamResponse:
+    """ListBuckets: the caller's buckets by name, paged with ``max-buckets``
+    (1 to 10,000) and ``continuation-token``, filtered by ``prefix``."""
+    prefix = call.q("prefix") or ""
+    max_text = call.q("max-buckets")
+    if max_text is not None and (not max_text.isdigit() or not 1 <= int(max_text) <= 10_000):
+        raise S3Error("InvalidArgument", "max-buckets must be an integer from 1 to 10000", ArgumentName="max-buckets")
+    token = call.q("continuation-token")
+    after = _from_token(token).decode("utf-8", "replace") if token else ""
     buckets = [
-        b for b in await call.catalog.run(call.catalog.buckets, call.tenant) if b.incarnation == call.incarnation
+        b
+        for b in await call.catalog.run(call.catalog.buckets, call.tenant)
+        if b.incarnation == call.incarnation and b.name.startswith(prefix) and b.name > after
     ]
+    limit = int(max_text) if max_text is not None else len(buckets)
+    page, more = buckets[:limit], len(buckets) > limit
     items = "".join(
-        "<Bucket>" + element("Name", b.name) + element("CreationDate", iso_time(b.created_ns)) + "</Bucket>"
-        for b in buckets
+        "<Bucket>"
+        + element("Name", b.name)
+        + element("CreationDate", iso_time(b.created_ns))
+        + element("BucketRegion", b.region)
+        + "</Bucket>"
+        for b in page
     )
-    return _xml(document("ListAllMyBucketsResult", [_owner(call), "<Buckets>", items, "</Buckets>"]))
+    body = [_owner(call), "<Buckets>", items, "</Buckets>", element("Prefix", prefix if prefix else None)]
+    if more:
+        body.append(element("ContinuationToken", _token(page[-1].name.encode())))
+    return _xml(document("ListAllMyBucketsResult", body))
 
 
 async def create_bucket(call: Call) -> web.StreamResponse:
@@ -47,8 +66,9 @@ async def create_bucket(call: Call) -> web.StreamResponse:
         constraint = text_of(doc, "LocationConstraint")
         if constraint and constraint != call.settings.region:
             raise S3Error(
-                "InvalidArgument" if constraint else "InvalidRequest",
-                f"the location constraint '{constraint[:64]}' is not this gateway's region '{call.settings.region}'",
+                "IllegalLocationConstraintException",
+                f"The {constraint[:64]} location constraint is incompatible for the region specific endpoint this "
+                f"request was sent to ({call.settings.region}).",
             )
     existing = await call.catalog.run(call.catalog.bucket, name)
     if existing is not None and call.store.incarnation(existing.tenant) != existing.incarnation:
@@ -57,6 +77,8 @@ async def create_bucket(call: Call) -> web.StreamResponse:
     found = await call.catalog.run(call.catalog.create_bucket, bucket)
     if found is not None:
         if found.tenant == call.tenant and found.incarnation == call.incarnation:
+            if call.settings.region == "us-east-1":  # S3's legacy region answers success and changes nothing
+                return web.Response(status=200, headers={"Location": "/" + name})
             raise S3Error(
                 "BucketAlreadyOwnedByYou",
                 "Your previous request to create the named bucket succeeded and you already own it.",
@@ -233,7 +255,7 @@ async def list_objects(call: Call) -> web.StreamResponse:
     page = await _list(call, bucket.name, prefix, delimiter, after, max_keys)
     body = [
         element("Name", bucket.name),
-        element("Prefix", _enc(prefix, url)),
+        element("Prefix", _enc(prefix, url and v2)),  # V1 answers its Prefix as given: clients decode it only in V2
         element("Delimiter", _enc(delimiter, url) if delimiter else None),
         element("MaxKeys", max_keys),
         element("EncodingType", "url" if url else None),
@@ -300,3 +322,49 @@ async def delete_objects(call: Call) -> web.StreamResponse:
         if not quiet:
             out.append("<Deleted>" + element("Key", key_text) + "</Deleted>")
     return _xml(document("DeleteResult", out))
+
+
+async def list_object_versions(call: Call) -> web.StreamResponse:
+    """ListObjectVersions of a bucket without versioning (every bucket here):
+    each object is its one version, ``null``, the latest, as S3 lists an
+    unversioned bucket's objects."""
+    bucket = await call.bucket()
+    url = _encoding(call)
+    prefix = validate_object_key(call.q("prefix") or "")
+    delimiter = (call.q("delimiter") or "").encode()
+    max_keys = _max_keys(call)
+    key_marker = call.q("key-marker") or ""
+    version_marker = call.q("version-id-marker") or ""
+    after = validate_object_key(key_marker) if key_marker else None
+    page = await _list(call, bucket.name, prefix, delimiter, after, max_keys)
+    body = [
+        element("Name", bucket.name),
+        element("Prefix", _enc(prefix, url)),
+        element("KeyMarker", _enc(key_marker, url)),
+        element("VersionIdMarker", version_marker),
+        element("Delimiter", _enc(delimiter, url) if delimiter else None),
+        element("MaxKeys", max_keys),
+        element("EncodingType", "url" if url else None),
+        element("IsTruncated", page.truncated),
+    ]
+    if page.truncated and page.last is not None:
+        body += [
+            element("NextKeyMarker", _enc(page.last.removesuffix(b"\xff"), url)),
+            element("NextVersionIdMarker", "null"),
+        ]
+    for row in page.contents:
+        body.append(
+            "<Version>"
+            + element("Key", _enc(row.key, url))
+            + element("VersionId", "null")
+            + element("IsLatest", True)
+            + element("LastModified", iso_time(row.mtime_ns))
+            + element("ETag", row.etag)
+            + element("Size", row.size)
+            + element("StorageClass", "STANDARD")
+            + _owner(call)
+            + "</Version>"
+        )
+    for p in page.prefixes:
+        body.append("<CommonPrefixes>" + element("Prefix", _enc(p, url)) + "</CommonPrefixes>")
+    return _xml(document("ListVersionsResult", body))

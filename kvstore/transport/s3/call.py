@@ -82,11 +82,14 @@ class Call:
     def _aad(self) -> bytes:
         return b"kvstore/v1 s3 object meta\x00" + self.tenant.encode()
 
-    async def xml_body(self) -> bytes:
+    async def xml_body(self, checksums: bool = True) -> bytes:
         """A request's XML document, bounded in size and checked as an
-        upload's body is (length, Content-MD5, payload hash, checksums)."""
+        upload's body is (length, Content-MD5, payload hash, and the
+        checksum headers when they are the body's: ``checksums``)."""
         signer = ChunkSigner(self.signing_key, self.auth) if self.auth.payload_hash in SIGNED_STREAMING else None
-        body = UploadBody(self.request.content, self.request.headers, self.auth.payload_hash, signer, MAX_BODY)
+        body = UploadBody(
+            self.request.content, self.request.headers, self.auth.payload_hash, signer, MAX_BODY, checksums
+        )
         out = bytearray()
         try:
             async for data in body.chunks():

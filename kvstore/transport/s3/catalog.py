@@ -18,6 +18,9 @@ Tables:
              sealed tenant), blocks (JSON [[block key, length], ...])
     uploads  upload id -> bucket, key, created, meta
     parts    (upload id, part number) -> size, etag, mtime, blocks
+    completed upload id -> bucket, key, etag: uploads completed in the last
+             :data:`COMPLETED_KEPT_NS`, so a repeated Complete answers as
+             the first did (S3 does)
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from kvstore.transport.s3.errors import S3Error
 
 T = TypeVar("T")
 Extents = list[tuple[str, int]]  # (block key, length), in the object's order
+COMPLETED_KEPT_NS = 24 * 3600 * 10**9
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS buckets (
@@ -52,6 +56,10 @@ CREATE TABLE IF NOT EXISTS uploads (
     created_ns INTEGER NOT NULL, meta BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS uploads_by_bucket ON uploads (bucket, key, upload_id);
+CREATE TABLE IF NOT EXISTS completed (
+    upload_id TEXT PRIMARY KEY, bucket TEXT NOT NULL, key BLOB NOT NULL, etag TEXT NOT NULL,
+    completed_ns INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS parts (
     upload_id TEXT NOT NULL, part INTEGER NOT NULL, size INTEGER NOT NULL, etag TEXT NOT NULL,
     mtime_ns INTEGER NOT NULL, blocks TEXT NOT NULL, PRIMARY KEY (upload_id, part)
@@ -321,6 +329,11 @@ class Catalog:
         db.execute("DELETE FROM uploads WHERE upload_id = ?", (upload_id,))
         return doomed
 
+    def completed(self, upload_id: str) -> tuple[str, bytes, str] | None:
+        """(bucket, key, ETag) of an upload completed lately."""
+        row = self._db.execute("SELECT bucket, key, etag FROM completed WHERE upload_id = ?", (upload_id,)).fetchone()
+        return (row[0], bytes(row[1]), row[2]) if row else None
+
     def abort(self, upload_id: str) -> tuple[bool, Extents]:
         def tx(db: sqlite3.Connection) -> tuple[bool, Extents]:
             if self.upload(upload_id) is None:
@@ -348,6 +361,11 @@ class Catalog:
                     doomed += p.blocks
             db.execute("DELETE FROM parts WHERE upload_id = ?", (upload.upload_id,))
             db.execute("DELETE FROM uploads WHERE upload_id = ?", (upload.upload_id,))
+            db.execute("DELETE FROM completed WHERE completed_ns < ?", (obj.mtime_ns - COMPLETED_KEPT_NS,))
+            db.execute(
+                "INSERT OR REPLACE INTO completed VALUES (?, ?, ?, ?, ?)",
+                (upload.upload_id, upload.bucket, obj.key, obj.etag, obj.mtime_ns),
+            )
             db.execute(
                 "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (upload.bucket, obj.key, obj.size, obj.etag, obj.mtime_ns, obj.meta, _text(obj.blocks)),

@@ -35,6 +35,7 @@ STATUS: dict[str, int] = {
     "IncompleteBody": 400,
     "InternalError": 500,
     "InvalidAccessKeyId": 403,
+    "IllegalLocationConstraintException": 400,
     "InvalidArgument": 400,
     "InvalidBucketName": 400,
     "InvalidDigest": 400,

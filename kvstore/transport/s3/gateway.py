@@ -70,7 +70,6 @@ _UNSUPPORTED = frozenset(
         "publicAccessBlock",
         "restore",
         "select",
-        "versions",
         "attributes",
         "policyStatus",
     }
@@ -98,6 +97,8 @@ def _route(method: str, has_key: bool, query: dict[str, str], headers: object) -
                 return "GetBucketVersioning", bucket_ops.get_versioning
             if "uploads" in query:
                 return "ListMultipartUploads", multipart_ops.list_uploads
+            if "versions" in query:
+                return "ListObjectVersions", bucket_ops.list_object_versions
             return ("ListObjectsV2" if query.get("list-type") == "2" else "ListObjects"), bucket_ops.list_objects
         if method == "POST" and "delete" in query:
             return "DeleteObjects", bucket_ops.delete_objects
@@ -231,6 +232,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return await bucket_ops.list_buckets(call)
     name, op = _route(request.method, call.key is not None, call.query, request.headers)
     request["s3_op"] = name
+    version = call.query.get("versionId")
+    if version is not None and version != "null":  # no bucket has versioning: its objects' one version is "null"
+        raise S3Error("InvalidArgument", "Invalid version id specified", ArgumentName="versionId")
     return await op(call)
 
 

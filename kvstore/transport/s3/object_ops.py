@@ -114,17 +114,17 @@ def check_read_conditions(request: web.Request, obj: ObjectRow) -> int | None:
 
 
 def write_condition(request: web.Request) -> Any:
-    """The check a conditional PUT (If-None-Match: *, If-Match) makes on the
-    object it would replace, inside the catalog's transaction."""
+    """The check a conditional write makes on the object it would replace,
+    inside the catalog's transaction: ``If-None-Match`` (``*``: no object;
+    entity tags: not one of them), ``If-Match`` (``*``: an object; entity
+    tags: one of them; no object: NoSuchKey)."""
     if_none = request.headers.get("If-None-Match")
     if_match = request.headers.get("If-Match")
     if if_none is None and if_match is None:
         return None
-    if if_none is not None and if_none.strip() != "*":
-        raise S3Error("NotImplemented", "If-None-Match on a write supports only '*'")
 
     def expect(old: ObjectRow | None) -> None:
-        if if_none is not None and old is not None:
+        if if_none is not None and old is not None and _etag_in(if_none, old.etag):
             raise S3Error("PreconditionFailed", "At least one of the pre-conditions you specified did not hold")
         if if_match is not None:
             if old is None:

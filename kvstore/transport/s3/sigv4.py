@@ -186,8 +186,6 @@ def _from_query(query: dict[str, str], parts: RequestParts) -> Authorization:
         raise S3Error(
             "AuthorizationQueryParametersError", "X-Amz-Expires must be less than a week (in seconds) that is 604800"
         )
-    if int(expires) < 1:
-        raise S3Error("AuthorizationQueryParametersError", "X-Amz-Expires must be non-negative")
     payload = _first(parts.headers, "x-amz-content-sha256") or UNSIGNED_PAYLOAD
     signed = tuple(query["X-Amz-SignedHeaders"].split(";"))
     return Authorization(
