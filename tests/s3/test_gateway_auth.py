@@ -289,7 +289,7 @@ def test_malformed_xml(gateway: Gateway) -> None:
     assert (a.status, a.code) == (400, "InvalidRequest")  # S3 requires Content-MD5 (or a checksum) here
     a = send_signed(gateway, "PUT", f"/{bucket}", key, body=b"<CreateBucketConfiguration><LocationConstraint>")
     assert a.status == 400
-    a = send_signed(gateway, "GET", f"/{bucket}?acl", key)
+    a = send_signed(gateway, "GET", f"/{bucket}?tagging", key)
     assert (a.status, a.code) == (501, "NotImplemented")
 
 
@@ -334,3 +334,45 @@ def test_expect_100_continue_is_answered_after_authentication(gateway: Gateway) 
     assert first.startswith(b"HTTP/1.1 403") and b"SignatureDoesNotMatch" in first
     first, _ = _expect_exchange(gateway, gateway.keys["beta"], f"/{bucket}/expect3", body)
     assert first.startswith(b"HTTP/1.1 403") and b"AccessDenied" in first  # another tenant's bucket
+
+
+def test_acls_as_s3_with_bucket_owner_enforced(gateway: Gateway) -> None:
+    """ACLs are disabled, as S3's default Object Ownership: grants to anyone
+    but the owner are refused, private ones accepted, the owner reported."""
+    s3 = gateway.client("acme")
+    bucket = fresh_bucket(s3)
+    s3.put_object(Bucket=bucket, Key="o", Body=b"x", ACL="private")
+    s3.put_bucket_acl(Bucket=bucket, ACL="private")
+    s3.put_object_acl(Bucket=bucket, Key="o", ACL="bucket-owner-full-control")
+    for acl in (s3.get_bucket_acl(Bucket=bucket), s3.get_object_acl(Bucket=bucket, Key="o")):
+        assert [g["Permission"] for g in acl["Grants"]] == ["FULL_CONTROL"]
+        assert acl["Owner"]["ID"] == "acme" and acl["Grants"][0]["Grantee"]["ID"] == "acme"
+    refused: list[Callable[[], Any]] = [
+        lambda: s3.put_bucket_acl(Bucket=bucket, ACL="public-read"),
+        lambda: s3.put_object_acl(Bucket=bucket, Key="o", ACL="public-read-write"),
+        lambda: s3.put_object(Bucket=bucket, Key="p", Body=b"x", ACL="public-read"),
+        lambda: s3.put_object(
+            Bucket=bucket, Key="p", Body=b"x", GrantRead="uri=http://acs.amazonaws.com/groups/global/AllUsers"
+        ),
+        lambda: s3.create_multipart_upload(Bucket=bucket, Key="p", ACL="authenticated-read"),
+    ]
+    for call in refused:
+        with pytest.raises(ClientError) as e:
+            call()
+        assert code_of(e) == "AccessControlListNotSupported"
+    with pytest.raises(ClientError) as e:
+        s3.create_bucket(Bucket=bucket + "-pub", ACL="public-read")
+    assert code_of(e) == "InvalidBucketAclWithObjectOwnership"
+    with pytest.raises(ClientError) as e:
+        s3.head_object(Bucket=bucket, Key="p")
+    assert status_of(e) == 404  # nothing refused was stored
+    with pytest.raises(ClientError) as e:
+        s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    assert code_of(e) == "NotImplemented"
+    s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Suspended"})
+    versions = s3.list_object_versions(Bucket=bucket)
+    assert [(v["Key"], v["VersionId"], v["IsLatest"]) for v in versions["Versions"]] == [("o", "null", True)]
+    assert s3.get_object(Bucket=bucket, Key="o", VersionId="null")["Body"].read() == b"x"
+    with pytest.raises(ClientError) as e:
+        s3.get_object(Bucket=bucket, Key="o", VersionId="3HL4kqtJlcpXroDTDmJ")
+    assert code_of(e) == "InvalidArgument"

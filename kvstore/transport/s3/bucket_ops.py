@@ -112,6 +112,19 @@ async def get_location(call: Call) -> web.StreamResponse:
     return _xml(document("LocationConstraint", [region]))
 
 
+async def put_versioning(call: Call) -> web.StreamResponse:
+    """Versioning cannot be enabled here: ``Suspended`` (what an unversioned
+    bucket behaves as) is accepted, ``Enabled`` is NotImplemented."""
+    await call.bucket()
+    doc = parse(await call.xml_body(), "VersioningConfiguration")
+    status = (text_of(doc, "Status") or "").strip()
+    if status == "Enabled":
+        raise S3Error("NotImplemented", "this gateway keeps no object versions: versioning cannot be enabled")
+    if status not in ("", "Suspended"):
+        raise S3Error("MalformedXML", "Status must be Enabled or Suspended")
+    return web.Response(status=200)
+
+
 async def get_versioning(call: Call) -> web.StreamResponse:
     await call.bucket()
     return _xml(document("VersioningConfiguration", []))

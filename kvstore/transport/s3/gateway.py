@@ -27,7 +27,7 @@ from kvstore.errors import KVStoreError
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
 from kvstore.transport.http_common import CONFIG, METRICS
-from kvstore.transport.s3 import bucket_ops, multipart_ops, object_ops, objects
+from kvstore.transport.s3 import acl, bucket_ops, multipart_ops, object_ops, objects
 from kvstore.transport.s3.call import Call, Settings, validate_object_key
 from kvstore.transport.s3.catalog import Catalog
 from kvstore.transport.s3.errors import S3Error, from_kvstore
@@ -78,13 +78,15 @@ _UNSUPPORTED = frozenset(
 
 def _route(method: str, has_key: bool, query: dict[str, str], headers: object) -> tuple[str, Op]:
     """(operation name, handler) of a request, as S3 routes it."""
+    if "acl" in query and method in ("GET", "PUT"):
+        return ("GetAcl", acl.get_acl) if method == "GET" else ("PutAcl", acl.put_acl)
     unsupported = _UNSUPPORTED.intersection(query)
-    if unsupported and not (method == "PUT" and "acl" in query):
+    if unsupported:
         return "NotImplemented", _not_implemented(sorted(unsupported)[0])
     if not has_key:
         if method == "PUT":
-            if "acl" in query or "versioning" in query:
-                return "PutBucketSubresource", _ignored
+            if "versioning" in query:
+                return "PutBucketVersioning", bucket_ops.put_versioning
             return "CreateBucket", bucket_ops.create_bucket
         if method == "HEAD":
             return "HeadBucket", bucket_ops.head_bucket
@@ -104,8 +106,6 @@ def _route(method: str, has_key: bool, query: dict[str, str], headers: object) -
             return "DeleteObjects", bucket_ops.delete_objects
         return "MethodNotAllowed", _method_not_allowed
     if method == "PUT":
-        if "acl" in query:
-            return "PutObjectAcl", _ignored
         if "uploadId" in query or "partNumber" in query:
             return "UploadPart", multipart_ops.upload_part
         if "x-amz-copy-source" in headers:  # type: ignore[operator]
@@ -131,16 +131,6 @@ def _route(method: str, has_key: bool, query: dict[str, str], headers: object) -
 
 async def _head_object(call: Call) -> web.StreamResponse:
     return await object_ops.get_object(call, head=True)
-
-
-async def _ignored(call: Call) -> web.StreamResponse:
-    """Canned ACLs: buckets and objects are private to their tenant; an ACL
-    request is accepted and changes nothing (as stores without ACLs do)."""
-    if call.bucket_name is not None:
-        await call.bucket()
-    if call.request.can_read_body:
-        await call.xml_body()  # an ACL document: read (and checked), then ignored
-    return web.Response(status=200)
 
 
 def _not_implemented(name: str) -> Op:
@@ -232,6 +222,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return await bucket_ops.list_buckets(call)
     name, op = _route(request.method, call.key is not None, call.query, request.headers)
     request["s3_op"] = name
+    if name in ("CreateBucket", "PutObject", "CopyObject", "CreateMultipartUpload"):
+        acl.check_acl_headers(call, creating_bucket=name == "CreateBucket")
     version = call.query.get("versionId")
     if version is not None and version != "null":  # no bucket has versioning: its objects' one version is "null"
         raise S3Error("InvalidArgument", "Invalid version id specified", ArgumentName="versionId")
