@@ -1,10 +1,10 @@
-"""ACLs, as S3 answers them with Object Ownership "bucket owner enforced"
-(S3's default for new buckets since 2023): every bucket and object belongs
-to its tenant, ACLs are disabled. A request that would grant anything to
-anyone else is refused (``AccessControlListNotSupported``); the canned
-``private`` and ``bucket-owner-full-control`` ACLs, which grant nothing
-more, are accepted; GetBucketAcl and GetObjectAcl answer the owner's full
-control."""
+"""ACLs: every bucket and object is its tenant's alone, whatever ACL a
+request asks for. ACL requests (canned ``x-amz-acl`` values, ``x-amz-grant-*``
+headers, PutBucketAcl and PutObjectAcl documents) are accepted, as
+S3-compatible stores without ACLs accept them, and change nothing: access
+can only be narrower than asked, never wider (an anonymous request is
+refused whatever ACL was set). GetBucketAcl and GetObjectAcl report the ACL
+in force: the owner's full control."""
 
 from __future__ import annotations
 
@@ -12,24 +12,7 @@ from aiohttp import web
 
 from kvstore.transport.s3.call import Call
 from kvstore.transport.s3.errors import S3Error
-from kvstore.transport.s3.xml import children, document, element, parse
-
-NO_GRANTS = frozenset({"private", "bucket-owner-full-control"})
-_REFUSED = "The bucket does not allow ACLs"
-
-
-def check_acl_headers(call: Call, creating_bucket: bool = False) -> None:
-    """Refuse ``x-amz-acl`` values and ``x-amz-grant-*`` headers that would
-    grant access to anyone but the owner."""
-    canned = call.request.headers.get("x-amz-acl")
-    grants = [h for h in call.request.headers if h.lower().startswith("x-amz-grant-")]
-    if (canned is not None and canned.strip().lower() not in NO_GRANTS) or grants:
-        if creating_bucket:
-            raise S3Error(
-                "InvalidBucketAclWithObjectOwnership",
-                "Bucket cannot have ACLs set with ObjectOwnership's BucketOwnerEnforced setting",
-            )
-        raise S3Error("AccessControlListNotSupported", _REFUSED)
+from kvstore.transport.s3.xml import document, element, parse
 
 
 def _policy(call: Call) -> bytes:
@@ -46,26 +29,22 @@ def _policy(call: Call) -> bytes:
     )
 
 
-async def get_acl(call: Call) -> web.StreamResponse:
+async def _target_exists(call: Call) -> None:
     await call.bucket()
-    if call.key is not None and await call.catalog.run(call.catalog.get, call.bucket_name, call.key) is None:
+    if call.key is not None and call.catalog.get_now(str(call.bucket_name), call.key) is None:
         raise S3Error("NoSuchKey", "The specified key does not exist.", Key=call.key_text)
+
+
+async def get_acl(call: Call) -> web.StreamResponse:
+    await _target_exists(call)
     return web.Response(body=_policy(call), content_type="application/xml")
 
 
 async def put_acl(call: Call) -> web.StreamResponse:
-    """PutBucketAcl / PutObjectAcl: accepted when it grants the owner alone."""
-    await call.bucket()
-    if call.key is not None and await call.catalog.run(call.catalog.get, call.bucket_name, call.key) is None:
-        raise S3Error("NoSuchKey", "The specified key does not exist.", Key=call.key_text)
-    check_acl_headers(call)
+    """PutBucketAcl / PutObjectAcl: a well-formed request is accepted and
+    changes nothing (see the module doc)."""
+    await _target_exists(call)
     body = await call.xml_body()
     if body.strip():
-        doc = parse(body, "AccessControlPolicy")
-        for acl in children(doc, "AccessControlList"):
-            for grant in children(acl, "Grant"):
-                grantee = children(grant, "Grantee")
-                ids = [c.text for g in grantee for c in g if c.tag.rpartition("}")[2] == "ID"]
-                if ids != [call.tenant]:
-                    raise S3Error("AccessControlListNotSupported", _REFUSED)
+        parse(body, "AccessControlPolicy")
     return web.Response(status=200)

@@ -36,8 +36,6 @@ STATUS: dict[str, int] = {
     "InternalError": 500,
     "InvalidAccessKeyId": 403,
     "IllegalLocationConstraintException": 400,
-    "AccessControlListNotSupported": 400,
-    "InvalidBucketAclWithObjectOwnership": 400,
     "InvalidArgument": 400,
     "InvalidBucketName": 400,
     "InvalidDigest": 400,

@@ -222,8 +222,6 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return await bucket_ops.list_buckets(call)
     name, op = _route(request.method, call.key is not None, call.query, request.headers)
     request["s3_op"] = name
-    if name in ("CreateBucket", "PutObject", "CopyObject", "CreateMultipartUpload"):
-        acl.check_acl_headers(call, creating_bucket=name == "CreateBucket")
     version = call.query.get("versionId")
     if version is not None and version != "null":  # no bucket has versioning: its objects' one version is "null"
         raise S3Error("InvalidArgument", "Invalid version id specified", ArgumentName="versionId")
