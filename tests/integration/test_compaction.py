@@ -174,7 +174,9 @@ async def test_compaction_of_segments_only_in_the_object_tier(open_store: OpenSt
         assert bytes(await store.get("alice", k)) == incompressible(k)
     await store.flush(upload_timeout_s=60)  # the copies reach the tier...
     again = await store.compact("alice")  # ...so the old objects go
-    assert again.objects_deleted >= 2, again
+    # Counted over both passes: an old object whose copy was mirrored early
+    # (a loaded machine) already goes in the first pass.
+    assert report.objects_deleted + again.objects_deleted >= 2, (report, again)
     objects_after = sorted(p.name for p in tier_dir.rglob("*.seg"))
     still_live = "0000000000000001.seg"  # k0..k9, never deleted: not worth rewriting
     assert set(objects_before) & set(objects_after) == {still_live}, (objects_before, objects_after)
