@@ -14,6 +14,7 @@ HEAD's error has no body, as S3's.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -243,6 +244,7 @@ async def s3_errors(
         try:
             resp = await handler(request)
         except KVStoreError as e:
+            await _drain(request)
             resp = _error_response(request, from_kvstore(e), request_id)
         except web.HTTPException as e:
             if e.status < 400:
@@ -270,6 +272,29 @@ async def _stamp(request: web.Request, response: web.StreamResponse) -> None:
         response.headers["x-amz-request-id"] = request_id
         response.headers["x-amz-id-2"] = request_id
     response.headers["Server"] = "kvstore"
+
+
+DRAIN_LIMIT = 8 << 20  # a refused request's unread body up to this is read and dropped
+DRAIN_SECONDS = 5
+
+
+async def _drain(request: web.Request) -> None:
+    """Read and drop what is left of a refused request's body when it is
+    small (as S3 reads the body it refuses), so the answer arrives on a
+    connection the client can go on using; larger ones are cut instead."""
+    if not request.can_read_body or request.content.is_eof():
+        return
+    length = request.content_length
+    if length is None or length > DRAIN_LIMIT:
+        return
+    try:
+        async with asyncio.timeout(DRAIN_SECONDS):
+            while await request.content.read(1 << 20):
+                pass
+    except (TimeoutError, ConnectionError, web.HTTPException):
+        return
+    except Exception:  # noqa: BLE001 - a body that cannot even be drained: the connection is cut below
+        return
 
 
 def _error_response(request: web.Request, e: S3Error, request_id: str) -> web.Response:
