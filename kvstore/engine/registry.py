@@ -118,6 +118,7 @@ class Registry:
         self._tenants: dict[str, Tenant] = {}
         self._keys: dict[tuple[str, int], bytes] = {}
         self._by_hash: dict[str, tuple[str, str]] = {}
+        self._by_akid: dict[str, str] = {}  # S3 access key id -> its tenant
         # Tenants deleted (a digest of the name -> when; names are not kept):
         # their leftover files may be removed at start-up. A directory of a
         # tenant that is neither live nor deleted means the registry is not the
@@ -148,6 +149,7 @@ class Registry:
         with self._lock:
             fresh = Registry(self._path, self._master, readonly=True)
             self._tenants, self._keys, self._by_hash = fresh._tenants, fresh._keys, fresh._by_hash
+            self._by_akid = fresh._by_akid
             self._deleted = fresh._deleted
             self._stamp = fresh._stamp
         return True
@@ -259,12 +261,12 @@ class Registry:
 
     def s3_secret(self, access_key_id: str) -> tuple[str, str] | None:
         """(tenant, secret access key) of an S3 access key id, or None."""
-        for t in self._tenants.values():
-            entry = t.s3_keys.get(access_key_id)
-            if entry is not None:
-                secret = self._master.open(entry["secret"], _s3_aad(t.name, access_key_id))
-                return t.name, secret.decode()
-        return None
+        name = self._by_akid.get(access_key_id)
+        t = self._tenants.get(name) if name is not None else None
+        entry = t.s3_keys.get(access_key_id) if t is not None else None
+        if t is None or entry is None:
+            return None
+        return t.name, self._master.open(entry["secret"], _s3_aad(t.name, access_key_id)).decode()
 
     def data_key(self, name: str, version: int) -> bytes:
         k = self._keys.get((name, version))
@@ -346,6 +348,7 @@ class Registry:
             sealed = self._master.seal(secret.encode(), _s3_aad(name, akid))
             t.s3_keys[akid] = {"secret": sealed, "created_ns": time.time_ns()}
             self._save()
+            self._reindex()
             return akid, secret
 
     def revoke_s3_key(self, name: str, access_key_id: str) -> None:
@@ -355,6 +358,7 @@ class Registry:
                 raise NotFound(f"tenant {name!r} has no S3 access key {access_key_id[:32]!r}")
             del t.s3_keys[access_key_id]
             self._save()
+            self._reindex()
 
     def revoke_token(self, name: str, token_id: str) -> None:
         with self._lock:
@@ -369,6 +373,7 @@ class Registry:
         self._by_hash = {
             tok["sha256"]: (t.name, tok["sha256"]) for t in self._tenants.values() for tok in t.tokens.values()
         }
+        self._by_akid = {akid: t.name for t in self._tenants.values() for akid in t.s3_keys}
 
     def set_limits(
         self,

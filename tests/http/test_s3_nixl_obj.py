@@ -25,14 +25,10 @@ from __future__ import annotations
 import ctypes
 import io
 import itertools
-import json
 import random
-import socket
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -42,7 +38,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 from kvstore_client.nixl import nixl_api, nixl_available
 
-from .conftest import ADMIN, Daemon, daemon_env, free_port
+from tests.http.conftest import Daemon
+from tests.s3.conftest import start_gateway
 
 pytestmark = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed (pip install --no-deps nixl-cu12 nixl; tests/run.sh does)"
@@ -101,53 +98,20 @@ class Gateway:
         }
 
 
-def _admin_post(base: str, path: str, doc: dict[str, str] | None = None) -> Any:
-    req = urllib.request.Request(base + path, data=json.dumps(doc or {}).encode(), method="POST")
-    req.add_header("Authorization", f"Bearer {ADMIN}")
-    req.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(req, timeout=10) as r:
-        assert r.status == 201, r.status
-        return json.loads(r.read())
-
-
-def _wait_port(port: int, daemon: Daemon, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert daemon.proc is not None and daemon.proc.poll() is None, daemon.log.read_text()
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"the S3 gateway did not listen on 127.0.0.1:{port}")
-
-
 @pytest.fixture(scope="module", params=["sealed", "direct"])
 def gateway(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, aws_env: None
 ) -> Iterator[Gateway]:
     policy: str = request.param
-    workdir: Path = tmp_path_factory.mktemp(f"s3-{policy}")
-    s3_port = free_port()
-    env = daemon_env(
-        workdir,
-        s3_gateway_listen=f"127.0.0.1:{s3_port}",
-        max_block_size="4MiB",
-        segment_size="16MiB",
-        durability="interval",
-    )
-    daemon = Daemon(workdir / "data", free_port(), env)
-    daemon.start()
+    base = start_gateway(tmp_path_factory.mktemp(f"s3-{policy}"), durability="interval")
     try:
-        _wait_port(s3_port, daemon)
-        _admin_post(daemon.base, "/v1/admin/tenants", {"name": "t1", "policy": policy})
-        keys = _admin_post(daemon.base, "/v1/admin/tenants/t1/s3-keys")
-        gw = Gateway(daemon, s3_port, keys["access_key_id"], keys["secret_access_key"], policy)
+        access_key, secret_key = base.tenant("t1", policy)
+        gw = Gateway(base.daemon, base.port, access_key, secret_key, policy)
         gw.client().create_bucket(Bucket=BUCKET)
         yield gw
     finally:
-        if daemon.proc is not None:
-            daemon.stop()
+        if base.daemon.proc is not None:
+            base.daemon.stop()
 
 
 class Obj:

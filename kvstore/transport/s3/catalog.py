@@ -117,6 +117,17 @@ def _object(row: tuple[Any, ...]) -> ObjectRow:
 
 
 _OBJECT_COLS = "key, size, etag, mtime_ns, meta, blocks"
+_BUCKET_COLS = "name, tenant, incarnation, created_ns, region"
+
+
+def _bucket(db: sqlite3.Connection, name: str) -> Bucket | None:
+    row = db.execute(f"SELECT {_BUCKET_COLS} FROM buckets WHERE name = ?", (name,)).fetchone()
+    return Bucket(*row) if row else None
+
+
+def _get(db: sqlite3.Connection, bucket: str, key: bytes) -> ObjectRow | None:
+    row = db.execute(f"SELECT {_OBJECT_COLS} FROM objects WHERE bucket = ? AND key = ?", (bucket, key)).fetchone()
+    return _object(row) if row else None
 
 
 class Catalog:
@@ -145,17 +156,11 @@ class Catalog:
 
     def bucket_now(self, name: str) -> Bucket | None:
         """:meth:`bucket`, on the caller's thread (the event loop's)."""
-        row = self._reader.execute(
-            "SELECT name, tenant, incarnation, created_ns, region FROM buckets WHERE name = ?", (name,)
-        ).fetchone()
-        return Bucket(*row) if row else None
+        return _bucket(self._reader, name)
 
     def get_now(self, bucket: str, key: bytes) -> ObjectRow | None:
         """:meth:`get`, on the caller's thread (the event loop's)."""
-        row = self._reader.execute(
-            f"SELECT {_OBJECT_COLS} FROM objects WHERE bucket = ? AND key = ?", (bucket, key)
-        ).fetchone()
-        return _object(row) if row else None
+        return _get(self._reader, bucket, key)
 
     def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         self._db.execute("BEGIN IMMEDIATE")
@@ -170,20 +175,17 @@ class Catalog:
     # -- buckets --------------------------------------------------------------
 
     def bucket(self, name: str) -> Bucket | None:
-        row = self._db.execute(
-            "SELECT name, tenant, incarnation, created_ns, region FROM buckets WHERE name = ?", (name,)
-        ).fetchone()
-        return Bucket(*row) if row else None
+        return _bucket(self._db, name)
 
     def buckets(self, tenant: str) -> list[Bucket]:
         rows = self._db.execute(
-            "SELECT name, tenant, incarnation, created_ns, region FROM buckets WHERE tenant = ? ORDER BY name",
+            f"SELECT {_BUCKET_COLS} FROM buckets WHERE tenant = ? ORDER BY name",
             (tenant,),
         ).fetchall()
         return [Bucket(*r) for r in rows]
 
     def all_buckets(self) -> list[Bucket]:
-        rows = self._db.execute("SELECT name, tenant, incarnation, created_ns, region FROM buckets").fetchall()
+        rows = self._db.execute(f"SELECT {_BUCKET_COLS} FROM buckets").fetchall()
         return [Bucket(*r) for r in rows]
 
     def create_bucket(self, bucket: Bucket) -> Bucket | None:
@@ -223,10 +225,7 @@ class Catalog:
     # -- objects --------------------------------------------------------------
 
     def get(self, bucket: str, key: bytes) -> ObjectRow | None:
-        row = self._db.execute(
-            f"SELECT {_OBJECT_COLS} FROM objects WHERE bucket = ? AND key = ?", (bucket, key)
-        ).fetchone()
-        return _object(row) if row else None
+        return _get(self._db, bucket, key)
 
     def put(self, bucket: str, obj: ObjectRow, expect: Callable[[ObjectRow | None], None] | None = None) -> Extents:
         """Store (or replace) the object; the replaced object's blocks.

@@ -94,7 +94,7 @@ async def upload_part(call: Call) -> web.StreamResponse:
     if "x-amz-copy-source" in call.request.headers:
         return await _upload_part_copy(call, upload, number)
     body = upload_body(call)
-    extents = await objects.store_body(call.store, call.tenant, body, call.settings.block_size)
+    extents = await objects.store_blocks(call.store, call.tenant, body.chunks(), call.settings.block_size, body.finish)
     etag = f'"{body.md5.hexdigest()}"'
     await _record_part(call, upload, PartRow(number, body.received, etag, time.time_ns(), extents))
     headers = {"ETag": etag}
@@ -148,7 +148,7 @@ async def _copy_part(call: Call, upload: Upload, number: int, src: ObjectRow) ->
             md5.update(data)
             yield data
 
-    extents = await objects.store_bytes(call.store, call.tenant, hashed(), call.settings.block_size)
+    extents = await objects.store_blocks(call.store, call.tenant, hashed(), call.settings.block_size)
     part = PartRow(number, end - start, f'"{md5.hexdigest()}"', time.time_ns(), extents)
     await _record_part(call, upload, part)
     return _xml(

@@ -141,7 +141,7 @@ async def put_object(call: Call) -> web.StreamResponse:
     expect = write_condition(call.request)
     meta = meta_from_headers(call.request)
     body = upload_body(call)
-    extents = await objects.store_body(call.store, call.tenant, body, call.settings.block_size)
+    extents = await objects.store_blocks(call.store, call.tenant, body.chunks(), call.settings.block_size, body.finish)
     etag = f'"{body.md5.hexdigest()}"'
     if body.checksum_algorithm is not None:
         meta["ck"] = [body.checksum_algorithm, body.checksum_value]
@@ -389,7 +389,7 @@ async def _copy(call: Call, bucket: str, src: ObjectRow, src_meta: dict[str, Any
             md5.update(data)
             yield data
 
-    extents = await objects.store_bytes(call.store, call.tenant, hashed(), call.settings.block_size)
+    extents = await objects.store_blocks(call.store, call.tenant, hashed(), call.settings.block_size)
     row = ObjectRow(call.key, src.size, f'"{md5.hexdigest()}"', time.time_ns(), call.seal_meta(meta), extents)
     await _commit(call, bucket, row, expect)
     body = document("CopyObjectResult", [element("LastModified", iso_time(row.mtime_ns)), element("ETag", row.etag)])

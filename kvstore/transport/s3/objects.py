@@ -19,12 +19,11 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 
 from kvstore.engine.store import Store
 from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import KVStoreError
-from kvstore.transport.s3.body import UploadBody
 from kvstore.transport.s3.catalog import Catalog, Extents
 
 log = logging.getLogger("kvstore.s3")
@@ -41,50 +40,39 @@ def block_key(uid: str, n: int) -> str:
     return f"{PREFIX}{uid}~{n}"
 
 
-async def store_body(store: Store, tenant: str, body: UploadBody, block_size: int) -> Extents:
-    """Store the body's bytes as blocks; their extents once the whole body
-    has arrived and checked out. On any failure the blocks stored are
-    deleted and the error raised."""
+async def store_blocks(
+    store: Store,
+    tenant: str,
+    chunks: AsyncIterator[bytes],
+    block_size: int,
+    before_last: Callable[[], None] | None = None,
+) -> Extents:
+    """Store the bytes ``chunks`` yields as blocks of ``block_size``; their
+    extents. ``before_last`` runs once the chunks end, before the last block
+    is stored: an upload's checks (:meth:`UploadBody.finish`), which throw
+    the whole upload away. On any failure the blocks stored are deleted and
+    the error raised."""
     uid = new_uid()
     extents: Extents = []
     buf = bytearray()
-    try:
-        async for data in body.chunks():
-            buf += data
-            while len(buf) >= block_size:
-                piece = bytes(buf[:block_size])
-                del buf[:block_size]
-                key = block_key(uid, len(extents))
-                await store.put(tenant, key, piece)
-                extents.append((key, len(piece)))
-        body.finish()
-        if buf:  # an empty object has no block
-            key = block_key(uid, len(extents))
-            await store.put(tenant, key, bytes(buf))
-            extents.append((key, len(buf)))
-    except BaseException:
-        await delete_blocks(store, tenant, extents)
-        raise
-    return extents
 
+    async def put(n: int) -> None:
+        with memoryview(buf) as view:
+            piece = bytes(view[:n])  # one copy: the block the store keeps until it is durable
+        del buf[:n]
+        key = block_key(uid, len(extents))
+        await store.put(tenant, key, piece)
+        extents.append((key, n))
 
-async def store_bytes(store: Store, tenant: str, chunks: AsyncIterator[bytes], block_size: int) -> Extents:
-    """Store bytes from a trusted source (a copy) as blocks, as :func:`store_body`."""
-    uid = new_uid()
-    extents: Extents = []
-    buf = bytearray()
     try:
         async for data in chunks:
             buf += data
             while len(buf) >= block_size:
-                key = block_key(uid, len(extents))
-                await store.put(tenant, key, bytes(buf[:block_size]))
-                extents.append((key, block_size))
-                del buf[:block_size]
+                await put(block_size)
+        if before_last is not None:
+            before_last()
         if buf:  # an empty object has no block
-            key = block_key(uid, len(extents))
-            await store.put(tenant, key, bytes(buf))
-            extents.append((key, len(buf)))
+            await put(len(buf))
     except BaseException:
         await delete_blocks(store, tenant, extents)
         raise
