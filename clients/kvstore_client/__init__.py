@@ -1,7 +1,7 @@
 """Client library of the kvstore KV-cache block daemon (HTTP v1)."""
 
 from kvstore_client.breaker import CircuitBreaker
-from kvstore_client.client import AsyncClient
+from kvstore_client.client import AsyncClient, Locks
 from kvstore_client.errors import (
     BufferTooSmall,
     CircuitOpenError,
@@ -19,6 +19,7 @@ from kvstore_client.sync import Client
 
 __all__ = [
     "AsyncClient",
+    "Locks",
     "BufferTooSmall",
     "CircuitBreaker",
     "CircuitOpenError",

@@ -22,6 +22,7 @@ and reads try them in rank order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -97,6 +98,17 @@ class _Endpoint:
     paths_offered: bool = True  # http(s) endpoints: False once the daemon answered paths_not_offered
     client_decode: bool = False  # read records as stored and decode them here
     nixl: bool = True  # transport="nixl": False once the daemon answered nixl_disabled
+
+
+@dataclass(frozen=True, slots=True)
+class Locks:
+    """The leases a :meth:`AsyncClient.lookup_and_lock` took: (endpoint URL,
+    lease id), one per daemon call that found keys."""
+
+    leases: tuple[tuple[str, str], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.leases)
 
 
 Decode = Literal["server", "client", "auto"]
@@ -943,7 +955,71 @@ class AsyncClient:
         keys = list(keys)
         return await self._guard("lookup", [False] * len(keys), self._lookup(keys, tokens_per_block))
 
-    async def _lookup(self, keys: list[str], tokens_per_block: int | None = None) -> list[bool]:
+    async def lookup_and_lock(self, keys: Sequence[str], lease_s: float = 30.0) -> tuple[list[bool], Locks]:
+        """Per key, whether it is stored, the stored ones locked: neither
+        evicted (quota), expired (TTL) nor compacted until
+        :meth:`release_locks` or ``lease_s`` seconds (at most 600). One lookup
+        call per daemon (per ``max_lookup_keys`` keys). On failure: all False
+        and nothing locked (a key a failed call asked for is a miss)."""
+        if isinstance(lease_s, bool) or not 0 < lease_s <= 600:
+            raise ValueError(f"lease_s must be in (0, 600] seconds, got {lease_s!r}")
+        keys = list(keys)
+        leases: list[tuple[str, str]] = []
+
+        async def run() -> list[bool]:
+            try:
+                return await self._lookup(keys, None, lease_s, leases)
+            except BaseException:
+                # A failure after some daemons pinned keys: those pins are not
+                # reported, so they are released here (or expire).
+                if leases:
+                    await asyncio.shield(self._release_leases(leases))
+                raise
+
+        present = await self._guard("lookup_and_lock", [False] * len(keys), run())
+        return present, Locks(tuple(leases))
+
+    async def release_locks(self, locks: Locks) -> Locks:
+        """End the leases of a :meth:`lookup_and_lock`: what is still to
+        release (empty when done). A lease the daemon no longer knows
+        (expired, or released before) counts as released; a daemon that
+        cannot be reached keeps its lease in the answer, to try again (it
+        expires on its own in any case). Never raises but for cancellation."""
+        if not locks.leases:
+            return locks
+        try:
+            left = await self._release_leases(list(locks.leases))
+        except Exception as e:  # noqa: BLE001 - fail-open: the leases expire on their own
+            self._log.warning("kvstore release of locks failed: %r", e)
+            return locks
+        return Locks(tuple(left))
+
+    async def _release_leases(self, leases: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        deadline = self._deadline()
+
+        async def one(url: str, lease: str) -> bool:
+            async def fn(s: aiohttp.ClientSession) -> bool:
+                async with s.delete(f"/v1/leases/{lease}") as r:
+                    with contextlib.suppress(_Miss):  # expired, or released already: nothing is held
+                        await _check(r, ok=(204,))
+                    return True
+
+            try:
+                return await self._attempts(self._endpoints[url], fn, deadline)
+            except KVStoreClientError as e:
+                self._log.warning("kvstore lease release at %s failed: %s", url, e)
+                return False
+
+        done = await asyncio.gather(*(one(u, lid) for u, lid in leases))
+        return [ul for ul, ok in zip(leases, done, strict=True) if not ok]
+
+    async def _lookup(
+        self,
+        keys: list[str],
+        tokens_per_block: int | None = None,
+        lease_s: float | None = None,
+        leases: list[tuple[str, str]] | None = None,
+    ) -> list[bool]:
         for k in keys:
             framing.check_key(k)
         deadline = self._deadline()
@@ -960,7 +1036,7 @@ class AsyncClient:
             for url, idx in groups.items():
                 for c in range(0, len(idx), self.max_lookup_keys):
                     part = idx[c : c + self.max_lookup_keys]
-                    calls.append(self._lookup_chunk(url, keys, part, deadline, tokens_per_block))
+                    calls.append(self._lookup_chunk(url, keys, part, deadline, tokens_per_block, lease_s, leases))
             for result in await asyncio.gather(*calls, return_exceptions=True):
                 if isinstance(result, KVStoreClientError):
                     errors.append(result)
@@ -977,11 +1053,22 @@ class AsyncClient:
         return present
 
     async def _lookup_chunk(
-        self, url: str, keys: list[str], idx: list[int], deadline: float, tokens_per_block: int | None = None
+        self,
+        url: str,
+        keys: list[str],
+        idx: list[int],
+        deadline: float,
+        tokens_per_block: int | None = None,
+        lease_s: float | None = None,
+        leases: list[tuple[str, str]] | None = None,
     ) -> list[tuple[int, bool]]:
+        """One ``/v1/lookup`` call; with ``lease_s``, the lease it took (if
+        any key was present) is appended to ``leases``."""
         body: dict[str, Any] = {"keys": [keys[i] for i in idx]}
         if tokens_per_block:
             body["tokens_per_block"] = tokens_per_block
+        if lease_s is not None:
+            body["lease_s"] = lease_s
 
         async def fn(s: aiohttp.ClientSession) -> list[tuple[int, bool]]:
             async with s.post("/v1/lookup", json=body) as r:
@@ -990,6 +1077,15 @@ class AsyncClient:
                 flags = doc.get("present")
                 if not isinstance(flags, list) or len(flags) != len(idx):
                     raise ProtocolError(f"lookup answer has no 'present' list of {len(idx)} flags")
+                if lease_s is not None:
+                    lease = doc.get("lease")
+                    if lease is None and any(flags):
+                        raise ProtocolError("a lookup with lease_s found keys but named no lease (an older daemon?)")
+                    if lease is not None:
+                        if not isinstance(lease, str) or not lease.isalnum():
+                            raise ProtocolError(f"lookup answer has a malformed lease {lease!r}")
+                        assert leases is not None
+                        leases.append((url, lease))
                 return [(i, bool(p)) for i, p in zip(idx, flags, strict=True)]
 
         return await self._attempts(self._endpoints[url], fn, deadline)
