@@ -29,17 +29,13 @@ gateway's ``s3_gateway_domain``) runs where ``<bucket>.localhost`` resolves to
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
-import select
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +46,10 @@ import pytest
 import torch
 from botocore.config import Config
 from botocore.exceptions import ClientError
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
-from lmcache.v1.distributed.l2_adapters import create_l2_adapter
-from lmcache.v1.distributed.l2_adapters.config import add_l2_adapters_args, parse_args_to_l2_adapters_config
-from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
-from lmcache.v1.platform import consume_fd
+from lmcache.v1.distributed.api import ObjectKey
 
+from tests.engines import l2
+from tests.engines.l2 import chunk, empty_like, load, lookup, raw, store
 from tests.http.conftest import ADMIN, ROOT, Daemon, daemon_env, free_port
 
 # The adapter fails a request by raising from awscrt's on_done callback (every
@@ -71,7 +65,6 @@ KEY_PREFIX = "tiny@"  # what the gateway stores the objects under, in BUCKET
 VHOST_DOMAIN = "localhost"  # the gateway's s3_gateway_domain: Host <bucket>.localhost is virtual-hosted
 VHOST = f"{BUCKET}.{VHOST_DOMAIN}"
 MiB = 1 << 20
-TASK_TIMEOUT_S = 30.0
 # The daemon runs on the main venv's interpreter (the one tests/run.sh sets up
 # with the daemon's dependencies); the engines' venv also has kvstore installed.
 DAEMON_PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -183,19 +176,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, aws_env: None) -> Iterator
 
 
 def make_adapter(spec: dict[str, Any]) -> Any:
-    """The adapter as the MP server makes it: ``--l2-adapter JSON`` through
-    LMCache's parser and config registry, then the factory (``create_l2_adapter``,
-    what ``StorageManager._build_l2_adapter`` calls)."""
-    with warnings.catch_warnings():
-        # The parser's help lists every adapter type, which imports every adapter
-        # module: google-api-core's Python-version notices from the Bigtable one.
-        warnings.simplefilter("ignore", FutureWarning)
-        parser = add_l2_adapters_args(argparse.ArgumentParser())
-    config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(spec)]))
-    assert len(config.adapters) == 1
-    adapter = create_l2_adapter(config.adapters[0])
-    assert type(adapter).__name__ == "S3L2Adapter"
-    return adapter
+    return l2.make_adapter(spec, "S3L2Adapter")
 
 
 @pytest.fixture
@@ -204,27 +185,6 @@ def adapters(gateway: Gateway) -> Iterator[list[Any]]:
     yield made
     for a in made:
         a.close()
-
-
-def chunk(shape: tuple[int, ...], seed: int) -> Any:
-    """A KV chunk in host memory, the memory object type LMCache's L1 hands its L2 adapters."""
-    g = torch.Generator().manual_seed(seed)
-    tensor = torch.randn(shape, generator=g).to(torch.bfloat16)
-    meta = MemoryObjMetadata(
-        shape=torch.Size(shape),
-        dtype=torch.bfloat16,
-        address=0,
-        phy_size=tensor.numel() * tensor.element_size(),
-        ref_count=1,
-        fmt=MemoryFormat.KV_2LTD,
-    )
-    return TensorMemoryObj(tensor, meta, parent_allocator=None)
-
-
-def empty_like(obj: Any) -> Any:
-    out = chunk(tuple(obj.tensor.shape), 0)
-    out.tensor.zero_()
-    return out
 
 
 def key(n: int, *, rank: int = 0, group: int = 0, salt: str = "", model: str = MODEL) -> Any:
@@ -237,51 +197,6 @@ def object_name(k: Any) -> str:
     """The key the gateway stores ``k`` under in :data:`BUCKET` (LMCache's object name less the bucket)."""
     base = f"{KEY_PREFIX}{k.kv_rank:08x}@{k.object_group_id:x}@{k.chunk_hash.hex()}"
     return f"{base}@{k.cache_salt}" if k.cache_salt else base
-
-
-def _wait(fd: int) -> None:
-    poll = select.poll()
-    poll.register(fd, select.POLLIN)
-    assert poll.poll(int(TASK_TIMEOUT_S * 1000)), f"no completion within {TASK_TIMEOUT_S} s"
-    with contextlib.suppress(BlockingIOError):  # another wait consumed it
-        consume_fd(fd)
-
-
-def _until(get: Any) -> Any:
-    """Poll ``get()`` until it answers (the adapter signals each task's fd, possibly
-    once for several tasks)."""
-    deadline = time.monotonic() + TASK_TIMEOUT_S
-    while (got := get()) is None:
-        assert time.monotonic() < deadline, f"no result within {TASK_TIMEOUT_S} s"
-        time.sleep(0.01)
-    return got
-
-
-def store(adapter: Any, keys: list[Any], objs: list[Any]) -> Any:
-    task = adapter.submit_store_task(keys, objs)
-    _wait(adapter.get_store_event_fd())
-    return _until(lambda: adapter.pop_completed_store_tasks().get(task))
-
-
-def lookup(adapter: Any, keys: list[Any], objs: list[Any] | None = None) -> list[bool]:
-    layouts = {}
-    if objs:
-        layouts = {0: MemoryLayoutDesc(shapes=[objs[0].tensor.shape], dtypes=[objs[0].tensor.dtype])}
-    task = adapter.submit_lookup_and_lock_task(keys, layouts)
-    _wait(adapter.get_lookup_and_lock_event_fd())
-    bitmap = _until(lambda: adapter.query_lookup_and_lock_result(task))
-    return [bool(bitmap.test(i)) for i in range(len(keys))]
-
-
-def load(adapter: Any, keys: list[Any], objs: list[Any]) -> list[bool]:
-    task = adapter.submit_load_task(keys, objs)
-    _wait(adapter.get_load_event_fd())
-    bitmap = _until(lambda: adapter.query_load_result(task))
-    return [bool(bitmap.test(i)) for i in range(len(keys))]
-
-
-def raw(obj: Any) -> bytes:
-    return bytes(obj.byte_array)
 
 
 def head_size(gw: Gateway, name: str) -> int | None:
