@@ -218,8 +218,11 @@ class Lease:
     segments: frozenset[SegmentKey]
     expires: float  # time.monotonic()
     #: the tenant that may release it from any connection (a read plan with
-    #: paths); None: only its holder can (a connection, a task)
+    #: paths, a lookup's lock); None: only its holder can (a connection, a task)
     owner: str | None = None
+    #: blocks pinned by a lookup's lock (tenant, key): neither evicted for the
+    #: tenant's quota nor expired by its TTL while the lease holds
+    blocks: frozenset[tuple[str, str]] = frozenset()
 
 
 class Leases:
@@ -230,6 +233,7 @@ class Leases:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._claims: set[SegmentKey] = set()
+        self._pinning = 0  # leases with blocks: pinned() is free while there are none
 
     def try_claim(self, key: SegmentKey) -> bool:
         """Claim ``key`` for one maintenance task (compaction or eviction), so
@@ -246,19 +250,51 @@ class Leases:
             self._claims.discard(key)
 
     def acquire(
-        self, segments: Iterable[SegmentKey], ttl_s: float, lease_id: str | None = None, owner: str | None = None
+        self,
+        segments: Iterable[SegmentKey],
+        ttl_s: float,
+        lease_id: str | None = None,
+        owner: str | None = None,
+        blocks: Iterable[tuple[str, str]] = (),
     ) -> Lease:
         """A lease on ``segments`` for ``ttl_s`` seconds; ``lease_id``: the id
         a reader worker gave the same lease (the writer holds it for it);
-        ``owner``: the tenant that may release it (:meth:`release_owned`)."""
-        lease = Lease(lease_id or uuid.uuid4().hex, frozenset(segments), time.monotonic() + ttl_s, owner)
+        ``owner``: the tenant that may release it (:meth:`release_owned`);
+        ``blocks``: (tenant, key) pinned too (:meth:`pinned`)."""
+        lease = Lease(
+            lease_id or uuid.uuid4().hex, frozenset(segments), time.monotonic() + ttl_s, owner, frozenset(blocks)
+        )
         with self._lock:
+            self._drop(lease.id)
             self._leases[lease.id] = lease
+            self._pinning += bool(lease.blocks)
+        return lease
+
+    def _drop(self, lease_id: str) -> Lease | None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._pinning -= bool(lease.blocks)
         return lease
 
     def release(self, lease_id: str) -> bool:
         with self._lock:
-            return self._leases.pop(lease_id, None) is not None
+            return self._drop(lease_id) is not None
+
+    def is_pinned(self, tenant: str, key: str) -> bool:
+        """Whether an unexpired lease pins block ``key`` of ``tenant``."""
+        with self._lock:
+            if not self._pinning:
+                return False
+            now = time.monotonic()
+            return any(lease.expires > now and (tenant, key) in lease.blocks for lease in self._leases.values())
+
+    def pinned(self, tenant: str) -> frozenset[str]:
+        """The keys of ``tenant`` that unexpired leases pin (a lookup's lock)."""
+        with self._lock:
+            if not self._pinning:
+                return frozenset()
+            self._expire()
+            return frozenset(k for lease in self._leases.values() for t, k in lease.blocks if t == tenant)
 
     def release_owned(self, lease_id: str, owner: str) -> bool:
         """Release a lease ``owner`` holds and that has not expired; False
@@ -269,7 +305,7 @@ class Leases:
             lease = self._leases.get(lease_id)
             if lease is None or lease.owner is None or lease.owner != owner:
                 return False
-            del self._leases[lease_id]
+            self._drop(lease_id)
             return True
 
     def forget_expired(self) -> int:
@@ -282,7 +318,7 @@ class Leases:
         now = time.monotonic()
         gone = [lid for lid, lease in self._leases.items() if lease.expires <= now]
         for lid in gone:
-            del self._leases[lid]
+            self._drop(lid)
         return len(gone)
 
     def held(self, key: SegmentKey) -> bool:

@@ -30,6 +30,7 @@ from typing import Any
 from kvstore.engine.access import CHECKPOINT_S, AccessLog, now_ms
 from kvstore.engine.appender import Appender
 from kvstore.engine.index import Index, IndexEntry
+from kvstore.engine.lifecycle import Leases
 from kvstore.engine.registry import Registry, Tenant
 from kvstore.errors import KVStoreError, QuotaExceeded
 from kvstore.events.model import BlockMeta
@@ -61,7 +62,10 @@ class Retention:
         metrics: Metrics,
         removed: Removed | None = None,
         identities: Callable[[str, Sequence[str]], Mapping[str, BlockMeta]] | None = None,
+        leases: Leases | None = None,
     ) -> None:
+        # Blocks a lookup's lock pins (leases): never removed here while pinned.
+        self._leases = leases or Leases()
         # For the residency events: blocks gone (tenant, cause, entries, identities),
         # and the identities of blocks about to go (read before they do).
         self._removed = removed
@@ -99,7 +103,7 @@ class Retention:
 
     def expired(self, t: Tenant, key: str, entry: IndexEntry, now: int | None = None) -> bool:
         """Whether ``entry`` of tenant ``t`` is past its TTL (an LMDB read; no write)."""
-        if not t.ttl_s:
+        if not t.ttl_s or self._leases.is_pinned(t.name, key):
             return False
         checkpointed = self._index.accessed(t.name, [key])[0]
         last = last_access(entry, checkpointed, self._access.last(t.name, key))
@@ -120,6 +124,13 @@ class Retention:
         used = self._index.stats(t.name).stored_bytes + self._inflight[t.name] if t.quota_bytes else 0
         if t.quota_bytes and used + nbytes > t.quota_bytes:
             await self.enforce(t, nbytes)
+            # Puts in flight may overshoot for a moment (the quota is soft for
+            # them); what is stored may not, unless locks hold the rest.
+            if self._index.stats(t.name).stored_bytes + nbytes > t.quota_bytes:
+                raise QuotaExceeded(
+                    f"tenant {t.name!r} is at its quota of {t.quota_bytes} bytes and the rest is held by "
+                    "leases (blocks locked by lookups): retry once they are released"
+                )
         self._inflight[t.name] += nbytes
         try:
             yield
@@ -151,12 +162,15 @@ class Retention:
         heap: list[tuple[int, str, IndexEntry]] = []  # (-last access, key, entry): newest on top
         held = 0
         after: str | None = None
+        pinned = self._leases.pinned(tenant)
         while True:
             page = self._index.entries(tenant, after, PAGE)
             if not page:
                 break
             times = self._index.accessed(tenant, [k for k, _ in page])
             for (key, entry), checkpointed in zip(page, times, strict=True):
+                if key in pinned:
+                    continue
                 last = last_access(entry, checkpointed, self._access.last(tenant, key))
                 if held >= need and heap and -heap[0][0] <= last:
                     continue  # newer than every block already chosen
@@ -210,12 +224,15 @@ class Retention:
         out: list[tuple[str, IndexEntry]] = []
         now = now_ms()
         after: str | None = None
+        pinned = self._leases.pinned(t.name)
         while True:
             page = self._index.entries(t.name, after, PAGE)
             if not page:
                 return out
             times = self._index.accessed(t.name, [k for k, _ in page])
             for (key, entry), checkpointed in zip(page, times, strict=True):
+                if key in pinned:
+                    continue
                 if now - last_access(entry, checkpointed, self._access.last(t.name, key)) > t.ttl_s * 1000:
                     out.append((key, entry))
             after = page[-1][0]

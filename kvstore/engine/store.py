@@ -198,6 +198,7 @@ class Store(StoreReads, StoreWrites):
             self.metrics,
             removed=self._removed,
             identities=self._identities,
+            leases=self.leases,
         )
         if not readonly and not self.adopted and self._background:
             self._tiering.spawn(self._compactor.loop(), "compactor")

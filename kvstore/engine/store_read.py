@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -17,6 +18,7 @@ from typing import TypeVar
 from kvstore.engine import reader
 from kvstore.engine.access import now_ms
 from kvstore.engine.index import IndexEntry
+from kvstore.engine.lifecycle import Lease
 from kvstore.engine.registry import Tenant
 from kvstore.engine.segment import SegmentFile
 from kvstore.engine.store_core import StoreCore
@@ -396,6 +398,33 @@ class StoreReads(StoreCore):
             self.metrics.inc("kvstore_prefix_tokens_total", prefix * tokens_per_block, result="hit")
             self.metrics.inc("kvstore_prefix_tokens_total", (len(present) - prefix) * tokens_per_block, result="miss")
         return LookupResult(prefix, present)
+
+    async def lookup_locked(
+        self, tenant: str, keys: Sequence[str], lease_s: float, tokens_per_block: int = 0
+    ) -> tuple[LookupResult, Lease | None]:
+        """:meth:`lookup`, with the present keys locked: pinned under one
+        lease the tenant owns (neither evicted for its quota nor expired
+        while it holds; their segments neither compacted nor dropped) and
+        touched, as a read would. None when no key is present. Every key is
+        pinned before the lookup and the lease narrowed after it, so no
+        present block can go in between."""
+        lease_id = uuid.uuid4().hex
+        self.leases.acquire((), lease_s, lease_id, owner=tenant, blocks=[(tenant, k) for k in keys])
+        try:
+            r = await self.lookup(tenant, keys, tokens_per_block)
+            hits = [k for k, p in zip(keys, r.present, strict=True) if p]
+            if not hits:
+                self.leases.release(lease_id)
+                return r, None
+            entries = await self._run(lambda: [self._index.get(tenant, k) for k in hits])
+            segments = {(tenant, e.segment_id) for e in entries if e is not None}
+            lease = self.leases.acquire(segments, lease_s, lease_id, owner=tenant, blocks=[(tenant, k) for k in hits])
+        except BaseException:
+            self.leases.release(lease_id)
+            raise
+        for k in hits:
+            self.access.touch(tenant, k)
+        return r, lease
 
     async def present(self, tenant: str, keys: Sequence[str]) -> list[bool]:
         """Which of ``keys`` are present (and unexpired), without counting a

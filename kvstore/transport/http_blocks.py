@@ -18,7 +18,9 @@ from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_key
 from kvstore.transport.http_body import block_body, json_body
-from kvstore.transport.http_common import METRICS, config_of, send, store_of, tenant_of
+from kvstore.transport.http_common import METRICS, config_of, lease_field, send, store_of, tenant_of
+from kvstore.transport.http_forward import WRITER
+from kvstore.transport.http_internal import share_lease
 from kvstore.transport.ranges import etag_matches, parse_range
 from kvstore.transport.sendfile import send_extent
 
@@ -147,8 +149,15 @@ async def lookup(request: web.Request) -> web.Response:
         or not ((tpb == 0 and "tokens_per_block" not in body) or 1 <= tpb <= 1 << 20)
     ):
         raise InvalidInput(f"field 'tokens_per_block' must be an integer from 1 to {1 << 20}; got {tpb!r}")
-    r = await store_of(request).lookup(tenant, keys, tpb)
-    return web.json_response({"prefix": r.prefix, "present": r.present})
+    if "lease_s" not in body:
+        r = await store_of(request).lookup(tenant, keys, tpb)
+        return web.json_response({"prefix": r.prefix, "present": r.present})
+    lease_s = lease_field(body)
+    r, lease = await store_of(request).lookup_locked(tenant, keys, lease_s, tpb)
+    if lease is not None and WRITER in request.app:  # a reader: the writer, which evicts and expires, pins them too
+        await share_lease(request.app, lease, lease_s)
+    doc = {"prefix": r.prefix, "present": r.present, "lease": lease.id if lease else None, "expires_in_s": lease_s}
+    return web.json_response(doc)
 
 
 @routes.get("/v1/stats")

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from kvstore.engine.store import Store
-from kvstore.errors import KVStoreError, Unauthorized
+from kvstore.errors import InvalidInput, KVStoreError, Unauthorized
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
 
@@ -132,3 +132,15 @@ def error_body(code: str, message: str) -> dict[str, Any]:
 
 def error_response(e: KVStoreError, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response(error_body(e.code, str(e)), status=e.status, headers=headers)
+
+
+LEASE_S = 30.0  # default lease of a read plan
+MAX_LEASE_S = 600.0
+
+
+def lease_field(body: dict[str, Any], default: float = LEASE_S) -> float:
+    """A request's ``lease_s``: seconds in (0, MAX_LEASE_S]."""
+    value = body.get("lease_s", default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_LEASE_S:
+        raise InvalidInput(f"field 'lease_s' must be a number of seconds in (0, {MAX_LEASE_S:g}]; got {value!r}")
+    return float(value)

@@ -74,20 +74,29 @@ async def hold_lease(request: web.Request) -> web.Response:
         raise NotFound("no such route")
     doc = _json_object(await request.read(), "leases")
     lid, segs, ttl, owner = doc.get("id"), doc.get("segments"), doc.get("ttl_s"), doc.get("tenant")
+    blocks = doc.get("blocks", [])
     if (
         not isinstance(lid, str)
         or not isinstance(ttl, int | float)
         or not (owner is None or isinstance(owner, str))
-        or not isinstance(segs, list)
-        or not all(
-            isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], int) for x in segs
-        )
+        or not _pairs(segs, int)
+        or not _pairs(blocks, str)
     ):
         raise InvalidInput(
-            'leases: expected {"id": str, "segments": [[tenant, id], ...], "ttl_s": number, "tenant"?: str}'
+            'leases: expected {"id": str, "segments": [[tenant, id], ...], "ttl_s": number, "tenant"?: str, '
+            '"blocks"?: [[tenant, key], ...]}'
         )
-    store_of(request).leases.acquire([(t, sid) for t, sid in segs], float(ttl), lid, owner)
+    assert isinstance(segs, list) and isinstance(blocks, list)  # checked by _pairs
+    leases = store_of(request).leases
+    leases.acquire([(t, sid) for t, sid in segs], float(ttl), lid, owner, [(t, k) for t, k in blocks])
     return web.Response(status=204)
+
+
+def _pairs(value: Any, second: type) -> bool:
+    """``value`` is a list of [str, ``second``] pairs."""
+    return isinstance(value, list) and all(
+        isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], second) for x in value
+    )
 
 
 @routes.post("/_internal/leases/release")
@@ -103,14 +112,17 @@ async def release_leases(request: web.Request) -> web.Response:
 
 
 async def share_lease(app: web.Application, lease: Lease, ttl_s: float) -> None:
-    """A reader: have the writer hold ``lease`` too, before the plan is sent.
+    """A reader: have the writer hold ``lease`` too, before the plan (or the
+    lookup that locked blocks) is sent.
     If the writer cannot be reached the plan is sent all the same, without
     the writer's pin (logged): descriptors keep their bytes; a path read may
     then find its file compacted away, which fails (ENOENT) or fails the
     frame checksums, never returns other bytes."""
     doc: dict[str, Any] = {"id": lease.id, "segments": sorted(lease.segments), "ttl_s": ttl_s}
-    if lease.owner is not None:  # a plan with paths: its tenant may release it on any worker
+    if lease.owner is not None:  # a plan with paths, a lookup's lock: its tenant may release it on any worker
         doc["tenant"] = lease.owner
+    if lease.blocks:  # a lookup's lock: the writer evicts and expires, so it must know the pins
+        doc["blocks"] = sorted(lease.blocks)
     try:
         async with app[WRITER].post(
             "http://writer/_internal/leases", json=doc, timeout=aiohttp.ClientTimeout(total=10)

@@ -54,6 +54,7 @@ from kvstore.errors import (
     InsecureTransport,
     InvalidInput,
     KVStoreError,
+    LeaseNotFound,
     NotFound,
     NotPlannable,
     PathsNotOffered,
@@ -63,15 +64,22 @@ from kvstore.errors import (
 from kvstore.tasks import Background
 from kvstore.transport.http_blocks import keys_field
 from kvstore.transport.http_body import json_body
-from kvstore.transport.http_common import STATE, STORE, config_of, reset_connection, send, store_of, tenant_of
+from kvstore.transport.http_common import (
+    STATE,
+    STORE,
+    config_of,
+    lease_field,
+    reset_connection,
+    send,
+    store_of,
+    tenant_of,
+)
 from kvstore.transport.http_forward import WRITER, writer_url
 from kvstore.transport.http_internal import share_lease
 from kvstore.transport.http_records import client_decode_allowed, record_meta
 
 log = logging.getLogger("kvstore.transport.plans")
 routes = web.RouteTableDef()
-LEASE_S = 30.0  # default lease of a plan
-MAX_LEASE_S = 600.0
 SCM_MAX_FD = 253  # descriptors one sendmsg may carry (Linux)
 SWEEP_S = 1.0  # how soon leases of a closed connection are released
 
@@ -130,9 +138,9 @@ class PlanState:
         self._leases.forget_expired()
         return n
 
-    def release_path_lease(self, tenant: str, lease_id: str) -> bool:
-        """Release a path plan's lease of ``tenant`` held in this process
-        (False: none such here); a reader tells the writer too."""
+    def release_owned_lease(self, tenant: str, lease_id: str) -> bool:
+        """Release a lease ``tenant`` owns (a path plan's, a lookup's lock)
+        held in this process (False: none such here); a reader tells the writer too."""
         if not self._leases.release_owned(lease_id, tenant):
             return False
         self._tell_writer([lease_id])
@@ -179,13 +187,6 @@ def _unix_transport(request: web.Request) -> asyncio.Transport:
     return transport
 
 
-def _lease_s(body: dict[str, Any]) -> float:
-    value = body.get("lease_s", LEASE_S)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_LEASE_S:
-        raise InvalidInput(f"field 'lease_s' must be a number of seconds in (0, {MAX_LEASE_S:g}]; got {value!r}")
-    return float(value)
-
-
 @routes.post("/v1/read-plan")
 async def read_plan(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
@@ -203,7 +204,7 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
     keys = keys_field(body, config_of(request).max_batch_keys, validate=False)
-    lease_s = _lease_s(body)
+    lease_s = lease_field(body)
     store = store_of(request)
     planned = await store.plan_reads(tenant, keys)
     try:
@@ -362,7 +363,7 @@ async def release_plan(request: web.Request) -> web.Response:
     if not config_of(request).plan_paths:
         _unix_transport(request)  # descriptor plans only: over TCP, 400 as ever
         raise NotFound("no such lease on this connection (released, expired, or never given)")
-    if not await _release_path_lease(request, tenant, lease_id):
+    if not await _release_owned_lease(request, tenant, lease_id):
         raise NotFound(
             "no such lease: released, expired, never given, another tenant's, or a descriptor plan's "
             "(those are released on the connection that holds them)"
@@ -370,11 +371,21 @@ async def release_plan(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-async def _release_path_lease(request: web.Request, tenant: str, lease_id: str) -> bool:
-    """Release a path plan's lease of ``tenant``. On a reader worker the
-    writer decides: it holds every path lease any worker granted (share_lease),
-    so the lease is released whichever worker this connection landed on."""
-    mine = request.app[PLANS].release_path_lease(tenant, lease_id)
+@routes.delete("/v1/leases/{lease}")
+async def release_lease(request: web.Request) -> web.Response:
+    """A lease the tenant owns (a lookup's lock, a path plan's), from any
+    connection, listener or worker."""
+    tenant = tenant_of(request)
+    if not await _release_owned_lease(request, tenant, request.match_info["lease"]):
+        raise LeaseNotFound("no such lease of this tenant: released, expired, or never given")
+    return web.Response(status=204)
+
+
+async def _release_owned_lease(request: web.Request, tenant: str, lease_id: str) -> bool:
+    """Release a lease ``tenant`` owns. On a reader worker the writer
+    decides: it holds every owned lease any worker granted (share_lease), so
+    the lease is released whichever worker this connection landed on."""
+    mine = request.app[PLANS].release_owned_lease(tenant, lease_id)
     if WRITER not in request.app:
         return mine
     headers = {"Authorization": request.headers.get("Authorization", "")}

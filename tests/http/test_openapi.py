@@ -70,6 +70,12 @@ async def test_answers_match_the_description(api: Api) -> None:
         ("POST", "/v1/read-plan", "/v1/read-plan", {}, b'{"keys": ["k1"]}', 401),
         ("DELETE", "/v1/read-plan/{lease}", "/v1/read-plan/" + "0" * 32, t, b"", 400),
         ("DELETE", "/v1/read-plan/{lease}", "/v1/read-plan/nope", t, b"", 400),
+        # Locks (tests/http/test_lock_leases.py checks them): a lookup with lease_s, a release.
+        ("POST", "/v1/lookup", "/v1/lookup", t, b'{"keys": ["k1", "nope"], "lease_s": 5}', 200),
+        ("POST", "/v1/lookup", "/v1/lookup", t, b'{"keys": ["nope"], "lease_s": 5}', 200),
+        ("POST", "/v1/lookup", "/v1/lookup", t, b'{"keys": ["k1"], "lease_s": 0}', 400),
+        ("DELETE", "/v1/leases/{lease}", "/v1/leases/" + "0" * 32, t, b"", 404),
+        ("DELETE", "/v1/leases/{lease}", "/v1/leases/" + "0" * 32, {}, b"", 401),
         # NIXL transfers need nixl = true (tests/http/test_nixl.py checks them with real agents).
         ("POST", "/v1/xfer/agents", "/v1/xfer/agents", t, b'{"name": "a", "metadata": ""}', 404),
         ("POST", "/v1/xfer/read", "/v1/xfer/read", t, b'{"agent": "a", "keys": ["k1"]}', 404),
