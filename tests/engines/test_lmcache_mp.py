@@ -419,8 +419,9 @@ def test_unix_socket_loads_read_segment_files(tmp_path: Path) -> None:
     d.start()
     try:
         token = admin(d.base, "POST", "/v1/admin/tenants", {"name": "engine", "policy": "direct"})["token"]
-        b = Backend("kvstore", tmp_path)
-        a = l2.make_adapter({**PLUGIN, "adapter_params": {"endpoints": f"unix:{sock}", "token": token}}, b.class_name)
+        a = l2.make_adapter(
+            {**PLUGIN, "adapter_params": {"endpoints": f"unix:{sock}", "token": token}}, PLUGIN["class_name"]
+        )
         try:
             keys = [key(i) for i in range(3)]
             objs = [chunk(MEDIUM, i) for i in range(3)]
