@@ -520,9 +520,10 @@ class AsyncClient:
                 return got
         return await self._get_into_here(key, mv)
 
-    async def _get_into_here(self, key: str, mv: memoryview) -> int | None:
-        """``get_into`` by a read plan where there is one, else HTTP."""
-        conn = self._plans_of(self.owners(key)[0])
+    async def _get_into_here(self, key: str, mv: memoryview, unix_plan: bool = True) -> int | None:
+        """``get_into`` by a read plan where there is one, else HTTP
+        (``unix_plan``: False when a plan on the unix socket was tried already)."""
+        conn = self._plans_of(self.owners(key)[0]) if unix_plan else None
         if conn is not None:
             planned, n = await asyncio.to_thread(self._planned_read, conn, key, mv)
             if planned:
@@ -1133,7 +1134,10 @@ class AsyncClient:
                     todo.append(i)
                 else:
                     out[i] = g
-        results = await asyncio.gather(*(self._get_into_here(keys[i], mvs[i]) for i in todo), return_exceptions=True)
+        todo = await self._plan_reads_many(keys, mvs, todo, out, errors)
+        results = await asyncio.gather(
+            *(self._get_into_here(keys[i], mvs[i], unix_plan=False) for i in todo), return_exceptions=True
+        )
         for i, r in zip(todo, results, strict=True):
             if isinstance(r, BaseException):
                 errors.append(r)
@@ -1145,6 +1149,85 @@ class AsyncClient:
         if errors:
             self._log.warning("kvstore get_many_into: %d keys failed, first: %s", len(errors), errors[0])
         return out
+
+    async def _plan_reads_many(
+        self,
+        keys: list[str],
+        mvs: list[memoryview],
+        todo: list[int],
+        out: list[int | None],
+        errors: list[BaseException],
+    ) -> list[int]:
+        """The keys of ``todo`` whose first owner is a ``unix:`` endpoint, read
+        through one read plan per owner (per ``max_batch_keys``) instead of
+        one per key: results into ``out`` (a 404 is a miss), errors into
+        ``errors``; returns the indices left for :meth:`_get_into_here`."""
+        groups: dict[str, list[int]] = {}
+        left: list[int] = []
+        for i in todo:
+            url = self.owners(keys[i])[0]
+            (groups.setdefault(url, []) if self._plans_of(url) is not None else left).append(i)
+        for url, idx in groups.items():
+            conn = self._plans_of(url)
+            assert conn is not None
+            for c in range(0, len(idx), self.max_batch_keys):
+                left += await self._plan_chunk(conn, keys, mvs, idx[c : c + self.max_batch_keys], out, errors)
+        return sorted(left)
+
+    async def _plan_chunk(
+        self,
+        conn: PlanConnection,
+        keys: list[str],
+        mvs: list[memoryview],
+        idx: list[int],
+        out: list[int | None],
+        errors: list[BaseException],
+    ) -> list[int]:
+        try:
+            plan = await asyncio.to_thread(conn.plan, [keys[i] for i in idx])
+        except KVStoreClientError as e:
+            self._log.warning("kvstore read plan failed, reading over HTTP: %s", e)
+            self.stats["plan_fallbacks"] += len(idx)
+            return idx
+        left: list[int] = []
+        reads: list[int] = []
+        try:
+            for i in idx:
+                block = plan.blocks.get(keys[i])
+                if block is None:
+                    if plan.others.get(keys[i], (0, ""))[0] == 404:
+                        out[i] = None
+                    else:
+                        left.append(i)
+                elif block.size > mvs[i].nbytes:
+                    errors.append(
+                        BufferTooSmall(f"block {keys[i]} is {block.size} bytes; the buffer holds {mvs[i].nbytes}")
+                    )
+                elif block.record is not None and self.decode == "server":
+                    left.append(i)  # sealed: the caller wants the daemon to decode it
+                else:
+                    reads.append(i)
+            pool = self._decode_pool()
+            done = await asyncio.gather(
+                *(asyncio.to_thread(PlanConnection.read_into, plan.blocks[keys[i]], mvs[i], pool) for i in reads),
+                return_exceptions=True,
+            )
+            for i, n in zip(reads, done, strict=True):
+                if isinstance(n, OSError | CorruptBlock):
+                    self._log.warning("kvstore read of %s from its path failed, reading over HTTP: %s", keys[i], n)
+                    left.append(i)
+                elif isinstance(n, BaseException):
+                    raise n
+                else:
+                    out[i] = n
+                    self.stats["plan_reads"] += 1
+        finally:
+            try:
+                await asyncio.to_thread(conn.release, plan.lease)
+            except KVStoreClientError as e:  # it expires on its own
+                self._log.warning("kvstore read plan release failed: %s", e)
+        self.stats["plan_fallbacks"] += len(left)
+        return left
 
     async def _get_many(self, keys: list[str]) -> list[bytes | None]:
         for k in keys:

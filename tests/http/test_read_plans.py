@@ -137,6 +137,13 @@ async def test_a_plan_reads_direct_blocks_and_names_the_rest(daemon: Daemon, soc
             assert await c.get_into(k, buf) == len(v) and buf[: len(v)] == v
         assert await c.get_into("missing", bytearray(10)) is None
         assert c.stats["plan_reads"] == 5 and c.stats["plan_fallbacks"] == 0
+        # A batch: one plan for all its keys; a miss, and a buffer too small
+        # (that key alone fails, the rest are read).
+        keys = [*direct, "missing", "d0"]
+        bufs = [bytearray(BLOCK + 100) for _ in direct] + [bytearray(10), bytearray(10)]
+        assert await c.get_many_into(keys, bufs) == [len(v) for v in direct.values()] + [None, None]
+        assert all(b[: len(v)] == v for b, v in zip(bufs, direct.values(), strict=False))
+        assert c.stats["plan_reads"] == 5 + len(direct) and c.stats["plan_fallbacks"] == 0
     async with AsyncClient(f"unix:{sock}", ts) as c:
         buf = bytearray(BLOCK + 100)
         assert await c.get_into("s1", buf) == BLOCK + 1 and buf[: BLOCK + 1] == sealed["s1"]
@@ -145,6 +152,10 @@ async def test_a_plan_reads_direct_blocks_and_names_the_rest(daemon: Daemon, soc
         buf = bytearray(BLOCK + 100)
         assert await c.get_into("s1", buf) == BLOCK + 1 and buf[: BLOCK + 1] == sealed["s1"]
         assert (c.stats["plan_reads"], c.stats["plan_fallbacks"]) == (0, 1)
+        bufs = [bytearray(BLOCK + 100) for _ in sealed]
+        assert await c.get_many_into(list(sealed), bufs) == [len(v) for v in sealed.values()]
+        assert all(b[: len(v)] == v for b, v in zip(bufs, sealed.values(), strict=True))
+        assert (c.stats["plan_reads"], c.stats["plan_fallbacks"]) == (0, 1 + len(sealed))
     assert daemon.stop() == 0
 
 
