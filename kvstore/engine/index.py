@@ -31,7 +31,7 @@ import shutil
 import struct
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import islice, takewhile
 from pathlib import Path
 from typing import Any
 
@@ -240,11 +240,16 @@ class Index:
         """Live (records, bytes) of each of the tenant's segments that entries point into."""
         return {int.from_bytes(k, "big"): LIVE.unpack(v) for k, v in self._scan(self._live, tenant)}
 
-    def entries(self, tenant: str, start_after: str | None, limit: int) -> list[tuple[str, IndexEntry]]:
-        """A page of the tenant's (key, entry) pairs in key order."""
+    def entries(
+        self, tenant: str, start_after: str | None, limit: int, prefix: str = ""
+    ) -> list[tuple[str, IndexEntry]]:
+        """A page of the tenant's (key, entry) pairs in key order (those
+        whose key starts with ``prefix``)."""
         after = start_after.encode() + b"\x00" if start_after is not None else b""
-        with contextlib.closing(self._scan(self._blocks, tenant, after)) as scan:  # ends its transaction
-            return [(k.decode(), IndexEntry.unpack(v)) for k, v in islice(scan, limit)]
+        first = max(after, prefix.encode())
+        with contextlib.closing(self._scan(self._blocks, tenant, first)) as scan:  # ends its transaction
+            pairs = takewhile(lambda kv: kv[0].startswith(prefix.encode()), scan) if prefix else scan
+            return [(k.decode(), IndexEntry.unpack(v)) for k, v in islice(pairs, limit)]
 
     def accessed(self, tenant: str, keys: Sequence[str]) -> list[int]:
         """Checkpointed last-access milliseconds of ``keys`` (0 where none is recorded)."""

@@ -444,6 +444,22 @@ class StoreReads(StoreCore):
             out.append(e is not None and not self._retention.expired(t, k, e, now))
         return out
 
+    async def list_keys(
+        self, tenant: str, prefix: str = "", start_after: str | None = None, limit: int = 1000
+    ) -> tuple[list[tuple[str, int]], str | None]:
+        """A page of the tenant's keys starting with ``prefix``, in byte
+        order after ``start_after``, with their sizes (expired ones left
+        out); and where the next page starts (None: this was the last)."""
+        t = self._tenant(tenant)
+        page = await self._run(self._index.entries, tenant, start_after, limit, prefix)
+        items = [(k, e.logical_size) for k, e in page]
+        if t.ttl_s:
+            now = now_ms()
+            items = [
+                (k, n) for (k, n), (_, e) in zip(items, page, strict=True) if not self._retention.expired(t, k, e, now)
+            ]
+        return items, (page[-1][0] if len(page) == limit else None)
+
     async def iter_keys(self, tenant: str, start_after: str | None = None, page: int = 1000) -> AsyncIterator[str]:
         """Every key of the tenant, in byte order, a page of the index at a time."""
         self._tenant(tenant)

@@ -160,6 +160,37 @@ async def lookup(request: web.Request) -> web.Response:
     return web.json_response(doc)
 
 
+MAX_LIST = 10_000
+
+
+@routes.get("/v1/keys", allow_head=False)
+async def list_keys(request: web.Request) -> web.Response:
+    """A page of the tenant's keys (``prefix``, ``start_after``, ``limit``)."""
+    tenant = tenant_of(request)
+    q = request.query
+    unknown = set(q) - {"prefix", "start_after", "limit"}
+    if unknown:
+        raise InvalidInput(f"unknown query parameter(s): {', '.join(sorted(unknown))}")
+    prefix = q.get("prefix", "")
+    if prefix:
+        try:
+            validate_key(prefix)
+        except InvalidInput:
+            raise InvalidInput(f"query parameter 'prefix' must be up to 256 key characters; got {prefix!r}") from None
+    start_after = q.get("start_after")
+    if start_after is not None:
+        try:
+            validate_key(start_after)
+        except InvalidInput:
+            raise InvalidInput(f"query parameter 'start_after' must be a key; got {start_after!r}") from None
+    raw = q.get("limit", "1000")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST:
+        raise InvalidInput(f"query parameter 'limit' must be an integer from 1 to {MAX_LIST}; got {raw!r}")
+    items, nxt = await store_of(request).list_keys(tenant, prefix, start_after, int(raw))
+    keys = [{"key": k, "size": n} for k, n in items]
+    return web.json_response({"keys": keys, "next_start_after": nxt})
+
+
 @routes.get("/v1/stats")
 async def stats(request: web.Request) -> web.Response:
     tenant = tenant_of(request)

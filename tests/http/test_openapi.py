@@ -70,6 +70,10 @@ async def test_answers_match_the_description(api: Api) -> None:
         ("POST", "/v1/read-plan", "/v1/read-plan", {}, b'{"keys": ["k1"]}', 401),
         ("DELETE", "/v1/read-plan/{lease}", "/v1/read-plan/" + "0" * 32, t, b"", 400),
         ("DELETE", "/v1/read-plan/{lease}", "/v1/read-plan/nope", t, b"", 400),
+        # Key listing (tests/http/test_key_listing.py checks it).
+        ("GET", "/v1/keys", "/v1/keys?prefix=k&limit=5", t, b"", 200),
+        ("GET", "/v1/keys", "/v1/keys?limit=0", t, b"", 400),
+        ("GET", "/v1/keys", "/v1/keys", {}, b"", 401),
         # Locks (tests/http/test_lock_leases.py checks them): a lookup with lease_s, a release.
         ("POST", "/v1/lookup", "/v1/lookup", t, b'{"keys": ["k1", "nope"], "lease_s": 5}', 200),
         ("POST", "/v1/lookup", "/v1/lookup", t, b'{"keys": ["nope"], "lease_s": 5}', 200),
