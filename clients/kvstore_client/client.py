@@ -1091,6 +1091,42 @@ class AsyncClient:
 
         return await self._attempts(self._endpoints[url], fn, deadline)
 
+    # -- listing ---------------------------------------------------------------
+
+    async def list_keys(
+        self, prefix: str = "", start_after: str | None = None, limit: int = 1000, endpoint: str | None = None
+    ) -> tuple[list[tuple[str, int]], str | None]:
+        """A page of the keys (with their sizes) one daemon holds for this
+        tenant: ``endpoint`` (default the first), those starting with
+        ``prefix``, in byte order after ``start_after``; and where the next
+        page starts (None: the last page). Keys are sharded: list every
+        endpoint for all of them. Raises on failure, even when not strict (an
+        empty page would be a wrong answer, not a miss)."""
+        url = _normalize(endpoint) if endpoint is not None else self.endpoints[0]
+        if url not in self._endpoints:
+            raise ValueError(f"{endpoint!r} is not one of this client's endpoints")
+        params = {"limit": str(limit)}
+        if prefix:
+            params["prefix"] = prefix
+        if start_after is not None:
+            params["start_after"] = start_after
+
+        async def fn(s: aiohttp.ClientSession) -> tuple[list[tuple[str, int]], str | None]:
+            async with s.get("/v1/keys", params=params) as r:
+                await _check(r, ok=(200,))
+                doc = await _json(r)
+            try:
+                keys = [(str(e["key"]), int(e["size"])) for e in doc["keys"]]
+                nxt = doc["next_start_after"]
+            except (KeyError, TypeError, ValueError) as e:
+                raise ProtocolError(f"malformed key listing: {type(e).__name__}: {e}") from None
+            return keys, (None if nxt is None else str(nxt))
+
+        try:
+            return await self._attempts(self._endpoints[url], fn, self._deadline())
+        except _Miss:
+            raise ProtocolError("the daemon has no key listing (404): an older version?") from None
+
     # -- batches ---------------------------------------------------------------
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -397,6 +397,29 @@ def test_delete_skips_locked_chunks(kvstore_backend: Backend) -> None:
     assert lookup(a, keys) == [False, False]
 
 
+def test_list_l2_keys_pages_by_model(kvstore_backend: Backend) -> None:
+    a = kvstore_backend.adapter()
+    mine = [key(i, salt="user-7" if i % 2 else "") for i in range(7)]
+    theirs = [l2.key(1, model="other/model"), l2.key(2, model="org/tiny-llama-2")]
+    assert store(a, mine + theirs, [chunk(SMALL, i) for i in range(9)]).is_successful()
+    listed, cursor = [], None
+    while True:
+        page = a.list_l2_keys(model_name=MODEL, page_size=3, cursor=cursor)
+        assert len(page.entries) <= 3
+        listed += page.entries
+        cursor = page.next_page_token
+        if cursor is None:
+            break
+    assert len(listed) == len(mine)
+    assert {(e.key.to_object_key(), e.size_bytes) for e in listed} == {(k, 64 * KiB) for k in mine}
+    everything = a.list_l2_keys(page_size=100)
+    assert {e.key.to_object_key() for e in everything.entries} == set(mine + theirs)
+    with pytest.raises(ValueError):
+        a.list_l2_keys(page_size=0)
+    with pytest.raises(ValueError):
+        a.list_l2_keys(cursor="7:x")
+
+
 def test_lock_lease_expires_without_unlock(kvstore_backend: Backend) -> None:
     """A server that never unlocks (it died) holds nothing for longer than lock_lease_s."""
     kvstore_backend.set_capacity(512 * KiB)
@@ -506,6 +529,15 @@ def test_lmcache_server_starts_with_the_adapter(kvstore_backend: Backend, tmp_pa
         assert len(ours) == 1, status
         assert ours[0]["is_healthy"] is True
         assert ours[0]["endpoints"] == {kvstore_backend.kv.url: "closed"}
+
+        # Chunks another server stored are listed by this one's cache API.
+        keys = [key(1), key(2, salt="user-7")]
+        assert store(kvstore_backend.adapter(), keys, [chunk(SMALL, 1), chunk(SMALL, 2)]).is_successful()
+        url = f"http://127.0.0.1:{http_port}/cache/objects?tier=l2&model_name={MODEL}"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            listed = json.loads(r.read())
+        got = {(e["key"]["chunk_hash_hex"], e["key"]["cache_salt"], e["size_bytes"]) for e in listed["entries"]}
+        assert got == {(k.chunk_hash.hex(), k.cache_salt, 64 * KiB) for k in keys}, listed
     finally:
         proc.send_signal(signal.SIGINT)
         try:

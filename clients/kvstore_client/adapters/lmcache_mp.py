@@ -57,6 +57,9 @@ key it locked is unlocked, or ``lock_lease_s``. Unlocks release leases in the
 background, retried until done or expired. ``delete`` (LMCache's eviction)
 skips keys this adapter holds locked.
 
+**Listing** (``list_l2_keys``, LMCache's ``GET /cache/objects?tier=l2``):
+``GET /v1/keys`` under ``lmp@<model>@``, each daemon in turn.
+
 **Fail-open:** nothing raises into LMCache's controller threads; a failed
 call fails its task (stores) or leaves bits unset (lookups, loads).
 """
@@ -75,7 +78,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache.lmcache_native import Bitmap
-from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
@@ -432,6 +435,36 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             deleted = [(k, self._sizes.pop(k)) for k, ok in zip(todo, gone, strict=True) if ok and k in self._sizes]
         if deleted:
             self._notify_keys_deleted([k for k, _ in deleted], [n for _, n in deleted])
+
+    def list_l2_keys(self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None) -> Any:
+        """A page of the chunks the daemons hold (all of them, or of one
+        model), with their salts. The cursor is ``<endpoint index>:<last
+        key>``; endpoints are listed one after the other. Hashed (long) keys
+        are not listed. Raises ValueError on a bad page size or cursor, and
+        RuntimeError when a daemon cannot answer."""
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+        ep, after = 0, None
+        if cursor:
+            head, sep, tail = cursor.partition(":")
+            if not sep or not head.isdigit() or int(head) >= len(self.client.endpoints):
+                raise ValueError(f"malformed cursor {cursor!r}")
+            ep, after = int(head), tail or None
+        prefix = SEP.join([PREFIX, _escape(model_name), ""]) if model_name else PREFIX + SEP
+        url = self.client.endpoints[ep]
+        try:
+            keys, nxt = self._loop.run(
+                self.client.list_keys(prefix, after, min(page_size, 10_000), url), timeout=self._config.timeout + 1
+            )
+        except Exception as e:
+            raise RuntimeError(f"kvstore listing at {url} failed: {e}") from e
+        entries = []
+        for k, size in keys:
+            ok = object_key(k)
+            if ok is not None:
+                entries.append(KeyEntry(key=ok.to_encoded_object_key(), size_bytes=size))
+        token = f"{ep}:{nxt}" if nxt is not None else f"{ep + 1}:" if ep + 1 < len(self.client.endpoints) else None
+        return KeyListPage(entries=tuple(entries), next_page_token=token)
 
     def report_status(self) -> dict[str, Any]:
         breakers = {ep: self.client.breaker_state(ep) for ep in self.client.endpoints}
