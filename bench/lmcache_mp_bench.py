@@ -17,7 +17,9 @@ Targets (one daemon per policy, data under /var/tmp like the fs adapter's
 directory): ``fs`` (LMCache's, the reference), ``kvstore-http`` (a direct
 tenant over TCP), ``kvstore-sealed`` (AES-GCM and zstd), ``kvstore-unix``
 (a direct tenant over the daemon's unix socket: loads read the segment files
-through read plans into LMCache's objects). Rounds are interleaved with a
+through read plans into LMCache's objects), ``kvstore-nixl`` (the same tenant
+with ``transport: nixl``: one-sided READs and WRITEs between this process's
+NIXL agent and the daemon's, UCX over TCP on loopback here). Rounds are interleaved with a
 rotating order, after ``--warmup`` rounds that are not counted (thread pools,
 connections, first page faults); the report gives medians and each target's ratio to ``fs``
 per repeat, plus CPU seconds per GB of this process (LMCache and the adapter)
@@ -52,7 +54,9 @@ from bench.s3_bench import SAMPLES, cut_objects, load_pool
 
 MiB = 1 << 20
 PLUGIN = {"type": "plugin", "module_path": "kvstore_client.adapters.lmcache_mp", "class_name": "KVStoreL2Adapter"}
-TARGETS = ("fs", "kvstore-http", "kvstore-sealed", "kvstore-unix")
+TARGETS = ("fs", "kvstore-http", "kvstore-sealed", "kvstore-unix", "kvstore-nixl")
+# NIXL between this process and the daemon: UCX over TCP on loopback, with ENGINES.md's segment sizes.
+UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_TCP_TX_SEG_SIZE": "512k", "UCX_TCP_RX_SEG_SIZE": "512k"}
 TIMEOUT_S = 300.0
 
 
@@ -205,21 +209,23 @@ def _loads(adapter: Any, tasks: list[int]) -> dict[int, Any]:
 def targets(lm: Any, workdir: Path) -> Iterator[dict[str, tuple[Any, int | None]]]:
     """Each target's adapter and its daemon's pid (None for fs)."""
     settings = {"durability": "interval", "segment_size": "64MiB"}
+    os.environ.update(UCX)  # for this process's agent, and passed on to the daemon's
     with ExitStack() as stack:
         sock = workdir / "kv.sock"
-        direct = stack.enter_context(daemon(settings, ["--listen", f"unix:{sock}"], policy="direct"))
+        nixl = {"nixl": "1", "nixl_devices": "lo"}
+        direct = stack.enter_context(daemon(settings | nixl, ["--listen", f"unix:{sock}"], policy="direct"))
         sealed = stack.enter_context(daemon(settings, policy="sealed"))
         made: dict[str, tuple[Any, int | None]] = {}
 
-        def kv(endpoint: str, token: str) -> Any:
-            return make_adapter(
-                lm, {**PLUGIN, "adapter_params": {"endpoints": endpoint, "token": token, "timeout": 60}}
-            )
+        def kv(endpoint: str, token: str, **more: str) -> Any:
+            params = {"endpoints": endpoint, "token": token, "timeout": 60, **more}
+            return make_adapter(lm, {**PLUGIN, "adapter_params": params})
 
         made["fs"] = (make_adapter(lm, {"type": "fs", "base_path": str(workdir / "fs")}), None)
         made["kvstore-http"] = (kv(direct.base, direct.token), direct.proc.pid)
         made["kvstore-sealed"] = (kv(sealed.base, sealed.token), sealed.proc.pid)
         made["kvstore-unix"] = (kv(f"unix:{sock}", direct.token), direct.proc.pid)
+        made["kvstore-nixl"] = (kv(direct.base, direct.token, transport="nixl", nixl_devices="lo"), direct.proc.pid)
         try:
             yield made
         finally:

@@ -46,7 +46,7 @@ from lmcache.v1.distributed.internal_api import L2AdapterListener
 from lmcache.v1.distributed.storage_manager import StorageManager
 
 from tests.engines import l2
-from tests.engines.conftest import Kvstore, make_kvstore
+from tests.engines.conftest import UCX_ENV, Kvstore, make_kvstore, nixl_installed
 from tests.engines.l2 import chunk, empty_like, load, lookup, raw, store
 from tests.http.conftest import ADMIN, Daemon, daemon_env, free_port
 
@@ -459,6 +459,34 @@ def test_unix_socket_loads_read_segment_files(tmp_path: Path) -> None:
             a.close()
     finally:
         d.stop(signal.SIGKILL)
+
+
+@pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (deploy/setup-engines.sh installs it)")
+def test_nixl_transport_moves_chunks_one_sided(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``transport: nixl``: stores are READ by the daemon's agent from the L1
+    objects, loads READ into them (UCX over TCP here), one control call per batch."""
+    for k, v in UCX_ENV.items():
+        monkeypatch.setenv(k, v)
+    kv = make_kvstore(tmp_path / "kvstore", nixl=True)
+    b = Backend("kvstore", tmp_path, kv)
+    try:
+        a = b.adapter(transport="nixl", nixl_devices="lo")
+        keys = [key(i) for i in range(4)]
+        objs = [chunk(MEDIUM, i) for i in range(4)]
+        assert store(a, keys, objs).is_successful()
+        assert lookup(a, keys) == [True] * 4
+        dst = [empty_like(o) for o in objs]
+        before = kv.nixl_reads()
+        assert load(a, keys, dst) == [True] * 4
+        assert [raw(d) for d in dst] == [raw(o) for o in objs]
+        a.submit_unlock(keys)
+        stats = a.client.stats
+        assert stats["nixl_reads"] == 4 and stats["nixl_writes"] == 4 and stats["nixl_fallbacks"] == 0, stats
+        assert kv.nixl_reads() - before == 1  # one control call for the batch
+    finally:
+        for x in b.adapters:
+            x.close()
+        kv.stop()
 
 
 def test_key_mapping_is_reversible() -> None:
