@@ -842,7 +842,7 @@ class AsyncClient:
         url: str,
         items: list[tuple[str, framing.BufferLike]],
         idx: list[int],
-        ok: list[bool],
+        ok: list[int | None],
         metas: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> bool:
         """Put ``items[idx]`` on ``url`` over NIXL; False: HTTP must."""
@@ -857,7 +857,7 @@ class AsyncClient:
             self._nixl_failed(ep, e if isinstance(e, NixlFallback) else NixlFallback(f"{type(e).__name__}: {e}"))
             return False
         for i, res in zip(idx, results, strict=True):
-            ok[i] = isinstance(res, dict) and res.get("status") in (200, 201)
+            _stored(ok, i, res)
         self.stats["nixl_writes"] += len(idx)
         return True
 
@@ -1332,21 +1332,31 @@ class AsyncClient:
     ) -> list[bool]:
         """Store many blocks with ``/v1/batch/put``; per item, whether it is
         stored. ``metas``: each item's engine identity (as ``put``), or None."""
+        return [s is not None for s in await self.put_many_detail(items, metas)]
+
+    async def put_many_detail(
+        self,
+        items: Iterable[tuple[str, framing.BufferLike]],
+        metas: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> list[int | None]:
+        """:meth:`put_many`, per item: 201 (this call stored it), 200 (it was
+        stored already: first write wins), or None (failed)."""
         items = list(items)
         if metas is not None and len(metas) != len(items):
             raise ValueError(f"{len(items)} items but {len(metas)} metas")
-        result = await self._guard("put_many", [False] * len(items), self._put_many(items, metas))
+        failed: list[int | None] = [None] * len(items)
+        result = await self._guard("put_many", failed, self._put_many(items, metas))
         self.stats["puts"] += len(items)
-        self.stats["put_failures"] += result.count(False)
+        self.stats["put_failures"] += result.count(None)
         return result
 
     async def _put_many(
         self, items: list[tuple[str, framing.BufferLike]], metas: Sequence[Mapping[str, Any] | None] | None = None
-    ) -> list[bool]:
+    ) -> list[int | None]:
         for k, _ in items:
             framing.check_key(k)
         deadline = self._deadline()
-        ok = [False] * len(items)
+        ok: list[int | None] = [None] * len(items)
         groups: dict[str, list[int]] = {}
         for i, (k, _) in enumerate(items):
             for url in self.owners(k):
@@ -1364,7 +1374,7 @@ class AsyncClient:
         for e in errors:
             if not isinstance(e, KVStoreClientError):
                 raise e
-        if errors and (self.strict or not any(ok)):
+        if errors and (self.strict or all(o is None for o in ok)):
             raise errors[0]
         return ok
 
@@ -1373,7 +1383,7 @@ class AsyncClient:
         url: str,
         items: list[tuple[str, framing.BufferLike]],
         idx: list[int],
-        ok: list[bool],
+        ok: list[int | None],
         deadline: float,
         metas: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> None:
@@ -1387,13 +1397,19 @@ class AsyncClient:
                     results = doc.get("results")
                     if isinstance(results, list):
                         for i, res in zip(idx, results, strict=False):
-                            if isinstance(res, dict) and res.get("status") in (200, 201):
-                                ok[i] = True
+                            _stored(ok, i, res)
                         if r.status == 200:
                             return
                 await _check(r, ok=())
 
         await self._attempts(self._endpoints[url], fn, deadline)
+
+
+def _stored(ok: list[int | None], i: int, res: Any) -> None:
+    """Record item ``i``'s put result: 201 (stored now) over 200 (there
+    already) over None (failed), across replicas."""
+    if isinstance(res, dict) and res.get("status") in (200, 201):
+        ok[i] = max(ok[i] or 0, int(res["status"]))
 
 
 async def _json(r: aiohttp.ClientResponse) -> dict[str, Any]:

@@ -56,6 +56,15 @@ async def test_one_lease_per_daemon_and_a_dead_one(make_daemon: DaemonFactory) -
         assert await c.release_locks(locks) == Locks()
 
 
+async def test_put_many_detail_tells_stored_from_there_already(make_daemon: DaemonFactory) -> None:
+    d = make_daemon()
+    async with AsyncClient(d.url, d.token, timeout=2, retries=0) as c:
+        assert await c.put_many_detail([("a", b"1"), ("b", b"2")]) == [201, 201]
+        assert await c.put_many_detail([("a", b"1"), ("c", b"3")]) == [200, 201]
+        d.stop()
+        assert await c.put_many_detail([("d", b"4")]) == [None]
+
+
 async def test_lease_bounds_are_checked(make_daemon: DaemonFactory) -> None:
     d = make_daemon()
     async with AsyncClient(d.url, d.token) as c:

@@ -357,6 +357,9 @@ def test_usage_per_salt_and_delete(backend: Backend) -> None:
     usage = a.get_usage()
     assert dict(usage.bytes_by_cache_salt) == {"a": 128 * KiB, "b": 1 * MiB, "": 64 * KiB}
     assert usage.total_bytes_used == 1 * MiB + 192 * KiB
+    other = backend.adapter()  # another server storing the same chunks: they were there, it counts nothing
+    assert store(other, keys, objs).is_successful()
+    assert other.get_usage().total_bytes_used == 0 and a.get_usage().total_bytes_used == 1 * MiB + 192 * KiB
 
     a.delete(keys[:2])
     assert lookup(a, keys) == [False, False, True, True]

@@ -98,6 +98,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._:=+-]")
 DELETE_CONCURRENCY = 64
 RELEASE_RETRY_S = (0.05, 2.0)  # backoff of a lease release that failed: first, most
 CLOSE_WAIT_S = 5.0
+PRUNE_S = 30.0  # how often locks past their lease are forgotten
 
 
 # -- keys --------------------------------------------------------------------------------
@@ -219,8 +220,12 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._lookups: dict[int, Bitmap] = {}
         self._loads: dict[int, Bitmap] = {}
         self._held: dict[ObjectKey, collections.deque[_Held]] = {}
-        self._sizes: dict[ObjectKey, int] = {}  # keys this adapter stored, for the usage counts
+        # Keys this adapter stored, with their sizes, for the usage counts a
+        # delete must take back (about 300 bytes a chunk, as LMCache's own
+        # per-key eviction state).
+        self._sizes: dict[ObjectKey, int] = {}
         self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._next_prune = time.monotonic() + PRUNE_S
         self._closed = False
         self.failures = collections.Counter[str]()
         log.info(
@@ -331,14 +336,14 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         result = L2StoreResult(False, 0)
         try:
             views = [memoryview(o.byte_array) for o in objects]
-            stored = await self.client.put_many(zip([kvstore_key(k) for k in keys], views, strict=True))
-            nbytes = sum(v.nbytes for v, ok in zip(views, stored, strict=True) if ok)
-            result = L2StoreResult(all(stored), nbytes)
-            if not all(stored):
+            statuses = await self.client.put_many_detail(zip([kvstore_key(k) for k in keys], views, strict=True))
+            nbytes = sum(v.nbytes for v, st in zip(views, statuses, strict=True) if st is not None)
+            result = L2StoreResult(None not in statuses, nbytes)
+            if None in statuses:
                 self.failures["store"] += 1
+            # Counted once, by the server that stored it (201; 200: it was there already).
+            new = [(k, v.nbytes) for k, v, st in zip(keys, views, statuses, strict=True) if st == 201]
             with self._lock:
-                new = [(k, v.nbytes) for k, v, ok in zip(keys, views, stored, strict=True) if ok]
-                new = [(k, n) for k, n in new if k not in self._sizes]
                 self._sizes.update(new)
             if new:
                 self._notify_keys_stored([k for k, _ in new], [n for _, n in new])
@@ -355,9 +360,12 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 [kvstore_key(k) for k in keys], self._config.lock_lease_s
             )
             hits = [i for i, p in enumerate(present) if p]
-            if hits and locks:
-                held = _Held(locks, len(hits), time.monotonic() + self._config.lock_lease_s)
-                with self._lock:
+            now = time.monotonic()
+            with self._lock:
+                if now >= self._next_prune:
+                    self._prune(now)
+                if hits and locks:
+                    held = _Held(locks, len(hits), now + self._config.lock_lease_s)
                     for i in hits:
                         self._held.setdefault(keys[i], collections.deque()).append(held)
             for i in hits:
@@ -367,6 +375,13 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             log.exception("kvstore L2 lookup task %d failed", task_id)
         finally:
             self._finish(self._lookups, self._lookup_efd, task_id, bitmap)
+
+    def _prune(self, now: float) -> None:
+        """Forget locks past their lease (LMCache never unlocked them: a
+        request cut short); under ``self._lock``."""
+        self._next_prune = now + PRUNE_S
+        for key in [k for k, q in self._held.items() if all(h.expires <= now for h in q)]:
+            del self._held[key]
 
     async def _load(self, task_id: int, keys: list[ObjectKey], objects: list[Any]) -> None:
         bitmap = Bitmap(len(keys))
