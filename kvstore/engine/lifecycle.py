@@ -33,11 +33,12 @@ files in place until the lease is released or expires (:class:`Leases`).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.engine.index import (
@@ -234,6 +235,10 @@ class Leases:
         self._leases: dict[str, Lease] = {}
         self._claims: set[SegmentKey] = set()
         self._pinning = 0  # leases with blocks: pinned() is free while there are none
+        # Held by a pin, and by a removal of blocks from its check of the pins
+        # to its commit: a lock's lookup after its pin never finds a block
+        # that a removal then takes (see :meth:`sparing`).
+        self._pin_guard = threading.Lock()
 
     def try_claim(self, key: SegmentKey) -> bool:
         """Claim ``key`` for one maintenance task (compaction or eviction), so
@@ -260,15 +265,27 @@ class Leases:
         """A lease on ``segments`` for ``ttl_s`` seconds; ``lease_id``: the id
         a reader worker gave the same lease (the writer holds it for it);
         ``owner``: the tenant that may release it (:meth:`release_owned`);
-        ``blocks``: (tenant, key) pinned too (:meth:`pinned`)."""
+        ``blocks``: (tenant, key) pinned too (:meth:`pinned`). With blocks it
+        waits for a removal in progress (:meth:`sparing`): call it from an
+        executor thread then, not the event loop."""
         lease = Lease(
             lease_id or uuid.uuid4().hex, frozenset(segments), time.monotonic() + ttl_s, owner, frozenset(blocks)
         )
-        with self._lock:
+        with self._pin_guard if lease.blocks else contextlib.nullcontext(), self._lock:
             self._drop(lease.id)
             self._leases[lease.id] = lease
             self._pinning += bool(lease.blocks)
         return lease
+
+    @contextlib.contextmanager
+    def sparing(self, tenant: str, keys: Sequence[str]) -> Iterator[list[str]]:
+        """For a removal of blocks of ``tenant`` (quota eviction, TTL sweep):
+        the ``keys`` no lease pins, to be removed inside the ``with``. A pin
+        taken meanwhile waits for the end of it, so a lock either spares a
+        block or (read after its pin) finds it gone, never the two at once."""
+        with self._pin_guard:
+            pinned = self.pinned(tenant)
+            yield [k for k in keys if k not in pinned]
 
     def _drop(self, lease_id: str) -> Lease | None:
         lease = self._leases.pop(lease_id, None)

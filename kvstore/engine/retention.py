@@ -10,6 +10,11 @@
 - **TTL** (``ttl_s``, 0: none): a block neither read nor written for that long
   is a miss from then on (store.py checks on every read and lookup); the
   sweeper removes such blocks every ``SWEEP_S``.
+- **Locks** (a lookup's lease with blocks, lifecycle.Leases): locked blocks
+  are neither evicted for the quota nor expired; a put the unlocked blocks
+  cannot make room for is refused (``507 quota_exceeded``). A removal checks
+  the pins again as it commits (``Leases.sparing``): a lock taken after the
+  victims were chosen still wins.
 
 Removals go through the tenant's appender (no record is written: like other
 evictions they may reappear after an index rebuild, with their own bytes,
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import logging
 from collections import defaultdict
@@ -125,8 +131,9 @@ class Retention:
         if t.quota_bytes and used + nbytes > t.quota_bytes:
             await self.enforce(t, nbytes)
             # Puts in flight may overshoot for a moment (the quota is soft for
-            # them); what is stored may not, unless locks hold the rest.
-            if self._index.stats(t.name).stored_bytes + nbytes > t.quota_bytes:
+            # them, as without locks); what is stored may not pass the quota
+            # because locks hold the rest.
+            if self._leases.pinned(t.name) and self._index.stats(t.name).stored_bytes + nbytes > t.quota_bytes:
                 raise QuotaExceeded(
                     f"tenant {t.name!r} is at its quota of {t.quota_bytes} bytes and the rest is held by "
                     "leases (blocks locked by lookups): retry once they are released"
@@ -187,11 +194,19 @@ class Retention:
         for i in range(0, len(victims), DROP_CHUNK):
             chunk = victims[i : i + DROP_CHUNK]
             metas = self._identities(tenant, [k for k, _ in chunk]) if self._identities is not None else {}
-            gone = set(await app.drop(chunk))
+            gone = set(await app.step(functools.partial(self._drop_unpinned, tenant, chunk)))
             freed += sum(e.record_len for k, e in chunk if k in gone)
             if self._removed is not None:
                 self._removed(tenant, cause, [(k, e) for k, e in chunk if k in gone], metas)
         return freed
+
+    def _drop_unpinned(self, tenant: str, victims: list[tuple[str, IndexEntry]]) -> list[str]:
+        """(An appender step.) Remove the victims still current that no lock
+        pins by now: a lookup may have locked one since it was chosen, and
+        pins are checked and the removal committed under the pin guard."""
+        with self._leases.sparing(tenant, [k for k, _ in victims]) as unpinned:
+            doomed = set(unpinned)
+            return self._index.drop_if_current(tenant, [(k, e) for k, e in victims if k in doomed])
 
     # -- TTL ------------------------------------------------------------------------
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from kvstore.engine import reader
 from kvstore.engine.access import now_ms
 from kvstore.engine.index import IndexEntry
-from kvstore.engine.lifecycle import Lease
+from kvstore.engine.lifecycle import Lease, SegmentKey
 from kvstore.engine.registry import Tenant
 from kvstore.engine.segment import SegmentFile
 from kvstore.engine.store_core import StoreCore
@@ -114,6 +114,12 @@ class PlannedBlock:
 class LookupResult:
     prefix: int  # how many keys, from the start of the chain, are present
     present: list[bool]
+
+    def only(self, keys: Sequence[str], kept: Collection[str]) -> LookupResult:
+        """The same answer with the keys outside ``kept`` absent (found by
+        the lookup, gone before a lock could pin them)."""
+        present = [p and k in kept for k, p in zip(keys, self.present, strict=True)]
+        return LookupResult(next((i for i, p in enumerate(present) if not p), len(present)), present)
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,26 +411,54 @@ class StoreReads(StoreCore):
         """:meth:`lookup`, with the present keys locked: pinned under one
         lease the tenant owns (neither evicted for its quota nor expired
         while it holds; their segments neither compacted nor dropped) and
-        touched, as a read would. None when no key is present. Every key is
-        pinned before the lookup and the lease narrowed after it, so no
-        present block can go in between."""
-        lease_id = uuid.uuid4().hex
-        self.leases.acquire((), lease_s, lease_id, owner=tenant, blocks=[(tenant, k) for k in keys])
+        touched, as a read would. None when no key is present. The lookup
+        runs before the pin (a pin would keep an expired block a hit), so a
+        key a removal took in between is answered absent (:meth:`lock`)."""
+        r = await self.lookup(tenant, keys, tokens_per_block)
+        hits = [k for k, p in zip(keys, r.present, strict=True) if p]
+        if not hits:
+            return r, None
+        lease = await self.lock(uuid.uuid4().hex, tenant, hits, lease_s)
+        locked = {k for _, k in lease.blocks} if lease is not None else set()
+        for k in locked:
+            self.access.touch(tenant, k)
+        return (r if len(locked) == len(hits) else r.only(keys, locked)), lease
+
+    async def lock(
+        self, lease_id: str, tenant: str, keys: Sequence[str], lease_s: float, segments: Iterable[SegmentKey] = ()
+    ) -> Lease | None:
+        """Lock those of ``keys`` still indexed, under lease ``lease_id``
+        owned by ``tenant``, with their segments (and ``segments``); None,
+        and nothing held, when none is (a writer takes a reader's lock so)."""
+        return await self._run(self._lock_found, lease_id, tenant, list(keys), lease_s, list(segments))
+
+    def _lock_found(
+        self, lease_id: str, tenant: str, keys: list[str], lease_s: float, segments: list[SegmentKey]
+    ) -> Lease | None:
+        """(On an executor thread: a pin may wait for a removal.) All keys are
+        pinned before the index is read: a removal that checked the pins
+        earlier has committed by then (the key is absent here), a later one
+        spares the key (Leases.sparing)."""
+        self.leases.acquire(segments, lease_s, lease_id, tenant, [(tenant, k) for k in keys])
         try:
-            r = await self.lookup(tenant, keys, tokens_per_block)
-            hits = [k for k, p in zip(keys, r.present, strict=True) if p]
-            if not hits:
-                self.leases.release(lease_id)
-                return r, None
-            entries = await self._run(lambda: [self._index.get(tenant, k) for k in hits])
-            segments = {(tenant, e.segment_id) for e in entries if e is not None}
-            lease = self.leases.acquire(segments, lease_s, lease_id, owner=tenant, blocks=[(tenant, k) for k in hits])
+            found = {k: e for k in keys if (e := self._index.get(tenant, k)) is not None}
         except BaseException:
             self.leases.release(lease_id)
             raise
-        for k in hits:
-            self.access.touch(tenant, k)
-        return r, lease
+        if not found:
+            self.leases.release(lease_id)
+            return None
+        held = {(tenant, e.segment_id) for e in found.values()} | set(segments)
+        return self.leases.acquire(held, lease_s, lease_id, tenant, [(tenant, k) for k in found])
+
+    async def narrow_lock(self, lease: Lease, kept: Collection[str], lease_s: float) -> Lease | None:
+        """A reader's lock narrowed to the keys the writer could lock too
+        (``kept``); None, and released, when it could lock none."""
+        if not kept:
+            self.leases.release(lease.id)
+            return None
+        blocks = [(t, k) for t, k in lease.blocks if k in kept]
+        return await self._run(self.leases.acquire, lease.segments, lease_s, lease.id, lease.owner, blocks)
 
     async def present(self, tenant: str, keys: Sequence[str]) -> list[bool]:
         """Which of ``keys`` are present (and unexpired), without counting a

@@ -153,9 +153,12 @@ async def lookup(request: web.Request) -> web.Response:
         r = await store_of(request).lookup(tenant, keys, tpb)
         return web.json_response({"prefix": r.prefix, "present": r.present})
     lease_s = lease_field(body)
-    r, lease = await store_of(request).lookup_locked(tenant, keys, lease_s, tpb)
-    if lease is not None and WRITER in request.app:  # a reader: the writer, which evicts and expires, pins them too
-        await share_lease(request.app, lease, lease_s)
+    store = store_of(request)
+    r, lease = await store.lookup_locked(tenant, keys, lease_s, tpb)
+    if lease is not None and WRITER in request.app:  # a reader: the writer, which evicts and expires, locks them too
+        locked = await share_lease(request.app, lease, lease_s)
+        if locked is not None and len(locked) < len(lease.blocks):  # some went on the writer before its pin
+            r, lease = r.only(keys, locked), await store.narrow_lock(lease, locked, lease_s)
     doc = {"prefix": r.prefix, "present": r.present, "lease": lease.id if lease else None, "expires_in_s": lease_s}
     return web.json_response(doc)
 

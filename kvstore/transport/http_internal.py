@@ -69,7 +69,10 @@ def _json_object(raw: bytes, what: str) -> dict[str, Any]:
 @routes.post("/_internal/leases")
 async def hold_lease(request: web.Request) -> web.Response:
     """A reader's read-plan lease, held here under the same id (and, for a
-    plan with paths, for the same tenant, who may release it here)."""
+    plan with paths, for the same tenant, who may release it here). A
+    lookup's lock (``blocks``, of the owning tenant) is locked here as on
+    the reader; the answer names the keys locked (``{"locked": [key, ...]}``):
+    one removed here between the reader's lookup and this pin is left out."""
     if not _on_private_socket(request):
         raise NotFound("no such route")
     doc = _json_object(await request.read(), "leases")
@@ -81,15 +84,21 @@ async def hold_lease(request: web.Request) -> web.Response:
         or not (owner is None or isinstance(owner, str))
         or not _pairs(segs, int)
         or not _pairs(blocks, str)
+        or (blocks and not all(t == owner for t, _ in blocks))
     ):
         raise InvalidInput(
             'leases: expected {"id": str, "segments": [[tenant, id], ...], "ttl_s": number, "tenant"?: str, '
-            '"blocks"?: [[tenant, key], ...]}'
+            '"blocks"?: [[tenant, key], ...] (of "tenant")}'
         )
     assert isinstance(segs, list) and isinstance(blocks, list)  # checked by _pairs
-    leases = store_of(request).leases
-    leases.acquire([(t, sid) for t, sid in segs], float(ttl), lid, owner, [(t, k) for t, k in blocks])
-    return web.Response(status=204)
+    store = store_of(request)
+    segments = [(t, sid) for t, sid in segs]
+    if not blocks:
+        store.leases.acquire(segments, float(ttl), lid, owner)
+        return web.Response(status=204)
+    assert owner is not None  # checked above: the blocks are its
+    lease = await store.lock(lid, owner, [k for _, k in blocks], float(ttl), segments)
+    return web.json_response({"locked": sorted(k for _, k in lease.blocks) if lease is not None else []})
 
 
 def _pairs(value: Any, second: type) -> bool:
@@ -111,9 +120,11 @@ async def release_leases(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-async def share_lease(app: web.Application, lease: Lease, ttl_s: float) -> None:
+async def share_lease(app: web.Application, lease: Lease, ttl_s: float) -> frozenset[str] | None:
     """A reader: have the writer hold ``lease`` too, before the plan (or the
-    lookup that locked blocks) is sent.
+    lookup that locked blocks) is sent. For a lock, the keys the writer
+    locked too (it leaves out one it removed since the reader's lookup);
+    None for a plan, or when the writer could not be reached.
     If the writer cannot be reached the plan is sent all the same, without
     the writer's pin (logged): descriptors keep their bytes; a path read may
     then find its file compacted away, which fails (ENOENT) or fails the
@@ -128,10 +139,22 @@ async def share_lease(app: web.Application, lease: Lease, ttl_s: float) -> None:
             "http://writer/_internal/leases", json=doc, timeout=aiohttp.ClientTimeout(total=10)
         ) as r:
             if r.status == 204:
-                return
-            log.warning("the writer refused a read plan's lease: %s", r.status)
-    except (aiohttp.ClientError, ConnectionError, TimeoutError) as e:
-        log.warning("the writer did not take a read plan's lease: %s", type(e).__name__)
+                return None
+            if r.status == 200:
+                return _locked_keys(await r.json())
+            log.warning("the writer refused a lease: %s", r.status)
+    except (aiohttp.ClientError, ConnectionError, TimeoutError, ValueError) as e:
+        log.warning("the writer did not take a lease: %s", type(e).__name__)
+    return None
+
+
+def _locked_keys(doc: Any) -> frozenset[str] | None:
+    """The writer's answer to a lock: ``{"locked": [key, ...]}``."""
+    keys = doc.get("locked") if isinstance(doc, dict) else None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        log.warning("the writer answered a lock with no list of keys")
+        return None
+    return frozenset(keys)
 
 
 async def relay(app: web.Application, session: aiohttp.ClientSession) -> None:
