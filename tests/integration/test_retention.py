@@ -97,3 +97,46 @@ async def test_set_limits_enforces_a_lower_quota_at_once(open_store: OpenStore) 
     assert (await store.stats("t")).stored_bytes <= 512 * KiB
     t = await store.set_limits("t", quota_bytes=0, ttl_s=3600)
     assert t["quota_bytes"] is None and t["ttl_s"] == 3600
+
+
+async def test_the_ttl_sweep_spares_locked_blocks(open_store: OpenStore) -> None:
+    """A lookup's lock keeps its blocks through the sweep (not only on reads);
+    released, they go at the next sweep once idle past the TTL."""
+    store = await open_store()
+    await store.create_tenant("t", ttl_s=1)
+    for k in ("locked", "free"):
+        await store.put("t", k, block(k))
+    r, lease = await store.lookup_locked("t", ["locked", "free", "none"], lease_s=30)
+    assert r.present == [True, True, False] and lease is not None
+    assert lease.owner == "t" and lease.blocks == {("t", "locked"), ("t", "free")}
+    store.leases.release(lease.id)
+    _, lease = await store.lookup_locked("t", ["locked"], lease_s=30)
+    assert lease is not None
+    await asyncio.sleep(1.3)
+    assert await store.expire("t") == 1  # "free": unlocked, idle past the TTL
+    assert await store.get("t", "locked") == block("locked")
+    assert store.leases.release_owned(lease.id, "t")
+    await asyncio.sleep(1.3)
+    assert await store.expire("t") == 1
+    assert not await store.exists("t", "locked")
+
+
+async def test_a_lock_taken_after_eviction_chose_its_victims_spares_them(open_store: OpenStore) -> None:
+    """Victims are chosen before they are removed; a lock taken in between
+    wins: the removal spares the block, so a lock never finds a block present
+    that then goes (white-box: the two steps of an eviction, run apart)."""
+    store = await open_store()
+    await store.create_tenant("t", quota_bytes=1024 * KiB)
+    for i in range(8):
+        await store.put("t", f"k{i}", block(f"k{i}"))
+    retention = store._retention
+    victims = retention._lru("t", 4 * 64 * KiB)
+    chosen = [k for k, _ in victims]
+    assert len(chosen) >= 4
+    r, lease = await store.lookup_locked("t", chosen[:2], lease_s=30)
+    assert r.prefix == 2 and lease is not None
+    await retention._remove("t", victims, "quota")
+    for k in chosen[:2]:
+        assert await store.get("t", k) == block(k)
+    for k in chosen[2:]:
+        assert not await store.exists("t", k)
