@@ -81,6 +81,8 @@ def test_overwrites_read_while_compaction_and_flush_run(gw: Gateway) -> None:
         s3, rng = gw.client(tenant), random.Random(seed)
         while not stop.is_set():
             key = rng.choice(keys)
+            with lock:  # a PUT acknowledged before this GET starts: the key must be found
+                acknowledged = (tenant, key) in last
             try:
                 if rng.random() < 0.5:
                     body = s3.get_object(Bucket=buckets[tenant], Key=key)["Body"].read()
@@ -93,7 +95,7 @@ def test_overwrites_read_while_compaction_and_flush_run(gw: Gateway) -> None:
                         v[first : first + 4 * MiB + 1] == body for v in list(versions.get((tenant, key), {}).values())
                     )
             except ClientError as e:
-                ok = code_of_client(e) == "NoSuchKey" and (tenant, key) not in last
+                ok = code_of_client(e) == "NoSuchKey" and not acknowledged
             if not ok:
                 errors.append(f"read {tenant}/{key}: bytes of no version")
 
