@@ -706,14 +706,9 @@ class AsyncClient:
             self._log.warning("kvstore read plan with paths failed, reading over HTTP: %s", e)
             return False, None
         try:
-            block = plan.blocks.get(key)
+            block = self._from_plan(plan, key, mv)
             if block is None:
-                status, _ = plan.others.get(key, (0, ""))
-                return (True, None) if status == 404 else (False, None)
-            if block.size > mv.nbytes:
-                raise BufferTooSmall(f"block {key} is {block.size} bytes; the buffer holds {mv.nbytes}")
-            if block.record is not None and self.decode == "server":
-                return False, None  # sealed: the caller wants the daemon to decode it
+                return (True, None) if _planned_miss(plan, key) else (False, None)
             try:
                 n = await asyncio.to_thread(PlanConnection.read_into, block, mv, self._decode_pool())
             except (OSError, CorruptBlock) as e:
@@ -726,6 +721,20 @@ class AsyncClient:
             except KVStoreClientError as e:  # it expires on its own
                 self._log.warning("kvstore read plan release failed: %s", e)
 
+    def _from_plan(self, plan: Plan, key: str, mv: memoryview) -> PlannedBlock | None:
+        """The block of ``key`` to read from ``plan`` into ``mv``; None when
+        the plan does not give it (a miss, see :func:`_planned_miss`, or a GET
+        to make: sealed and the daemon decodes, in the object tier only, ...).
+        Raises BufferTooSmall."""
+        block = plan.blocks.get(key)
+        if block is None:
+            return None
+        if block.size > mv.nbytes:
+            raise BufferTooSmall(f"block {key} is {block.size} bytes; the buffer holds {mv.nbytes}")
+        if block.record is not None and self.decode == "server":
+            return None  # sealed: the caller wants the daemon to decode it
+        return block
+
     def _planned_read(self, conn: PlanConnection, key: str, mv: memoryview) -> tuple[bool, int | None]:
         """On a thread: ``key`` read through a read plan into ``mv``: (True,
         its size, or None for a miss), or (False, None) when it must be read
@@ -736,15 +745,10 @@ class AsyncClient:
             self._log.warning("kvstore read plan failed, reading over HTTP: %s", e)
             return False, None
         try:
-            block = plan.blocks.get(key)
+            block = self._from_plan(plan, key, mv)
             if block is not None:
-                if block.size > mv.nbytes:
-                    raise BufferTooSmall(f"block {key} is {block.size} bytes; the buffer holds {mv.nbytes}")
-                if block.record is not None and self.decode == "server":
-                    return False, None  # sealed: the caller wants the daemon to decode it
                 return True, conn.read_into(block, mv, self._decode_pool())
-            status, _ = plan.others.get(key, (0, ""))
-            return (True, None) if status == 404 else (False, None)
+            return (True, None) if _planned_miss(plan, key) else (False, None)
         finally:
             try:
                 conn.release(plan.lease)
@@ -1229,28 +1233,27 @@ class AsyncClient:
         reads: list[int] = []
         try:
             for i in idx:
-                block = plan.blocks.get(keys[i])
-                if block is None:
-                    if plan.others.get(keys[i], (0, ""))[0] == 404:
-                        out[i] = None
-                    else:
-                        left.append(i)
-                elif block.size > mvs[i].nbytes:
-                    errors.append(
-                        BufferTooSmall(f"block {keys[i]} is {block.size} bytes; the buffer holds {mvs[i].nbytes}")
-                    )
-                elif block.record is not None and self.decode == "server":
-                    left.append(i)  # sealed: the caller wants the daemon to decode it
-                else:
+                try:
+                    block = self._from_plan(plan, keys[i], mvs[i])
+                except BufferTooSmall as e:
+                    errors.append(e)
+                    continue
+                if block is not None:
                     reads.append(i)
+                elif _planned_miss(plan, keys[i]):
+                    out[i] = None
+                else:
+                    left.append(i)
             pool = self._decode_pool()
             done = await asyncio.gather(
                 *(asyncio.to_thread(PlanConnection.read_into, plan.blocks[keys[i]], mvs[i], pool) for i in reads),
                 return_exceptions=True,
             )
             for i, n in zip(reads, done, strict=True):
-                if isinstance(n, OSError | CorruptBlock):
-                    self._log.warning("kvstore read of %s from its path failed, reading over HTTP: %s", keys[i], n)
+                if isinstance(n, CorruptBlock):
+                    errors.append(n)  # the segment's own bytes failed their checksums: an error, as for get_into
+                elif isinstance(n, OSError):
+                    self._log.warning("kvstore read of %s from its segment failed, reading over HTTP: %s", keys[i], n)
                     left.append(i)
                 elif isinstance(n, BaseException):
                     raise n
@@ -1403,6 +1406,11 @@ class AsyncClient:
                 await _check(r, ok=())
 
         await self._attempts(self._endpoints[url], fn, deadline)
+
+
+def _planned_miss(plan: Plan, key: str) -> bool:
+    """Whether ``plan`` answers ``key`` absent (404)."""
+    return plan.others.get(key, (0, ""))[0] == 404
 
 
 def _stored(ok: list[int | None], i: int, res: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import re
 import threading
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
@@ -28,6 +29,27 @@ CLIENT_SETTINGS = (
     "transport",  # "http" (default) or "nixl": get_into/put_many over NIXL, falling back to HTTP
     "nixl_devices",  # UCX_NET_DEVICES for the client's NIXL agent (unset: UCX's choice)
 )
+
+
+def escape(text: str, unsafe: re.Pattern[str]) -> str:
+    """``text`` with each run of characters ``unsafe`` matches written
+    ``~XX`` per UTF-8 byte (upper-case hex): the adapters' reversible way
+    into the kvstore key grammar."""
+    return unsafe.sub(lambda m: "".join(f"~{b:02X}" for b in m.group().encode("utf-8")), text)
+
+
+def unescape(text: str) -> str:
+    """The inverse of :func:`escape`."""
+    raw = bytearray()
+    i = 0
+    while i < len(text):
+        if text[i] == "~":
+            raw.append(int(text[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw += text[i].encode("ascii")
+            i += 1
+    return raw.decode("utf-8")
 
 
 class Settings:

@@ -61,7 +61,7 @@ from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext, extract_plugin_type
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from kvstore_client.adapters._common import CLIENT_SETTINGS, Settings
+from kvstore_client.adapters._common import CLIENT_SETTINGS, Settings, escape, unescape
 from kvstore_client.client import AsyncClient
 from kvstore_client.errors import KVStoreClientError
 
@@ -74,7 +74,7 @@ MAGIC = b"KVLC"
 VERSION = 1
 _HEAD = struct.Struct("<4sBBBBQ")  # magic, version, format, n tensors, flags, payload length
 _U8 = struct.Struct("<B")
-_SAFE = re.compile(r"[A-Za-z0-9._:@=+-]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:@=+-]")
 MAX_KEY = 256
 
 
@@ -83,10 +83,7 @@ MAX_KEY = 256
 
 def kvstore_key(lmcache_key: str) -> str:
     """The kvstore key of an LMCache key string (see the module docstring)."""
-    out = ["lmc."]
-    for ch in lmcache_key:
-        out.append(ch if _SAFE.fullmatch(ch) else "".join(f"~{b:02X}" for b in ch.encode("utf-8")))
-    key = "".join(out)
+    key = "lmc." + escape(lmcache_key, _UNSAFE)
     if len(key) <= MAX_KEY:
         return key
     return "lmc~" + hashlib.blake2b(lmcache_key.encode("utf-8"), digest_size=16).hexdigest()
@@ -96,16 +93,7 @@ def lmcache_key(kvstore_key: str) -> str | None:
     """The LMCache key string of a mapped key, None for a hashed (long) one."""
     if not kvstore_key.startswith("lmc."):
         return None
-    raw = bytearray()
-    s, i = kvstore_key[4:], 0
-    while i < len(s):
-        if s[i] == "~":
-            raw.append(int(s[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            raw += s[i].encode("ascii")
-            i += 1
-    return raw.decode("utf-8")
+    return unescape(kvstore_key[4:])
 
 
 # -- values ----------------------------------------------------------------------------

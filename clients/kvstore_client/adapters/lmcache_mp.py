@@ -84,7 +84,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kvstore_client.adapters._common import CLIENT_SETTINGS, LoopThread, Settings
+from kvstore_client.adapters._common import CLIENT_SETTINGS, LoopThread, Settings, escape, unescape
 from kvstore_client.client import AsyncClient, Locks
 
 log = logging.getLogger("kvstore_client.adapters.lmcache_mp")
@@ -93,7 +93,6 @@ SETTINGS = (*CLIENT_SETTINGS, "lock_lease_s", "max_capacity_bytes")
 PREFIX = "lmp"
 SEP = "@"
 MAX_KEY = 256
-_SAFE = re.compile(r"[A-Za-z0-9._:=+-]")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:=+-]")
 DELETE_CONCURRENCY = 64
 RELEASE_RETRY_S = (0.05, 2.0)  # backoff of a lease release that failed: first, most
@@ -104,28 +103,17 @@ PRUNE_S = 30.0  # how often locks past their lease are forgotten
 # -- keys --------------------------------------------------------------------------------
 
 
-def _escape(field: str) -> str:
-    return _UNSAFE.sub(lambda m: "".join(f"~{b:02X}" for b in m.group().encode("utf-8")), field)
-
-
-def _unescape(field: str) -> str:
-    raw = bytearray()
-    i = 0
-    while i < len(field):
-        if field[i] == "~":
-            raw.append(int(field[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            raw += field[i].encode("ascii")
-            i += 1
-    return raw.decode("utf-8")
-
-
 def kvstore_key(key: ObjectKey) -> str:
     """The kvstore key of an LMCache ``ObjectKey`` (see the module docstring)."""
-    fields = [PREFIX, _escape(key.model_name), f"{key.kv_rank:x}", f"{key.object_group_id:x}", key.chunk_hash.hex()]
+    fields = [
+        PREFIX,
+        escape(key.model_name, _UNSAFE),
+        f"{key.kv_rank:x}",
+        f"{key.object_group_id:x}",
+        key.chunk_hash.hex(),
+    ]
     if key.cache_salt:
-        fields.append(_escape(key.cache_salt))
+        fields.append(escape(key.cache_salt, _UNSAFE))
     out = SEP.join(fields)
     if len(out) <= MAX_KEY:
         return out
@@ -141,10 +129,10 @@ def object_key(kv_key: str) -> ObjectKey | None:
     try:
         return ObjectKey(
             chunk_hash=bytes.fromhex(parts[4]),
-            model_name=_unescape(parts[1]),
+            model_name=unescape(parts[1]),
             kv_rank=int(parts[2], 16),
             object_group_id=int(parts[3], 16),
-            cache_salt=_unescape(parts[5]) if len(parts) == 6 else "",
+            cache_salt=unescape(parts[5]) if len(parts) == 6 else "",
         )
     except (ValueError, IndexError):
         return None
@@ -465,7 +453,7 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             if not sep or not head.isdigit() or int(head) >= len(self.client.endpoints):
                 raise ValueError(f"malformed cursor {cursor!r}")
             ep, after = int(head), tail or None
-        prefix = SEP.join([PREFIX, _escape(model_name), ""]) if model_name else PREFIX + SEP
+        prefix = SEP.join([PREFIX, escape(model_name, _UNSAFE), ""]) if model_name else PREFIX + SEP
         url = self.client.endpoints[ep]
         try:
             keys, nxt = self._loop.run(
