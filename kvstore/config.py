@@ -94,6 +94,10 @@ class StoreConfig:
     capacity: int = 0
     high_watermark: int = 90
     low_watermark: int = 80
+    # Bytes set aside on the data directory's filesystem that only removals
+    # and maintenance may use, so a full disk never wedges the store
+    # (engine/reserve.py); 0: one segment, at most a tenth of the filesystem.
+    space_reserve: int = 0
     default_durability: DurabilityClass = "persistent"
     # G4, the object tier: no bucket means G3 only. Credentials come from the
     # standard AWS variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...).
@@ -145,6 +149,12 @@ class StoreConfig:
         need(1 * MiB <= self.max_batch_bytes, "max_batch_bytes", self.max_batch_bytes, "must be at least 1 MiB")
         need(1 <= self.io_threads <= 256, "io_threads", self.io_threads, "must be 1 to 256")
         need(self.capacity >= 0, "capacity", self.capacity, "must be 0 (the whole filesystem) or a size")
+        need(
+            self.space_reserve == 0 or 1 * MiB <= self.space_reserve <= 64 * GiB,
+            "space_reserve",
+            self.space_reserve,
+            "must be 0 (one segment) or 1 MiB to 64 GiB",
+        )
         need(1 <= self.high_watermark <= 100, "high_watermark", self.high_watermark, "must be a percentage 1 to 100")
         need(
             1 <= self.low_watermark < self.high_watermark,
@@ -238,6 +248,7 @@ def parse_field(label: str, name: str, value: object) -> Any:
         "max_block_size",
         "max_batch_bytes",
         "capacity",
+        "space_reserve",
         "default_quota_bytes",
         "compact_rate",
     ):

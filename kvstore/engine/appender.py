@@ -13,26 +13,38 @@ policy), then its index entries are committed in one LMDB transaction, and
 only then are its callers acknowledged. On any failure (ENOSPC, EIO on write
 or sync, an index error) the segment is truncated back to where the batch
 began and the whole batch fails: nothing acknowledged is ever lost, nothing
-half-written is ever indexed. Under the ``interval`` policy, batches are
+half-written is ever indexed.
+
+Writes are of two classes, never mixed in one batch: puts, and *maintenance*
+(tombstones of deletes and removals, compaction's copies, seals). A
+maintenance batch or step that finds the disk full releases the space
+reserve (reserve.py) and is tried once more, so removals and compaction
+make progress on a disk that puts have filled; a put batch is refused
+(``507 storage_full``). Under the ``interval`` policy, batches are
 acknowledged after the index commit and synced (segment and index) by the
 same task every ``sync_interval_ms``.
 
 A copied record (compaction) is conditional: it is written only if the key's
 entry still points at the record it copies, taking into account the ops
 before it in the same batch; otherwise it is skipped (the block was deleted,
-replaced or evicted meanwhile) and its caller gets None.
+replaced or evicted meanwhile) and its caller gets None. A removal (quota,
+TTL) is a conditional tombstone in the same way: written only if the key
+still points at the record chosen, so a removal is as durable as a delete
+and an index rebuild never brings the block back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +53,8 @@ from kvstore.config import StoreConfig
 from kvstore.engine.format import ALIGN, FooterEntry
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Lifecycle
-from kvstore.engine.record import EncodedRecord, footer_entry, index_entry
+from kvstore.engine.record import EncodedRecord, footer_entry, index_entry, tombstone
+from kvstore.engine.reserve import SpaceReserve
 from kvstore.engine.segment import SegmentFile
 from kvstore.errors import KVStoreError, StorageFull, StorageIOError, StoreClosed
 from kvstore.metrics import Metrics
@@ -66,10 +79,11 @@ class _Write:
     ``expect`` (None: the key is absent, for a copied tombstone)."""
 
     record: EncodedRecord
-    future: asyncio.Future[tuple[bool, IndexEntry | None]]  # (written, its entry)
+    future: asyncio.Future[tuple[bool, IndexEntry | None]] | None  # (written, its entry); None: inside a step
     copy: bool = False
     expect: IndexEntry | None = None
     ident: bytes | None = None  # the block's engine identity, indexed with its entry
+    maintenance: bool = False  # a tombstone or a compaction copy: may use the space reserve
 
 
 @dataclass(slots=True)
@@ -78,6 +92,7 @@ class _Step:
 
     fn: Callable[[], Any]
     future: asyncio.Future[Any]
+    maintenance: bool = False
 
 
 class Appender:
@@ -94,6 +109,7 @@ class Appender:
         metrics: Metrics,
         on_segment: Callable[[SegmentFile], None],
         on_sealed: Callable[[int], None] | None = None,
+        reserve: SpaceReserve | None = None,
     ) -> None:
         self.tenant = tenant
         self._dir = directory
@@ -106,6 +122,7 @@ class Appender:
         self._metrics = metrics
         self._on_segment = on_segment
         self._on_sealed = on_sealed
+        self._reserve = reserve
         self._queue: deque[_Write | _Step] = deque()
         self._wake = asyncio.Event()
         self._closing = False
@@ -114,11 +131,14 @@ class Appender:
 
     # -- public ---------------------------------------------------------------
 
-    async def submit(self, record: EncodedRecord, ident: bytes | None = None) -> IndexEntry | None:
+    async def submit(
+        self, record: EncodedRecord, ident: bytes | None = None, maintenance: bool = False
+    ) -> IndexEntry | None:
         """Append ``record``; return once it is durable under the policy and
-        indexed (with ``ident``, the block's engine identity, if given)."""
+        indexed (with ``ident``, the block's engine identity, if given).
+        ``maintenance``: a tombstone, which may use the space reserve."""
         fut: asyncio.Future[tuple[bool, IndexEntry | None]] = self._future()
-        self._queue.append(_Write(record, fut, ident=ident))
+        self._queue.append(_Write(record, fut, ident=ident, maintenance=maintenance))
         self._wake.set()
         return (await fut)[1]
 
@@ -127,22 +147,50 @@ class Appender:
         still ``expect`` when its batch is written (None: the key is absent,
         for a tombstone); False when it was skipped."""
         fut: asyncio.Future[tuple[bool, IndexEntry | None]] = self._future()
-        self._queue.append(_Write(record, fut, copy=True, expect=expect))
+        self._queue.append(_Write(record, fut, copy=True, expect=expect, maintenance=True))
         self._wake.set()
         return (await fut)[0]
 
     async def seal(self) -> int | None:
         """Seal the open segment now, in order with the writes queued before
         this call. Returns the sealed segment's id (None: nothing to seal)."""
-        result: int | None = await self.step(self._seal_current)
+        result: int | None = await self.step(self._seal_current, maintenance=True)
         return result
+
+    async def remove(
+        self,
+        victims: Sequence[tuple[str, IndexEntry]],
+        spare: Callable[[Sequence[str]], AbstractContextManager[Sequence[str]]] | None = None,
+    ) -> list[str]:
+        """Remove the blocks of ``victims`` (key, the entry chosen) that still
+        are what the index holds, each with a durable tombstone (as a delete:
+        neither a restart nor an index rebuild brings them back); returns the
+        keys removed. ``spare``: a guard that gives the keys that may go now
+        and is held until they are gone (the locks of lookups, lifecycle.Leases.sparing)."""
+
+        def remove() -> list[str]:
+            with spare([k for k, _ in victims]) if spare is not None else _all([k for k, _ in victims]) as allowed:
+                doomed = set(allowed)
+                writes = [
+                    _Write(tombstone(self.tenant, k, e.segment_id), None, copy=True, expect=e, maintenance=True)
+                    for k, e in victims
+                    if k in doomed
+                ]
+                done = self._write_batch(writes) if writes else []
+                return [w.record.header.key for w, (written, _) in zip(writes, done, strict=True) if written]
+
+        removed: list[str] = await self.step(remove, maintenance=True)
+        return removed
 
     async def drop(self, victims: Sequence[tuple[str, IndexEntry]]) -> list[str]:
         """Remove the entries of ``victims`` (key, the entry expected) that are
-        still what the index holds; returns the keys removed. No record is
-        written: evicted and expired blocks may reappear after an index
-        rebuild, with their own bytes, until compaction reclaims them."""
-        removed: list[str] = await self.step(lambda: self._index.drop_if_current(self.tenant, victims))
+        still what the index holds, without a record; returns the keys
+        removed. Only for entries into a segment whose file goes next (an
+        ephemeral segment dropped under disk pressure, tiering.py): nothing
+        is left for an index rebuild to find."""
+        removed: list[str] = await self.step(
+            lambda: self._index.drop_if_current(self.tenant, victims), maintenance=True
+        )
         return removed
 
     async def make_durable(self) -> None:
@@ -156,10 +204,12 @@ class Appender:
 
         await self.step(sync)
 
-    async def step(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the executor in order with the writes (blocking I/O)."""
+    async def step(self, fn: Callable[[], Any], maintenance: bool = False) -> Any:
+        """Run ``fn`` on the executor in order with the writes (blocking I/O).
+        ``maintenance``: if it finds the disk full, the space reserve is
+        released and it runs once more."""
         fut: asyncio.Future[Any] = self._future()
-        self._queue.append(_Step(fn, fut))
+        self._queue.append(_Step(fn, fut, maintenance))
         self._wake.set()
         return await fut
 
@@ -204,8 +254,9 @@ class Appender:
                 await self._run_step(head)
                 continue
             batch = self._take_batch()
+            write = functools.partial(self._write_batch, batch)
             try:
-                entries = await self._call(functools.partial(self._write_batch, batch))
+                entries = await self._call(functools.partial(self._spending, write) if batch[0].maintenance else write)
             except KVStoreError as e:
                 _fail(batch, e)
                 continue
@@ -215,12 +266,12 @@ class Appender:
                     raise
                 continue
             for item, entry in zip(batch, entries, strict=True):
-                if not item.future.done():
+                if item.future is not None and not item.future.done():
                     item.future.set_result(entry)
 
     async def _run_step(self, step: _Step) -> None:
         try:
-            result = await self._call(step.fn)
+            result = await self._call(functools.partial(self._spending, step.fn) if step.maintenance else step.fn)
         except BaseException as e:
             if not step.future.done():
                 step.future.set_exception(e)
@@ -237,7 +288,11 @@ class Appender:
         size = first.record.length
         while self._queue:
             nxt = self._queue[0]
-            if not isinstance(nxt, _Write) or size + nxt.record.length > self._cfg.max_batch_bytes:
+            if (
+                not isinstance(nxt, _Write)
+                or nxt.maintenance != first.maintenance
+                or size + nxt.record.length > self._cfg.max_batch_bytes
+            ):
                 break
             self._queue.popleft()
             size += nxt.record.length
@@ -251,6 +306,10 @@ class Appender:
             log.error("periodic sync of tenant %s failed: %s", self.tenant, e)
 
     # -- executor side --------------------------------------------------------
+
+    def _spending(self, fn: Callable[[], Any]) -> Any:
+        """Run maintenance ``fn``; on a full disk, with the space reserve released."""
+        return fn() if self._reserve is None else self._reserve.spending(fn)
 
     def _segment_for(self, nbytes: int) -> SegmentFile:
         seg = self._tail.segment
@@ -363,8 +422,13 @@ class Appender:
 
 def _fail(batch: list[_Write], e: KVStoreError) -> None:
     for item in batch:
-        if not item.future.done():
+        if item.future is not None and not item.future.done():
             item.future.set_exception(e)
+
+
+@contextlib.contextmanager
+def _all(keys: Sequence[str]) -> Iterator[Sequence[str]]:
+    yield keys
 
 
 def _io_error(e: OSError, doing: str) -> KVStoreError:

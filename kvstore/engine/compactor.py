@@ -34,6 +34,14 @@ Why a crash anywhere loses nothing and brings nothing back:
 I/O is bounded: a pass reads at most ``compact_rate`` bytes per second, so
 foreground reads keep their latency. ``POST /v1/admin/compact`` runs a pass
 now; the background loop runs one every ``compact_interval_s``.
+
+On a full disk (the space reserve in use, or puts refused for space: see
+reserve.py) a pass runs at once and then every second while the disk stays
+full, whatever ``compact_interval_s`` says, and chooses differently: any
+sealed segment with at least ``PRESSED_DEAD_PERCENT`` dead, the one that
+frees the most for the least copying first, and only if its live records
+fit in the space left; an open segment with that much dead is sealed first
+so it can be taken. Its copies and seals may use the reserve.
 """
 
 from __future__ import annotations
@@ -56,12 +64,17 @@ from kvstore.engine.segcache import SegmentCache
 from kvstore.engine.segment import SegmentFile
 from kvstore.errors import CorruptionError, KVStoreError, TierError
 from kvstore.metrics import Metrics
+from kvstore.tasks import wait_event
 from kvstore.tier.base import Tier
 from kvstore.tier.layout import segment_object
 from kvstore.tier.remote import fetch_footer
 
 log = logging.getLogger("kvstore.engine.compactor")
 SegmentKey = tuple[str, int]
+PRESSED_POLL_S = 1.0  # passes while the disk is full
+PRESSED_DEAD_PERCENT = 10  # the dead share that makes a segment worth rewriting on a full disk
+PRESSED_SEAL_MIN = 1 << 20  # dead bytes of an open segment worth sealing it for, on a full disk
+IDLE_S = 3600.0  # the loop's wait with no interval and no pressure (a kick ends it)
 
 
 @dataclass(slots=True)
@@ -116,6 +129,8 @@ class Compactor:
         appender: Callable[[str], Appender],
         run: Callable[..., Awaitable[Any]],
         metrics: Metrics,
+        pressed: Callable[[], bool] | None = None,
+        available: Callable[[], int] | None = None,
     ) -> None:
         self._cfg = config
         self._index = index
@@ -127,14 +142,25 @@ class Compactor:
         self._appender = appender
         self._run = run
         self._metrics = metrics
+        self._pressed = pressed or (lambda: False)  # whether the disk is full (reserve.py)
+        self._available = available  # bytes free on the data directory's filesystem (blocking)
         self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+
+    def kick(self) -> None:
+        """The disk may have filled: run a pass now (the loop decides)."""
+        self._wake.set()
 
     async def loop(self) -> None:
-        """The background compactor (every ``compact_interval_s``; 0: never)."""
-        if not self._cfg.compact_interval_s:
-            return
+        """The background compactor: a pass every ``compact_interval_s`` (0:
+        none), and at once and every second while the disk is full."""
+        interval = self._cfg.compact_interval_s
         while True:
-            await asyncio.sleep(self._cfg.compact_interval_s)
+            timeout = PRESSED_POLL_S if self._pressed() else (interval or IDLE_S)
+            woken = await wait_event(self._wake, timeout)
+            self._wake.clear()
+            if not self._pressed() and (woken or not interval):
+                continue
             try:
                 report = await self.compact()
                 if report.segments_rewritten or report.objects_deleted:
@@ -147,10 +173,11 @@ class Compactor:
         async with self._lock:
             t0 = time.monotonic()
             report = CompactionReport()
-            throttle = _Throttle(self._cfg.compact_rate)
+            pressed = self._pressed()
+            throttle = _Throttle(self._cfg.compact_rate * (4 if pressed else 1))
             for name in [tenant] if tenant is not None else self._registry.names():
                 try:
-                    await self._compact_tenant(name, report, throttle)
+                    await self._compact_tenant(name, report, throttle, pressed)
                 except KVStoreError as e:  # the tenant went meanwhile, or its appender is closing
                     report.errors.append(f"{name}: {e}")
             await self.reap(report, tenant)
@@ -164,26 +191,54 @@ class Compactor:
 
     # -- choosing ---------------------------------------------------------------
 
-    def _candidates(self, tenant: str) -> list[int]:
-        """Sealed segments of ``tenant`` dead enough to rewrite, oldest first."""
+    def _threshold(self, pressed: bool) -> int:
+        return min(PRESSED_DEAD_PERCENT, self._cfg.compact_dead_percent) if pressed else self._cfg.compact_dead_percent
+
+    def _candidates(self, tenant: str, pressed: bool = False) -> list[int]:
+        """Sealed segments of ``tenant`` dead enough to rewrite: oldest first;
+        on a full disk, the most dead first (and least live among equals),
+        leaving out those whose live records do not fit in the space left."""
         live = self._index.live(tenant)
-        out = []
+        threshold = self._threshold(pressed)
+        room = self._available() if pressed and self._available is not None else None
+        out: list[tuple[float, int, int]] = []
         for sid, st in sorted(self._index.segments(tenant).items()):
             if st.state != SEG_SEALED:
                 continue
             total = st.indexed_upto - ALIGN
-            dead = total - live.get(sid, (0, 0))[1]
-            if total > 0 and dead * 100 >= self._cfg.compact_dead_percent * total:
-                out.append(sid)
-        return out
+            kept = live.get(sid, (0, 0))[1]
+            dead = total - kept
+            if total <= 0 or dead * 100 < threshold * total:
+                continue
+            if room is not None and kept + (1 << 20) > room:
+                continue  # copying it would fill the disk before its space came back
+            out.append((-dead / total if pressed else 0.0, kept if pressed else 0, sid))
+        return [sid for *_, sid in sorted(out)]
 
-    async def _compact_tenant(self, tenant: str, report: CompactionReport, throttle: _Throttle) -> None:
-        """Rewrite the tenant's candidates one by one, oldest first: each one's
-        copies are made durable and it is retired, and its local file removed,
-        before the next is weighed, so the next one's tombstones that only
-        guarded it can go."""
+    def _open_worth_sealing(self, tenant: str, sid: int) -> bool:
+        """On a full disk: whether the open segment ``sid`` holds enough dead
+        records that sealing it (so a pass can rewrite it) pays."""
+        st = self._index.segment(tenant, sid)
+        if st is None or st.state != SEG_OPEN:
+            return False
+        total = st.indexed_upto - ALIGN
+        dead = total - self._index.live(tenant).get(sid, (0, 0))[1]
+        return dead >= PRESSED_SEAL_MIN and dead * 100 >= self._threshold(True) * total
+
+    async def _compact_tenant(
+        self, tenant: str, report: CompactionReport, throttle: _Throttle, pressed: bool = False
+    ) -> None:
+        """Rewrite the tenant's candidates one by one: each one's copies are
+        made durable and it is retired, and its local file removed, before
+        the next is weighed, so the next one's tombstones that only guarded
+        it can go."""
         incarnation = self._registry.get(tenant).created_ns
-        sids = await self._run(self._candidates, tenant)
+        if pressed:
+            app = self._appender(tenant)
+            current = app.open_segment
+            if current is not None and await self._run(self._open_worth_sealing, tenant, current):
+                await app.seal()
+        sids = await self._run(self._candidates, tenant, pressed)
         if not sids:
             return
         app = self._appender(tenant)
@@ -198,7 +253,7 @@ class Compactor:
                 phase = await self._run(self._life.phase, tenant, sid)
                 if phase not in (Phase.SEALED, Phase.MIRRORED, Phase.REMOTE_ONLY):
                     continue
-                if not await self._copy_live(tenant, sid, phase, app, report, throttle):
+                if not await self._copy_live(tenant, sid, phase, app, report, throttle, pressed):
                     continue
                 await app.make_durable()
                 if tenant not in self._registry or self._registry.get(tenant).created_ns != incarnation:
@@ -224,7 +279,14 @@ class Compactor:
     # -- copying ----------------------------------------------------------------
 
     async def _copy_live(
-        self, tenant: str, sid: int, phase: Phase, app: Appender, report: CompactionReport, throttle: _Throttle
+        self,
+        tenant: str,
+        sid: int,
+        phase: Phase,
+        app: Appender,
+        report: CompactionReport,
+        throttle: _Throttle,
+        pressed: bool = False,
     ) -> bool:
         """Copy the live records (and needed tombstones) of one segment; True
         when nothing live is left in it."""
@@ -235,7 +297,7 @@ class Compactor:
         try:
             entries = await self._footer(tenant, sid, seg)
             needed = await self._run(self._tombstones_needed, tenant, sid, entries)
-            if not await self._run(self._worth_it, tenant, sid, entries, needed):
+            if not await self._run(self._worth_it, tenant, sid, entries, needed, self._threshold(pressed)):
                 return False  # mostly tombstones that must stay: moving them would give nothing back
             for fe in entries:
                 if fe.kind == KIND_TOMBSTONE:
@@ -348,14 +410,14 @@ class Compactor:
                 out.add(fe.offset)
         return out
 
-    def _worth_it(self, tenant: str, sid: int, entries: list[FooterEntry], needed: set[int]) -> bool:
-        """Whether rewriting gives back ``compact_dead_percent`` of the
-        segment once the tombstones that must stay count as live."""
+    def _worth_it(self, tenant: str, sid: int, entries: list[FooterEntry], needed: set[int], threshold: int) -> bool:
+        """Whether rewriting gives back ``threshold`` percent of the segment
+        once the tombstones that must stay count as live."""
         st = self._index.segments(tenant).get(sid)
         total = (st.indexed_upto - ALIGN) if st is not None else 0
         live = self._index.live(tenant).get(sid, (0, 0))[1]
         keep = live + sum(fe.record_len for fe in entries if fe.offset in needed)
-        return total > 0 and (total - keep) * 100 >= self._cfg.compact_dead_percent * total
+        return total > 0 and (total - keep) * 100 >= threshold * total
 
     # -- retiring and reaping -----------------------------------------------------
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import lmdb
 
-from kvstore.errors import IndexUnusable
+from kvstore.errors import IndexUnusable, KVStoreError, StorageFull, StorageIOError
 
 ENTRY = struct.Struct("<QQQIQHI16sQ")
 SEGMENT = struct.Struct("<BQQQ")  # state, indexed_upto, synced_upto, wait_upto
@@ -120,6 +120,25 @@ class UsageStats:
     logical_bytes: int = 0
 
 
+def _write_error(e: lmdb.Error, doing: str) -> KVStoreError:
+    """LMDB's failure to write, in the store's terms: ENOSPC and a full map
+    are :class:`StorageFull` (the space reserve makes room for removals,
+    reserve.py), never corruption; other failures :class:`StorageIOError`."""
+    if isinstance(e, lmdb.MapFullError):
+        return StorageFull(f"the index's map is full while {doing} (map_size); nothing was committed")
+    if isinstance(e, lmdb.DiskError) and "no space" in str(e).lower():
+        return StorageFull(f"no space left on device while {doing}; nothing was committed")
+    return StorageIOError(f"I/O error while {doing}: {e}")
+
+
+@contextlib.contextmanager
+def _lmdb_errors(doing: str) -> Generator[None, None, None]:
+    try:
+        yield
+    except (lmdb.DiskError, lmdb.MapFullError) as e:
+        raise _write_error(e, doing) from None
+
+
 def _bkey(tenant: str, key: str) -> bytes:
     return tenant.encode() + _SEP + key.encode()
 
@@ -171,6 +190,9 @@ class Index:
                 elif struct.unpack("<I", fmt)[0] != INDEX_FORMAT:
                     raise IndexUnusable(f"index format {struct.unpack('<I', fmt)[0]} is not {INDEX_FORMAT}")
         except lmdb.Error as e:
+            failure = _write_error(e, f"opening the index at {str(path)!r}")
+            if isinstance(failure, StorageFull):  # not a damaged index: a rebuild would not help (and needs space)
+                raise failure from None
             raise IndexUnusable(f"index at {str(path)!r} cannot be opened: {e}") from None
 
     @staticmethod
@@ -181,7 +203,15 @@ class Index:
         self.env.close()
 
     def sync(self) -> None:
-        self.env.sync(True)
+        with _lmdb_errors("syncing the index"):
+            self.env.sync(True)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Generator[Any, None, None]:
+        """A write transaction, committed at the end; a full disk or map is
+        :class:`StorageFull` (nothing of it was committed), never corruption."""
+        with _lmdb_errors("committing to the index"), self.env.begin(write=True) as txn:
+            yield txn
 
     # -- the lifecycle epoch --------------------------------------------------
 
@@ -262,7 +292,7 @@ class Index:
 
     def record_access(self, tenant: str, times: Iterable[tuple[str, int]]) -> None:
         """Checkpoint last-access milliseconds (only for keys that still exist)."""
-        with self.env.begin(write=True) as txn:
+        with self._writing() as txn:
             for key, ms in times:
                 bk = _bkey(tenant, key)
                 if txn.get(bk, db=self._blocks) is not None:
@@ -310,7 +340,7 @@ class Index:
         together with the segment's new state, the tenant's usage and the
         live bytes of every segment the ops point into or away from.
         ``idents``: the engine identities of keys put (a delete drops one)."""
-        with self.env.begin(write=True) as txn:
+        with self._writing() as txn:
             self._apply(txn, tenant, ops, idents)
             if segment is not None:
                 self._put_segment(txn, tenant, segment_id, segment)
@@ -370,7 +400,7 @@ class Index:
         """Remove the entries of ``victims`` (key, expected entry) that are
         still current, in one transaction; return the keys removed."""
         removed: list[str] = []
-        with self.env.begin(write=True) as txn:
+        with self._writing() as txn:
             ops: list[tuple[str, IndexEntry | None]] = []
             for key, expected in victims:
                 raw = txn.get(_bkey(tenant, key), db=self._blocks)
@@ -386,7 +416,7 @@ class Index:
     ) -> None:
         """Set (None: keep) the segment's state and tier state in one
         transaction; ``epoch``: a local file goes away, tell the readers."""
-        with self.env.begin(write=True) as txn:
+        with self._writing() as txn:
             if segment is not None:
                 self._put_segment(txn, tenant, segment_id, segment)
             if tier is not None:
@@ -395,7 +425,7 @@ class Index:
                 self._bump_epoch(txn)
 
     def forget_segment(self, tenant: str, segment_id: int) -> None:
-        with self.env.begin(write=True) as txn:
+        with self._writing() as txn:
             txn.delete(_skey(tenant, segment_id), db=self._segments)
             txn.delete(_skey(tenant, segment_id), db=self._tiers)
             txn.delete(_skey(tenant, segment_id), db=self._live)
@@ -415,7 +445,7 @@ class Index:
 
     def drop_tenant(self, tenant: str) -> None:
         prefix = tenant.encode() + _SEP
-        with self.env.begin(write=True) as txn:
+        with self._writing() as txn:
             self._bump_epoch(txn)
             for db in (self._blocks, self._segments, self._tiers, self._live, self._access, self._idents):
                 cur = txn.cursor(db=db)

@@ -16,10 +16,12 @@
   the pins again as it commits (``Leases.sparing``): a lock taken after the
   victims were chosen still wins.
 
-Removals go through the tenant's appender (no record is written: like other
-evictions they may reappear after an index rebuild, with their own bytes,
-until compaction reclaims their space) and leave dead bytes for compaction.
-Access times come from access.py.
+Removals go through the tenant's appender as conditional tombstones
+(appender.py ``remove``): a block removed for its quota or TTL is as gone as
+a deleted one, after a restart, an index rebuild or a rebuild from the
+bucket; its bytes are dead for compaction. A tombstone costs one 4 KiB
+record per block removed (bench/README.md has the figures). Access times
+come from access.py.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class Retention:
             await asyncio.sleep(CHECKPOINT_S)
             try:
                 await self.checkpoint()
+            except KVStoreError as e:  # a full disk: those access times are lost, nothing else
+                log.warning("checkpoint of access times failed: %s", e)
             except Exception:
                 log.exception("checkpoint of access times failed")
 
@@ -194,19 +198,11 @@ class Retention:
         for i in range(0, len(victims), DROP_CHUNK):
             chunk = victims[i : i + DROP_CHUNK]
             metas = self._identities(tenant, [k for k, _ in chunk]) if self._identities is not None else {}
-            gone = set(await app.step(functools.partial(self._drop_unpinned, tenant, chunk)))
+            gone = set(await app.remove(chunk, functools.partial(self._leases.sparing, tenant)))
             freed += sum(e.record_len for k, e in chunk if k in gone)
             if self._removed is not None:
                 self._removed(tenant, cause, [(k, e) for k, e in chunk if k in gone], metas)
         return freed
-
-    def _drop_unpinned(self, tenant: str, victims: list[tuple[str, IndexEntry]]) -> list[str]:
-        """(An appender step.) Remove the victims still current that no lock
-        pins by now: a lookup may have locked one since it was chosen, and
-        pins are checked and the removal committed under the pin guard."""
-        with self._leases.sparing(tenant, [k for k, _ in victims]) as unpinned:
-            doomed = set(unpinned)
-            return self._index.drop_if_current(tenant, [(k, e) for k, e in victims if k in doomed])
 
     # -- TTL ------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ Data directory layout::
     DATA/registry.json      tenants, policies, wrapped data keys (registry.py)
     DATA/index/             LMDB index, rebuildable from segments (index.py)
     DATA/segments/TENANT/   that tenant's segment files (segment.py)
+    DATA/reserve            space only removals and maintenance may use (reserve.py)
 
 With an object tier (G4: S3 or a shared directory), sealed segments of
 persistent tenants are mirrored there, local copies may be dropped under disk
@@ -29,6 +30,7 @@ import resource
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from kvstore.config import FRAME_SIZE_RULE, StoreConfig, valid_frame_size
@@ -39,8 +41,9 @@ from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.engine.fsutil import atomic_write, index_torn_by_reboot, mark_index_synced, mark_index_unsynced
 from kvstore.engine.index import Index
 from kvstore.engine.lifecycle import Lifecycle
-from kvstore.engine.recovery import RemoteSegments, UnknownTenants, recover, tenant_dirs, trash
+from kvstore.engine.recovery import RecoveryReport, RemoteSegments, UnknownTenants, recover, tenant_dirs, trash
 from kvstore.engine.registry import Registry, RegistryUnreadable
+from kvstore.engine.reserve import RESERVE_FILE, SpaceReserve, auto_reserve, segment_cap
 from kvstore.engine.retention import Retention
 from kvstore.engine.store_read import StoreReads
 from kvstore.engine.store_write import StoreWrites
@@ -162,14 +165,23 @@ class Store(StoreReads, StoreWrites):
             before_drop=lambda tenant, sid: self._compactor.carry_tombstones(tenant, sid),
             adopted=self.adopted,
             moved=self._moved,
+            reserve=self.reserve,
+            pressure=self._disk_full,
         )
+        if self.reserve is not None:
+            loop = asyncio.get_running_loop()
+
+            def released(_freed: int) -> None:
+                loop.call_soon_threadsafe(self._disk_full)
+
+            self.reserve.on_release = released
         mirror = None
         if self.tier is not None and not readonly and not self.adopted and self._background:
             mirror = Mirror(
                 self.tier,
                 self._life,
                 self.metrics,
-                self._run,
+                self._maintain,
                 self._registry.document,
                 self.config.s3_upload_concurrency,
                 self._tiering.mirrored,
@@ -186,8 +198,10 @@ class Store(StoreReads, StoreWrites):
             self._cache,
             self.tier,
             lambda name: self._appender(self._registry.get(name)),
-            self._run,
+            self._maintain,
             self.metrics,
+            pressed=lambda: self._tiering.full,
+            available=self._room_for_maintenance,
         )
         self._retention = Retention(
             self._index,
@@ -208,6 +222,13 @@ class Store(StoreReads, StoreWrites):
             for prefix in self._stale:
                 log.warning("deleting objects of a deleted tenant under %s", prefix)
                 mirror.delete_prefix(prefix)
+
+    def _disk_full(self) -> None:
+        """On the loop: the disk filled (the reserve was released, or a put
+        refused for space): compaction runs now, the evictor too."""
+        if hasattr(self, "_compactor"):
+            self._compactor.kick()
+        self._tiering.kick()
 
     def _open_reader_sync(self) -> None:
         self._registry = Registry(self._root / "registry.json", self._master, readonly=True)
@@ -252,6 +273,7 @@ class Store(StoreReads, StoreWrites):
             self._lock_fd = -1
             raise StoreLocked(f"data directory {str(self._root)!r} is in use by another process") from None
         _raise_nofile_limit()
+        self._set_aside_space()
         self._registry = self._load_registry()
         index_dir = self._root / "index"
         has_segments = bool(tenant_dirs(self._seg_root))
@@ -261,28 +283,43 @@ class Store(StoreReads, StoreWrites):
             Index.destroy(index_dir)
             rebuilt = has_segments
         sync = self.config.durability == "fsync"
+        reserve = self.reserve
+        assert reserve is not None
         try:
-            self._index = Index(index_dir, sync=sync)
+            self._index = reserve.spending(lambda: Index(index_dir, sync=sync))
         except IndexUnusable as e:
             log.error("%s; rebuilding the index from the segments", e)
             Index.destroy(index_dir)
-            self._index = Index(index_dir, sync=sync)
+            self._index = reserve.spending(lambda: Index(index_dir, sync=sync))
             rebuilt = has_segments
-        self.recovery.index_rebuilt = rebuilt
         self._life = Lifecycle(self._index)
         remote = self._remote_view(listing, loop)
-        self._tails = recover(
-            self._seg_root,
-            self._index,
-            self._life,
-            self._registry,
-            self.recovery,
-            remote,
-            id_floor,
-            self.config.discard_unknown_tenants,
-        )
-        if not sync:
-            mark_index_unsynced(self._root)
+
+        def recovered() -> dict[str, OpenSegment]:
+            # Recovery converges from any point it stopped at, so on a full
+            # disk it runs again with part of the space reserve released.
+            self.recovery = RecoveryReport(index_rebuilt=rebuilt)
+            tails = recover(
+                self._seg_root,
+                self._index,
+                self._life,
+                self._registry,
+                self.recovery,
+                remote,
+                id_floor,
+                self.config.discard_unknown_tenants,
+            )
+            if not sync:
+                mark_index_unsynced(self._root)
+            return tails
+
+        self._tails = reserve.spending(recovered)
+        if not reserve.fill():
+            log.warning(
+                "the disk is full at start-up: the space reserve (%d bytes) cannot be allocated; puts are "
+                "refused (507) until removals and compaction free space",
+                reserve.size,
+            )
         for tail in self._tails.values():
             if tail.segment is not None:
                 self._cache.register(tail.segment)
@@ -294,6 +331,35 @@ class Store(StoreReads, StoreWrites):
         self.metrics.set("kvstore_recovery_corrupt_records", len(r.corrupt))
         if r.repaired or r.corrupt:
             log.warning("recovery: %s", r.as_dict())
+
+    def _set_aside_space(self) -> None:
+        """Size segments and the space reserve (reserve.py) for the data
+        directory's filesystem."""
+        st = os.statvfs(self._root)
+        room = st.f_blocks * st.f_frsize
+        if self.config.capacity:
+            room = min(room, self.config.capacity)
+        cap = segment_cap(self.config.segment_size, room)
+        if cap < self.config.segment_size:
+            log.warning(
+                "segment_size %d is over a sixteenth of the space the data directory may use (%d bytes): "
+                "segments are sealed at %d bytes, so compaction can always rewrite one within the reserve",
+                self.config.segment_size,
+                room,
+                cap,
+            )
+            self.config = replace(self.config, segment_size=cap)
+        size = self.config.space_reserve or auto_reserve(self.config.segment_size, room)
+        self.reserve = SpaceReserve(self._root / RESERVE_FILE, size, self._fs_available)
+
+    def _fs_available(self) -> int:
+        """Bytes free for this user on the data directory's filesystem."""
+        st = os.statvfs(self._root)
+        return st.f_bavail * st.f_frsize
+
+    def _room_for_maintenance(self) -> int:
+        """Bytes maintenance may still write: free space and what is left of the reserve."""
+        return self._fs_available() + (self.reserve.held if self.reserve is not None else 0)
 
     def _load_registry(self) -> Registry:
         """The tenant registry. A missing or unreadable registry next to tenant
@@ -473,8 +539,8 @@ class Store(StoreReads, StoreWrites):
             app = self._appenders.pop(name, None)
             if app is not None:
                 await app.close()
-            await self._run(self._registry.delete, name)
-            await self._run(self._life.tenant_deleted, name)
+            await self._maintain(self._registry.delete, name)
+            await self._maintain(self._life.tenant_deleted, name)
             self._cache.forget_tenant(name)  # closed once the reads in progress end
             self.access.forget_tenant(name)
             self._tiering.tenant_deleted(name, incarnation)

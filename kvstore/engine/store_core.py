@@ -23,6 +23,7 @@ from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Leases, Lifecycle
 from kvstore.engine.recovery import RecoveryReport
 from kvstore.engine.registry import Registry, Tenant
+from kvstore.engine.reserve import SpaceReserve
 from kvstore.engine.retention import Retention
 from kvstore.engine.segcache import SegmentCache
 from kvstore.errors import (
@@ -73,6 +74,7 @@ class StoreCore:
         self._life: Lifecycle
         self._compactor: Compactor
         self._retention: Retention
+        self.reserve: SpaceReserve | None = None  # the writer's (reserve.py)
         self.leases = Leases()
         self.access = AccessLog()
         self._background = True
@@ -82,6 +84,13 @@ class StoreCore:
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    async def _maintain(self, fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`_run` for a removal or maintenance step: if it finds the
+        disk full, the space reserve is released and it runs once more."""
+        call = functools.partial(fn, *args)
+        reserve = self.reserve
+        return await self._run(call if reserve is None else functools.partial(reserve.spending, call))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -127,6 +136,7 @@ class StoreCore:
                 self.metrics,
                 self._cache.register,
                 functools.partial(self._sealed_elsewhere, asyncio.get_running_loop(), t.name),
+                self.reserve,
             )
             self._appenders[t.name] = app
         return app

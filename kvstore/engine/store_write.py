@@ -20,6 +20,7 @@ from kvstore.engine.store_core import StoreCore
 from kvstore.errors import (
     BlockTooLarge,
     InvalidInput,
+    StorageFull,
 )
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_key
@@ -80,7 +81,11 @@ class StoreWrites(StoreCore):
             record = await self._encode(t, key, view)
             ident = self._ident_blob(t, key, meta) if meta is not None else None
             async with self._retention.reserve(t, record.length):
-                await self._appender(t).submit(record, ident)
+                try:
+                    await self._appender(t).submit(record, ident)
+                except StorageFull:
+                    self._tiering.filled()
+                    raise
             self._tiering.space.wrote(record.length)
             self._stored(tenant, "put", "local", [key], [len(view)], [meta or BlockMeta.of_key(key)])
             self.metrics.inc("kvstore_puts_total", result="created")
@@ -112,7 +117,7 @@ class StoreWrites(StoreCore):
             if entry is None:
                 return False
             metas = self._identities(tenant, [key])
-            await self._appender(t).submit(tombstone(tenant, key, entry.segment_id))
+            await self._appender(t).submit(tombstone(tenant, key, entry.segment_id), maintenance=True)
             self._removed(tenant, "deleted", [(key, entry)], metas)
             self.metrics.inc("kvstore_deletes_total")
             return True

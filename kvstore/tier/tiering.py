@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import shutil
 import time
@@ -29,6 +30,7 @@ from kvstore.engine.index import SEG_SEALED, Index, IndexEntry, TierState
 from kvstore.engine.lifecycle import SWEEP_INTERVAL_S, Leases, Lifecycle, LifecycleError, Phase
 from kvstore.engine.recovery import index_tier_segment
 from kvstore.engine.registry import Registry
+from kvstore.engine.reserve import SpaceReserve
 from kvstore.engine.segcache import SegmentCache
 from kvstore.engine.segment import SegmentFile
 from kvstore.errors import (
@@ -53,6 +55,7 @@ log = logging.getLogger("kvstore.tier.tiering")
 SegmentKey = tuple[str, int]
 EVICT_INTERVAL_S = 2.0
 FAIL_FAST_S = 1.0
+INDEX_HEADROOM = 1 << 20  # free bytes a put leaves besides its own, for the index's commits
 
 
 class Tiering:
@@ -72,8 +75,13 @@ class Tiering:
         before_drop: Callable[[str, int], Awaitable[int]] | None = None,
         adopted: bool = False,
         moved: Callable[[str, int, TierName], Awaitable[None]] | None = None,
+        reserve: SpaceReserve | None = None,
+        pressure: Callable[[], None] | None = None,
     ) -> None:
         self._moved = moved  # (tenant, segment, tier): its blocks are now read from there (residency events)
+        self.reserve = reserve  # the writer's space reserve (engine/reserve.py)
+        self._pressure = pressure  # told when a put is refused for space: compaction should run
+        self._refused = False  # a put was refused for space since the disk last had room
         self.config = config
         self._life = lifecycle
         self._leases = leases
@@ -120,6 +128,10 @@ class Tiering:
             self._spawn(self._follow_bucket(), "follow-bucket")
         await self._run(self.space.rescan)
         await self.refresh_gauges()
+
+    def kick(self) -> None:
+        """Run an eviction pass soon (the disk filled)."""
+        self._evict_wake.set()
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         """Run ``coro`` in the background until done or until close."""
@@ -251,8 +263,8 @@ class Tiering:
         if self._remote_reads[k] < n:
             return
         ts = self._index.tier_state(*k)
-        if ts is None or self.space.usage().percent(ts.size) > self.config.high_watermark:
-            return  # it would only be dropped again: keep reading it remotely
+        if ts is None or self.full or self.space.usage().percent(ts.size) > self.config.high_watermark:
+            return  # it would only be dropped again (or the disk is full): keep reading it remotely
         if not self._leases.try_claim(k):
             return  # compaction is rewriting it
         self._rehydrating.add(k)
@@ -286,22 +298,71 @@ class Tiering:
 
     # -- space ----------------------------------------------------------------
 
+    @property
+    def full(self) -> bool:
+        """Whether the disk is full: the space reserve is in use (released
+        for removals and maintenance), or a put was refused for space and
+        the disk has not had room since. Compaction then runs at once and
+        takes what frees the most space for the least copying."""
+        return self._refused or (self.reserve is not None and not self.reserve.whole)
+
     async def admit(self, nbytes: int) -> None:
         """Refuse (507) a write of ``nbytes`` that would not fit even after
-        dropping everything droppable; wake the evictor above the high mark."""
+        dropping everything droppable, or while the space reserve is in use;
+        wake the evictor above the high mark."""
         sp = self.space
-        if sp.fits(nbytes):
+        need = nbytes + INDEX_HEADROOM
+        reserve = self.reserve
+        if (reserve is None or reserve.whole) and sp.fits(need):
+            self._refused = False
             if sp.over_high(nbytes):
                 self._evict_wake.set()
             return
         await self.evict()
-        if not sp.fits(nbytes):
+        if reserve is not None and not reserve.whole and not await self._run(reserve.fill):
+            self._refuse(
+                f"the disk is full: the data directory's filesystem has {await self._run(reserve.available)} bytes "
+                f"free and its space reserve ({reserve.size} bytes) is in use by removals and compaction; puts "
+                "resume once compaction has freed it (delete blocks, lower quotas or TTLs, or add space)"
+            )
+        if not sp.fits(need):
             waiting = self.mirror.backlog[0] if self.mirror is not None else 0
             u = sp.usage()
-            raise StorageFull(
+            self._refuse(
                 f"the data directory is full ({u.used} of {u.capacity} bytes) and nothing can be dropped: "
                 f"persistent data is kept until it is in the object tier ({waiting} segments wait for upload)"
             )
+        self._refused = False
+
+    async def _maintain(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a maintenance step that writes (the index); on a full disk,
+        with the space reserve released."""
+        call = functools.partial(fn, *args)
+        return await self._run(call if self.reserve is None else functools.partial(self.reserve.spending, call))
+
+    def _refuse(self, why: str) -> None:
+        self.filled()
+        raise StorageFull(why)
+
+    def filled(self) -> None:
+        """A put was refused for space (here, or ENOSPC while it was written):
+        the disk is full until it has room again."""
+        self._refused = True
+        self._metrics.inc("kvstore_space_refusals_total")
+        self._metrics.set("kvstore_space_full", 1)
+        if self._pressure is not None:
+            self._pressure()
+
+    async def relieve(self) -> bool:
+        """(The evictor, every pass.) Allocate the space reserve again if it
+        was released and there is room; True when the disk has room for puts."""
+        reserve = self.reserve
+        if reserve is not None and not reserve.whole and not await self._run(reserve.fill):
+            return False
+        if self._refused and not self.space.fits(INDEX_HEADROOM + (1 << 20)):
+            return False
+        self._refused = False
+        return True
 
     async def _evictor(self) -> None:
         while True:
@@ -309,6 +370,7 @@ class Tiering:
             self._evict_wake.clear()
             try:
                 await self.evict()
+                await self.relieve()
                 await self.refresh_gauges()
             except Exception:
                 log.exception("eviction pass failed")
@@ -368,7 +430,7 @@ class Tiering:
         if c.mirrored:
             if phase is not Phase.MIRRORED:
                 return False
-            await self._run(self._life.dropped, tenant, sid)
+            await self._maintain(self._life.dropped, tenant, sid)
             self._remote_only.add(c.key)
             if self._moved is not None:
                 await self._moved(tenant, sid, "object")
@@ -379,10 +441,15 @@ class Tiering:
             if self._before_drop is not None:
                 await self._before_drop(tenant, sid)  # tombstones an older segment needs
             await self._drop_entries(tenant, sid)  # through the tenant's appender
-            await self._run(self._life.deleted, tenant, sid)
+            # Retired, not forgotten, until its file is gone: recovery removes
+            # a retired segment's file, where it would index a forgotten one
+            # from its footer and bring its blocks back.
+            await self._maintain(self._life.retired, tenant, sid)
             kind = "ephemeral"
         await self._run(self._index.sync)  # the state is durable before the file goes
         await self._run(self._cache.forget, c.key, True)
+        if not c.mirrored:
+            await self._maintain(self._life.deleted, tenant, sid)
         self.space.removed(c.size)
         self.space.forget(c.key)
         self._metrics.inc("kvstore_evictions_total", kind=kind)
@@ -419,6 +486,11 @@ class Tiering:
         m = self._metrics
         m.set("kvstore_disk_used_bytes", u.used)
         m.set("kvstore_disk_capacity_bytes", u.capacity)
+        m.set("kvstore_space_full", int(self.full))
+        if self.reserve is not None:
+            m.set("kvstore_space_reserve_bytes", self.reserve.held)
+            m.set("kvstore_space_reserve_target_bytes", self.reserve.size)
+            m.set("kvstore_space_reserve_releases", self.reserve.releases)
         mirrored = [s for s in states.values() if s.mirrored]
         m.set("kvstore_tier_segments", len(mirrored), tier="s3")
         m.set("kvstore_tier_bytes", sum(s.size for s in mirrored), tier="s3")
