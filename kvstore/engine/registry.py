@@ -215,8 +215,23 @@ class Registry:
     def _save(self) -> None:
         if self._readonly:
             raise ReadOnlyStore("this process serves reads only; changes go to the writer")
-        atomic_write(self._path, self._doc(self._master))
+        self._write(self._doc(self._master))
         self._changed()
+
+    def _write(self, doc: bytes) -> None:
+        """Replace the file with ``doc``. A change is all or nothing: if the
+        file cannot be written (a full disk, EIO), what is in memory goes back
+        to what the file says (the caller holds the lock), and the error is
+        raised, so a retry (reserve.py) finds the registry as it was."""
+        try:
+            atomic_write(self._path, doc)
+        except BaseException:
+            if self._path.exists():
+                fresh = Registry(self._path, self._master, readonly=True)
+                self._tenants, self._keys, self._deleted = fresh._tenants, fresh._keys, fresh._deleted
+                self._stamp = fresh._stamp
+                self._reindex()
+            raise
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -436,6 +451,6 @@ class Registry:
                 for akid, entry in t.s3_keys.items():
                     secret = self._master.open(entry["secret"], _s3_aad(t.name, akid))
                     entry["secret"] = new_master.seal(secret, _s3_aad(t.name, akid))
-            atomic_write(self._path, self._doc(new_master))
+            self._write(self._doc(new_master))
             self._master = new_master
         self._changed()

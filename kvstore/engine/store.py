@@ -504,7 +504,7 @@ class Store(StoreReads, StoreWrites):
         ttl = None if ttl_s is None else _limit("ttl_s", ttl_s)
         fs = None if frame_size is None else _frame_size(frame_size)
         topic = None if events_topic is None else _topic(events_topic)
-        t = await self._run(self._registry.set_limits, name, quota, ttl, fs, topic)
+        t = await self._maintain(self._registry.set_limits, name, quota, ttl, fs, topic)  # it may free space
         await self._retention.enforce(t)
         return t.public()
 
@@ -569,7 +569,7 @@ class Store(StoreReads, StoreWrites):
     async def revoke_token(self, name: str, token_id: str) -> None:
         self._check_writable()
         self._tenant(name)
-        await self._run(self._registry.revoke_token, name, token_id)
+        await self._maintain(self._registry.revoke_token, name, token_id)  # works on a full disk
 
     async def issue_s3_key(self, name: str) -> tuple[str, str]:
         """A new S3 access key for the tenant: (access key id, secret), shown once."""
@@ -580,7 +580,7 @@ class Store(StoreReads, StoreWrites):
     async def revoke_s3_key(self, name: str, access_key_id: str) -> None:
         self._check_writable()
         self._tenant(name)
-        await self._run(self._registry.revoke_s3_key, name, access_key_id)
+        await self._maintain(self._registry.revoke_s3_key, name, access_key_id)  # works on a full disk
 
     def s3_credentials(self, access_key_id: str) -> tuple[str, str, int] | None:
         """(tenant, secret access key, the tenant's incarnation) of an S3

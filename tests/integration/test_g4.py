@@ -229,6 +229,35 @@ async def test_new_node_rebuilds_from_the_bucket(
         await Store.open(replace(g4_config, data_dir=tmp_path / "thief"), MasterKey(os.urandom(32)))
 
 
+async def test_evictions_stay_gone_after_a_rebuild_from_the_bucket(g4_open: G4Open, g4_config: StoreConfig) -> None:
+    """Regression (issue 24): quota evictions wrote no record, so a node
+    rebuilt from its bucket served every evicted block again."""
+    s = await g4_open(capacity="64MiB")
+    await s.create_tenant("q", quota_bytes=512 << 10)
+    keys = [f"k{i:02d}" for i in range(30)]
+    for k in keys:
+        await s.put("q", k, _block(k))
+    here = await _present(s, "q", keys)
+    assert 0 < len(here) < len(keys)
+    await s.flush(upload_timeout_s=60)
+    await s.close()
+    shutil.rmtree(g4_config.data_dir)  # the node's disk is lost
+
+    s2 = await g4_open(capacity="64MiB")
+    assert s2.recovery.segments_from_tier >= 1
+    assert await _present(s2, "q", keys) == here, "evicted blocks came back after a rebuild from the bucket"
+    for k in here:
+        assert await s2.get("q", k) == _block(k)
+
+
+async def _present(store: Store, tenant: str, keys: list[str]) -> set[str]:
+    return {k for k, here in zip(keys, await store.present(tenant, keys), strict=True) if here}
+
+
+def _block(key: str) -> bytes:
+    return random.Random(key).randbytes(64 << 10)
+
+
 async def test_second_node_adopts_the_bucket_read_only(
     g4_open: G4Open, g4_config: StoreConfig, master: MasterKey, tmp_path: Path
 ) -> None:
