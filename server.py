@@ -19,12 +19,14 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import ssl
 import sys
 import tempfile
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import uvloop
@@ -39,7 +41,7 @@ from kvstore.transport.http import make_app
 from kvstore.transport.http_common import METRICS, STATE, STORE
 from kvstore.transport.http_server import KVAppRunner
 from kvstore.transport.s3.gateway import make_gateway_app
-from kvstore.transport.unix import UnixListener, bind_unix
+from kvstore.transport.unix import BACKLOG, UnixListener, bind_unix
 from kvstore.tuning import die_with_parent, keep_freed_memory
 
 log = logging.getLogger("kvstore.server")
@@ -81,9 +83,44 @@ async def serve(
 ) -> None:
     """Run one server process until SIGTERM/SIGINT. ``role`` as in make_app.
     ``unix_socks``: the listening unix sockets, bound by the supervisor and
-    shared by its workers (None: bound, and removed at exit, here)."""
+    shared by its workers (None: bound, and removed at exit, here).
+
+    Every address is bound before the store opens (a port in use, a bad TLS
+    key stop start-up with one line before recovery runs) and listens only
+    once it is open."""
     if cfg.admin_secret() is None and role != "reader":
         log.warning("no admin token configured (KVSTORE_ADMIN_TOKEN): the admin API refuses every request")
+    tls = tls_context(cfg)
+    gateway = cfg.s3_gateway_address if role != "reader" else None  # the writer's: see below
+    tcp: list[socket.socket] = []
+    own_socks: list[UnixListener] = []
+    try:
+        for host, port in cfg.tcp_addresses:
+            tcp += bind_tcp("listen", host, port, reuse_port=cfg.workers > 1)
+        gw_tcp = bind_tcp("s3_gateway_listen", *gateway, reuse_port=False) if gateway is not None else []
+        if unix_socks is None:
+            own_socks = unix_sockets(cfg)
+        await _serve_on(cfg, master, role, writer_socket, on_ready, tls, tcp, gw_tcp, unix_socks or own_socks)
+    finally:
+        for sock in tcp:
+            sock.close()
+        for listener in own_socks:
+            listener.remove()
+    log.info("%s stopped", role)
+
+
+async def _serve_on(
+    cfg: ServerConfig,
+    master: MasterKey,
+    role: str,
+    writer_socket: str | None,
+    on_ready: Callable[[], None] | None,
+    tls: ssl.SSLContext | None,
+    tcp: list[socket.socket],
+    gw_tcp: list[socket.socket],
+    unix_socks: list[UnixListener],
+) -> None:
+    """:func:`serve` once every address is bound."""
     app = make_app(cfg, master, role, writer_socket)
     runner = KVAppRunner(
         app,
@@ -91,36 +128,34 @@ async def serve(
         shutdown_timeout=cfg.shutdown_timeout_s,
         access_log=None,
     )
-    await runner.setup()  # opens the store: recovery runs before the port opens
-    own_socks: list[UnixListener] = []
+    await runner.setup()  # opens the store: recovery runs before the port listens
     gw_runner: KVAppRunner | None = None
     try:
         if role == "writer" and writer_socket:
-            await web.UnixSite(runner, writer_socket).start()
-        for host, port in cfg.tcp_addresses:
-            site = web.TCPSite(
-                runner, host, port, ssl_context=tls_context(cfg), backlog=1024, reuse_port=cfg.workers > 1
-            )
-            await site.start()
-        if unix_socks is None:
-            own_socks = unix_sockets(cfg)
-        for listener in unix_socks if unix_socks is not None else own_socks:
-            await web.SockSite(runner, listener.sock).start()
-        gateway = cfg.s3_gateway_address if role != "reader" else None
-        if gateway is not None:  # the writer's: objects are written where the store's writes are owned
+            # Every reader may open up to max_concurrency + 1 relay connections
+            # at once; a full accept queue refuses the next one at once (EAGAIN).
+            queue = (cfg.workers - 1) * (cfg.max_concurrency + 1) + 64
+            await web.UnixSite(runner, writer_socket, backlog=queue).start()
+        for sock in tcp:
+            await web.SockSite(runner, sock, ssl_context=tls, backlog=BACKLOG).start()
+        for listener in unix_socks:
+            await web.SockSite(runner, listener.sock, backlog=BACKLOG).start()
+        if gw_tcp:  # the writer's: objects are written where the store's writes are owned
             gw_runner = KVAppRunner(
                 make_gateway_app(app[STORE], app[METRICS], cfg),
+                gate_expect=False,  # the gateway answers Expect itself, after SigV4
                 keepalive_timeout=cfg.keepalive_timeout_s,
                 shutdown_timeout=cfg.shutdown_timeout_s,
                 access_log=None,
             )
             await gw_runner.setup()
-            await web.TCPSite(gw_runner, gateway[0], gateway[1], ssl_context=tls_context(cfg), backlog=1024).start()
+            for sock in gw_tcp:
+                await web.SockSite(gw_runner, sock, ssl_context=tls, backlog=BACKLOG).start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        where = serving_on(cfg)
+        where = serving_on(cfg, gateway=bool(gw_tcp))
         log.info("%s serving on %s", role, where)
         if on_ready is not None:
             on_ready()
@@ -140,9 +175,34 @@ async def serve(
         if gw_runner is not None:
             await gw_runner.cleanup()  # before the store closes under it
         await runner.cleanup()  # stop accepting, finish requests, then close the store
-        for listener in own_socks:
-            listener.remove()
-    log.info("%s stopped", role)
+
+
+def bind_tcp(setting: str, host: str, port: int, reuse_port: bool) -> list[socket.socket]:
+    """Sockets bound, not yet listening, to every address ``host`` names
+    (as asyncio's create_server binds them). A connection is refused until
+    the store is open and they listen; a port in use is a ConfigError."""
+    where = f"{setting}={host}:{port}" if ":" not in host else f"{setting}=[{host}]:{port}"
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"{where}: the host cannot be resolved ({e.strerror})") from None
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.setblocking(False)
+    except OSError as e:
+        for sock in socks:
+            sock.close()
+        raise ConfigError(f"{where}: cannot listen there: {e.strerror or e}") from None
+    return socks
 
 
 def unix_sockets(cfg: ServerConfig) -> list[UnixListener]:
@@ -158,12 +218,14 @@ def unix_sockets(cfg: ServerConfig) -> list[UnixListener]:
     return socks
 
 
-def serving_on(cfg: ServerConfig) -> str:
-    """Where the daemon answers, as clients name it: http(s)://HOST:PORT, unix:PATH."""
+def serving_on(cfg: ServerConfig, gateway: bool = True) -> str:
+    """Where the daemon answers, as clients name it: http(s)://HOST:PORT,
+    unix:PATH, and the S3 gateway (``gateway``: only the process that binds
+    it says so, the writer of several workers)."""
     scheme = "https" if cfg.tls_cert else "http"
     tcp = [f"{scheme}://{a}" for a in cfg.listen.split(",") if not a.startswith(UNIX)]
-    gateway = [f"S3 gateway {scheme}://{cfg.s3_gateway_listen}"] if cfg.s3_gateway_listen else []
-    return ", ".join(tcp + [UNIX + p for p in cfg.unix_paths] + gateway)
+    gateway_at = [f"S3 gateway {scheme}://{cfg.s3_gateway_listen}"] if gateway and cfg.s3_gateway_listen else []
+    return ", ".join(tcp + [UNIX + p for p in cfg.unix_paths] + gateway_at)
 
 
 def _worker(
@@ -193,6 +255,10 @@ def _worker(
         uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready, unix_socks))
     except KVStoreError as e:
         print(f"kvstore {role}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        log.debug("%s: start-up failed", role, exc_info=e)
+        print(f"kvstore {role}: {os_error(e)}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -287,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_freed_memory()
         master = load_master_key(cfg.master_key_file, cfg.master_key)
         scrubber.add_key(master.secret)
+        check_data_dir(cfg.store.data_dir)
         if cfg.workers > 1:
             return supervise(cfg, master)
         uvloop.run(serve(cfg, master))
@@ -294,6 +361,27 @@ def main(argv: list[str] | None = None) -> int:
     except KVStoreError as e:
         print(f"kvstore: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the host's doing (permissions, a full disk...): one line, as for a bad setting
+        log.debug("start-up failed", exc_info=e)
+        print(f"kvstore: {os_error(e)}", file=sys.stderr)
+        return 2
+
+
+def os_error(e: OSError) -> str:
+    """An OSError as one line: what failed, on which path."""
+    where = f": {e.filename!r}" if e.filename is not None else ""
+    return f"start-up failed: {e.strerror or type(e).__name__}{where}"
+
+
+def check_data_dir(path: Path) -> None:
+    """``data_dir`` is a directory, or can be made one: neither it nor the
+    nearest of its parents that exists is something else (a file)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "it" if existing == path else f"{str(existing)!r}"
+        raise ConfigError(f"data_dir={str(path)!r}: {what} is not a directory")
 
 
 if __name__ == "__main__":

@@ -265,6 +265,22 @@ class Overloaded(KVStoreError):
     retryable = True
 
 
+class ExpectationFailed(KVStoreError):
+    """An ``Expect`` header other than ``100-continue`` (RFC 9110 §10.1.1)."""
+
+    status = 417
+    code = "expectation_failed"
+
+
+class WriterTimeout(KVStoreError):
+    """A reader worker relayed a request to the writer worker, which did not
+    answer in time; the writer may still complete it."""
+
+    status = 504
+    code = "timeout"
+    retryable = True
+
+
 class BodyTooLarge(KVStoreError):
     """A request body (other than a block) over its limit, e.g. a JSON body over 4 MiB."""
 

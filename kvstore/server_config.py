@@ -2,13 +2,16 @@
 
 Every setting has one flat name, used as the TOML key, as the environment
 variable ``KVSTORE_<NAME>`` and as the flag ``--<name-with-dashes>``. An
-unknown TOML key or a bad value stops start-up with the name and the value;
-nothing falls back to a default silently. ``deploy/kvstore.toml`` lists every
-setting with its default.
+unknown TOML key, an unknown ``KVSTORE_*`` variable (other than those of
+:data:`OTHER_VARIABLES`) or a bad value stops start-up with the name and
+the value, and the closest setting's name for a misspelling; nothing falls
+back to a default silently. ``deploy/kvstore.toml`` lists every setting with
+its default.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
@@ -222,6 +225,52 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
 }
 _STORE_FIELDS = {f.name for f in fields(StoreConfig)} - {"data_dir"}
 SETTINGS: tuple[str, ...] = ("data_dir", *_SERVER_PARSERS, *sorted(_STORE_FIELDS))
+ENV_PREFIX = "KVSTORE_"
+# KVSTORE_* variables that are not settings, read by other programs that may
+# share the daemon's environment (an operator's shell, the bench harness,
+# which passes its KVSTORE_* variables on): allowed, and ignored here.
+OTHER_VARIABLES = frozenset(
+    {
+        "KVSTORE_CONFIG",  # the TOML file (read by load)
+        "KVSTORE_TOKEN",  # the client library's tenant token (clients/kvstore_client, bench)
+        "KVSTORE_TOKEN_FILE",
+        "KVSTORE_FUZZ_SECONDS",  # the test suites (tests/fuzz, tests/stress, tests/fault, tests/s3)
+        "KVSTORE_FUZZ_SEED",
+        "KVSTORE_STRESS_SECONDS",
+        "KVSTORE_STRESS_SEED",
+        "KVSTORE_CRASH_SEED",
+        "KVSTORE_CRASH_ITERATIONS",
+        "KVSTORE_CRASH_REBUILD_ITERATIONS",
+        "KVSTORE_TEST_MASTER_KEY",
+        "KVSTORE_TEST_AWS_CLI",
+        "KVSTORE_TEST_FAULT_LOG",
+        "KVSTORE_TEST_DEAD_ENDPOINT",
+        "KVSTORE_TEST_CRASH_AT",
+    }
+)
+
+
+def check_env(env: Mapping[str, str]) -> None:
+    """Refuse a ``KVSTORE_*`` variable that names no setting (a misspelling
+    would otherwise be ignored silently), with the closest setting's name."""
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in OTHER_VARIABLES:
+            continue
+        if var.removeprefix(ENV_PREFIX).lower() not in SETTINGS or not var.isupper():
+            raise ConfigError(f"environment variable {var!r} is not a setting{_hint(var)}")
+
+
+def _hint(var: str) -> str:
+    """ "; did you mean X?" for the setting (or other variable) closest to
+    ``var``, compared without the common prefix."""
+    names = {name: ENV_PREFIX + name.upper() for name in SETTINGS}
+    names |= {other.removeprefix(ENV_PREFIX).lower(): other for other in OTHER_VARIABLES}
+    close = difflib.get_close_matches(var.removeprefix(ENV_PREFIX).lower(), list(names), n=1, cutoff=0.75)
+    if close:
+        return f"; did you mean {names[close[0]]}?"
+    return "; every setting is listed in deploy/kvstore.toml (KVSTORE_<SETTING IN CAPITALS>)"
+
+
 # Secrets may come from the environment or a file, never from a config file
 # that is likely to be world-readable or committed.
 _NOT_IN_TOML = {"admin_token", "master_key"}
@@ -242,6 +291,7 @@ def load(
 ) -> ServerConfig:
     """Build the configuration from its three sources, each overriding the last."""
     env = os.environ if env is None else env
+    check_env(env)
     values: dict[str, Any] = {}
     path = toml_path or env.get("KVSTORE_CONFIG")
     if path:
@@ -253,7 +303,9 @@ def load(
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
         for key, value in doc.items():
             if key not in SETTINGS:
-                raise ConfigError(f"config file {str(path)!r}: unknown key {key!r}")
+                close = difflib.get_close_matches(key, SETTINGS, n=1, cutoff=0.75)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"config file {str(path)!r}: unknown key {key!r}{hint}")
             if key in _NOT_IN_TOML:
                 raise ConfigError(f"config file {str(path)!r}: {key!r} is a secret; use {key}_file or the environment")
             values[key] = _parse(key, key, value)

@@ -24,12 +24,14 @@ from typing import Any, Literal
 
 import xxhash
 
+from kvstore import jsonlimits
 from kvstore.errors import InvalidInput
 
 Kind = Literal["stored", "removed", "cleared"]
 TierName = Literal["local", "object"]
 META_HEADER = "Kvstore-Block-Meta"
 META_MAX = 64 << 10  # bytes of the header's JSON
+EXTRA_KEYS_DEPTH = 32  # arrays and objects nested in extra_keys, at most (vLLM's are 1 or 2 deep)
 
 
 def key_hash(key: str) -> int:
@@ -81,11 +83,7 @@ class BlockMeta:
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> BlockMeta:
         """The JSON object itself (a batch item's identity)."""
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            raise InvalidInput(f"{where} must be a JSON object") from None
-        return _from_doc(doc, where)
+        return _from_doc(jsonlimits.loads(raw, where, EXTRA_KEYS_DEPTH + 1), where)
 
     @classmethod
     def from_header(cls, value: str) -> BlockMeta:
@@ -96,11 +94,9 @@ class BlockMeta:
             raise InvalidInput(f"header {META_HEADER!r} must be base64url of a JSON object") from None
         if len(raw) > META_MAX:
             raise InvalidInput(f"header {META_HEADER!r} is over {META_MAX} bytes of JSON")
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            raise InvalidInput(f"header {META_HEADER!r} must be base64url of a JSON object") from None
-        return _from_doc(doc, f"header {META_HEADER!r}")
+        where = f"header {META_HEADER!r}"
+        doc = jsonlimits.loads(raw, where, EXTRA_KEYS_DEPTH + 1, expected="base64url of a JSON object")
+        return _from_doc(doc, where)
 
 
 def _int(doc: dict[str, Any], name: str, where: str, nullable: bool, lo: int, hi: int) -> int | None:
@@ -109,8 +105,17 @@ def _int(doc: dict[str, Any], name: str, where: str, nullable: bool, lo: int, hi
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         what = "an integer" + (" or null" if nullable else "")
-        raise InvalidInput(f"{where}: field {name!r} must be {what} in [{lo}, {hi}]; got {value!r}")
+        raise InvalidInput(f"{where}: field {name!r} must be {what} in [{lo}, {hi}]; got {_shown(value)}")
     return value
+
+
+def _shown(value: Any) -> str:
+    """A wrong value as a message names it: a scalar's repr, cut to 40
+    characters; for an array or object, its type."""
+    if isinstance(value, list | dict):
+        return "an array" if isinstance(value, list) else "an object"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _from_doc(doc: Any, where: str) -> BlockMeta:
@@ -119,7 +124,11 @@ def _from_doc(doc: Any, where: str) -> BlockMeta:
     known = {"block_hash", "parent_block_hash", "token_ids", "block_size", "lora_id", "lora_name", "extra_keys"}
     unknown = set(doc) - known
     if unknown:
-        raise InvalidInput(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+        raise InvalidInput(f"{where}: unknown field(s) {', '.join(sorted(unknown)[:8])[:200]}")
+    # An identity is published in every event about its block (SSE's JSON,
+    # ZMQ's msgpack, which refuses more than 511 levels): bounded here.
+    if jsonlimits.deeper_than(doc.get("extra_keys"), EXTRA_KEYS_DEPTH):
+        raise InvalidInput(f"{where}: field 'extra_keys' nests arrays or objects more than {EXTRA_KEYS_DEPTH} deep")
     h64 = (-(1 << 63), (1 << 64) - 1)  # signed or unsigned 64-bit: engines use either
     block_hash = _int(doc, "block_hash", where, False, *h64)
     assert block_hash is not None

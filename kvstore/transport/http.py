@@ -19,7 +19,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from kvstore.engine.crypto import MasterKey
 from kvstore.engine.store import Store
-from kvstore.errors import InvalidRange, KVStoreError, Overloaded, Unauthorized
+from kvstore.errors import ExpectationFailed, InvalidRange, KVStoreError, Overloaded, Unauthorized, WriterTimeout
 from kvstore.names import PATH_PARAMS
 from kvstore.server_config import ServerConfig
 from kvstore.tasks import Background
@@ -37,6 +37,7 @@ from kvstore.transport import (
 from kvstore.transport.http_body import BAD_BODY_FRAMING, BUDGET, BodyBudget
 from kvstore.transport.http_common import (
     CONFIG,
+    EXPECT,
     METRICS,
     STATE,
     STORE,
@@ -48,7 +49,7 @@ from kvstore.transport.http_common import (
     route_of,
     tenant_of,
 )
-from kvstore.transport.http_forward import WRITER, forward, relayed
+from kvstore.transport.http_forward import WRITER, forward, relayed, watch_writer
 
 log = logging.getLogger("kvstore.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -60,9 +61,25 @@ _HTTP_CODES = {
     408: "request_timeout",
     411: "length_required",
     413: "body_too_large",
+    414: "uri_too_long",
     415: "unsupported_media_type",
+    417: "expectation_failed",
     431: "headers_too_large",
 }
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+@web.middleware
+async def continue_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outermost: a request that announced its body (``Expect: 100-continue``)
+    and was answered without a ``100`` (refused at the gate, unmatched,
+    overloaded) may still send that body or may never send it: its connection
+    cannot carry another request, so it closes after the answer (RFC 9110
+    §10.1.1) instead of waiting for a body to discard."""
+    resp = await handler(request)
+    if EXPECT in request and not request.content.is_eof():
+        resp.force_close()
+    return resp
 
 
 @web.middleware
@@ -107,7 +124,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if isinstance(e, Overloaded):
             headers["Retry-After"] = "1"
         if e.status >= 500:
-            if not isinstance(e, Overloaded):  # counted, not logged: a flood must not flood the log
+            if isinstance(e, WriterTimeout):  # slow, not down: the writer may still complete it
+                log.warning("%s %s: %s", request.method, route_of(request), e)
+            elif not isinstance(e, Overloaded):  # counted, not logged: a flood must not flood the log
                 log.error("%s %s: %s", request.method, route_of(request), e)
             request.app[METRICS].inc("kvstore_errors_total", code=e.code)
         return error_response(e, headers)
@@ -149,7 +168,9 @@ ADMIN_OR_TENANT = frozenset({"/v1/events"})  # a tenant's token, or the admin's 
 async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The same checks, in the same order, on every worker, before a route is
     answered or relayed: the token (admin for /v1/admin, else a tenant's),
-    then every path parameter. Unmatched paths pass through to their 404/405."""
+    then every path parameter, then ``Expect`` (a ``100 Continue`` only for
+    a request that passed the rest). Unmatched paths pass through to their
+    404/405."""
     if request.match_info.http_exception is None:
         route = route_of(request)
         if route.startswith("/v1/admin/"):
@@ -161,7 +182,20 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
             tenant_of(request)
         for name, value in request.match_info.items():
             PATH_PARAMS[name](value)
+        if EXPECT in request:
+            await _answer_expect(request)
     return await handler(request)
+
+
+async def _answer_expect(request: web.Request) -> None:
+    """RFC 9110 §10.1.1: ``100-continue`` (any case) gets a ``100 Continue``
+    when a body is to come, over HTTP/1.1 (an HTTP/1.0 client sends its body
+    anyway: the expectation is ignored); any other expectation is ``417``."""
+    if request[EXPECT].strip(" \t").lower() != "100-continue":
+        raise ExpectationFailed("the only expectation served is 100-continue")
+    if request.version == aiohttp.HttpVersion11 and request.body_exists and not request.content.is_eof():
+        await request.writer.write(CONTINUE)
+    del request[EXPECT]  # met (or ignored): the body may be read
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -198,6 +232,7 @@ def make_app(
         raise ValueError("a reader needs the writer's socket")
     app = web.Application(
         middlewares=[
+            continue_middleware,
             metrics_middleware,
             errors_middleware,
             gate_middleware,
@@ -240,6 +275,7 @@ def make_app(
             app[WRITER] = session
             relay = Background()
             relay.spawn(http_internal.relay(app, session), "relay-to-writer")
+            relay.spawn(watch_writer(app, str(writer_socket)), "watch-writer")
             yield
             await relay.close()
 

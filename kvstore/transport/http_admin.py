@@ -14,12 +14,13 @@ from kvstore.errors import InvalidInput, MasterKeyError
 from kvstore.names import validate_tenant
 from kvstore.redaction import SCRUBBER
 from kvstore.transport.http_body import json_body
-from kvstore.transport.http_common import STATE, require_admin, store_of
+from kvstore.transport.http_common import STATE, query_bool, query_number, query_value, require_admin, store_of
 from kvstore.transport.http_xfer import XFER
 from kvstore.transport.nixl.devices import discover
 
 routes = web.RouteTableDef()
 FLUSH_TIMEOUT_S = 600
+MAX_FLUSH_TIMEOUT_S = 86_400
 
 
 @routes.post("/v1/admin/tenants")
@@ -52,6 +53,9 @@ async def create_tenant(request: web.Request) -> web.Response:
         _topic(body),
     )
     token_id, token = await store.issue_token(name)
+    # The tenant as it is now: its "tokens" list the one just issued (it was
+    # read before, and answered "tokens": [] beside the token).
+    tenant = store.tenant(name)
     return web.json_response({**tenant, "token": token, "token_id": token_id}, status=201)
 
 
@@ -210,13 +214,7 @@ async def flush(request: web.Request) -> web.Response:
     """Seal the open segments; with an object tier, answer once every sealed
     segment is in it (or 503 flush_incomplete after ``timeout_s``, default 600)."""
     require_admin(request)
-    raw = request.query.get("timeout_s", str(FLUSH_TIMEOUT_S))
-    try:
-        timeout = float(raw)
-    except ValueError:
-        timeout = -1.0
-    if not 0 <= timeout <= 86_400:
-        raise InvalidInput(f"query parameter 'timeout_s'={raw!r}: expected seconds, 0 to 86400")
+    timeout = query_number(request, "timeout_s", 0, MAX_FLUSH_TIMEOUT_S, FLUSH_TIMEOUT_S)
     report = await store_of(request).flush(upload_timeout_s=timeout)
     return web.json_response(report)
 
@@ -226,7 +224,7 @@ async def compact(request: web.Request) -> web.Response:
     """Run a compaction pass now (``?tenant=NAME``: that tenant only) and
     answer with what it did once it is done."""
     require_admin(request)
-    tenant = request.query.get("tenant")
+    tenant = query_value(request, "tenant")
     if tenant is not None:
         validate_tenant(tenant)
     report = await store_of(request).compact(tenant)
@@ -236,7 +234,7 @@ async def compact(request: web.Request) -> web.Response:
 @routes.post("/v1/admin/verify")
 async def verify(request: web.Request) -> web.Response:
     require_admin(request)
-    deep = request.query.get("deep", "false").lower() in ("1", "true", "yes")
+    deep = query_bool(request, "deep", False)
     report = await store_of(request).verify(deep=deep)
     return web.json_response(report.as_dict(), status=200)
 

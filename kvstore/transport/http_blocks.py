@@ -1,10 +1,11 @@
 """Block routes: PUT/GET/HEAD/DELETE /v1/blocks/{key}, lookup, stats.
 
 GET follows RFC 9110: a strong ETag (the stored record's id) with
-If-None-Match -> 304 (§13.1.2), single byte ranges -> 206 with Content-Range
-(§14), several ranges -> 200 with the whole block (allowed by §14.2), an
-unsatisfiable range -> 416 with ``Content-Range: bytes */size`` (§15.5.17),
-and a malformed Range header ignored (§14.2).
+If-None-Match -> 304 (§13.1.2), a Range of one range-spec -> 206 with
+Content-Range (§14), several range-specs -> 200 with the whole block (allowed
+by §14.2; whether or not the block satisfies more than one of them), no
+satisfiable range -> 416 with ``Content-Range: bytes */size`` (§15.5.17), and
+a malformed Range header ignored (§14.2).
 """
 
 from __future__ import annotations
@@ -18,10 +19,19 @@ from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_key
 from kvstore.transport.http_body import block_body, json_body
-from kvstore.transport.http_common import METRICS, config_of, lease_field, send, store_of, tenant_of
+from kvstore.transport.http_common import (
+    METRICS,
+    config_of,
+    lease_field,
+    query_int,
+    query_value,
+    send,
+    store_of,
+    tenant_of,
+)
 from kvstore.transport.http_forward import WRITER
 from kvstore.transport.http_internal import share_lease
-from kvstore.transport.ranges import etag_matches, parse_range
+from kvstore.transport.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.sendfile import send_extent
 
 routes = web.RouteTableDef()
@@ -57,8 +67,9 @@ async def get_block(request: web.Request) -> web.StreamResponse:
     headers = {"ETag": etag(info.etag), "Accept-Ranges": "bytes"}
     if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
         return web.Response(status=304, headers=headers)
-    ranges = parse_range(request.headers.get("Range"), info.size)
-    if ranges is not None and len(ranges) == 1:
+    header = request.headers.get("Range")
+    ranges = parse_range(header, info.size)  # 416 when none is satisfiable
+    if ranges is not None and range_spec_count(header) == 1:
         r = ranges[0]
         data = await store.get_sendable(tenant, key, r.start, r.end)
         headers["Content-Range"] = r.content_range(info.size)
@@ -173,23 +184,22 @@ async def list_keys(request: web.Request) -> web.Response:
     q = request.query
     unknown = set(q) - {"prefix", "start_after", "limit"}
     if unknown:
-        raise InvalidInput(f"unknown query parameter(s): {', '.join(sorted(unknown))}")
-    prefix = q.get("prefix", "")
+        raise InvalidInput(f"unknown query parameter(s): {', '.join(sorted(unknown))[:200]}")
+    prefix = query_value(request, "prefix") or ""
     if prefix:
         try:
             validate_key(prefix)
         except InvalidInput:
             raise InvalidInput(f"query parameter 'prefix' must be up to 256 key characters; got {prefix!r}") from None
-    start_after = q.get("start_after")
+    start_after = query_value(request, "start_after")
     if start_after is not None:
         try:
             validate_key(start_after)
         except InvalidInput:
             raise InvalidInput(f"query parameter 'start_after' must be a key; got {start_after!r}") from None
-    raw = q.get("limit", "1000")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST:
-        raise InvalidInput(f"query parameter 'limit' must be an integer from 1 to {MAX_LIST}; got {raw!r}")
-    items, nxt = await store_of(request).list_keys(tenant, prefix, start_after, int(raw))
+    limit = query_int(request, "limit", 1, MAX_LIST)
+    page = 1000 if limit is None else limit
+    items, nxt = await store_of(request).list_keys(tenant, prefix, start_after, page)
     keys = [{"key": k, "size": n} for k, n in items]
     return web.json_response({"keys": keys, "next_start_after": nxt})
 

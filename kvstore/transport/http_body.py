@@ -9,8 +9,9 @@
   budget, ``max_buffered_body_bytes``. A body that would push past it is
   refused with ``503 overloaded`` (``Retry-After``) before it is read, instead
   of memory growing with ``max_concurrency`` times ``max_block_size``.
-- **JSON.** UTF-8 (RFC 8259 §8.1), at most :data:`JSON_MAX_BYTES`; each way a
-  document can be wrong is a 4xx naming it, never a 500.
+- **JSON.** UTF-8 (RFC 8259 §8.1), at most :data:`JSON_MAX_BYTES`, arrays and
+  objects nested at most :data:`kvstore.jsonlimits.MAX_DEPTH` deep; each way
+  a document can be wrong is a 4xx naming it, never a 500.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstore import jsonlimits
 from kvstore.errors import (
     BlockTooLarge,
     BodyTooLarge,
@@ -140,15 +142,18 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise InvalidInput(f"request body is not UTF-8 (byte {e.start}); JSON bodies are UTF-8") from None
     parse: Callable[[str], Any] = json.JSONDecoder(parse_constant=_no_constant).decode
+    too_deep = f"request body is not acceptable JSON: arrays or objects nested more than {jsonlimits.MAX_DEPTH} deep"
     try:
         body = parse(text)
     except json.JSONDecodeError as e:
         raise InvalidInput(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
-        raise InvalidInput("request body is not acceptable JSON: arrays or objects nested too deeply") from None
+        raise InvalidInput(too_deep) from None
     except ValueError:
         # int(): over sys.get_int_max_str_digits() (4300) digits (CVE-2020-10735).
         raise InvalidInput("request body is not acceptable JSON: a number has too many digits") from None
+    if jsonlimits.deeper_than(body, jsonlimits.MAX_DEPTH):
+        raise InvalidInput(too_deep)
     if not isinstance(body, dict):
         raise InvalidInput(f"request body must be a JSON object, got {type(body).__name__}")
     return body

@@ -27,7 +27,7 @@ from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.bus import EventBus, Gap
 from kvstore.events.model import Event
 from kvstore.events.zmq_pub import ZmqPublisher
-from kvstore.transport.http_common import CONFIG, STORE, is_admin, send, tenant_of
+from kvstore.transport.http_common import CONFIG, STORE, is_admin, query_int, send, tenant_of
 
 routes = web.RouteTableDef()
 EVENTS = web.AppKey("events", EventBus)
@@ -74,21 +74,20 @@ async def end_streams(app: web.Application) -> None:
         app[EVENTS].end()
 
 
+MAX_SEQ = (1 << 63) - 1
+
+
 def _since(request: web.Request) -> int | None:
+    """The first sequence number wanted: after ``Last-Event-ID`` (an id this
+    stream sent: decimal digits), or ``?since``; None for events from now on.
+    An empty ``Last-Event-ID`` is none (an EventSource that has seen no id)."""
     last = request.headers.get("Last-Event-ID")
-    raw = request.query.get("since")
-    try:
-        if last is not None and last.strip():
-            return int(last) + 1
-        if raw is not None:
-            value = int(raw)
-            if value < 0:
-                raise ValueError
-            return value
-    except ValueError:
-        what = "header 'Last-Event-ID'" if last is not None else "query parameter 'since'"
-        raise InvalidInput(f"{what} must be an event sequence number (an integer >= 0)") from None
-    return None
+    since = query_int(request, "since", 0, MAX_SEQ)
+    if last:
+        if not (last.isascii() and last.isdigit() and len(last) <= 18):
+            raise InvalidInput("header 'Last-Event-ID' must be an event sequence number (decimal digits, >= 0)")
+        return int(last) + 1
+    return since
 
 
 @routes.get("/v1/events", allow_head=False)

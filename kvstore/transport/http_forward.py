@@ -17,18 +17,41 @@ it was received, still percent-encoded: a decoded ``%2F``, ``%3F``, ``%23`` or
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import errno
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from yarl import URL
 
-from kvstore.errors import InvalidInput, KVStoreError, StoreClosed
+from kvstore.errors import InvalidInput, KVStoreError, Overloaded, StoreClosed, WriterTimeout
 from kvstore.transport.http_body import BAD_BODY_FRAMING, check_length
-from kvstore.transport.http_common import client_gone, config_of, route_of, send, store_of
+from kvstore.transport.http_common import (
+    STATE,
+    client_gone,
+    config_of,
+    query_number,
+    route_of,
+    send,
+    store_of,
+)
 
 WRITER = web.AppKey("writer", aiohttp.ClientSession)
+T = TypeVar("T")
+# The writer's private socket refuses a connection at once (EAGAIN) while its
+# accept queue is full (a burst of relays): the relay tries again for this
+# long before it answers 503 overloaded. Nothing of the request is sent yet.
+CONNECT_RETRY_S = 5.0
+# A relay the writer may legitimately take any time to answer (a batch put's
+# stream, compaction, a scrub) has no read timeout; it fails instead once the
+# writer has not answered its health check (asked every PING_S) for as long
+# as another relay may go without a byte of its answer (_margin).
+PING_S = 5.0
+# Admin calls whose work has no bound of its own: relayed without a read timeout (watched).
+UNBOUNDED = frozenset({"/v1/batch/put", "/v1/admin/compact", "/v1/admin/verify"})
 _SENT = (
     "Authorization",
     "Content-Type",
@@ -95,16 +118,95 @@ async def _relayed_body(request: web.Request, fault: list[KVStoreError]) -> Asyn
         raise ConnectionAbortedError("the request body ended early")
 
 
-def _relay_timeout(request: web.Request) -> aiohttp.ClientTimeout:
-    """How long the writer may take to answer. It bounds a stalled body by
-    itself (408 after request_timeout_s), so the reader waits longer than that
-    and relays the writer's answer. Admin calls (flush, verify) and batch puts
-    legitimately take as long as their work: no read timeout there; a writer
-    that dies closes the socket."""
+def _read_timeout(request: web.Request) -> float | None:
+    """Seconds the writer may go without sending a byte of its answer. It
+    bounds a stalled body by itself (408 after request_timeout_s), so the
+    reader waits longer than that and relays the writer's answer; a flush
+    takes up to its ``timeout_s`` more. None for the routes of
+    :data:`UNBOUNDED`, which are watched instead (:func:`watch_writer`)."""
     route = route_of(request)
-    if route.startswith("/v1/admin/") or route == "/v1/batch/put":
-        return aiohttp.ClientTimeout(total=None, sock_read=None)
-    return aiohttp.ClientTimeout(total=None, sock_read=config_of(request).request_timeout_s + 30)
+    if route in UNBOUNDED:
+        return None
+    margin = _margin(request)
+    if route == "/v1/admin/flush":
+        try:
+            return margin + query_number(request, "timeout_s", 0, 86_400, 600)
+        except InvalidInput:
+            return margin  # the writer answers the 400
+    return margin
+
+
+def _margin(request: web.Request) -> float:
+    """How long the writer may go without a byte: it bounds a stalled
+    body by itself after request_timeout_s, and answers then."""
+    return config_of(request).request_timeout_s + 30.0
+
+
+async def _watched(request: web.Request, call: Awaitable[T]) -> T:
+    """``call``, unless the writer stops answering its health checks first
+    (then 504: it may still complete the request)."""
+    task = asyncio.ensure_future(call)
+    loop = asyncio.get_running_loop()
+    state, hung = request.app[STATE], _margin(request)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=min(PING_S, hung / 4))
+            if done:
+                return task.result()
+            if loop.time() - state.get("writer_seen", loop.time()) > hung:
+                raise WriterTimeout(
+                    f"the writer process has not answered its health check for {hung:g} s while it had this"
+                    " request; it may still complete it"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def watch_writer(app: web.Application, path: str) -> None:
+    """A reader's lifetime: note when the writer last answered ``/healthz``
+    (over a connection of its own, so a busy relay pool cannot delay it)."""
+    loop = asyncio.get_running_loop()
+    app[STATE]["writer_seen"] = loop.time()
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path, limit=1)) as session:
+        while True:
+            try:
+                async with session.get("http://writer/healthz", timeout=aiohttp.ClientTimeout(total=PING_S)) as r:
+                    if r.status == 200:
+                        app[STATE]["writer_seen"] = loop.time()
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                pass  # noted by writer_seen not moving
+            await asyncio.sleep(PING_S)
+
+
+def _busy(e: BaseException) -> bool:
+    """Whether ``e`` is the writer's accept queue being full (EAGAIN on connect)."""
+    return isinstance(e, aiohttp.ClientConnectorError) and e.os_error.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
+async def _open(request: web.Request, headers: dict[str, str], fault: list[KVStoreError]) -> aiohttp.ClientResponse:
+    """The writer's answer to ``request`` (its headers; the body follows)."""
+    seconds = _read_timeout(request)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=seconds)
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + CONNECT_RETRY_S
+    pause = 0.005
+    while True:
+        body = _relayed_body(request, fault) if request.body_exists else None
+        call = request.app[WRITER].request(
+            request.method, writer_url(request), headers=headers, data=body, timeout=timeout
+        )
+        try:
+            return await (call if seconds is not None else _watched(request, call))
+        except aiohttp.ClientConnectorError as e:
+            if not _busy(e):
+                raise
+            if loop.time() + pause > give_up:
+                raise Overloaded(
+                    "the writer process is busy: its queue of relayed connections is full; retry"
+                ) from None
+            await asyncio.sleep(pause)  # nothing was sent: the body is untouched
+            pause = min(pause * 2, 0.2)
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
@@ -113,11 +215,14 @@ async def forward(request: web.Request) -> web.StreamResponse:
         check_length(request, store_of(request).config.max_block_size)
     headers = {h: request.headers[h] for h in _SENT if h in request.headers}
     fault: list[KVStoreError] = []
-    body = _relayed_body(request, fault) if request.body_exists else None
     try:
-        upstream = await request.app[WRITER].request(
-            request.method, writer_url(request), headers=headers, data=body, timeout=_relay_timeout(request)
-        )
+        upstream = await _open(request, headers, fault)
+    except TimeoutError:  # aiohttp's ServerTimeoutError too: no byte for the read timeout
+        if fault:
+            raise fault[0] from None
+        raise WriterTimeout(
+            f"the writer process did not answer within {_read_timeout(request)} s; it may still complete the request"
+        ) from None
     except (aiohttp.ClientError, ConnectionError) as e:
         if fault:
             raise fault[0] from None

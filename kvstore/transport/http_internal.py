@@ -59,7 +59,7 @@ async def touches(request: web.Request) -> web.Response:
 def _json_object(raw: bytes, what: str) -> dict[str, Any]:
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise InvalidInput(f"{what}: not JSON") from None
     if not isinstance(doc, dict):
         raise InvalidInput(f"{what}: not an object")

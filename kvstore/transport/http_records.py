@@ -35,7 +35,7 @@ from kvstore.errors import InsecureTransport
 from kvstore.names import validate_key
 from kvstore.transport.http_blocks import etag, send_bytes
 from kvstore.transport.http_common import store_of, tenant_of
-from kvstore.transport.ranges import etag_matches, parse_range
+from kvstore.transport.ranges import etag_matches, parse_range, range_spec_count
 
 routes = web.RouteTableDef()
 ENVELOPE_MAGIC = b"KVE1"
@@ -108,8 +108,10 @@ async def get_record(request: web.Request) -> web.StreamResponse:
     headers = {"ETag": etag(info.etag), "Accept-Ranges": "bytes", "Cache-Control": "no-store"}
     if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
         return web.Response(status=304, headers=headers)
-    ranges = parse_range(request.headers.get("Range"), info.size)
-    start, end = (ranges[0].start, ranges[0].end) if ranges is not None and len(ranges) == 1 else (0, info.size)
+    header = request.headers.get("Range")
+    ranges = parse_range(header, info.size)
+    one = ranges is not None and range_spec_count(header) == 1  # several range-specs: the whole block, as GET
+    start, end = (ranges[0].start, ranges[0].end) if ranges is not None and one else (0, info.size)
     rec = await store.get_stored(tenant, key, start, end)
     try:
         headers["ETag"] = etag(rec.frames.header.record_id.hex())  # the record sent, written again or not

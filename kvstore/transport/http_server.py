@@ -6,14 +6,26 @@ method, a header line over the limit, a control character in a header), and
 those whose handler raised past every middleware (a client that went away
 mid-answer). Left alone it answers them in text/plain built from the parser's
 message, which echoes the offending bytes (an ``Authorization`` header
-included), and logs each at ERROR with that message and a traceback.
+included), and logs each at ERROR with that message and a traceback. It also
+serves whatever HTTP version its parser accepts (``HTTP/2.0`` and HTTP/0.9
+requests were answered as if they were HTTP/1.x), bounds a request whose
+headers never end only by the keep-alive timeout, and answers ``Expect``
+itself before any middleware runs (100 before authentication; a text/plain
+417 echoing the header otherwise).
 
 :class:`KVRequestHandler` answers them with the documented JSON error body
 and a fixed message per kind of error (never the request's bytes), logs
 parser rejections and disconnects at DEBUG without their text, and keeps a
 half-closed connection open long enough to answer the request in progress
 (a short body then gets ``400 invalid_input``, not a dropped connection).
-:class:`KVAppRunner` is ``web.AppRunner`` serving connections with it.
+It refuses HTTP versions other than 1.0 and 1.1 with ``505`` (RFC 9110
+§15.6.6), and answers ``408`` to a request whose line and headers have not
+all arrived ``request_timeout_s`` after its first byte (an idle keep-alive
+connection is still the keep-alive timeout's).
+:class:`KVAppRunner` is ``web.AppRunner`` serving connections with it; for
+the kvstore API (``gate_expect``) it takes ``Expect`` away from aiohttp and
+leaves it on the request (:data:`EXPECT`) for the gate, which answers it
+after authentication (kvstore/transport/http.py).
 
 aiohttp hooks relied on (3.14; tests/http/test_hostile.py fails if they change):
 
@@ -24,29 +36,43 @@ aiohttp hooks relied on (3.14; tests/http/test_hostile.py fails if they change):
   ``RequestHandler(server, loop=server._loop, **server._kwargs)``; the runner
   makes its server build ours instead. There is no public hook for the
   protocol class.
-- ``RequestHandler._messages`` (requests parsed, not yet started) and
-  ``._waiter`` (pending while the connection waits for a request), read by
-  :meth:`KVRequestHandler.data_received` and :meth:`~KVRequestHandler.eof_received`.
+- ``RequestHandler._messages`` (requests parsed, not yet started: pairs of a
+  ``RawRequestMessage`` or an ``_ErrInfo`` and the body) and ``._waiter``
+  (pending while the connection waits for a request), read by
+  :meth:`KVRequestHandler.data_received` and :meth:`~KVRequestHandler.eof_received`;
+  an ``_ErrInfo(status, exc, message)`` put in ``_messages`` is answered with
+  ``handle_error(request, status, exc, message)`` in its turn, as aiohttp
+  does for its parser's errors.
+- ``LineTooLong.args[1]`` is the limit that was passed: ``max_line_size`` for
+  the request target, ``max_field_size`` for a header field (the two limits
+  differ by design so that the answer can tell them apart: 414 or 431).
+- ``web.Server.request_factory`` builds each request from the parsed message
+  (``RawRequestMessage._replace`` gives a copy with other headers).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine, HttpProcessingError, InvalidURLError, LineTooLong
-from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
 from aiohttp.web_request import BaseRequest
+from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvstore.transport.http_common import METRICS
+from kvstore.transport.http_common import CONFIG, EXPECT, METRICS
 
 log = logging.getLogger("kvstore.http")
 
 # aiohttp's parser limits, set explicitly so that docs/API.md can state them.
-MAX_LINE_SIZE = 8190  # the request line
+# They differ so that an answer can tell which one was passed (414 or 431).
+MAX_LINE_SIZE = 8192  # the request target (path and query)
 MAX_FIELD_SIZE = 8190  # one header field, name and value
 MAX_HEADERS = 128  # header fields per request
 PARSER_LIMITS: dict[str, int] = {
@@ -56,21 +82,52 @@ PARSER_LIMITS: dict[str, int] = {
 }
 
 
+VERSIONS = (HttpVersion10, HttpVersion11)
+DEFAULT_HEADERS_TIMEOUT_S = 60.0  # for an app without a ServerConfig (request_timeout_s's default)
+
+
+class UnsupportedVersion(HttpProcessingError):
+    """A request in an HTTP version other than 1.0 and 1.1 (HTTP/0.9's bare
+    request line, ``HTTP/2.0`` sent as text): answered 505."""
+
+    code = 505
+    message = "HTTP version not supported"
+
+
+class HeadersTimeout(HttpProcessingError):
+    """A request whose line and headers did not all arrive in time: answered 408."""
+
+    code = 408
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(message=f"the request line and headers did not arrive within {seconds:g} s")
+
+
 def parser_error(exc: BaseException | None) -> tuple[int, str, str]:
-    """(status, code, message) for a request aiohttp's parser rejected. The
-    message is fixed text chosen by the kind of error: the parser's own
-    message quotes the request's bytes and is never passed on."""
+    """(status, code, message) for a request aiohttp's parser rejected, or
+    the connection layer refused. The message is fixed text chosen by the
+    kind of error: the parser's own message quotes the request's bytes and
+    is never passed on."""
+    if isinstance(exc, HeadersTimeout):
+        return 408, "request_timeout", exc.message
+    if isinstance(exc, UnsupportedVersion):
+        return 505, "http_version_not_supported", "only HTTP/1.1 and HTTP/1.0 are served"
     if isinstance(exc, LineTooLong):
-        return 431, "headers_too_large", f"the request line or a header field is over {MAX_FIELD_SIZE} bytes"
+        if str(exc.args[1]) == str(MAX_LINE_SIZE):  # see the module doc: the limit says which
+            return 414, "uri_too_long", f"the request target (path and query) is over {MAX_LINE_SIZE} bytes"
+        return 431, "headers_too_large", f"a header field is over {MAX_FIELD_SIZE} bytes"
+    # The parser's description: the lines before the quoted request bytes
+    # (fixed text from llhttp or aiohttp), never the bytes themselves.
+    head = exc.message.split("\n\n")[0].lower() if isinstance(exc, HttpProcessingError) else ""
+    if isinstance(exc, BadStatusLine) and "invalid http version" in head:
+        return 505, "http_version_not_supported", "only HTTP/1.1 and HTTP/1.0 are served"
     if isinstance(exc, BadHttpMethod):
         return 400, "bad_request", "the request line's method is not an HTTP token (TLS sent to a plain-HTTP port?)"
     if isinstance(exc, InvalidURLError):
         return 400, "bad_request", "the request target is not a valid origin-form path"
     if isinstance(exc, BadStatusLine):
         return 400, "bad_request", "malformed request line: expected 'METHOD /path HTTP/1.1' ended by CRLF"
-    # Classify by the parser's description (its first line, fixed text from
-    # llhttp or aiohttp), never by the quoted bytes that follow it.
-    desc = exc.message.partition(":")[0].lower() if isinstance(exc, HttpProcessingError) else ""
+    desc = head.partition(":")[0]
     if "too many headers" in desc:
         return 431, "headers_too_large", f"more than {MAX_HEADERS} header fields"
     if "content-length" in desc:
@@ -100,6 +157,11 @@ class KVRequestHandler(RequestHandler):
         super().__init__(*args, **kwargs)
         self._kv_app = kv_app
         self._receiving: StreamReader | None = None
+        self._headers_timer: asyncio.TimerHandle | None = None
+        config = kv_app.get(CONFIG) if kv_app is not None else None
+        # The time a request's line and headers have, from their first byte:
+        # the time its body has (request_timeout_s).
+        self._headers_timeout_s = float(config.request_timeout_s) if config is not None else DEFAULT_HEADERS_TIMEOUT_S
 
     def _count(self, name: str, **labels: str) -> None:
         metrics = self._kv_app.get(METRICS) if self._kv_app is not None else None
@@ -117,7 +179,7 @@ class KVRequestHandler(RequestHandler):
             # Part of an answer is out: only a cut connection can signal the
             # failure (aiohttp's own contract; it catches this ConnectionError).
             raise ConnectionError("the response is already partly sent")
-        if status == 400 and isinstance(exc, HttpProcessingError):
+        if status in (400, 408, 505) and isinstance(exc, HttpProcessingError):
             status, code, text = parser_error(exc)
             log.debug("rejected a malformed request from %s: %s (%s)", request.remote, text, type(exc).__name__)
             self._count("kvstore_http_rejected_total", status=str(status))
@@ -134,9 +196,48 @@ class KVRequestHandler(RequestHandler):
         return _json_error(500, "internal", "internal error")
 
     def data_received(self, data: bytes) -> None:
+        before = len(self._messages)
         super().data_received(data)
+        # What the parser added (nothing else takes from the queue meanwhile):
+        # a request in an HTTP version this server does not speak is answered
+        # 505 in its turn instead of being served.
+        for i in range(before, len(self._messages)):
+            message = self._messages[i][0]
+            if not isinstance(message, _ErrInfo) and message.version not in VERSIONS:
+                self._messages[i] = (_ErrInfo(status=505, exc=UnsupportedVersion(), message=""), EMPTY_PAYLOAD)
         if self._messages:
             self._receiving = self._messages[-1][1]  # the body of the latest request parsed
+        self._time_headers(bool(data), len(self._messages) > before)
+
+    def _time_headers(self, got_bytes: bool, got_request: bool) -> None:
+        """Bound the time a request's line and headers may take to arrive,
+        from their first byte: bytes that are no body's (none is being
+        received) begin a request; the timer stops when one is parsed."""
+        if got_request and self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
+        body = self._receiving
+        receiving_body = body is not None and not body.is_eof()
+        if got_bytes and not got_request and not receiving_body and self._headers_timer is None:
+            self._headers_timer = self._loop.call_later(self._headers_timeout_s, self._headers_late)
+
+    def _headers_late(self) -> None:
+        """The headers did not arrive in time: a 408 is queued as the next
+        answer (after any request in progress), then the connection closes."""
+        self._headers_timer = None
+        if self._force_close or self._close or self.transport is None:
+            return
+        exc = HeadersTimeout(self._headers_timeout_s)
+        self._messages.append((_ErrInfo(status=408, exc=exc, message=""), EMPTY_PAYLOAD))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
+        super().connection_lost(exc)
 
     def eof_received(self) -> bool:  # type: ignore[override]  # asyncio.Protocol's contract: bool | None
         """The client half-closed its side (shutdown(SHUT_WR)). aiohttp would
@@ -163,12 +264,27 @@ class KVServer(web.Server):
         return KVRequestHandler(self, loop=self._loop, kv_app=self.kv_app, **self._kwargs)
 
 
+def _without_expect(message: RawRequestMessage) -> RawRequestMessage:
+    """``message`` without its ``Expect`` header fields."""
+    headers = CIMultiDict((k, v) for k, v in message.headers.items() if k.lower() != "expect")
+    raw = tuple((k, v) for k, v in message.raw_headers if k.lower() != b"expect")
+    return message._replace(headers=CIMultiDictProxy(headers), raw_headers=raw)
+
+
 class KVAppRunner(web.AppRunner):
     """``web.AppRunner`` serving ``app`` with :class:`KVRequestHandler`
-    connections and the parser limits of :data:`PARSER_LIMITS`."""
+    connections and the parser limits of :data:`PARSER_LIMITS`.
 
-    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+    ``gate_expect``: the request's ``Expect`` is taken from aiohttp, which
+    would answer it before any middleware (a 100 before authentication, a
+    text/plain 417 echoing the value), and left on the request as
+    :data:`~kvstore.transport.http_common.EXPECT` for the app to answer (the
+    kvstore API: after its gate). False for an app that answers ``Expect``
+    with aiohttp's own hook (the S3 gateway's ``expect_handler``)."""
+
+    def __init__(self, app: web.Application, *, gate_expect: bool = True, **kwargs: Any) -> None:
         super().__init__(app, **{**PARSER_LIMITS, **kwargs})
+        self._gate_expect = gate_expect
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
@@ -176,4 +292,23 @@ class KVAppRunner(web.AppRunner):
         # class swap keeps every argument aiohttp gave it (see the module doc).
         server.__class__ = KVServer
         cast(KVServer, server).kv_app = self.app
+        if self._gate_expect:
+            factory = server.request_factory
+
+            def make_request(
+                message: RawRequestMessage,
+                payload: StreamReader,
+                protocol: RequestHandler,
+                writer: AbstractStreamWriter,
+                task: asyncio.Task[None],
+            ) -> BaseRequest:
+                expect = message.headers.getall("Expect", None) if message.headers else None
+                if expect is None:
+                    return factory(message, payload, protocol, writer, task)
+                request = factory(_without_expect(message), payload, protocol, writer, task)
+                if isinstance(request, web.Request):
+                    request[EXPECT] = ",".join(expect)
+                return request
+
+            server.request_factory = make_request
         return server

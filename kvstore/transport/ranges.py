@@ -137,6 +137,23 @@ def _parse_spec(spec: str, size: int) -> ByteRange | None:
     return ByteRange(first, end)
 
 
+def _specs(header: str) -> list[str]:
+    """The range-specs of a ``bytes`` Range header (empty list elements
+    dropped); none for another unit or no ``=``."""
+    unit, eq, range_set = header.strip(_OWS).partition("=")
+    if not eq or not unit.isascii() or unit.lower() != "bytes":
+        return []
+    return [spec for spec in (element.strip(_OWS) for element in range_set.split(",")) if spec]
+
+
+def range_spec_count(header: str | None) -> int:
+    """How many range-specs a Range header value names (0: none, another
+    unit). A request for several ranges is answered with the whole block
+    (200) however many of them the block satisfies: the answer's form
+    depends on the request, not on the block's size."""
+    return len(_specs(header)) if header is not None else 0
+
+
 def parse_range(header: str | None, size: int) -> list[ByteRange] | None:
     """Parse a Range header value (RFC 9110 §14.2) against a block of ``size`` bytes.
 
@@ -175,10 +192,7 @@ def parse_range(header: str | None, size: int) -> list[ByteRange] | None:
         return None
     if not 0 <= size < _HUGE:
         raise ValueError(f"size must be 0 to 10**{_MAX_DIGITS} - 1, got {size}")
-    unit, eq, range_set = header.strip(_OWS).partition("=")
-    if not eq or not unit.isascii() or unit.lower() != "bytes":
-        return None
-    specs = [spec for spec in (element.strip(_OWS) for element in range_set.split(",")) if spec]
+    specs = _specs(header)
     if not specs or len(specs) > MAX_RANGES:
         return None
     try:

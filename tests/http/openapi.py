@@ -18,15 +18,21 @@ _URN = "urn:kvstore:openapi"
 SPEC_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 METHODS = ("get", "put", "post", "delete", "head", "patch", "options")
 # Answers any request can get, described once in info.description rather than
-# under each operation: the parser's 400 bad_request and 431, 404 for a path
-# no route matches (an empty path parameter), 405 for a method a path does not
-# have, 503 overloaded past max_concurrency.
+# under each operation: the parser's 400 bad_request, 414 and 431, 408 for a
+# request whose headers did not arrive in time, 404 for a path no route
+# matches (an empty path parameter), 405 for a method a path does not have,
+# 417 for an Expect other than 100-continue, 503 overloaded past
+# max_concurrency, 505 for an HTTP version other than 1.0 and 1.1.
 GLOBAL = {
     400: {"bad_request"},
     404: {"not_found"},
     405: {"method_not_allowed"},
+    408: {"request_timeout"},
+    414: {"uri_too_long"},
+    417: {"expectation_failed"},
     431: {"headers_too_large"},
     503: {"overloaded"},
+    505: {"http_version_not_supported"},
 }
 
 
