@@ -63,7 +63,9 @@ class Gateway:
         )
 
 
-def start_gateway(workdir: Path, **settings: str) -> Gateway:
+def start_gateway(workdir: Path, extra_env: dict[str, str] | None = None, **settings: str) -> Gateway:
+    """A daemon with its gateway; ``settings`` as KVSTORE_<NAME> variables,
+    ``extra_env`` as they are (an object tier's AWS_* variables)."""
     port = free_port()
     env = daemon_env(
         workdir,
@@ -73,6 +75,7 @@ def start_gateway(workdir: Path, **settings: str) -> Gateway:
         s3_gateway_listen=f"127.0.0.1:{port}",
         **settings,
     )
+    env.update(extra_env or {})
     daemon = Daemon(workdir / "data", free_port(), env)
     daemon.start()
     gw = Gateway(daemon, port)

@@ -10,9 +10,11 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from kvstore.transport.s3 import records
 from kvstore.transport.s3.call import Call, validate_bucket_name, validate_object_key
-from kvstore.transport.s3.catalog import Bucket, ObjectRow
+from kvstore.transport.s3.catalog import Bucket, Dropped, ObjectRow
 from kvstore.transport.s3.errors import S3Error
+from kvstore.transport.s3.objects import new_uid
 from kvstore.transport.s3.xml import children, document, element, iso_time, parse, text_of
 
 MAX_KEYS = 1000
@@ -70,11 +72,21 @@ async def create_bucket(call: Call) -> web.StreamResponse:
                 f"The {constraint[:64]} location constraint is incompatible for the region specific endpoint this "
                 f"request was sent to ({call.settings.region}).",
             )
-    existing = await call.catalog.run(call.catalog.bucket, name)
-    if existing is not None and call.store.incarnation(existing.tenant) != existing.incarnation:
+    found = await call.catalog.run(call.catalog.bucket, name)
+    if found is not None and call.store.incarnation(found.tenant) != found.incarnation:
         await call.catalog.run(call.catalog.forget_bucket, name)
-    bucket = Bucket(name, call.tenant, call.incarnation, time.time_ns(), call.settings.region)
-    found = await call.catalog.run(call.catalog.create_bucket, bucket)
+        found = None
+    if found is None:  # its record first, then the row that names it
+        record = records.key_of(records.BUCKET, new_uid())
+        bucket = Bucket(name, call.tenant, call.incarnation, time.time_ns(), call.settings.region, record)
+        await call.put_record(record, records.of_bucket(bucket))
+        try:
+            found = await call.catalog.run(call.catalog.create_bucket, bucket)
+        except BaseException:
+            await call.discard(Dropped([], [record]))
+            raise
+        if found is not None:  # created by another request meanwhile
+            await call.discard(Dropped([], [record]))
     if found is not None:
         if found.tenant == call.tenant and found.incarnation == call.incarnation:
             if call.settings.region == "us-east-1":  # S3's legacy region answers success and changes nothing
@@ -99,10 +111,10 @@ async def head_bucket(call: Call) -> web.StreamResponse:
 
 async def delete_bucket(call: Call) -> web.StreamResponse:
     bucket = await call.bucket()
-    deleted, doomed = await call.catalog.run(call.catalog.delete_bucket, bucket.name, True)
+    deleted, dropped = await call.catalog.run(call.catalog.delete_bucket, bucket.name, True)
     if not deleted:
         raise S3Error("BucketNotEmpty", "The bucket you tried to delete is not empty", BucketName=bucket.name)
-    await call.readers.retire(call.tenant, doomed)  # its unfinished uploads' parts
+    await call.discard(dropped)  # its record, its unfinished uploads' and their parts'
     return web.Response(status=204)
 
 
@@ -221,8 +233,7 @@ async def _live(call: Call, bucket: str, rows: list[ObjectRow]) -> set[bytes]:
         if all(present.get(k, False) for k, _ in row.blocks):
             live.add(row.key)
         else:
-            await call.catalog.run(call.catalog.delete, bucket, row.key, row.blocks)
-            await call.readers.retire(call.tenant, row.blocks)
+            await call.discard(await call.catalog.run(call.catalog.delete, bucket, row.key, row.blocks))
     return live
 
 
@@ -330,8 +341,7 @@ async def delete_objects(call: Call) -> web.StreamResponse:
                 + "</Error>"
             )
             continue
-        doomed = await call.catalog.run(call.catalog.delete, bucket.name, key, None)
-        await call.readers.retire(call.tenant, doomed)
+        await call.discard(await call.catalog.run(call.catalog.delete, bucket.name, key, None))
         if not quiet:
             out.append("<Deleted>" + element("Key", key_text) + "</Deleted>")
     return _xml(document("DeleteResult", out))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 import re
 import time
 from dataclasses import dataclass, field
@@ -11,8 +11,9 @@ from typing import Any
 from aiohttp import web
 
 from kvstore.engine.store import Store
+from kvstore.transport.s3 import records
 from kvstore.transport.s3.body import UploadBody
-from kvstore.transport.s3.catalog import Bucket, Catalog
+from kvstore.transport.s3.catalog import Bucket, Catalog, Dropped
 from kvstore.transport.s3.errors import S3Error
 from kvstore.transport.s3.objects import Readers
 from kvstore.transport.s3.sigv4 import STREAMING_SIGNED, STREAMING_SIGNED_TRAILER, Authorization, ChunkSigner
@@ -73,14 +74,21 @@ class Call:
         return found
 
     def seal_meta(self, meta: dict[str, Any]) -> bytes:
-        return self.store.seal_for(self.tenant, json.dumps(meta, separators=(",", ":")).encode(), self._aad())
+        return records.seal_meta(self.store, self.tenant, meta)
 
     def open_meta(self, blob: bytes) -> dict[str, Any]:
-        out: dict[str, Any] = json.loads(self.store.open_for(self.tenant, blob, self._aad()))
-        return out
+        return records.open_meta(self.store, self.tenant, blob)
 
-    def _aad(self) -> bytes:
-        return b"kvstore/v1 s3 object meta\x00" + self.tenant.encode()
+    async def put_record(self, key: str, rec: records.Record) -> None:
+        await records.put(self.store, self.tenant, key, rec)
+
+    async def discard(self, dropped: Dropped) -> None:
+        """Delete what a committed change left unnamed: its records now, its
+        blocks now or, for those a read holds, when the read ends."""
+        await asyncio.gather(
+            self.readers.retire(self.tenant, dropped.blocks),
+            records.delete(self.store, self.tenant, dropped.records),
+        )
 
     async def xml_body(self, checksums: bool = True) -> bytes:
         """A request's XML document, bounded in size and checked as an

@@ -6,7 +6,10 @@ the writer of a multi-worker daemon), on its own address
 ``/v1``. Every request is authenticated with SigV4 (:mod:`.sigv4`) against
 the access keys the admin API issues per tenant; a bucket belongs to the
 tenant whose key created it. Objects are kvstore blocks of that tenant
-(:mod:`.objects`), named by the catalog (:mod:`.catalog`).
+(:mod:`.objects`), named by the catalog (:mod:`.catalog`), a cache of the
+gateway's records (:mod:`.records`: blocks of the same tenant, mirrored with
+its segments), from which a node rebuilt from its bucket rebuilds it at
+start-up (:mod:`.recovery`).
 
 Errors are S3's XML documents with a request id (``x-amz-request-id``); a
 HEAD's error has no body, as S3's.
@@ -28,7 +31,7 @@ from kvstore.errors import KVStoreError
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
 from kvstore.transport.http_common import CONFIG, METRICS
-from kvstore.transport.s3 import acl, bucket_ops, multipart_ops, object_ops, objects
+from kvstore.transport.s3 import acl, bucket_ops, multipart_ops, object_ops, objects, recovery
 from kvstore.transport.s3.call import Call, Settings, validate_object_key
 from kvstore.transport.s3.catalog import Catalog
 from kvstore.transport.s3.errors import S3Error, from_kvstore
@@ -41,6 +44,8 @@ STORE = web.AppKey("s3_store", Store)
 READERS = web.AppKey("s3_readers", objects.Readers)
 CATALOG = web.AppKey("s3_catalog", Catalog)
 SETTINGS = web.AppKey("s3_settings", Settings)
+REQUEST_ID = web.RequestKey("s3_request_id", str)
+OP = web.RequestKey("s3_op", str)
 
 Op = Callable[[Call], Awaitable[web.StreamResponse]]
 
@@ -206,7 +211,7 @@ async def _authenticate(request: web.Request, settings: Settings, store: Store) 
         bucket_name=bucket,
         key=validate_object_key(key_text) if key_text else None,
         query=query,
-        request_id=request["s3_request_id"],
+        request_id=request[REQUEST_ID],
         readers=request.app[READERS],
     )
     return call, tenant
@@ -219,10 +224,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if call.bucket_name is None:
         if request.method != "GET":
             raise S3Error("MethodNotAllowed", "The specified method is not allowed against this resource.")
-        request["s3_op"] = "ListBuckets"
+        request[OP] = "ListBuckets"
         return await bucket_ops.list_buckets(call)
     name, op = _route(request.method, call.key is not None, call.query, request.headers)
-    request["s3_op"] = name
+    request[OP] = name
     version = call.query.get("versionId")
     if version is not None and version != "null":  # no bucket has versioning: its objects' one version is "null"
         raise S3Error("InvalidArgument", "Invalid version id specified", ArgumentName="versionId")
@@ -235,8 +240,8 @@ async def s3_errors(
 ) -> web.StreamResponse:
     """Every answer carries a request id; every error is S3's XML document
     (no body for a HEAD); counted by operation and status."""
-    request_id = request.get("s3_request_id") or secrets.token_hex(8).upper()  # the 100-continue check's, if any
-    request["s3_request_id"] = request_id
+    request_id = request.get(REQUEST_ID) or secrets.token_hex(8).upper()  # the 100-continue check's, if any
+    request[REQUEST_ID] = request_id
     metrics = request.app[METRICS]
     t0 = time.perf_counter()
     status = "disconnected"
@@ -253,21 +258,21 @@ async def s3_errors(
         except (ConnectionError, OSError):
             raise
         except Exception:
-            log.exception("%s %s failed", request.method, request.get("s3_op", "?"))
+            log.exception("%s %s failed", request.method, request.get(OP, "?"))
             resp = _error_response(
                 request, S3Error("InternalError", "We encountered an internal error. Please try again."), request_id
             )
         status = str(resp.status)
         return resp
     finally:
-        op = request.get("s3_op", "unknown")
+        op = request.get(OP, "unknown")
         metrics.inc("kvstore_s3_requests_total", op=op, status=status)
         metrics.observe("kvstore_s3_request_seconds", time.perf_counter() - t0, op=op)
 
 
 async def _stamp(request: web.Request, response: web.StreamResponse) -> None:
     """Every answer, streamed ones included, names its request as S3's do."""
-    request_id = request.get("s3_request_id")
+    request_id = request.get(REQUEST_ID)
     if request_id is not None:
         response.headers["x-amz-request-id"] = request_id
         response.headers["x-amz-id-2"] = request_id
@@ -299,7 +304,7 @@ async def _drain(request: web.Request) -> None:
 
 def _error_response(request: web.Request, e: S3Error, request_id: str) -> web.Response:
     if e.status >= 500:
-        log.error("%s %s: %s %s", request.method, request.get("s3_op", "?"), e.s3_code, e.message)
+        log.error("%s %s: %s %s", request.method, request.get(OP, "?"), e.s3_code, e.message)
     resource = _target(request)[0]
     headers = {"x-amz-request-id": request_id, "x-amz-id-2": request_id}
     if e.s3_code in ("SlowDown", "ServiceUnavailable"):
@@ -321,7 +326,7 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
     S3 does (aiohttp would answer 417)."""
     if (request.headers.get("Expect") or "").lower() != "100-continue":
         return None
-    request_id = request["s3_request_id"] = secrets.token_hex(8).upper()
+    request_id = request[REQUEST_ID] = secrets.token_hex(8).upper()
     try:
         call, _ = await _authenticate(request, request.app[SETTINGS], request.app[STORE])
         if call.bucket_name is not None and not (request.method == "PUT" and call.key is None):
@@ -357,7 +362,12 @@ def make_gateway_app(store: Store, metrics: Metrics, cfg: ServerConfig) -> web.A
         catalog = Catalog(store.config.data_dir / "s3" / "catalog.sqlite3")
         app[CATALOG] = catalog
         app[READERS] = readers = objects.Readers(store)
-        await objects.sweep_orphans(store, catalog)
+        # The catalog in line with the records (rebuilt from them on a new
+        # disk) before anything is served, and before the orphan sweep, which
+        # must see every block a surviving record names.
+        report = await recovery.recover(store, catalog, settings.region)
+        if report.complete:
+            await objects.sweep_orphans(store, catalog)
         yield
         await readers.close()
         await catalog.run(lambda: None)  # let the last change finish

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from kvstore.transport.s3 import objects
+from kvstore.transport.s3 import objects, records
 from kvstore.transport.s3.bucket_ops import MAX_KEYS
 from kvstore.transport.s3.call import Call, validate_object_key
-from kvstore.transport.s3.catalog import ObjectRow, PartRow, Upload
+from kvstore.transport.s3.catalog import Dropped, Extents, ObjectRow, PartRow, Upload
 from kvstore.transport.s3.errors import S3Error
 from kvstore.transport.s3.object_ops import (
     meta_from_headers,
@@ -53,6 +53,8 @@ def _part_number(call: Call) -> int:
 
 
 async def _upload(call: Call) -> Upload:
+    """The upload the request names; its record and its bucket's touched
+    (written again if gone), as an object's are when it is read."""
     bucket = await call.bucket()
     upload_id = call.q("uploadId") or ""
     found = await call.catalog.run(call.catalog.upload, upload_id) if upload_id else None
@@ -63,6 +65,11 @@ async def _upload(call: Call) -> Upload:
             "upload may have been aborted or completed.",
             UploadId=upload_id[:64],
         )
+    upload = found
+    await records.keep(
+        call.store, call.tenant, upload.record, lambda: records.of_upload(upload, call.open_meta(upload.meta))
+    )
+    await records.keep(call.store, call.tenant, bucket.record, lambda: records.of_bucket(bucket))
     return found
 
 
@@ -75,9 +82,14 @@ async def create_upload(call: Call) -> web.StreamResponse:
     if algo:
         meta["algo"] = algo
     upload_id = secrets.token_hex(16)
-    await call.catalog.run(
-        call.catalog.create_upload, Upload(upload_id, bucket.name, call.key, time.time_ns(), call.seal_meta(meta))
-    )
+    record = records.key_of(records.UPLOAD, objects.new_uid())
+    upload = Upload(upload_id, bucket.name, call.key, time.time_ns(), call.seal_meta(meta), record)
+    await call.put_record(record, records.of_upload(upload, meta))
+    try:
+        await call.catalog.run(call.catalog.create_upload, upload)
+    except BaseException:
+        await call.discard(Dropped([], [record]))
+        raise
     body = document(
         "InitiateMultipartUploadResult",
         [element("Bucket", bucket.name), element("Key", call.key_text), element("UploadId", upload_id)],
@@ -94,22 +106,33 @@ async def upload_part(call: Call) -> web.StreamResponse:
     if "x-amz-copy-source" in call.request.headers:
         return await _upload_part_copy(call, upload, number)
     body = upload_body(call)
-    extents = await objects.store_blocks(call.store, call.tenant, body.chunks(), call.settings.block_size, body.finish)
-    etag = f'"{body.md5.hexdigest()}"'
-    await _record_part(call, upload, PartRow(number, body.received, etag, time.time_ns(), extents))
-    headers = {"ETag": etag}
+    made: list[PartRow] = []
+
+    def record(extents: Extents) -> tuple[str, records.Record]:
+        etag = f'"{body.md5.hexdigest()}"'
+        made.append(PartRow(number, body.received, etag, time.time_ns(), extents, _part_record()))
+        return made[0].record, records.of_part(upload.upload_id, made[0])
+
+    await objects.store_blocks(call.store, call.tenant, body.chunks(), call.settings.block_size, body.finish, record)
+    await _record_part(call, upload, made[0])
+    headers = {"ETag": made[0].etag}
     if body.checksum_algorithm is not None and body.checksum_value is not None:
         headers["x-amz-checksum-" + body.checksum_algorithm] = body.checksum_value
     return web.Response(status=200, headers=headers)
 
 
+def _part_record() -> str:
+    return records.key_of(records.PART, objects.new_uid())
+
+
 async def _record_part(call: Call, upload: Upload, part: PartRow) -> None:
+    """Name the part's stored blocks and record in the catalog."""
     try:
-        exists, doomed = await call.catalog.run(call.catalog.put_part, upload.upload_id, part)
+        exists, dropped = await call.catalog.run(call.catalog.put_part, upload.upload_id, part)
     except BaseException:
-        await objects.delete_blocks(call.store, call.tenant, part.blocks)
+        await call.discard(Dropped(part.blocks, [part.record]))
         raise
-    await call.readers.retire(call.tenant, doomed)
+    await call.discard(dropped)
     if not exists:  # aborted or completed while the part was arriving
         raise S3Error("NoSuchUpload", "The specified upload does not exist.", UploadId=upload.upload_id)
 
@@ -148,8 +171,14 @@ async def _copy_part(call: Call, upload: Upload, number: int, src: ObjectRow) ->
             md5.update(data)
             yield data
 
-    extents = await objects.store_blocks(call.store, call.tenant, hashed(), call.settings.block_size)
-    part = PartRow(number, end - start, f'"{md5.hexdigest()}"', time.time_ns(), extents)
+    made: list[PartRow] = []
+
+    def record(extents: Extents) -> tuple[str, records.Record]:
+        made.append(PartRow(number, end - start, f'"{md5.hexdigest()}"', time.time_ns(), extents, _part_record()))
+        return made[0].record, records.of_part(upload.upload_id, made[0])
+
+    await objects.store_blocks(call.store, call.tenant, hashed(), call.settings.block_size, None, record)
+    part = made[0]
     await _record_part(call, upload, part)
     return _xml(
         document("CopyPartResult", [element("LastModified", iso_time(part.mtime_ns)), element("ETag", part.etag)])
@@ -221,20 +250,26 @@ async def complete(call: Call) -> web.StreamResponse:
     meta["parts"] = [p.size for p in chosen]
     meta.pop("algo", None)
     blocks = [b for p in chosen for b in p.blocks]
-    row = ObjectRow(upload.key, sum(p.size for p in chosen), etag, time.time_ns(), call.seal_meta(meta), blocks)
+    record = records.key_of(records.OBJECT, objects.new_uid())
+    row = ObjectRow(upload.key, sum(p.size for p in chosen), etag, time.time_ns(), call.seal_meta(meta), blocks, record)
     if not await objects.blocks_present(call.store, call.tenant, blocks):
         raise S3Error("InvalidPart", "a part's stored blocks are gone (evicted or expired); upload it again")
-    doomed = await call.catalog.run(
-        call.catalog.complete, upload, row, {p.part for p in chosen}, write_condition(call.request)
-    )
-    await call.readers.retire(call.tenant, doomed)
+    await call.put_record(record, records.of_object(upload.bucket, row, meta))
+    try:
+        dropped = await call.catalog.run(
+            call.catalog.complete, upload, row, {p.part for p in chosen}, write_condition(call.request)
+        )
+    except BaseException:
+        await call.discard(Dropped([], [record]))  # the parts' blocks stay the upload's
+        raise
+    await call.discard(dropped)
     return _complete_result(call, upload.bucket, etag)
 
 
 async def abort(call: Call) -> web.StreamResponse:
     upload = await _upload(call)
-    _, doomed = await call.catalog.run(call.catalog.abort, upload.upload_id)
-    await call.readers.retire(call.tenant, doomed)
+    _, dropped = await call.catalog.run(call.catalog.abort, upload.upload_id)
+    await call.discard(dropped)
     return web.Response(status=204)
 
 

@@ -16,10 +16,10 @@ from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import InvalidRange, KVStoreError, NotFound
 from kvstore.transport.http_common import config_of, send
 from kvstore.transport.ranges import parse_range
-from kvstore.transport.s3 import objects
+from kvstore.transport.s3 import objects, records
 from kvstore.transport.s3.body import UploadBody
 from kvstore.transport.s3.call import Call, validate_bucket_name, validate_object_key
-from kvstore.transport.s3.catalog import ObjectRow
+from kvstore.transport.s3.catalog import Dropped, Extents, ObjectRow
 from kvstore.transport.s3.errors import S3Error
 from kvstore.transport.s3.objects import Held
 from kvstore.transport.s3.sigv4 import STREAMING_SIGNED, STREAMING_SIGNED_TRAILER, ChunkSigner
@@ -141,32 +141,42 @@ async def put_object(call: Call) -> web.StreamResponse:
     expect = write_condition(call.request)
     meta = meta_from_headers(call.request)
     body = upload_body(call)
-    extents = await objects.store_blocks(call.store, call.tenant, body.chunks(), call.settings.block_size, body.finish)
-    etag = f'"{body.md5.hexdigest()}"'
-    if body.checksum_algorithm is not None:
-        meta["ck"] = [body.checksum_algorithm, body.checksum_value]
-    row = ObjectRow(call.key, body.received, etag, time.time_ns(), call.seal_meta(meta), extents)
+    made: list[ObjectRow] = []
+
+    def record(extents: Extents) -> tuple[str, records.Record]:  # the body has ended and passed its checks
+        if body.checksum_algorithm is not None:
+            meta["ck"] = [body.checksum_algorithm, body.checksum_value]
+        etag = f'"{body.md5.hexdigest()}"'
+        key = records.key_of(records.OBJECT, objects.new_uid())
+        made.append(ObjectRow(call.key or b"", body.received, etag, time.time_ns(), call.seal_meta(meta), extents, key))
+        return key, records.of_object(bucket.name, made[0], meta)
+
+    await objects.store_blocks(call.store, call.tenant, body.chunks(), call.settings.block_size, body.finish, record)
+    row = made[0]
     await _commit(call, bucket.name, row, expect)
-    headers = {"ETag": etag}
+    headers = {"ETag": row.etag}
     if body.checksum_algorithm is not None and body.checksum_value is not None:
         headers["x-amz-checksum-" + body.checksum_algorithm] = body.checksum_value
     return web.Response(status=200, headers=headers)
 
 
 async def _commit(call: Call, bucket: str, row: ObjectRow, expect: Any) -> None:
-    """Name the stored blocks in the catalog (replacing the object's old
-    blocks, deleted after); if the catalog refuses, delete the new blocks."""
+    """Name the stored blocks and their record in the catalog (replacing
+    the object's old blocks and record, deleted after); if the catalog
+    refuses, delete the new ones."""
     try:
         old = await call.catalog.run(call.catalog.put, bucket, row, expect)
     except BaseException:
-        await objects.delete_blocks(call.store, call.tenant, row.blocks)
+        await call.discard(Dropped(row.blocks, [row.record]))
         raise
-    await call.readers.retire(call.tenant, old)
+    await call.discard(old)
 
 
 async def _object(call: Call) -> tuple[ObjectRow, dict[str, Any], Held]:
     """The object the request names, its metadata, and its blocks held for
-    this read (the caller releases them once the answer is sent)."""
+    this read (the caller releases them once the answer is sent). Its
+    record and its bucket's are touched (written again if gone): they
+    last as long as the object's bytes under the quota's LRU and the TTL."""
     bucket = await call.bucket()
     assert call.key is not None
     obj = call.catalog.get_now(bucket.name, call.key)
@@ -176,10 +186,12 @@ async def _object(call: Call) -> tuple[ObjectRow, dict[str, Any], Held]:
     try:
         if not await objects.blocks_present(call.store, call.tenant, obj.blocks):
             # A block was evicted (quota, disk), expired (TTL) or deleted: the object is gone.
-            await call.catalog.run(call.catalog.delete, bucket.name, call.key, obj.blocks)
-            await call.readers.retire(call.tenant, obj.blocks)
+            await call.discard(await call.catalog.run(call.catalog.delete, bucket.name, call.key, obj.blocks))
             raise S3Error("NoSuchKey", "The specified key does not exist.", Key=call.key_text)
-        return obj, call.open_meta(obj.meta), held
+        meta = call.open_meta(obj.meta)
+        await records.keep(call.store, call.tenant, obj.record, lambda: records.of_object(bucket.name, obj, meta))
+        await records.keep(call.store, call.tenant, bucket.record, lambda: records.of_bucket(bucket))
+        return obj, meta, held
     except BaseException:
         held.release()
         raise
@@ -303,8 +315,7 @@ async def _send_piece(call: Call, resp: web.StreamResponse, piece: objects.Piece
 async def delete_object(call: Call) -> web.StreamResponse:
     bucket = await call.bucket()
     assert call.key is not None
-    doomed = await call.catalog.run(call.catalog.delete, bucket.name, call.key, None)
-    await call.readers.retire(call.tenant, doomed)
+    await call.discard(await call.catalog.run(call.catalog.delete, bucket.name, call.key, None))
     return web.Response(status=204)
 
 
@@ -389,8 +400,16 @@ async def _copy(call: Call, bucket: str, src: ObjectRow, src_meta: dict[str, Any
             md5.update(data)
             yield data
 
-    extents = await objects.store_blocks(call.store, call.tenant, hashed(), call.settings.block_size)
-    row = ObjectRow(call.key, src.size, f'"{md5.hexdigest()}"', time.time_ns(), call.seal_meta(meta), extents)
+    made: list[ObjectRow] = []
+
+    def record(extents: Extents) -> tuple[str, records.Record]:
+        key = records.key_of(records.OBJECT, objects.new_uid())
+        etag = f'"{md5.hexdigest()}"'
+        made.append(ObjectRow(call.key or b"", src.size, etag, time.time_ns(), call.seal_meta(meta), extents, key))
+        return key, records.of_object(bucket, made[0], meta)
+
+    await objects.store_blocks(call.store, call.tenant, hashed(), call.settings.block_size, None, record)
+    row = made[0]
     await _commit(call, bucket, row, expect)
     body = document("CopyObjectResult", [element("LastModified", iso_time(row.mtime_ns)), element("ETag", row.etag)])
     return web.Response(body=body, content_type="application/xml")

@@ -10,7 +10,9 @@ compaction, object tier and events with every other block.
 
 The reserved prefix ``s3~`` is the gateway's: blocks under it that no object
 or part names (left by a crash between storing the blocks and committing the
-catalog) are removed when the gateway starts (:func:`sweep_orphans`).
+catalog) are removed when the gateway starts (:func:`sweep_orphans`), once
+the catalog is in line with the gateway's records (:mod:`.recovery`), so a
+block a record still names is never taken for an orphan.
 """
 
 from __future__ import annotations
@@ -19,17 +21,20 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 
 from kvstore.engine.store import Store
 from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import KVStoreError
+from kvstore.transport.s3 import records
 from kvstore.transport.s3.catalog import Catalog, Extents
+from kvstore.transport.s3.records import Record
 
 log = logging.getLogger("kvstore.s3")
 
 PREFIX = "s3~"
 OBJECT_BLOCK = 16 << 20
+DELETE_AT_ONCE = 64
 
 
 def new_uid() -> str:
@@ -46,15 +51,19 @@ async def store_blocks(
     chunks: AsyncIterator[bytes],
     block_size: int,
     before_last: Callable[[], None] | None = None,
+    record: Callable[[Extents], tuple[str, Record]] | None = None,
 ) -> Extents:
     """Store the bytes ``chunks`` yields as blocks of ``block_size``; their
     extents. ``before_last`` runs once the chunks end, before the last block
     is stored: an upload's checks (:meth:`UploadBody.finish`), which throw
-    the whole upload away. On any failure the blocks stored are deleted and
-    the error raised."""
+    the whole upload away. ``record`` then gives, from the extents, the
+    gateway record (key, record) that names them: it is written together
+    with the last block (one group commit, not two in turn). On any failure
+    the blocks stored and the record are deleted and the error raised."""
     uid = new_uid()
     extents: Extents = []
     buf = bytearray()
+    written: str | None = None
 
     async def put(n: int) -> None:
         with memoryview(buf) as view:
@@ -71,22 +80,36 @@ async def store_blocks(
                 await put(block_size)
         if before_last is not None:
             before_last()
+        final = [*extents, (block_key(uid, len(extents)), len(buf))] if buf else list(extents)
+        jobs: list[Awaitable[None]] = []
         if buf:  # an empty object has no block
-            await put(len(buf))
+            jobs.append(put(len(buf)))
+        if record is not None:
+            written, rec = record(final)
+            jobs.append(records.put(store, tenant, written, rec))
+        failed = [r for r in await asyncio.gather(*jobs, return_exceptions=True) if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
     except BaseException:
-        await delete_blocks(store, tenant, extents)
+        await delete_blocks(store, tenant, extents + ([(written, 0)] if written is not None else []))
         raise
     return extents
 
 
 async def delete_blocks(store: Store, tenant: str, extents: Iterable[tuple[str, int]]) -> None:
-    """Delete blocks no object names any more; a failure is logged, not
-    raised (the blocks are orphans the next start-up sweeps)."""
-    for key, _ in extents:
-        try:
-            await store.delete(tenant, key)
-        except KVStoreError as e:
-            log.warning("could not delete block %s of tenant %s: %s", key, tenant, e.code)
+    """Delete blocks no object names any more, several at a time (their
+    tombstones share group commits); a failure is logged, not raised (the
+    blocks are orphans the next start-up sweeps)."""
+    keys = [key for key, _ in extents]
+    for i in range(0, len(keys), DELETE_AT_ONCE):
+        batch = keys[i : i + DELETE_AT_ONCE]
+        for key, r in zip(
+            batch, await asyncio.gather(*(store.delete(tenant, k) for k in batch), return_exceptions=True), strict=True
+        ):
+            if isinstance(r, KVStoreError):
+                log.warning("could not delete block %s of tenant %s: %s", key, tenant, r.code)
+            elif isinstance(r, BaseException):
+                raise r
 
 
 class Readers:
