@@ -71,7 +71,9 @@ class Call:
             raise S3Error("NoSuchBucket", "The specified bucket does not exist", BucketName=name)
         if found.tenant != self.tenant or found.incarnation != self.incarnation:
             raise S3Error("AccessDenied", "Access Denied")
-        return found
+        bucket = found  # its record touched (written again if gone): it lasts while the bucket is used
+        await records.keep(self.store, self.tenant, bucket.record, lambda: records.of_bucket(bucket))
+        return bucket
 
     def seal_meta(self, meta: dict[str, Any]) -> bytes:
         return records.seal_meta(self.store, self.tenant, meta)

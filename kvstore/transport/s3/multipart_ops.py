@@ -53,8 +53,8 @@ def _part_number(call: Call) -> int:
 
 
 async def _upload(call: Call) -> Upload:
-    """The upload the request names; its record and its bucket's touched
-    (written again if gone), as an object's are when it is read."""
+    """The upload the request names; its record touched (written again if
+    gone), as an object's is when it is read."""
     bucket = await call.bucket()
     upload_id = call.q("uploadId") or ""
     found = await call.catalog.run(call.catalog.upload, upload_id) if upload_id else None
@@ -69,7 +69,6 @@ async def _upload(call: Call) -> Upload:
     await records.keep(
         call.store, call.tenant, upload.record, lambda: records.of_upload(upload, call.open_meta(upload.meta))
     )
-    await records.keep(call.store, call.tenant, bucket.record, lambda: records.of_bucket(bucket))
     return found
 
 

@@ -175,8 +175,9 @@ async def _commit(call: Call, bucket: str, row: ObjectRow, expect: Any) -> None:
 async def _object(call: Call) -> tuple[ObjectRow, dict[str, Any], Held]:
     """The object the request names, its metadata, and its blocks held for
     this read (the caller releases them once the answer is sent). Its
-    record and its bucket's are touched (written again if gone): they
-    last as long as the object's bytes under the quota's LRU and the TTL."""
+    record is touched (written again if gone), as its bucket's is by any
+    request: it lasts as long as the object's bytes under the quota's LRU
+    and the TTL."""
     bucket = await call.bucket()
     assert call.key is not None
     obj = call.catalog.get_now(bucket.name, call.key)
@@ -190,7 +191,6 @@ async def _object(call: Call) -> tuple[ObjectRow, dict[str, Any], Held]:
             raise S3Error("NoSuchKey", "The specified key does not exist.", Key=call.key_text)
         meta = call.open_meta(obj.meta)
         await records.keep(call.store, call.tenant, obj.record, lambda: records.of_object(bucket.name, obj, meta))
-        await records.keep(call.store, call.tenant, bucket.record, lambda: records.of_bucket(bucket))
         return obj, meta, held
     except BaseException:
         held.release()

@@ -37,10 +37,11 @@ gateway's) but, sealed, cannot make one the gateway will read: such blocks
 are deleted at start-up, and skipped by a rebuild.
 
 Records are blocks like the others: a tenant's quota (least recently used
-first) and TTL can remove them. Reading an object touches its record and
-its bucket's (and writes them again if they are gone), so they last as
-long as the object's bytes; a row whose record is missing gets it written
-again at start-up.
+first) and TTL can remove them. Any request naming a bucket touches its
+record, reading an object the object's, any call on an upload the
+upload's (:func:`keep`: and writes it again if it is gone), so each lasts
+as long as what it names is used; a row whose record is missing gets it
+written again at start-up.
 """
 
 from __future__ import annotations
