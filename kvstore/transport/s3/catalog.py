@@ -499,15 +499,21 @@ class Catalog:
         rows = self._db.execute(f"SELECT {_UPLOAD_COLS} FROM uploads WHERE bucket = ?", (bucket,)).fetchall()
         return [_upload(r) for r in rows]
 
-    def set_record(self, table: str, ident: tuple[Any, ...], record: str) -> None:
-        """Name the record just written for a row that had none (or lost it)."""
+    def set_records(self, named: list[tuple[str, tuple[Any, ...], str]]) -> None:
+        """Name the records just written for rows that had none: (table,
+        the row's key, the record's key), in one transaction."""
         where = {
             "buckets": "name = ?",
             "objects": "bucket = ? AND key = ?",
             "uploads": "upload_id = ?",
             "parts": "upload_id = ? AND part = ?",
-        }[table]
-        self._db.execute(f"UPDATE {table} SET record = ? WHERE {where}", (record, *ident))
+        }
+
+        def tx(db: sqlite3.Connection) -> None:
+            for table, ident, record in named:
+                db.execute(f"UPDATE {table} SET record = ? WHERE {where[table]}", (record, *ident))
+
+        self._tx(tx)
 
     def load(
         self,

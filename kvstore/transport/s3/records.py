@@ -46,6 +46,7 @@ written again at start-up.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -66,6 +67,7 @@ PREFIX = "s3m~"
 BUCKET, OBJECT, UPLOAD, PART = "b", "o", "u", "p"
 DATA_PREFIX = "s3~"  # the objects' bytes (objects.PREFIX): a record names blocks only there
 _VERSION = 1
+DELETE_AT_ONCE = 64
 _META_AAD = b"kvstore/v1 s3 object meta\x00"
 _RECORD_AAD = b"kvstore/v1 s3 record\x00"
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")  # as multipart_ops makes them
@@ -350,13 +352,17 @@ async def put(store: Store, tenant: str, key: str, rec: Record) -> None:
 
 
 async def delete(store: Store, tenant: str, keys: list[str]) -> None:
-    """Delete records the catalog no longer names; a failure is logged, not
-    raised (the record is deleted at the next start-up)."""
-    for key in keys:
-        try:
-            await store.delete(tenant, key)
-        except KVStoreError as e:
-            log.warning("could not delete gateway record %s of tenant %s: %s", key, tenant, e.code)
+    """Delete records the catalog no longer names, several at a time (their
+    tombstones share group commits); a failure is logged, not raised (the
+    record is deleted at the next start-up)."""
+    for i in range(0, len(keys), DELETE_AT_ONCE):
+        batch = keys[i : i + DELETE_AT_ONCE]
+        done = await asyncio.gather(*(store.delete(tenant, k) for k in batch), return_exceptions=True)
+        for key, r in zip(batch, done, strict=True):
+            if isinstance(r, KVStoreError):
+                log.warning("could not delete gateway record %s of tenant %s: %s", key, tenant, r.code)
+            elif isinstance(r, BaseException):
+                raise r
 
 
 async def keep(store: Store, tenant: str, key: str, rec: Callable[[], Record]) -> None:

@@ -26,6 +26,8 @@ catalog is the truth while the disk lives):
   made before records existed) is the truth: records it does not name (a
   crash before its commit) are deleted; a row whose record is missing (never
   written, or removed by the tenant's quota or TTL) gets it written.
+- A node that serves another node's bucket read-only (``s3_readonly``)
+  rebuilds its catalog from the records at every start, and changes nothing.
 - Only then, and only when this finished, does the orphan sweep of objects'
   blocks run (:func:`~.objects.sweep_orphans`): every block a surviving
   record names is in the catalog by then.
@@ -75,6 +77,10 @@ async def recover(store: Store, catalog: Catalog, region: str) -> Report:
     for b in await catalog.run(catalog.all_buckets):
         if store.incarnation(b.tenant) != b.incarnation:  # its tenant was deleted, its records with it
             await catalog.run(catalog.forget_bucket, b.name)
+    if store.adopted:  # a node serving another's bucket read-only: its records are the truth, at every start
+        report = await _rebuild(store, catalog, region, writable=False)
+        report.complete = False
+        return report
     if await catalog.run(lambda: catalog.state) == REBUILDING:
         report = await _rebuild(store, catalog, region)
     else:
@@ -164,7 +170,7 @@ class _Tenant:
     parts: list[tuple[str, PartRecord]] = field(default_factory=list)
 
 
-async def _rebuild(store: Store, catalog: Catalog, region: str) -> Report:
+async def _rebuild(store: Store, catalog: Catalog, region: str, writable: bool = True) -> Report:
     report = Report(rebuilt=True)
     found: dict[str, _Tenant] = {}
     doomed: dict[str, list[str]] = {}  # tenant -> record keys to delete once the rebuild is whole
@@ -229,7 +235,7 @@ async def _rebuild(store: Store, catalog: Catalog, region: str) -> Report:
         if incarnation is None:
             continue
         bucket = Bucket(name, claim.tenant, incarnation, claim.created_ns, claim.region, claim.record)
-        if not claim.record:  # made again from its objects: its record too
+        if not claim.record and writable:  # made again from its objects: its record too
             key = records.key_of(records.BUCKET, new_uid())
             try:
                 await records.put(store, claim.tenant, key, records.of_bucket(bucket))
@@ -304,7 +310,7 @@ async def _rebuild(store: Store, catalog: Catalog, region: str) -> Report:
 
     await catalog.run(catalog.load, buckets, objects, uploads, parts)
     report.buckets, report.objects, report.uploads, report.parts = len(buckets), len(objects), len(uploads), len(parts)
-    if report.complete:
+    if report.complete and writable:
         for tenant, keys in doomed.items():
             await records.delete(store, tenant, keys)
             report.deleted += len(keys)
@@ -379,25 +385,36 @@ async def _restore(
     named: set[str],
     report: Report,
 ) -> None:
-    """Write the records of rows that have none, or whose record is gone."""
+    """Write the records of rows that have none, or whose record is gone
+    (several at a time: they share group commits)."""
     keys = [record for _, _, record, _ in todo if record]
     present: set[str] = set()
     if keys:
         present = {k for k, p in zip(keys, await store.present(tenant, keys), strict=True) if p}
+    missing = []
     for table, ident, record, make in todo:
         if record in present:
             named.add(record)
-            continue
-        key = record or records.key_of(_KIND[table], new_uid())
-        try:
-            await records.put(store, tenant, key, make())
-        except KVStoreError as e:
-            log.warning("could not write a gateway record of tenant %s again: %s", tenant, e.code)
-            continue
-        report.written += 1
-        named.add(key)
-        if not record:
-            await catalog.run(catalog.set_record, table, ident, key)
+        else:
+            missing.append((table, ident, record, record or records.key_of(_KIND[table], new_uid()), make))
+
+    async def write(key: str, make: Callable[[], Record]) -> None:
+        await records.put(store, tenant, key, make())
+
+    results = await _bounded([functools.partial(write, key, make) for *_, key, make in missing])
+    newly = []
+    for (table, ident, record, key, _), got in zip(missing, results, strict=True):
+        if isinstance(got, KVStoreError):
+            log.warning("could not write a gateway record of tenant %s again: %s", tenant, got.code)
+        elif isinstance(got, BaseException):
+            raise got
+        else:
+            report.written += 1
+            named.add(key)
+            if not record:
+                newly.append((table, ident, key))
+    if newly:
+        await catalog.run(catalog.set_records, newly)
 
 
 _KIND = {"buckets": records.BUCKET, "objects": records.OBJECT, "uploads": records.UPLOAD, "parts": records.PART}
