@@ -119,6 +119,9 @@ class StoreConfig:
     # Tenants created without them get these (0: none); PATCH changes them.
     default_quota_bytes: int = 0
     default_ttl_s: int = 0
+    # How often blocks past their TTL are removed (they are misses from the
+    # moment they expire; this gives their space back).
+    ttl_sweep_s: int = 30
     # Compaction: sealed segments whose dead bytes (deleted, expired, evicted
     # records) are at least compact_dead_percent of their records are rewritten
     # by the background compactor every compact_interval_s (0: on demand only),
@@ -205,6 +208,7 @@ class StoreConfig:
             self.default_ttl_s,
             "must be 0 (none) or seconds up to 10 years",
         )
+        need(1 <= self.ttl_sweep_s <= 86_400, "ttl_sweep_s", self.ttl_sweep_s, "must be 1 to 86400")
         need(
             1 <= self.compact_dead_percent <= 100,
             "compact_dead_percent",
@@ -264,6 +268,7 @@ def parse_field(label: str, name: str, value: object) -> Any:
         "s3_refresh_s",
         "rehydrate_reads",
         "default_ttl_s",
+        "ttl_sweep_s",
         "compact_dead_percent",
         "compact_interval_s",
     ):

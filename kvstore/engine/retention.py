@@ -9,7 +9,7 @@
   flight, so concurrent puts cannot overshoot by more than what is in flight.
 - **TTL** (``ttl_s``, 0: none): a block neither read nor written for that long
   is a miss from then on (store.py checks on every read and lookup); the
-  sweeper removes such blocks every ``SWEEP_S``.
+  sweeper removes such blocks every ``ttl_sweep_s``.
 - **Locks** (a lookup's lease with blocks, lifecycle.Leases): locked blocks
   are neither evicted for the quota nor expired; a put the unlocked blocks
   cannot make room for is refused (``507 quota_exceeded``). A removal checks
@@ -46,7 +46,6 @@ from kvstore.metrics import Metrics
 
 log = logging.getLogger("kvstore.engine.retention")
 QUOTA_LOW = 0.9
-SWEEP_S = 30.0
 PAGE = 4096
 DROP_CHUNK = 1024
 
@@ -206,9 +205,9 @@ class Retention:
 
     # -- TTL ------------------------------------------------------------------------
 
-    async def sweeper(self) -> None:
+    async def sweeper(self, every_s: float) -> None:
         while True:
-            await asyncio.sleep(SWEEP_S)
+            await asyncio.sleep(every_s)
             try:
                 await self.sweep()
             except Exception:

@@ -217,7 +217,7 @@ class Store(StoreReads, StoreWrites):
         if not readonly and not self.adopted and self._background:
             self._tiering.spawn(self._compactor.loop(), "compactor")
             self._tiering.spawn(self._retention.checkpointer(), "access-checkpoints")
-            self._tiering.spawn(self._retention.sweeper(), "ttl-sweeper")
+            self._tiering.spawn(self._retention.sweeper(self.config.ttl_sweep_s), "ttl-sweeper")
         if mirror is not None:
             for prefix in self._stale:
                 log.warning("deleting objects of a deleted tenant under %s", prefix)

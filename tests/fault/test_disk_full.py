@@ -207,3 +207,55 @@ def test_index_on_a_full_disk_is_storage_full_not_corruption(tmp_path: Path) -> 
             small.apply("t", [(f"key-{i}", entry)], 1, None)
     small.close()
     assert lmdb.version()  # a real LMDB
+
+
+async def test_ephemeral_blocks_go_before_anyone_is_refused(small_fs: Path) -> None:
+    """G3 only: on a filling disk the ephemeral tenant's segments are evicted
+    before a persistent tenant's put is refused."""
+    store = await Store.open(config(small_fs), MasterKey(os.urandom(32)))
+    try:
+        await store.create_tenant("eph", "direct", durability="ephemeral")
+        await store.create_tenant("p")
+        rng = random.Random(5)
+        eph = {f"e{i}": rng.randbytes(1 << 20) for i in range(16)}  # a third of the disk
+        for k, v in eph.items():
+            await store.put("eph", k, v)
+        acked: dict[str, bytes] = {}
+        while True:
+            key, data = f"p{len(acked):04d}", rng.randbytes(rng.randint(500_000, 1_500_000))
+            try:
+                await store.put("p", key, data)
+            except StorageFull:
+                break
+            acked[key] = data
+        assert store.metrics.counter("kvstore_evictions_total", kind="ephemeral") > 0
+        assert sum(map(len, acked.values())) > 36 * MiB  # more than was free beside the ephemeral blocks
+        for k, v in acked.items():
+            assert await store.get("p", k) == v, k
+    finally:
+        await store.close()
+
+
+async def test_mirrored_copies_go_before_anyone_is_refused(small_fs: Path, tmp_path: Path) -> None:
+    """With an object tier (a shared directory), local copies the tier holds
+    are dropped on a full disk: a persistent tenant writes twice the
+    filesystem's size and reads every block back."""
+    cfg = config(small_fs, tier_dir=str(tmp_path / "tier"), rehydrate_reads="0")
+    store = await Store.open(cfg, MasterKey(os.urandom(32)))
+    try:
+        await store.create_tenant("p")
+        rng = random.Random(6)
+        acked: dict[str, bytes] = {}
+        while sum(map(len, acked.values())) < 96 * MiB:
+            key, data = f"p{len(acked):04d}", rng.randbytes(rng.randint(500_000, 1_500_000))
+            try:
+                await store.put("p", key, data)
+            except StorageFull:  # the mirror has not uploaded enough yet: persistent data waits for it
+                await asyncio.sleep(0.1)
+                continue
+            acked[key] = data
+        assert store.metrics.counter("kvstore_evictions_total", kind="mirrored") > 0
+        for k, v in acked.items():
+            assert await store.get("p", k) == v, k
+    finally:
+        await store.close()

@@ -16,8 +16,10 @@ for the tenants whose class allows it:
   block may become a miss (evicted, expired), but never reads back wrong.
 
 For every tenant: an acknowledged delete stays deleted (never a 200 again
-until the client writes the key again), and a block of a deleted tenant is
-never served to its next incarnation.
+until the client writes the key again), a block seen missing (removed for
+its quota, its TTL or disk pressure) stays missing, across restarts and
+index rebuilds, and a block of a deleted tenant is never served to its next
+incarnation.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class Violation:
 class KeyModel:
     state: State = State.ABSENT
     incarnation: int = 0
+    seen: float = field(default_factory=time.monotonic)  # when its client last wrote or read it
 
 
 @dataclass
@@ -90,6 +93,11 @@ class Model:
     """The expected state of every key, per tenant, and what went wrong."""
 
     strict: set[str]
+    # Tenants whose misses settle only after a while: a TTL's read-time
+    # expiry is decided by each worker from the accesses it knows, which
+    # reach the others within seconds; a miss is final once the block has
+    # not been touched for this long (its TTL and that propagation).
+    settle_s: dict[str, float] = field(default_factory=dict)
     keys: dict[tuple[str, str], KeyModel] = field(default_factory=dict)
     violations: list[Violation] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
@@ -138,11 +146,19 @@ class Model:
     def delete_missed_at(self, tenant: str, inc: int, key: str, may_miss: bool = False) -> None:
         """A delete answered 404. For a strict tenant the block is gone (if it
         was acknowledged, that is a loss). For a lenient one it was evicted or
-        expired, which leaves no record: an index rebuild may bring it back,
-        with its own bytes, until compaction reclaims it."""
+        expired, which is as durable as a delete: it never comes back."""
         if self.effective(tenant, inc, key) is State.PRESENT and tenant in self.strict and not may_miss:
             self.fail("acknowledged block lost", tenant, key, "delete found nothing")
-        self.keys[(tenant, key)] = KeyModel(State.ABSENT if tenant in self.strict else State.MAYBE, inc)
+        self.keys[(tenant, key)] = KeyModel(State.ABSENT, inc)
+
+    def _removed(self, tenant: str, inc: int, key: str, may_miss: bool) -> None:
+        """A lenient tenant's acknowledged block found missing: it was removed
+        (quota, TTL, disk pressure), and must stay so."""
+        if tenant not in self.strict and not may_miss and self.effective(tenant, inc, key) is State.PRESENT:
+            if time.monotonic() - self.get(tenant, key).seen < self.settle_s.get(tenant, 0.0):
+                return  # an expiry one worker sees before another has heard of the last read
+            self.note(tenant, key, f"seen removed (incarnation {inc})")
+            self.keys[(tenant, key)] = KeyModel(State.ABSENT, inc)
 
     # -- checks -----------------------------------------------------------------------
 
@@ -168,11 +184,13 @@ class Model:
             if body != want:
                 self.fail("wrong bytes", tenant, key, f"{len(body or b'')} bytes, expected {len(want)}")
             elif state is State.ABSENT:
-                self.fail("deleted (or never written) block read back", tenant, key, f"incarnation {inc}")
+                self.fail("deleted, removed (or never written) block read back", tenant, key, f"incarnation {inc}")
+            self.get(tenant, key).seen = time.monotonic()
             self.count("hit")
         elif status == 404:
             if state is State.PRESENT and tenant in self.strict and not may_miss:
                 self.fail("acknowledged block lost", tenant, key, "404")
+            self._removed(tenant, inc, key, may_miss)
             self.count("miss")
 
     def check_present_at(self, tenant: str, inc: int, key: str, present: bool, may_miss: bool = False) -> None:
@@ -182,3 +200,5 @@ class Model:
             self.fail("deleted block reported present", tenant, key, "lookup/head")
         if not present and state is State.PRESENT and tenant in self.strict and not may_miss:
             self.fail("acknowledged block reported absent", tenant, key, "lookup/head")
+        if not present:
+            self._removed(tenant, inc, key, may_miss)

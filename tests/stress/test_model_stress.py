@@ -7,14 +7,17 @@ keys, one operation at a time, checking every answer on the spot against the
 model. Meanwhile the chaos task, at random: flushes, compacts, rotates a
 tenant's key and the master key, deletes and re-creates a tenant, takes the
 S3 endpoint down and back up, SIGKILLs and restarts the daemon, deletes the
-index before a restart, or stops it cleanly; eviction runs all along under a
-small ``capacity``. At the end the endpoint is up, the daemon restarted, and
-every key the clients ever used is read back and checked.
+index before a restart, or stops it cleanly, cuts a tenant's quota for a
+moment, or pushes the disk past its high watermark with an ephemeral
+tenant's ballast; eviction runs all along under a small ``capacity`` and the
+TTL sweep every second. At the end the endpoint is up, the daemon
+restarted, and every key the clients ever used is read back and checked.
 
 A run passes when: no wrong byte was ever served, no acknowledged block of a
-strict tenant went missing, no acknowledged delete came back, no tenant saw
-another's (or a deleted incarnation's) data, and no 5xx other than the
-retryable ones was answered.
+strict tenant went missing, no acknowledged delete came back, no block seen
+removed (quota, TTL, disk pressure) came back, not even after an index
+rebuild, no tenant saw another's (or a deleted incarnation's) data, and no
+5xx other than the retryable ones was answered.
 
 Bounded for CI: ``KVSTORE_STRESS_SECONDS`` (default 25) per worker count.
 ``KVSTORE_STRESS_SEED`` replays a seed (printed on failure and at the start;
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import random
@@ -432,6 +436,41 @@ async def chaos(run: Run, session: aiohttp.ClientSession, tmp: Path) -> None:
         await restart(session, run, signal.SIGTERM)
         return "SIGTERM, restarted"
 
+    async def squeeze_quota() -> str:
+        """The quota tenant's quota cut to a third for a moment: its LRU blocks go now."""
+        path = "/v1/admin/tenants/quota"
+        status, _ = await _admin(session, run, "PATCH", path, json={"quota_bytes": MiB})
+        await asyncio.sleep(rng.uniform(0.2, 1.0))
+        back, _ = await _admin(session, run, "PATCH", path, json={"quota_bytes": 3 * MiB})
+        return f"{status}, restored {back}"
+
+    ballast: list[str] = []
+
+    async def pressure() -> str:
+        """Disk pressure: an ephemeral tenant's big blocks push usage past the
+        high watermark, so ephemeral segments and mirrored copies are dropped."""
+        if not ballast:
+            status, body = await _admin(
+                session, run, "POST", "/v1/admin/tenants", json={"name": "ballast", "durability": "ephemeral"}
+            )
+            if status != 201:
+                return f"ballast tenant: {status}"
+            ballast.append(body["token"])
+        written = 0
+        for _ in range(rng.randint(4, 12)):
+            try:
+                async with session.put(
+                    f"{run.base}/v1/blocks/b{uuid.uuid4().hex}",
+                    data=io.BytesIO(os.urandom(MiB)),
+                    headers={"Authorization": f"Bearer {ballast[0]}"},
+                ) as r:
+                    if r.status != 201:
+                        break
+                    written += 1
+            except (aiohttp.ClientError, TimeoutError, ConnectionError):
+                break
+        return f"{written} MiB of ballast"
+
     actions: list[tuple[Callable[[], Awaitable[str]], int]] = [
         (flush, 4),
         (compact, 4),
@@ -440,8 +479,10 @@ async def chaos(run: Run, session: aiohttp.ClientSession, tmp: Path) -> None:
         (churn, 2),
         (s3_outage, 2),
         (kill, 2),
-        (kill_and_drop_index, 1),
+        (kill_and_drop_index, 2),
         (term, 1),
+        (squeeze_quota, 2),
+        (pressure, 2),
     ]
     fns, weights = zip(*actions, strict=True)
     first = list(fns)  # every action once, in a random order, then at random
@@ -479,11 +520,13 @@ async def test_model_stress(tmp_path: Path, aws_env: None, workers: int) -> None
         compact_interval_s="0",
         compact_dead_percent="40",
         request_timeout_s="10",
+        ttl_sweep_s="1",
     )
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED"):
         env[var] = os.environ[var]
     daemon = Daemon(tmp_path / "data", free_port(), env, extra=["--workers", str(workers)] if workers > 1 else [])
-    run = Run(daemon, endpoint, Model({t.name for t in TENANTS if t.strict}), random.Random(SEED))
+    model = Model({t.name for t in TENANTS if t.strict}, {t.name: t.ttl_s + 15 for t in TENANTS if t.ttl_s})
+    run = Run(daemon, endpoint, model, random.Random(SEED))
     run.model.on_fail = lambda tenant, key: "; ".join(_records_of(daemon.data_dir, {(tenant, key)})) or "no record"
     daemon.start()
     connector = aiohttp.TCPConnector(limit=64, force_close=workers > 1)
