@@ -30,6 +30,26 @@ def validate_key(key: object) -> str:
     return key
 
 
+# Keys under these prefixes are the S3 gateway's: its objects' bytes and its
+# records of buckets, objects and uploads (transport/s3/objects.py, records.py).
+# Clients cannot write or delete them through /v1 or NIXL, so nothing a tenant
+# writes there can pass for the gateway's state when it is rebuilt.
+S3_DATA_PREFIX = "s3~"
+S3_RECORD_PREFIX = "s3m~"
+GATEWAY_PREFIXES = (S3_DATA_PREFIX, S3_RECORD_PREFIX)
+
+
+def validate_client_key(key: object) -> str:
+    """:func:`validate_key` for a key a client writes or deletes directly:
+    not under the S3 gateway's prefixes."""
+    validate_key(key)
+    assert isinstance(key, str)
+    if key.startswith(GATEWAY_PREFIXES):
+        prefix = next(p for p in GATEWAY_PREFIXES if key.startswith(p))
+        raise InvalidKey(f"keys starting with {prefix!r} are the S3 gateway's; use it to write or delete them")
+    return key
+
+
 def validate_tenant(name: object) -> str:
     """Return ``name`` if it is a valid tenant name (1-64 chars, no leading dot)."""
     if not isinstance(name, str):

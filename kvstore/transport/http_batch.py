@@ -17,6 +17,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from kvstore.errors import InvalidInput, KVStoreError
 from kvstore.events.model import BlockMeta
+from kvstore.names import validate_client_key
 from kvstore.transport import batchframe
 from kvstore.transport.http_blocks import keys_field
 from kvstore.transport.http_body import BAD_BODY_FRAMING, BatchBody, json_body
@@ -64,6 +65,13 @@ async def batch_put(request: web.Request) -> web.Response:
                     if raw_meta
                     else None
                 )
+            except InvalidInput as e:
+                body.release(body.take())
+                await settle(0)
+                results.append(_result(key, e.status, e))
+                continue
+            try:
+                validate_client_key(key)
             except InvalidInput as e:
                 body.release(body.take())
                 await settle(0)

@@ -17,7 +17,7 @@ from aiohttp import web
 from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.model import META_HEADER, BlockMeta
-from kvstore.names import validate_key
+from kvstore.names import validate_client_key, validate_key
 from kvstore.transport.http_body import block_body, json_body
 from kvstore.transport.http_common import (
     METRICS,
@@ -44,7 +44,7 @@ def etag(record_etag: str) -> str:
 @routes.put("/v1/blocks/{key}")
 async def put_block(request: web.Request) -> web.Response:
     tenant = tenant_of(request)
-    key = validate_key(request.match_info["key"])
+    key = validate_client_key(request.match_info["key"])
     store = store_of(request)
     raw_meta = request.headers.get(META_HEADER)
     meta = BlockMeta.from_header(raw_meta) if raw_meta is not None else None
@@ -126,7 +126,7 @@ async def head_block(request: web.Request) -> web.StreamResponse:
 @routes.delete("/v1/blocks/{key}")
 async def delete_block(request: web.Request) -> web.Response:
     tenant = tenant_of(request)
-    key = validate_key(request.match_info["key"])
+    key = validate_client_key(request.match_info["key"])
     if not await store_of(request).delete(tenant, key):
         raise NotFound(f"key {key!r} not found")
     return web.Response(status=204)

@@ -45,6 +45,7 @@ from kvstore.errors import (
     TransferFailed,
 )
 from kvstore.events.model import BlockMeta
+from kvstore.names import validate_client_key
 from kvstore.server_config import ServerConfig
 from kvstore.transport.nixl.agent import configure_ucx, make_agent, ucx_devices
 from kvstore.transport.nixl.devices import Discovery
@@ -291,7 +292,7 @@ class XferService:
             ids = metas if metas is not None else [None] * len(blocks)
             for (key, _, n, _), (off, *_rest), meta in zip(blocks, spans, ids, strict=True):
                 try:
-                    created = await self._store.put(tenant, key, data[off : off + n], meta)
+                    created = await self._store.put(tenant, validate_client_key(key), data[off : off + n], meta)
                     results.append({"key": key, "status": 201 if created else 200, "size": n, "created": created})
                 except KVStoreError as e:
                     results.append({"key": key, "status": e.status, "error": {"code": e.code, "message": str(e)}})

@@ -26,13 +26,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from kvstore.engine.store import Store
 from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import KVStoreError
+from kvstore.names import S3_DATA_PREFIX
 from kvstore.transport.s3 import records
 from kvstore.transport.s3.catalog import Catalog, Extents
 from kvstore.transport.s3.records import Record
 
 log = logging.getLogger("kvstore.s3")
 
-PREFIX = "s3~"
+PREFIX = S3_DATA_PREFIX
 OBJECT_BLOCK = 16 << 20
 DELETE_AT_ONCE = 64
 

@@ -31,10 +31,11 @@ wins).
 
 The payload is JSON; for a sealed tenant it is also sealed under the
 tenant's data key (AES-GCM bound to the tenant and the record's key, like
-the catalog's metadata) before the store seals the block. A tenant can
-write blocks under ``s3m~`` over ``/v1`` (it must not: the prefix is the
-gateway's) but, sealed, cannot make one the gateway will read: such blocks
-are deleted at start-up, and skipped by a rebuild.
+the catalog's metadata) before the store seals the block. A tenant cannot
+write or delete blocks under ``s3m~`` or ``s3~`` over ``/v1`` or NIXL
+(names.validate_client_key); blocks found there that the gateway did not
+write (a sealed tenant's that it cannot open) are deleted at start-up and
+skipped by a rebuild.
 
 Records are blocks like the others: a tenant's quota (least recently used
 first) and TTL can remove them. Any request naming a bucket touches its
@@ -58,14 +59,14 @@ from typing import Any
 
 from kvstore.engine.store import Store
 from kvstore.errors import CorruptionError, KVStoreError, NotFound
-from kvstore.names import validate_key
+from kvstore.names import S3_DATA_PREFIX, S3_RECORD_PREFIX, validate_key
 from kvstore.transport.s3.catalog import Bucket, Extents, ObjectRow, PartRow, Upload
 
 log = logging.getLogger("kvstore.s3")
 
-PREFIX = "s3m~"
+PREFIX = S3_RECORD_PREFIX
 BUCKET, OBJECT, UPLOAD, PART = "b", "o", "u", "p"
-DATA_PREFIX = "s3~"  # the objects' bytes (objects.PREFIX): a record names blocks only there
+DATA_PREFIX = S3_DATA_PREFIX  # the objects' bytes (objects.PREFIX): a record names blocks only there
 _VERSION = 1
 DELETE_AT_ONCE = 64
 _META_AAD = b"kvstore/v1 s3 object meta\x00"
