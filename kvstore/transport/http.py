@@ -49,7 +49,7 @@ from kvstore.transport.http_common import (
     route_of,
     tenant_of,
 )
-from kvstore.transport.http_forward import WRITER, forward, relayed, watch_writer
+from kvstore.transport.http_forward import WRITER, end_relayed_streams, forward, relayed, watch_writer
 
 log = logging.getLogger("kvstore.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -289,6 +289,8 @@ def make_app(
         app.cleanup_ctx.append(writer_ctx)
     app.on_shutdown.append(not_ready_on_shutdown)
     app.on_shutdown.append(http_events.end_streams)
+    if reader:
+        app.on_shutdown.append(end_relayed_streams)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", http_metrics.metrics)

@@ -229,22 +229,38 @@ async def forward(request: web.Request) -> web.StreamResponse:
         if client_gone(request):
             raise ConnectionResetError("the client disconnected") from None
         raise StoreClosed(f"the writer process is unavailable ({type(e).__name__}); retry") from None
+    streams: set[aiohttp.ClientResponse] = request.app[STATE].setdefault("relayed_streams", set())
     async with upstream as r:
         resp = web.StreamResponse(status=r.status, headers={h: r.headers[h] for h in _RETURNED if h in r.headers})
         if r.content_length is not None:
             resp.content_length = r.content_length
         await resp.prepare(request)
-        while True:
-            try:
-                chunk = await r.content.read(1 << 20)
-            except (aiohttp.ClientError, ConnectionError):
-                # The writer went away mid-answer: the headers are sent, so the
-                # only honest signal left is a cut connection.
-                if request.transport is not None:
-                    request.transport.close()
-                raise
-            if not chunk:
-                break
-            await send(request, resp, chunk)
+        streams.add(r)
+        try:
+            while True:
+                try:
+                    chunk = await r.content.read(1 << 20)
+                except (aiohttp.ClientError, ConnectionError):
+                    if request.app[STATE].get("stopping"):
+                        break  # end_relayed_streams: this worker stops
+                    # The writer went away mid-answer: the headers are sent, so the
+                    # only honest signal left is a cut connection.
+                    if request.transport is not None:
+                        request.transport.close()
+                    raise
+                if not chunk:
+                    break
+                await send(request, resp, chunk)
+        finally:
+            streams.discard(r)
         await resp.write_eof()
         return resp
+
+
+async def end_relayed_streams(app: web.Application) -> None:
+    """A reader's shutdown: the answers it is relaying end now. An event
+    stream ends only when the writer stops, and readers stop before the
+    writer: relayed streams held a reader's shutdown for shutdown_timeout_s."""
+    app[STATE]["stopping"] = True
+    for r in list(app[STATE].get("relayed_streams", ())):
+        r.close()

@@ -68,7 +68,8 @@ class Worker:
 def exchange(
     port: int, raw: bytes, half_close: bool = False, timeout: float = 15, patience: float = 0.3
 ) -> tuple[Answer | None, bool]:
-    """Send ``raw`` on a fresh connection and read the first answer. Unless
+    """Send ``raw`` on a fresh connection and read the first final answer
+    (interim 1xx answers skipped; its status line must be HTTP/1.0 or 1.1). Unless
     ``half_close``, the client waits ``patience`` seconds for an answer before
     it half-closes (so an incomplete request does not wait for the server's
     timeouts). Returns (the answer, or None if the server closed without
@@ -84,14 +85,20 @@ def exchange(
                     sock.shutdown(socket.SHUT_WR)
         buf = b""
         try:
-            while b"\r\n\r\n" not in buf:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    return None, True
-                buf += chunk
-            head, _, rest = buf.partition(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            status = int(lines[0].split()[1])
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        return None, True
+                    buf += chunk
+                head, _, rest = buf.partition(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                status = int(lines[0].split()[1])
+                if not 100 <= status < 200:
+                    break
+                buf = rest  # an interim answer (100 Continue): the final one follows
+            if not _status_line(lines[0]):
+                raise AssertionError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
             headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
             no_body = raw.startswith(b"HEAD ") or status in (204, 304)
             length = 0 if no_body else int(headers.get("content-length", "0"))
@@ -105,3 +112,11 @@ def exchange(
             return None, False
         except ConnectionResetError:
             return None, True
+
+
+def _status_line(line: str) -> bool:
+    """Whether ``line`` is an HTTP/1.0 or HTTP/1.1 status line: the server
+    never answers in a version it does not speak (it answered HTTP/2.0 and
+    HTTP/0.9 requests in their own version)."""
+    version, _, rest = line.partition(" ")
+    return version in ("HTTP/1.0", "HTTP/1.1") and rest[:3].isdigit()

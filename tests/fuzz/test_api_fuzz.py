@@ -3,16 +3,22 @@ on both kinds of worker of ``--workers 2``.
 
 Requests are drawn from the description: an operation, its path parameters
 (valid by their schema, or hostile: any text, percent-encoded), a token (each
-tenant's, the admin's, none, garbage, non-ASCII), query parameters, and a
-body (valid by its schema, or any JSON, or any bytes; for batch puts a valid
-stream or a mutated one; assorted charsets). Every answer must be one the
-description gives for that operation (status, content type, JSON schema), and
-never a 5xx but the documented retryable ones. Then :meth:`Target.check`.
+tenant's, the admin's, none, garbage, non-ASCII), query parameters (valid by
+their schema, any text, or text that int() or float() would take but the
+schema's type does not: "+5", " 5", "5_0", "1e3", "nan", Unicode digits; a
+parameter given twice), header parameters (valid by their schema, or any
+text) and an ``Expect``, and a body (valid by its schema, or any JSON, or any
+bytes; for batch puts a valid stream or a mutated one; assorted charsets).
+Every answer must be one the description gives for that operation (status,
+content type, JSON schema), never a 5xx but the documented retryable ones,
+and never echo a header value. A query parameter that is not of its type is
+400. Then :meth:`Target.check`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import string
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +49,7 @@ class Call:
     target: str
     headers: dict[str, str]
     body: bytes
+    mistyped: bool = False  # a query parameter's value is not of its schema's type
 
 
 def from_schema(schema: dict[str, Any], depth: int = 0) -> st.SearchStrategy[Any]:
@@ -132,17 +139,62 @@ def body_for(op: Operation) -> st.SearchStrategy[tuple[str | None, bytes]]:
     return st.just((None, b""))
 
 
-def query_for(op: Operation) -> st.SearchStrategy[str]:
+# Text int() or float() would read as a number, or that a lax reader takes
+# for a boolean, none of them of the schema's type.
+MISTYPED = st.sampled_from(
+    ["+5", " 5", "5 ", "5_0", "1e3", "nan", "inf", "-1", "0x10", "\u0665", "\u00b2", "", "maybe"]
+)
+
+
+def query_for(op: Operation) -> st.SearchStrategy[tuple[str, bool]]:
+    """A query string for ``op`` and whether a typed parameter in it has a
+    value of another type (integers: digits; numbers: digits with a
+    fraction; booleans: the schema's enum)."""
     params = [p for p in _parameters(op) if p["in"] == "query"]
     if not params:
-        return st.just("")
-    pairs = [
-        st.one_of(from_schema(p["schema"]).map(str), HOSTILE_TEXT).map(
-            lambda v, name=p["name"]: f"{name}={quote(v, safe='')}"
+        return st.just(("", False))
+    pairs = []
+    for p in params:
+        schema = SPEC.resolve(p["schema"])
+        typed = schema.get("type") in ("integer", "number") or "enum" in schema
+        values = st.one_of(from_schema(schema).map(_query_text), HOSTILE_TEXT)
+        mistyped = MISTYPED.filter(lambda v, s=schema: not _of_type(v, s)) if typed else st.nothing()
+        pairs.append(
+            st.one_of(values.map(lambda v: (v, False)), mistyped.map(lambda v: (v, True))).map(
+                lambda vb, name=p["name"]: (f"{name}={quote(vb[0], safe='')}", vb[1])
+            )
         )
+    return st.lists(st.one_of(pairs), max_size=3).map(
+        lambda xs: ("?" + "&".join(x for x, _ in xs) if xs else "", any(bad for _, bad in xs))
+    )
+
+
+def _query_text(value: Any) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _of_type(text: str, schema: dict[str, Any]) -> bool:
+    """Whether ``text`` is a value of ``schema``'s type as the API reads it."""
+    if "enum" in schema:
+        return text.lower() in schema["enum"]
+    if schema.get("type") == "integer":
+        return text.isascii() and text.isdigit()
+    return bool(re.fullmatch(r"[0-9]+(\.[0-9]+)?", text))
+
+
+HEADER_TEXT = st.text(alphabet=string.ascii_letters + string.digits + string.punctuation + " ", min_size=1, max_size=40)
+
+
+def header_params(op: Operation) -> st.SearchStrategy[dict[str, str]]:
+    """Values for ``op``'s header parameters (valid by their schema, or any
+    text) and an Expect, each maybe absent."""
+    params = [p for p in _parameters(op) if p["in"] == "header"]
+    entries: dict[str, st.SearchStrategy[str]] = {
+        p["name"]: from_schema(p["schema"]).map(str).filter(lambda v: v.isascii() and v.isprintable()) | HEADER_TEXT
         for p in params
-    ]
-    return st.lists(st.one_of(pairs), max_size=2).map(lambda xs: "?" + "&".join(xs) if xs else "")
+    }
+    entries["Expect"] = st.sampled_from(["100-continue", "100-Continue"]) | HEADER_TEXT
+    return st.fixed_dictionaries({}, optional=entries)
 
 
 @st.composite
@@ -178,7 +230,10 @@ def calls(draw: st.DrawFn, target: Target) -> Call:
         rng = draw(st.none() | st.sampled_from(["bytes=0-0", "bytes=-10", "bytes=5-", "bytes=9-3", "bytes=0-1,4-5"]))
         if rng:
             headers["Range"] = rng
-    return Call(op, draw(st.sampled_from(target.roles)), path + draw(query_for(op)), headers, body)
+    if draw(st.integers(0, 3)) == 0:
+        headers.update({k: v for k, v in draw(header_params(op)).items() if k not in headers})
+    query, mistyped = draw(query_for(op))
+    return Call(op, draw(st.sampled_from(target.roles)), path + query, headers, body, mistyped)
 
 
 def test_api_fuzz_from_openapi(target: Target) -> None:
@@ -190,6 +245,12 @@ def test_api_fuzz_from_openapi(target: Target) -> None:
         assert r.status < 500 or r.code in RETRYABLE_5XX.get(r.status, ()), where
         found = SPEC.problems(call.op.method, call.op.path, r.status, r.content_type, r.body)
         assert not found, (where, found)
+        if call.mistyped and r.status < 300:
+            raise AssertionError(f"a query parameter of another type was taken: {where}")
+        text = r.body.decode("latin-1")
+        for name, value in call.headers.items():
+            if name != "Content-Type" and len(value.strip()) >= 8:
+                assert value.strip() not in text, (f"{name} echoed", where)
         if r.status == 200 and call.op.method == "GET" and call.op.path == "/v1/blocks/{key}":
             problems.extend(_foreign_block(target, call, r.body))
         assert not problems, problems

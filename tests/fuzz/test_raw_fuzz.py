@@ -3,8 +3,9 @@ slow clients (stalled headers and bodies, idle connections, disconnects
 mid-response), on one worker and on ``--workers 2``.
 
 Every garbage request must be answered (or the connection closed) promptly,
-never with a 5xx but ``503 overloaded``, always with a JSON error body for
-an error, and never echo a token; slow clients must not stop well-behaved
+in HTTP/1.0 or 1.1, never with a 5xx but ``503 overloaded`` and ``505`` for
+another HTTP version (never served), always with a JSON error body for an
+error, and never echo a token; slow clients must not stop well-behaved
 ones from being served, and must be cut off by the server's timeouts. Then
 :meth:`Target.check` (canaries, isolation, logs, memory).
 """
@@ -114,7 +115,14 @@ def check_answer(target: Target, answer: Answer | None, answered_in_time: bool, 
     assert answered_in_time, f"no answer and no close within the timeout: {raw[:200]!r}"
     if answer is None:
         return  # closed: nothing complete to answer, or a cut-off body
-    assert answer.status < 500 or answer.code == "overloaded", (answer.status, answer.body[:200], raw[:200])
+    assert answer.status < 500 or answer.code in ("overloaded", "http_version_not_supported"), (
+        answer.status,
+        answer.body[:200],
+        raw[:200],
+    )
+    version = raw.split(b"\n", 1)[0].rstrip(b"\r").rpartition(b" ")[2]
+    if version.startswith(b"HTTP/") and version not in (b"HTTP/1.1", b"HTTP/1.0"):
+        assert not 200 <= answer.status < 300, ("served in another HTTP version", answer.status, raw[:200])
     if answer.status >= 400 and not raw.startswith(b"HEAD "):
         assert answer.content_type.startswith("application/json"), (answer.status, answer.headers, raw[:200])
         assert answer.code is not None and json.loads(answer.body)["error"]["message"], answer.body[:200]

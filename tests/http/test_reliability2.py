@@ -525,3 +525,23 @@ async def test_reader_log_said_it_served_the_s3_gateway(daemon: Daemon) -> None:
     }
     assert len(lines["writer"]) == 1 and f"S3 gateway http://{gateway}" in lines["writer"][0], lines
     assert len(lines["reader"]) == 1 and "S3 gateway" not in lines["reader"][0], lines
+
+
+async def test_relayed_event_stream_held_a_reader_shutdown(daemon: Daemon) -> None:
+    """Found by the header fuzzer: an event stream relayed by a reader ends
+    only when the writer stops, and readers stop first, so SIGTERM waited
+    shutdown_timeout_s (30 s) for the reader. Now a reader ends the streams
+    it relays as it stops: the client's stream ends, and the daemon stops at
+    once."""
+    tokens = await _start_two_workers(daemon)
+    conn = await _on(daemon.port, "reader")
+    await conn.send(_raw("GET", "/v1/events", [f"Authorization: Bearer {tokens['t1']}"]))
+    head = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    t0 = time.monotonic()
+    assert daemon.stop() == 0
+    assert time.monotonic() - t0 < 10
+    rest = await asyncio.wait_for(conn.reader.read(), 5)
+    assert rest.endswith(b"0\r\n\r\n"), rest[-100:]  # the chunked stream ended properly
+    await conn.close()
+    assert "Traceback" not in daemon.output and " ERROR " not in daemon.output, daemon.output[-3000:]
