@@ -68,6 +68,14 @@ def _admin(base: str, token: str, path: str, body: dict[str, Any]) -> dict[str, 
         return doc
 
 
+def _ready(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/readyz", timeout=5) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
 def _median(fn: Callable[[], int], repeats: int, before: Callable[[], None]) -> float:
     """GB/s, the median of ``repeats`` passes of ``fn`` (bytes it moved)."""
     rates = []
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
-        while not Path(sock).exists():
+        while not _ready(base):  # the unix socket exists before the store is open: ask /readyz
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the daemon did not start: {(root / 'kvstore.log').read_text()[-2000:]}")
             time.sleep(0.05)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -46,7 +47,9 @@ def _own_file(app: web.Application, directory: Path) -> Path:
 
 def _write_snapshot(app: web.Application, directory: Path) -> None:
     path = _own_file(app, directory)
-    tmp = path.with_suffix(".tmp")
+    # A temporary name of its own: the periodic snapshot and a /metrics
+    # request may write at the same time, on two threads.
+    tmp = path.with_name(f"{path.stem}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(app[METRICS].snapshot()))
     tmp.replace(path)
 
