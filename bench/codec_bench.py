@@ -27,8 +27,8 @@ from typing import Any
 import xxhash
 from kvstore_client.record import RecordMeta, RecordOpener, StoredFrame
 
-from kvstore.config import parse_size
-from kvstore.engine.codec import COMPRESSIONS, Compression, decode_frame, encode_frame
+from kvstore.config import COMPRESSIONS, Compression, parse_size
+from kvstore.engine.codec import decode_frame, encode_frame
 from kvstore.engine.crypto import RecordCipher
 from kvstore.engine.format import CODEC_NAMES, checksum
 from kvstore.errors import ConfigError

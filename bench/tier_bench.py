@@ -54,8 +54,8 @@ from botocore.config import Config
 from bench.store_bench import load_samples
 from kvstore.config import StoreConfig, parse_size
 from kvstore.engine.crypto import MasterKey
+from kvstore.engine.layout import segment_object
 from kvstore.engine.store import Store
-from kvstore.tier.layout import segment_object
 
 SAMPLES = Path(__file__).resolve().parent.parent / "tests" / "data" / "kv"
 

@@ -13,11 +13,13 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from kvstore.engine.codec import COMPRESSIONS, Compression
 from kvstore.errors import ConfigError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 Durability = Literal["fsync", "interval"]
+# The compressions a tenant may choose (engine/codec.py implements them).
+Compression = Literal["none", "zstd", "zstd-bp2"]
+COMPRESSIONS: tuple[Compression, ...] = ("none", "zstd", "zstd-bp2")
 DurabilityClass = Literal["persistent", "ephemeral"]
 DURABILITY_CLASSES: tuple[DurabilityClass, ...] = ("persistent", "ephemeral")
 S3_ADDRESSING = ("auto", "path", "virtual")

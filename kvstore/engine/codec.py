@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Literal
 
 import numpy as np
 import zstandard
 
+from kvstore.config import Compression
 from kvstore.engine.format import CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_BP2
 from kvstore.errors import CorruptionError
-
-Compression = Literal["none", "zstd", "zstd-bp2"]
-COMPRESSIONS: tuple[Compression, ...] = ("none", "zstd", "zstd-bp2")
 
 _BP2 = struct.Struct("<II")
 _LOW_ZSTD = 1 << 31

@@ -57,17 +57,17 @@ from kvstore.config import StoreConfig
 from kvstore.engine.appender import Appender
 from kvstore.engine.format import ALIGN, KIND_TOMBSTONE, FooterEntry, checksum, decode_record_header
 from kvstore.engine.index import SEG_OPEN, SEG_RETIRED, SEG_SEALED, Index, IndexEntry
+from kvstore.engine.layout import segment_object
 from kvstore.engine.lifecycle import Leases, Lifecycle, LifecycleError, Phase
 from kvstore.engine.record import EncodedRecord, index_entry
 from kvstore.engine.registry import Registry
+from kvstore.engine.remote import fetch_footer
 from kvstore.engine.segcache import SegmentCache
 from kvstore.engine.segment import SegmentFile
 from kvstore.errors import CorruptionError, KVStoreError, TierError
 from kvstore.metrics import Metrics
 from kvstore.tasks import wait_event
 from kvstore.tier.base import Tier
-from kvstore.tier.layout import segment_object
-from kvstore.tier.remote import fetch_footer
 
 log = logging.getLogger("kvstore.engine.compactor")
 SegmentKey = tuple[str, int]

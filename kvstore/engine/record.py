@@ -12,8 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from kvstore.config import Compression
 from kvstore.engine import codec
-from kvstore.engine.codec import Compression
 from kvstore.engine.crypto import RecordCipher
 from kvstore.engine.format import (
     CODEC_RAW,

@@ -35,7 +35,6 @@ from pathlib import Path
 
 from kvstore.engine.appender import OpenSegment
 from kvstore.engine.format import ALIGN, FooterEntry
-from kvstore.engine.fsutil import fsync_dir
 from kvstore.engine.index import (
     SEG_OPEN,
     SEG_RETIRED,
@@ -46,9 +45,10 @@ from kvstore.engine.index import (
 from kvstore.engine.lifecycle import Lifecycle
 from kvstore.engine.record import footer_entry, index_entry
 from kvstore.engine.registry import Registry
+from kvstore.engine.remote import RemoteFooter
 from kvstore.engine.segment import SegmentFile, parse_segment_name
 from kvstore.errors import ConfigError, CorruptionError, TierError, TierUnavailable
-from kvstore.tier.remote import RemoteFooter
+from kvstore.fsutil import fsync_dir
 
 log = logging.getLogger("kvstore.engine.recovery")
 

@@ -20,10 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvstore.config import DURABILITY_CLASSES, DurabilityClass
-from kvstore.engine.codec import COMPRESSIONS, Compression
+from kvstore.config import COMPRESSIONS, DURABILITY_CLASSES, Compression, DurabilityClass
 from kvstore.engine.crypto import MasterKey, new_data_key
-from kvstore.engine.fsutil import atomic_write
 from kvstore.errors import (
     InvalidInput,
     MasterKeyError,
@@ -33,6 +31,7 @@ from kvstore.errors import (
     TenantKeyDestroyed,
     TenantNotFound,
 )
+from kvstore.fsutil import atomic_write
 from kvstore.names import validate_tenant
 
 Policy = Literal["sealed", "direct"]

@@ -33,8 +33,8 @@ from kvstore.engine.format import (
     encode_footer,
     peek_header_len,
 )
-from kvstore.engine.fsutil import fsync_dir
 from kvstore.errors import CorruptionError, FormatError
+from kvstore.fsutil import fsync_dir
 
 Buffer = bytes | bytearray | memoryview
 _IOV_MAX = 512

@@ -38,15 +38,19 @@ from kvstore.engine.access import Touches
 from kvstore.engine.appender import OpenSegment
 from kvstore.engine.compactor import CompactionReport, Compactor
 from kvstore.engine.crypto import MasterKey, load_master_key
-from kvstore.engine.fsutil import atomic_write, index_torn_by_reboot, mark_index_synced, mark_index_unsynced
 from kvstore.engine.index import Index
+from kvstore.engine.layout import segment_object, tenant_prefix
 from kvstore.engine.lifecycle import Lifecycle
+from kvstore.engine.mirror import Mirror
 from kvstore.engine.recovery import RecoveryReport, RemoteSegments, UnknownTenants, recover, tenant_dirs, trash
 from kvstore.engine.registry import Registry, RegistryUnreadable
+from kvstore.engine.remote import RemoteFooter, fetch_footer
 from kvstore.engine.reserve import RESERVE_FILE, SpaceReserve, auto_reserve, segment_cap
+from kvstore.engine.residency import Tiering, fetch_registry, list_bucket
 from kvstore.engine.retention import Retention
 from kvstore.engine.store_read import StoreReads
 from kvstore.engine.store_write import StoreWrites
+from kvstore.engine.unsynced import index_torn_by_reboot, mark_index_synced, mark_index_unsynced
 from kvstore.engine.verify import VerifyReport, verify_segments
 from kvstore.errors import (
     ConfigError,
@@ -58,12 +62,9 @@ from kvstore.errors import (
     StoreLocked,
     TierError,
 )
+from kvstore.fsutil import atomic_write
 from kvstore.names import validate_tenant
 from kvstore.tier.base import Tier
-from kvstore.tier.layout import segment_object, tenant_prefix
-from kvstore.tier.mirror import Mirror
-from kvstore.tier.remote import RemoteFooter, fetch_footer
-from kvstore.tier.tiering import Tiering, fetch_registry, list_bucket
 
 log = logging.getLogger("kvstore.engine.store")
 # Index reads run on the event loop: an LMDB read is a lookup in a memory map

@@ -21,9 +21,11 @@ from kvstore.engine.compactor import Compactor
 from kvstore.engine.crypto import MasterKey, open_small, seal_small, small_version
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Leases, Lifecycle
+from kvstore.engine.object_tier import tier_from_config
 from kvstore.engine.recovery import RecoveryReport
 from kvstore.engine.registry import Registry, Tenant
 from kvstore.engine.reserve import SpaceReserve
+from kvstore.engine.residency import Tiering
 from kvstore.engine.retention import Retention
 from kvstore.engine.segcache import SegmentCache
 from kvstore.errors import (
@@ -38,8 +40,6 @@ from kvstore.events.model import BlockMeta, TierName
 from kvstore.metrics import Metrics
 from kvstore.names import validate_tenant
 from kvstore.tier.base import Tier
-from kvstore.tier.factory import tier_from_config
-from kvstore.tier.tiering import Tiering
 
 log = logging.getLogger("kvstore.engine.store")
 T = TypeVar("T")

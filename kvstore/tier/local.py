@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from kvstore.engine.fsutil import fsync_dir
 from kvstore.errors import TierError, TierNotFound, TierRangeError, TierUnavailable
+from kvstore.fsutil import fsync_dir
 from kvstore.tier.base import ObjectInfo, check_range, source_size, validate_object_name, validate_prefix
 
 # Errors of a shared filesystem that is away for now (NFS server down, stale

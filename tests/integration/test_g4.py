@@ -20,9 +20,9 @@ import pytest
 
 from kvstore.config import StoreConfig
 from kvstore.engine.crypto import MasterKey
+from kvstore.engine.residency import FAIL_FAST_S
 from kvstore.engine.store import Store
 from kvstore.errors import FlushIncomplete, MasterKeyError, NotFound, ReadOnlyNode, StorageFull, TierUnavailable
-from kvstore.tier.tiering import FAIL_FAST_S
 
 from ..moto_s3 import REGION, MotoEndpoint, S3Env
 

@@ -148,7 +148,7 @@ async def test_interval_durability_synced_the_index_on_every_commit(open_store: 
     the index is synced with the segment on the interval; after a crash the
     segments' unindexed tails are replayed, and after a machine restart under
     an unsynced index (another boot id) the index is rebuilt from segments."""
-    from kvstore.engine.fsutil import INDEX_UNSYNCED
+    from kvstore.engine.unsynced import INDEX_UNSYNCED
 
     store = await open_store(durability="fsync")
     assert store._index.env.flags()["sync"] is True
@@ -212,8 +212,8 @@ async def test_read_in_flight_across_a_tenant_delete_answered_corruption(
     opened the new incarnation's segment of the same id and failed its
     identity check: a 500 "corruption" and a corruption count for what was
     only a block that went. It is a miss now, and never the new bytes."""
+    from kvstore.engine.residency import Tiering
     from kvstore.errors import NotFound
-    from kvstore.tier.tiering import Tiering
 
     store = await open_store()
     await store.create_tenant("t", "direct")

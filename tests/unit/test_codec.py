@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.engine.codec import COMPRESSIONS, decode_frame, encode_frame
+from kvstore.config import COMPRESSIONS
+from kvstore.engine.codec import decode_frame, encode_frame
 from kvstore.engine.format import CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_BP2
 from tests.conftest import kv_sample
 

@@ -25,14 +25,17 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from kvstore.config import StoreConfig
-from kvstore.engine.fsutil import atomic_write
 from kvstore.engine.index import SEG_SEALED, Index, IndexEntry, TierState
+from kvstore.engine.layout import REGISTRY_OBJECT, parse_segment_object, segment_object, tenant_prefix
 from kvstore.engine.lifecycle import SWEEP_INTERVAL_S, Leases, Lifecycle, LifecycleError, Phase
+from kvstore.engine.mirror import Mirror
 from kvstore.engine.recovery import index_tier_segment
 from kvstore.engine.registry import Registry
+from kvstore.engine.remote import FetchedRecord, download_segment, fetch_footer
 from kvstore.engine.reserve import SpaceReserve
 from kvstore.engine.segcache import SegmentCache
 from kvstore.engine.segment import SegmentFile
+from kvstore.engine.space import Candidate, Space
 from kvstore.errors import (
     CorruptionError,
     SegmentMoved,
@@ -43,15 +46,12 @@ from kvstore.errors import (
     TierUnavailable,
 )
 from kvstore.events.model import TierName
+from kvstore.fsutil import atomic_write
 from kvstore.metrics import Metrics
 from kvstore.tasks import Background, wait_event
 from kvstore.tier.base import Tier
-from kvstore.tier.layout import REGISTRY_OBJECT, parse_segment_object, segment_object, tenant_prefix
-from kvstore.tier.mirror import Mirror
-from kvstore.tier.remote import FetchedRecord, download_segment, fetch_footer
-from kvstore.tier.space import Candidate, Space
 
-log = logging.getLogger("kvstore.tier.tiering")
+log = logging.getLogger("kvstore.engine.residency")
 SegmentKey = tuple[str, int]
 EVICT_INTERVAL_S = 2.0
 FAIL_FAST_S = 1.0

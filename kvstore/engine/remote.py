@@ -28,9 +28,9 @@ from kvstore.engine.format import (
     decode_footer,
     decode_record_header,
 )
-from kvstore.engine.fsutil import fsync_dir
 from kvstore.engine.segment import SegmentFile
 from kvstore.errors import CorruptionError, FormatError
+from kvstore.fsutil import fsync_dir
 from kvstore.tier.base import Tier
 
 T = TypeVar("T")

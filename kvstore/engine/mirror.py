@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstore.engine.layout import REGISTRY_OBJECT
 from kvstore.engine.lifecycle import Lifecycle, Phase
 from kvstore.errors import TierError
 from kvstore.metrics import Metrics
 from kvstore.tasks import Background, wait_event
 from kvstore.tier.base import Tier
-from kvstore.tier.layout import REGISTRY_OBJECT
 
-log = logging.getLogger("kvstore.tier.mirror")
+log = logging.getLogger("kvstore.engine.mirror")
 SegmentKey = tuple[str, int]
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 15.0
