@@ -37,11 +37,11 @@ from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server_config import SETTINGS, UNIX, ServerConfig, load
 from kvstore.tasks import Background
-from kvstore.transport.http import make_app
-from kvstore.transport.http_common import METRICS, STATE, STORE
-from kvstore.transport.http_server import KVAppRunner
+from kvstore.transport.http.app import make_app
+from kvstore.transport.http.common import METRICS, STATE, STORE
+from kvstore.transport.http.connection import KVAppRunner
+from kvstore.transport.http.unix import BACKLOG, UnixListener, bind_unix
 from kvstore.transport.s3.gateway import make_gateway_app
-from kvstore.transport.unix import BACKLOG, UnixListener, bind_unix
 from kvstore.tuning import die_with_parent, keep_freed_memory
 
 log = logging.getLogger("kvstore.server")

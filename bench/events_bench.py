@@ -77,7 +77,7 @@ def _in_process(n: int) -> dict[str, float]:
     from kvstore.events.bus import EventBus
     from kvstore.events.vllm_wire import pack_batch, vllm_events
     from kvstore.metrics import Metrics
-    from kvstore.transport.http_events import sse_message
+    from kvstore.transport.http.routes.events import sse_message
 
     async def run() -> dict[str, float]:
         bus = EventBus(n, n, Metrics())

@@ -13,9 +13,10 @@ The tree shows the architecture:
   backend (``local``, ``s3``), ``layout`` (object names), ``mirror`` (uploads),
   ``remote`` (reads from the tier), ``space`` and ``tiering`` (local space,
   eviction, rehydration).
-- ``transport/``: how bytes leave the daemon. HTTP (``http`` and its
-  ``http_*`` routes, ``http_server`` for the connection layer), the batch
-  framing, RFC 9110 ranges.
+- ``transport/``: how bytes leave the daemon. HTTP (``http/``: the app and
+  its middleware, request bodies, RFC 9110 ranges, forwarding between
+  workers, the connection layer, ``routes/``), the S3 gateway's HTTP
+  (``s3/``), NIXL (``nixl/``), the batch framing.
 - At the top: what every part shares (``errors``, ``config``, ``metrics``,
   ``names``, ``redaction``), the daemon's own (``server_config``,
   ``sdnotify``, ``tuning``) and the offline checker (``fsck``).

@@ -2,7 +2,7 @@
 
 Thread-safe (the executor threads record fsync latency and batch sizes).
 With several worker processes, each one's :meth:`Metrics.snapshot` is
-merged into one exposition by :func:`merged` (see transport/http_metrics.py).
+merged into one exposition by :func:`merged` (see transport/http/metrics.py).
 """
 
 from __future__ import annotations

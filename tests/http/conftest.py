@@ -20,8 +20,8 @@ from aiohttp.web_runner import BaseRunner
 
 from kvstore.engine.crypto import MasterKey
 from kvstore.server_config import ServerConfig, load
-from kvstore.transport.http import make_app
-from kvstore.transport.http_server import KVAppRunner
+from kvstore.transport.http.app import make_app
+from kvstore.transport.http.connection import KVAppRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "admin-token-for-tests-0123456789"

@@ -28,7 +28,7 @@ from kvstore_client import AsyncClient, CorruptBlock
 from kvstore_client import record as client_record
 
 from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http import make_app
+from kvstore.transport.http.app import make_app
 
 from ..conftest import kv_sample
 from .conftest import ADMIN, ROOT, Daemon, KVTestServer, free_port, server_config
@@ -245,7 +245,7 @@ from pathlib import Path
 import aiohttp
 from kvstore_client import AsyncClient
 from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http import make_app
+from kvstore.transport.http.app import make_app
 from tests.http.conftest import ADMIN, KVTestServer, server_config
 
 DATA = bytes(range(256)) * 1000
@@ -287,7 +287,7 @@ async def main():
             proxy = await relay(8766, host)
             async with AsyncClient("http://127.0.0.1:8766", token, decode="auto", strict=True) as kv:
                 got = [await kv.get("k") == DATA, await kv.get("k") == DATA]
-                ep = next(iter(kv._endpoints.values()))
+                ep = next(iter(kv._x.endpoints.values()))
                 out["auto"] = got + [kv.stats["client_decodes"], ep.client_decode]
             proxy.close()
         await server.close()
@@ -332,7 +332,7 @@ def test_the_client_refuses_client_decode_where_keys_would_cross_the_network() -
         "t",
         decode="auto",
     )
-    assert [ep.client_decode for ep in kv._endpoints.values()] == [False, True, True, True, True]
+    assert [ep.client_decode for ep in kv._x.endpoints.values()] == [False, True, True, True, True]
     asyncio.run(kv.close())
 
 
@@ -347,4 +347,4 @@ async def test_auto_leaves_a_direct_tenant_to_the_daemon_after_one_record(served
         assert await kv.get("a") == BLOCKS["bf16"]
         assert await kv.get("a") == BLOCKS["bf16"]
         assert kv.stats["client_decodes"] == 1
-        assert not next(iter(kv._endpoints.values())).client_decode
+        assert not next(iter(kv._x.endpoints.values())).client_decode

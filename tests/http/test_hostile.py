@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvstore.engine.crypto import MasterKey
 from kvstore.transport import batchframe
-from kvstore.transport.http import make_app
+from kvstore.transport.http.app import make_app
 from tests.http.conftest import ADMIN, Api, Daemon, KVTestServer, free_port, server_config
 from tests.http.rawhttp import Conn, Reply, worker_connections
 

@@ -117,9 +117,9 @@ async def test_reads_match_http_for_direct_and_sealed_tenants(
             assert await c.get_into("missing", bytearray(10)) is None
             assert c.stats["nixl_reads"] == len(blocks) + 1 and c.stats["nixl_fallbacks"] == 0
             # Many keys in one call, misses and bad keys mixed in, one READ for all hits.
-            agent = c._nixl_agent()
+            agent = c._nixl.agent()
             got, misses, lease = await _read_many(
-                agent, c._session(c._endpoints[base]), base, [*blocks, "nope", "bad/key"], 8 * BLOCK + 100
+                agent, c._x.session(c._x.endpoints[base]), base, [*blocks, "nope", "bad/key"], 8 * BLOCK + 100
             )
             assert got == blocks and misses == {"nope": 404, "bad/key": 400}
             status, doc = await _post(session, base, token, "/v1/xfer/read", {"agent": agent.name, "keys": ["nope"]})
@@ -147,7 +147,7 @@ async def test_writes_over_nixl_read_back_over_http(daemon: Daemon, session: aio
         async with AsyncClient(base, token, transport="nixl", timeout=10) as c:
             # An empty block is refused (blocks are 1 byte or more), the others stored.
             assert await c.put_many([*blocks.items(), ("empty", b"")]) == [True] * len(blocks) + [False]
-            nixl = c._nixl_agent()
+            nixl = c._nixl.agent()
             status, doc = await _post(
                 session,
                 base,
@@ -328,7 +328,7 @@ async def test_get_many_into_takes_one_call_and_releases_on_the_next(
         bufs = [bytearray(len(v)) for v in small.values()]
         assert await c.get_many_into(list(small), bufs) == [len(v) for v in small.values()]
         assert bufs == list(small.values()) and c.stats["nixl_fallbacks"] == 0
-        agent = c._nixl_agent()
+        agent = c._nixl.agent()
         assert len(agent._regs) == MAX_REGISTERED and not agent._pinned
     # Batched releases: every lease ends; unknown ones are ignored.
     token = await _tenant(session, base, "r", "direct")
@@ -362,7 +362,7 @@ async def test_a_slow_read_past_its_lease_fails_its_checksum_and_goes_over_http(
         AsyncClient(base, token, transport="nixl", timeout=10) as slow,
         AsyncClient(base, token, transport="nixl", timeout=10) as quick,
     ):
-        agent = slow._nixl_agent()
+        agent = slow._nixl.agent()
         real = agent._transfer
         staged: list[int] = []
 
@@ -378,7 +378,7 @@ async def test_a_slow_read_past_its_lease_fails_its_checksum_and_goes_over_http(
         assert (await _nixl_status(session, base))["leases"] == 0  # expired and swept
         other = bytearray(BLOCK)
         assert await quick.get_into("b", other) == BLOCK and other == blocks["b"]
-        q = quick._nixl_agent()
+        q = quick._nixl.agent()
         assert q._pending  # its release is pending: the staging memory is "b"'s until it goes
         assert await late == BLOCK
         assert buf == blocks["a"]
@@ -402,7 +402,7 @@ async def test_a_killed_client_process_lets_its_lease_and_memory_go(
         "from kvstore_client import AsyncClient\n"
         "async def main():\n"
         f"    async with AsyncClient({base!r}, {token!r}, transport='nixl', timeout=30) as c:\n"
-        "        agent = c._nixl_agent()\n"
+        "        agent = c._nixl.agent()\n"
         "        real = agent._transfer\n"
         "        async def start_and_hang(*a):\n"
         "            t = asyncio.ensure_future(real(*a))\n"
@@ -509,7 +509,7 @@ def test_engine_adapters_choose_the_transport() -> None:
 
     settings = {"endpoints": "http://127.0.0.1:1", "transport": "nixl", "nixl_devices": "lo"}
     client = Settings(settings, "test", CLIENT_SETTINGS).client()
-    assert client.transport == "nixl" and client._nixl_options == (None, "lo")
+    assert client.transport == "nixl" and client._nixl.options == (None, "lo")
     assert Settings({"endpoints": "http://127.0.0.1:1"}, "test", CLIENT_SETTINGS).client().transport == "http"
     with pytest.raises(ValueError, match="transport='rdma'"):
         Settings({**settings, "transport": "rdma"}, "test", CLIENT_SETTINGS).client()

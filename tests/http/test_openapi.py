@@ -12,8 +12,8 @@ from openapi_spec_validator import validate
 
 from kvstore.engine.crypto import MasterKey
 from kvstore.transport import batchframe
-from kvstore.transport.http import make_app
-from kvstore.transport.http_internal import PREFIX as INTERNAL_PREFIX
+from kvstore.transport.http.app import make_app
+from kvstore.transport.http.internal import PREFIX as INTERNAL_PREFIX
 from tests.http.conftest import ADMIN, Api, server_config
 from tests.http.openapi import Spec
 

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http import make_app
+from kvstore.transport.http.app import make_app
 
 from ..conftest import kv_sample
 from .conftest import ADMIN, Api, Daemon, KVTestServer, free_port, server_config

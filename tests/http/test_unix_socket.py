@@ -20,8 +20,8 @@ from kvstore_client import AsyncClient
 from kvstore.engine.crypto import MasterKey
 from kvstore.errors import ConfigError
 from kvstore.server_config import load
-from kvstore.transport.http import make_app
-from kvstore.transport.http_server import KVAppRunner
+from kvstore.transport.http.app import make_app
+from kvstore.transport.http.connection import KVAppRunner
 
 from .conftest import ADMIN, ROOT, Daemon, server_config
 

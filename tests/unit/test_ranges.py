@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRange
-from kvstore.transport.ranges import MAX_RANGES, ByteRange, etag_matches, parse_range, unsatisfied_content_range
+from kvstore.transport.http.ranges import MAX_RANGES, ByteRange, etag_matches, parse_range, unsatisfied_content_range
 
 SIZE = 100
 

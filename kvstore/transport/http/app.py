@@ -23,19 +23,9 @@ from kvstore.errors import ExpectationFailed, InvalidRange, KVStoreError, Overlo
 from kvstore.names import PATH_PARAMS
 from kvstore.server_config import ServerConfig
 from kvstore.tasks import Background
-from kvstore.transport import (
-    http_admin,
-    http_batch,
-    http_blocks,
-    http_events,
-    http_internal,
-    http_metrics,
-    http_plans,
-    http_records,
-    http_xfer,
-)
-from kvstore.transport.http_body import BAD_BODY_FRAMING, BUDGET, BodyBudget
-from kvstore.transport.http_common import (
+from kvstore.transport.http import internal, metrics
+from kvstore.transport.http.bodies import BAD_BODY_FRAMING, BUDGET, BodyBudget
+from kvstore.transport.http.common import (
     CONFIG,
     EXPECT,
     METRICS,
@@ -49,7 +39,8 @@ from kvstore.transport.http_common import (
     route_of,
     tenant_of,
 )
-from kvstore.transport.http_forward import WRITER, end_relayed_streams, forward, relayed, watch_writer
+from kvstore.transport.http.forward import WRITER, end_relayed_streams, forward, relayed, watch_writer
+from kvstore.transport.http.routes import admin, batch, blocks, events, plans, records, xfer
 
 log = logging.getLogger("kvstore.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -242,7 +233,7 @@ def make_app(
     )
     app[CONFIG] = config
     # writer_socket: the workers' private socket; /_internal/ answers there only.
-    # released_leases: read plans' leases a reader released, for the writer (http_internal.relay).
+    # released_leases: read plans' leases a reader released, for the writer (internal.relay).
     app[STATE] = {
         "ready": False,
         "inflight": 0,
@@ -274,33 +265,33 @@ def make_app(
         async with aiohttp.ClientSession(connector=connector) as session:
             app[WRITER] = session
             relay = Background()
-            relay.spawn(http_internal.relay(app, session), "relay-to-writer")
+            relay.spawn(internal.relay(app, session), "relay-to-writer")
             relay.spawn(watch_writer(app, str(writer_socket)), "watch-writer")
             yield
             await relay.close()
 
     app.cleanup_ctx.append(store_ctx)
-    app.cleanup_ctx.append(http_metrics.metrics_ctx)
-    app.cleanup_ctx.append(http_plans.plans_ctx)
+    app.cleanup_ctx.append(metrics.metrics_ctx)
+    app.cleanup_ctx.append(plans.plans_ctx)
     if not reader:  # one NIXL agent and one event bus, the writer's: readers relay to them
-        app.cleanup_ctx.append(http_events.events_ctx)
-        app.cleanup_ctx.append(http_xfer.xfer_ctx)
+        app.cleanup_ctx.append(events.events_ctx)
+        app.cleanup_ctx.append(xfer.xfer_ctx)
     if reader:
         app.cleanup_ctx.append(writer_ctx)
     app.on_shutdown.append(not_ready_on_shutdown)
-    app.on_shutdown.append(http_events.end_streams)
+    app.on_shutdown.append(events.end_streams)
     if reader:
         app.on_shutdown.append(end_relayed_streams)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", http_metrics.metrics)
-    app.router.add_routes(http_blocks.routes)
-    app.router.add_routes(http_batch.routes)
-    app.router.add_routes(http_admin.routes)
-    app.router.add_routes(http_plans.routes)
-    app.router.add_routes(http_records.routes)
-    app.router.add_routes(http_xfer.routes)
-    app.router.add_routes(http_events.routes)
+    app.router.add_get("/metrics", metrics.metrics)
+    app.router.add_routes(blocks.routes)
+    app.router.add_routes(batch.routes)
+    app.router.add_routes(admin.routes)
+    app.router.add_routes(plans.routes)
+    app.router.add_routes(records.routes)
+    app.router.add_routes(xfer.routes)
+    app.router.add_routes(events.routes)
     if role == "writer":
-        app.router.add_routes(http_internal.routes)
+        app.router.add_routes(internal.routes)
     return app

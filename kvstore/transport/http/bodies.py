@@ -34,7 +34,7 @@ from kvstore.errors import (
     RequestTimeout,
     UnsupportedMediaType,
 )
-from kvstore.transport.http_common import METRICS, config_of
+from kvstore.transport.http.common import METRICS, config_of
 
 JSON_MAX_BYTES = 4 << 20
 # The answer to a body aiohttp's parser could not decode (its message quotes the bytes).

@@ -24,7 +24,7 @@ METRICS = web.AppKey("metrics", Metrics)
 STATE = web.AppKey("state", dict[str, Any])
 BATCH_TYPE = "application/x-kvstore-batch"
 # The request's Expect header, taken from aiohttp by the connection layer
-# (http_server.KVAppRunner) and answered by the gate (http.gate_middleware).
+# (connection.KVAppRunner) and answered by the gate (app.gate_middleware).
 EXPECT = web.RequestKey("expect", str)
 
 

@@ -10,7 +10,7 @@ A route must mean the same on every worker. So the reader decides what to
 relay by the route its own router matched (never by a prefix of the decoded
 path), answers unmatched paths itself exactly as the writer would (404/405),
 relays only after the same authentication and path checks the writer makes
-(``gate_middleware`` in http.py runs on every worker), and relays the path as
+(``gate_middleware`` in app.py runs on every worker), and relays the path as
 it was received, still percent-encoded: a decoded ``%2F``, ``%3F``, ``%23`` or
 ``..`` never becomes path syntax on the writer.
 """
@@ -28,8 +28,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from yarl import URL
 
 from kvstore.errors import InvalidInput, KVStoreError, Overloaded, StoreClosed, WriterTimeout
-from kvstore.transport.http_body import BAD_BODY_FRAMING, check_length
-from kvstore.transport.http_common import (
+from kvstore.transport.http.bodies import BAD_BODY_FRAMING, check_length
+from kvstore.transport.http.common import (
     STATE,
     client_gone,
     config_of,

@@ -19,7 +19,7 @@ import os
 from aiohttp import web
 
 from kvstore.engine.store_read import DirectExtent
-from kvstore.transport.http_common import METRICS, reset_connection, send
+from kvstore.transport.http.common import METRICS, reset_connection, send
 
 _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN)
 

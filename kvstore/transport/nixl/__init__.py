@@ -6,5 +6,5 @@ there is a NIC, TCP otherwise).
 - ``agent``: the daemon's NIXL agent (progress thread, UCX devices);
 - ``memory``: registered memory: segment mappings and staging buffers;
 - ``service``: peers, leases, reads and writes (``/v1/xfer/*`` in
-  ``kvstore.transport.http_xfer``).
+  ``kvstore.transport.http.routes.xfer``).
 """

@@ -14,8 +14,9 @@ from aiohttp import web
 
 from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import InvalidRange, KVStoreError, NotFound
-from kvstore.transport.http_common import config_of, send
-from kvstore.transport.ranges import parse_range
+from kvstore.transport.http.common import config_of, send
+from kvstore.transport.http.ranges import parse_range
+from kvstore.transport.http.sendfile import send_extent
 from kvstore.transport.s3 import objects, records
 from kvstore.transport.s3.body import UploadBody
 from kvstore.transport.s3.call import Call, validate_bucket_name, validate_object_key
@@ -24,7 +25,6 @@ from kvstore.transport.s3.errors import S3Error
 from kvstore.transport.s3.objects import Held
 from kvstore.transport.s3.sigv4 import STREAMING_SIGNED, STREAMING_SIGNED_TRAILER, ChunkSigner
 from kvstore.transport.s3.xml import document, element, http_time, iso_time
-from kvstore.transport.sendfile import send_extent
 
 # Headers stored with an object and sent back with it.
 STORED_HEADERS = ("Content-Type", "Content-Disposition", "Content-Language", "Cache-Control", "Expires")

@@ -10,9 +10,9 @@ import os
 
 from aiohttp import web
 
-import kvstore.transport.http as http
+from kvstore.transport.http import app
 
-_healthz = http.healthz
+_healthz = app.healthz
 
 
 async def leaky_healthz(request: web.Request) -> web.Response:
@@ -33,4 +33,4 @@ async def leaky_healthz(request: web.Request) -> web.Response:
     return await _healthz(request)
 
 
-http.healthz = leaky_healthz
+app.healthz = leaky_healthz

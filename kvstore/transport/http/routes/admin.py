@@ -13,9 +13,9 @@ from kvstore.engine.crypto import load_master_key
 from kvstore.errors import InvalidInput, MasterKeyError
 from kvstore.names import validate_tenant
 from kvstore.redaction import SCRUBBER
-from kvstore.transport.http_body import json_body
-from kvstore.transport.http_common import STATE, query_bool, query_number, query_value, require_admin, store_of
-from kvstore.transport.http_xfer import XFER
+from kvstore.transport.http.bodies import json_body
+from kvstore.transport.http.common import STATE, query_bool, query_number, query_value, require_admin, store_of
+from kvstore.transport.http.routes.xfer import XFER
 from kvstore.transport.nixl.devices import discover
 
 routes = web.RouteTableDef()

@@ -18,8 +18,8 @@ from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_client_key, validate_key
-from kvstore.transport.http_body import block_body, json_body
-from kvstore.transport.http_common import (
+from kvstore.transport.http.bodies import block_body, json_body
+from kvstore.transport.http.common import (
     METRICS,
     config_of,
     lease_field,
@@ -29,10 +29,10 @@ from kvstore.transport.http_common import (
     store_of,
     tenant_of,
 )
-from kvstore.transport.http_forward import WRITER
-from kvstore.transport.http_internal import share_lease
-from kvstore.transport.ranges import etag_matches, parse_range, range_spec_count
-from kvstore.transport.sendfile import send_extent
+from kvstore.transport.http.forward import WRITER
+from kvstore.transport.http.internal import share_lease
+from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
+from kvstore.transport.http.sendfile import send_extent
 
 routes = web.RouteTableDef()
 

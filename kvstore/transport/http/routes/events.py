@@ -27,7 +27,7 @@ from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.bus import EventBus, Gap
 from kvstore.events.model import Event
 from kvstore.events.zmq_pub import ZmqPublisher
-from kvstore.transport.http_common import CONFIG, STORE, is_admin, query_int, send, tenant_of
+from kvstore.transport.http.common import CONFIG, STORE, is_admin, query_int, send, tenant_of
 
 routes = web.RouteTableDef()
 EVENTS = web.AppKey("events", EventBus)

@@ -62,9 +62,8 @@ from kvstore.errors import (
     UnixSocketRequired,
 )
 from kvstore.tasks import Background
-from kvstore.transport.http_blocks import keys_field
-from kvstore.transport.http_body import json_body
-from kvstore.transport.http_common import (
+from kvstore.transport.http.bodies import json_body
+from kvstore.transport.http.common import (
     STATE,
     STORE,
     config_of,
@@ -74,9 +73,10 @@ from kvstore.transport.http_common import (
     store_of,
     tenant_of,
 )
-from kvstore.transport.http_forward import WRITER, writer_url
-from kvstore.transport.http_internal import share_lease
-from kvstore.transport.http_records import client_decode_allowed, record_meta
+from kvstore.transport.http.forward import WRITER, writer_url
+from kvstore.transport.http.internal import share_lease
+from kvstore.transport.http.routes.blocks import keys_field
+from kvstore.transport.http.routes.records import client_decode_allowed, record_meta
 
 log = logging.getLogger("kvstore.transport.plans")
 routes = web.RouteTableDef()

@@ -15,7 +15,7 @@
   engine identity, as ``Kvstore-Block-Meta``'s JSON).
 
 One agent serves the daemon: the writer's (single or writer role). Reader
-workers relay these routes to it like every write (see http_forward).
+workers relay these routes to it like every write (see transport/http/forward.py).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from kvstore.errors import InvalidInput, NixlDisabled
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_key
 from kvstore.tasks import Background
-from kvstore.transport.http_blocks import keys_field
-from kvstore.transport.http_body import json_body
-from kvstore.transport.http_common import CONFIG, STORE, config_of, tenant_of
+from kvstore.transport.http.bodies import json_body
+from kvstore.transport.http.common import CONFIG, STORE, config_of, tenant_of
+from kvstore.transport.http.routes.blocks import keys_field
 from kvstore.transport.nixl.devices import discover
 from kvstore.transport.nixl.service import XferService
 
