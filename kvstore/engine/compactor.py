@@ -57,17 +57,14 @@ from kvstore.config import StoreConfig
 from kvstore.engine.appender import Appender
 from kvstore.engine.format import ALIGN, KIND_TOMBSTONE, FooterEntry, checksum, decode_record_header
 from kvstore.engine.index import SEG_OPEN, SEG_RETIRED, SEG_SEALED, Index, IndexEntry
-from kvstore.engine.layout import segment_object
 from kvstore.engine.lifecycle import Leases, Lifecycle, LifecycleError, Phase
 from kvstore.engine.record import EncodedRecord, index_entry
 from kvstore.engine.registry import Registry
-from kvstore.engine.remote import fetch_footer
+from kvstore.engine.residency import Residency
 from kvstore.engine.segcache import SegmentCache
-from kvstore.engine.segment import SegmentFile
 from kvstore.errors import CorruptionError, KVStoreError, TierError
 from kvstore.metrics import Metrics
 from kvstore.tasks import wait_event
-from kvstore.tier.base import Tier
 
 log = logging.getLogger("kvstore.engine.compactor")
 SegmentKey = tuple[str, int]
@@ -125,27 +122,32 @@ class Compactor:
         leases: Leases,
         registry: Registry,
         cache: SegmentCache,
-        tier: Tier | None,
+        residency: Residency,
         appender: Callable[[str], Appender],
         run: Callable[..., Awaitable[Any]],
         metrics: Metrics,
-        pressed: Callable[[], bool] | None = None,
         available: Callable[[], int] | None = None,
     ) -> None:
+        """``residency`` says where each segment's bytes are, and whether the
+        disk is full; ``available``: bytes maintenance may still write
+        (blocking)."""
         self._cfg = config
         self._index = index
         self._life = lifecycle
         self._leases = leases
         self._registry = registry
         self._cache = cache
-        self._tier = tier
+        self._residency = residency
         self._appender = appender
         self._run = run
         self._metrics = metrics
-        self._pressed = pressed or (lambda: False)  # whether the disk is full (reserve.py)
-        self._available = available  # bytes free on the data directory's filesystem (blocking)
+        self._available = available
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
+
+    def _pressed(self) -> bool:
+        """Whether the disk is full (reserve.py): compaction runs now, and chooses differently."""
+        return self._residency.full
 
     def kick(self) -> None:
         """The disk may have filled: run a pass now (the loop decides)."""
@@ -295,7 +297,7 @@ class Compactor:
         if local and seg is None:
             raise CorruptionError("segment file is missing", f"{tenant}/{sid:016x}.seg", 0)
         try:
-            entries = await self._footer(tenant, sid, seg)
+            entries = await self._residency.read_footer(tenant, sid, seg)
             needed = await self._run(self._tombstones_needed, tenant, sid, entries)
             if not await self._run(self._worth_it, tenant, sid, entries, needed, self._threshold(pressed)):
                 return False  # mostly tombstones that must stay: moving them would give nothing back
@@ -308,7 +310,7 @@ class Compactor:
                     expect = index_entry(sid, fe)
                     if self._index.get(tenant, fe.key) != expect:
                         continue  # dead: deleted, replaced, expired or evicted
-                raw = await self._read(tenant, sid, seg, fe)
+                raw = await self._residency.read_record(tenant, sid, seg, fe.offset, fe.record_len)
                 record = await self._run(_checked_record, raw, tenant, fe, f"{tenant}/{sid:016x}.seg")
                 if await app.copy(record, expect):
                     if fe.kind == KIND_TOMBSTONE:
@@ -327,28 +329,6 @@ class Compactor:
         report.segments_rewritten += 1
         return True
 
-    async def _footer(self, tenant: str, sid: int, seg: SegmentFile | None) -> list[FooterEntry]:
-        if seg is not None:
-            entries: list[FooterEntry] = await self._run(seg.read_footer)
-            return entries
-        assert self._tier is not None
-        name, size = self._object(tenant, sid)
-        return (await fetch_footer(self._tier, name, size, tenant, sid)).entries
-
-    def _object(self, tenant: str, sid: int) -> tuple[str, int]:
-        ts = self._index.tier_state(tenant, sid)
-        if ts is None:
-            raise CorruptionError("segment is neither local nor in the object tier", f"{tenant}/{sid:016x}.seg", 0)
-        return segment_object(tenant, self._registry.get(tenant).created_ns, sid), ts.size
-
-    async def _read(self, tenant: str, sid: int, seg: SegmentFile | None, fe: FooterEntry) -> bytes | bytearray:
-        if seg is not None:
-            data: bytearray = await self._run(seg.pread, fe.offset, fe.record_len)
-            return data
-        assert self._tier is not None
-        name, _ = self._object(tenant, sid)
-        return await self._tier.read_range(name, fe.offset, fe.record_len)
-
     async def carry_tombstones(self, tenant: str, sid: int) -> int:
         """Before sealed segment ``sid`` goes without being compacted (an
         ephemeral segment dropped under disk pressure), copy forward the
@@ -361,12 +341,12 @@ class Compactor:
         copied = 0
         try:
             app = self._appender(tenant)
-            entries = await self._footer(tenant, sid, seg)
+            entries = await self._residency.read_footer(tenant, sid, seg)
             needed = await self._run(self._tombstones_needed, tenant, sid, entries)
             for fe in entries:
                 if fe.offset not in needed:
                     continue
-                raw = await self._read(tenant, sid, seg, fe)
+                raw = await self._residency.read_record(tenant, sid, seg, fe.offset, fe.record_len)
                 record = await self._run(_checked_record, raw, tenant, fe, f"{tenant}/{sid:016x}.seg")
                 copied += await app.copy(record, None)
             if copied:
@@ -445,10 +425,10 @@ class Compactor:
                 report.bytes_reclaimed += await self._run(self._remove_local, name, sid)
                 ts = await self._run(self._index.tier_state, name, sid)
                 if ts is not None and ts.mirrored:
-                    if self._tier is None or not await self._run(self._copies_mirrored, name, st.wait_upto):
+                    if self._residency.tier is None or not await self._run(self._copies_mirrored, name, st.wait_upto):
                         continue
                     try:
-                        await self._tier.delete(segment_object(name, self._registry.get(name).created_ns, sid))
+                        await self._residency.delete_object(name, sid)
                     except TierError as e:
                         log.warning("deleting the object of retired segment %s/%016x failed: %s", name, sid, e)
                         continue

@@ -1,10 +1,21 @@
-"""G3 and G4 together: where a segment is read from, what is uploaded, what is
-dropped under disk pressure, and what is brought back.
+"""Residency: where a segment's data lives (G3, G4 or both), what is
+uploaded, what is dropped under disk pressure, and what is brought back.
 
-One :class:`Tiering` per open store. In the process that owns the store it
-runs the mirror (mirror.py), the evictor (space.py's policy) and
-rehydration; in a reader worker (``writer=False``) it only routes reads,
-learning from the index which segments another process has dropped.
+One :class:`Residency` per open store answers "where are this segment's
+bytes" for every reader of them (the read path, compaction), in one place:
+its local file (:meth:`Residency.local`), else its object in the tier
+(:meth:`Residency.fetch`, :meth:`Residency.read_footer`,
+:meth:`Residency.read_record`). In the process that owns the store it runs
+the mirror (mirror.py), the evictor (space.py's policy), rehydration and the
+space reserve's refills; in a reader worker (``writer=False``) it only
+routes reads, learning from the index which segments another process has
+dropped. What it needs of the rest of the engine (an appender's removals,
+tombstones carried forward, residency events, compaction woken) it asks
+through one :class:`ResidencyHooks`.
+
+Wiring order (store.py): the residency is built first, then what its hooks
+call (the compactor), then :meth:`Residency.start` starts its tasks, so
+nothing runs before what it calls exists.
 
 Reads of a segment with no local copy fetch just the record with one ranged
 GET (remote.py). They fail fast with a retryable error (503
@@ -22,16 +33,17 @@ import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.config import StoreConfig
+from kvstore.engine.format import FooterEntry
 from kvstore.engine.index import SEG_SEALED, Index, IndexEntry, TierState
 from kvstore.engine.layout import REGISTRY_OBJECT, parse_segment_object, segment_object, tenant_prefix
 from kvstore.engine.lifecycle import SWEEP_INTERVAL_S, Leases, Lifecycle, LifecycleError, Phase
 from kvstore.engine.mirror import Mirror
-from kvstore.engine.recovery import index_tier_segment
+from kvstore.engine.recovery import RemoteSegments, index_tier_segment
 from kvstore.engine.registry import Registry
-from kvstore.engine.remote import FetchedRecord, download_segment, fetch_footer
+from kvstore.engine.remote import FetchedRecord, RemoteFooter, download_segment, fetch_footer
 from kvstore.engine.reserve import SpaceReserve
 from kvstore.engine.segcache import SegmentCache
 from kvstore.engine.segment import SegmentFile
@@ -58,35 +70,53 @@ FAIL_FAST_S = 1.0
 INDEX_HEADROOM = 1 << 20  # free bytes a put leaves besides its own, for the index's commits
 
 
-class Tiering:
+class ResidencyHooks(Protocol):
+    """What residency asks of the rest of the engine (the store implements it)."""
+
+    async def drop_segment_entries(self, tenant: str, sid: int) -> int:
+        """Remove, through the tenant's appender, every entry pointing into
+        sealed segment ``sid`` (an ephemeral segment about to be dropped)."""
+        ...
+
+    async def carry_tombstones(self, tenant: str, sid: int) -> int:
+        """Copy forward the tombstones of ``sid`` an older segment still
+        needs, before ``sid`` goes without being compacted."""
+        ...
+
+    async def segment_moved(self, tenant: str, sid: int, to: TierName) -> None:
+        """The segment's blocks are now read from ``to`` (residency events)."""
+        ...
+
+    def disk_full(self) -> None:
+        """A put was refused for space: compaction should run now."""
+        ...
+
+
+class Residency:
     def __init__(
         self,
         config: StoreConfig,
         index: Index,
         registry: Registry,
         cache: SegmentCache,
+        lifecycle: Lifecycle,
+        leases: Leases,
         metrics: Metrics,
         run: Callable[..., Awaitable[Any]],
         tier: Tier | None,
-        writer: bool,
-        lifecycle: Lifecycle,
-        leases: Leases,
-        drop_entries: Callable[[str, int], Awaitable[int]] | None = None,
-        before_drop: Callable[[str, int], Awaitable[int]] | None = None,
-        adopted: bool = False,
-        moved: Callable[[str, int, TierName], Awaitable[None]] | None = None,
+        hooks: ResidencyHooks | None = None,
         reserve: SpaceReserve | None = None,
-        pressure: Callable[[], None] | None = None,
+        writer: bool = True,
+        adopted: bool = False,
     ) -> None:
-        self._moved = moved  # (tenant, segment, tier): its blocks are now read from there (residency events)
-        self.reserve = reserve  # the writer's space reserve (engine/reserve.py)
-        self._pressure = pressure  # told when a put is refused for space: compaction should run
+        """``hooks``: None in a reader worker (it drops nothing); ``reserve``:
+        the writer's space reserve (reserve.py)."""
+        self._hooks = hooks
+        self.reserve = reserve
         self._refused = False  # a put was refused for space since the disk last had room
         self.config = config
         self._life = lifecycle
         self._leases = leases
-        self._drop_entries = drop_entries
-        self._before_drop = before_drop
         self.tier = tier
         self.writer = writer
         self.adopted = adopted
@@ -248,6 +278,40 @@ class Tiering:
         self._maybe_rehydrate(k)
         return FetchedRecord(data, entry.offset, name)
 
+    def object_of(self, tenant: str, sid: int) -> tuple[str, int]:
+        """(name, size) of segment ``sid``'s object in the tier."""
+        ts = self._index.tier_state(tenant, sid)
+        if ts is None or self.tier is None:
+            raise CorruptionError("segment is neither local nor in the object tier", f"{tenant}/{sid:016x}.seg", 0)
+        return segment_object(tenant, self._registry.get(tenant).created_ns, sid), ts.size
+
+    async def read_footer(self, tenant: str, sid: int, seg: SegmentFile | None) -> list[FooterEntry]:
+        """The footer of sealed segment ``sid``: from ``seg``, its local file
+        (acquired by the caller), or from its object in the tier."""
+        if seg is not None:
+            entries: list[FooterEntry] = await self._run(seg.read_footer)
+            return entries
+        assert self.tier is not None
+        name, size = self.object_of(tenant, sid)
+        return (await fetch_footer(self.tier, name, size, tenant, sid)).entries
+
+    async def read_record(
+        self, tenant: str, sid: int, seg: SegmentFile | None, offset: int, length: int
+    ) -> bytes | bytearray:
+        """Bytes [offset, offset + length) of segment ``sid``, as
+        :meth:`read_footer` finds it (maintenance: no fail-fast, no rehydration)."""
+        if seg is not None:
+            data: bytearray = await self._run(seg.pread, offset, length)
+            return data
+        assert self.tier is not None
+        name, _ = self.object_of(tenant, sid)
+        return await self.tier.read_range(name, offset, length)
+
+    async def delete_object(self, tenant: str, sid: int) -> None:
+        """Delete segment ``sid``'s object from the tier (a retired segment's)."""
+        assert self.tier is not None
+        await self.tier.delete(segment_object(tenant, self._registry.get(tenant).created_ns, sid))
+
     def _down(self, why: str) -> None:
         self._metrics.inc("kvstore_tier_errors_total", op="read")
         self._down_until = time.monotonic() + FAIL_FAST_S
@@ -280,8 +344,8 @@ class Tiering:
             await download_segment(self.tier, name, ts.size, dest, self._run)
             await self._run(self._life.rehydrated, tenant, sid)
             self._remote_only.discard(k)
-            if self._moved is not None:
-                await self._moved(tenant, sid, "local")
+            if self._hooks is not None:
+                await self._hooks.segment_moved(tenant, sid, "local")
             self.space.wrote(ts.size)
             self._metrics.inc("kvstore_tier_rehydrations_total")
             self._metrics.inc("kvstore_tier_download_bytes_total", ts.size)
@@ -350,8 +414,8 @@ class Tiering:
         self._refused = True
         self._metrics.inc("kvstore_space_refusals_total")
         self._metrics.set("kvstore_space_full", 1)
-        if self._pressure is not None:
-            self._pressure()
+        if self._hooks is not None:
+            self._hooks.disk_full()
 
     async def relieve(self) -> bool:
         """(The evictor, every pass.) Allocate the space reserve again if it
@@ -432,15 +496,14 @@ class Tiering:
                 return False
             await self._maintain(self._life.dropped, tenant, sid)
             self._remote_only.add(c.key)
-            if self._moved is not None:
-                await self._moved(tenant, sid, "object")
+            if self._hooks is not None:
+                await self._hooks.segment_moved(tenant, sid, "object")
             kind = "mirrored"
         else:
-            if phase is not Phase.SEALED or self._drop_entries is None:
+            if phase is not Phase.SEALED or self._hooks is None:
                 return False
-            if self._before_drop is not None:
-                await self._before_drop(tenant, sid)  # tombstones an older segment needs
-            await self._drop_entries(tenant, sid)  # through the tenant's appender
+            await self._hooks.carry_tombstones(tenant, sid)  # those an older segment needs
+            await self._hooks.drop_segment_entries(tenant, sid)  # through the tenant's appender
             # Retired, not forgotten, until its file is gone: recovery removes
             # a retired segment's file, where it would index a forgotten one
             # from its footer and bring its blocks back.
@@ -540,8 +603,33 @@ class Tiering:
 
 # -- the bucket at start-up ---------------------------------------------------
 
+Listing = dict[str, dict[int, dict[int, int]]]  # tenant -> incarnation -> segment id -> object size
+FOOTER_FETCH_TIMEOUT_S = 120
 
-async def list_bucket(tier: Tier) -> dict[str, dict[int, dict[int, int]]]:
+
+def remote_segments(
+    tier: Tier | None, registry: Registry, listing: Listing, loop: asyncio.AbstractEventLoop
+) -> dict[str, RemoteSegments] | None:
+    """What the object tier holds of each tenant's current incarnation, for
+    recovery (which runs on a thread: footers are fetched on ``loop``)."""
+    if tier is None:
+        return None
+
+    def fetcher(tenant: str, incarnation: int) -> Callable[[int, int], RemoteFooter]:
+        def fetch(sid: int, size: int) -> RemoteFooter:
+            coro = fetch_footer(tier, segment_object(tenant, incarnation, sid), size, tenant, sid)
+            return asyncio.run_coroutine_threadsafe(coro, loop).result(FOOTER_FETCH_TIMEOUT_S)
+
+        return fetch
+
+    view: dict[str, RemoteSegments] = {}
+    for name in registry.names():
+        inc = registry.get(name).created_ns
+        view[name] = RemoteSegments(listing.get(name, {}).get(inc, {}), fetcher(name, inc))
+    return view
+
+
+async def list_bucket(tier: Tier) -> Listing:
     """Segment objects by tenant, incarnation and id (-> size)."""
     out: dict[str, dict[int, dict[int, int]]] = {}
     async for info in tier.list("segments/"):
@@ -558,4 +646,4 @@ async def fetch_registry(tier: Tier) -> bytes | None:
     return await tier.read_range(REGISTRY_OBJECT, 0, info.size)
 
 
-__all__ = ["Tiering", "fetch_footer", "fetch_registry", "list_bucket"]
+__all__ = ["Listing", "Residency", "ResidencyHooks", "fetch_footer", "fetch_registry", "list_bucket", "remote_segments"]

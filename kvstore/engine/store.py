@@ -11,7 +11,7 @@ Data directory layout::
 With an object tier (G4: S3 or a shared directory), sealed segments of
 persistent tenants are mirrored there, local copies may be dropped under disk
 pressure and read back by ranged GETs, and a node on an empty disk rebuilds
-from the bucket (tiering.py, mirror.py, space.py).
+from the bucket (residency.py, mirror.py, space.py).
 
 CPU and disk work runs on a bounded thread pool; the event loop only routes
 and does index lookups (LMDB reads of a memory map, microseconds each).
@@ -29,9 +29,8 @@ import os
 import resource
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from kvstore.config import FRAME_SIZE_RULE, StoreConfig, valid_frame_size
 from kvstore.engine.access import Touches
@@ -39,14 +38,13 @@ from kvstore.engine.appender import OpenSegment
 from kvstore.engine.compactor import CompactionReport, Compactor
 from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.engine.index import Index
-from kvstore.engine.layout import segment_object, tenant_prefix
+from kvstore.engine.layout import tenant_prefix
 from kvstore.engine.lifecycle import Lifecycle
 from kvstore.engine.mirror import Mirror
-from kvstore.engine.recovery import RecoveryReport, RemoteSegments, UnknownTenants, recover, tenant_dirs, trash
+from kvstore.engine.recovery import RecoveryReport, UnknownTenants, recover, tenant_dirs, trash
 from kvstore.engine.registry import Registry, RegistryUnreadable
-from kvstore.engine.remote import RemoteFooter, fetch_footer
 from kvstore.engine.reserve import RESERVE_FILE, SpaceReserve, auto_reserve, segment_cap
-from kvstore.engine.residency import Tiering, fetch_registry, list_bucket
+from kvstore.engine.residency import Listing, Residency, fetch_registry, list_bucket, remote_segments
 from kvstore.engine.retention import Retention
 from kvstore.engine.store_read import StoreReads
 from kvstore.engine.store_write import StoreWrites
@@ -67,17 +65,7 @@ from kvstore.names import validate_tenant
 from kvstore.tier.base import Tier
 
 log = logging.getLogger("kvstore.engine.store")
-# Index reads run on the event loop: an LMDB read is a lookup in a memory map
-# under an MVCC snapshot (it never waits for the writer), ~0.3 us a key here,
-# far cheaper than the hop to a thread (~100-200 us under load). Chains longer
-# than this still go to the pool, so no single call holds the loop for long.
-INLINE_LOOKUP_KEYS = 1024
 MASTER_KEY_HINT = "master-key.path"  # where the last rotation's new key file is (a path, never a key)
-T = TypeVar("T")
-Data = bytes | bytearray | memoryview
-Listing = dict[str, dict[int, dict[int, int]]]  # tenant -> incarnation -> segment id -> size
-FOOTER_FETCH_TIMEOUT_S = 120
-READ_ATTEMPTS = 4  # a block that keeps moving under a read (compaction) is retried this often
 
 
 class Store(StoreReads, StoreWrites):
@@ -115,7 +103,7 @@ class Store(StoreReads, StoreWrites):
             else:
                 listing, id_floor = await store._survey_bucket()
                 await store._run(store._open_sync, listing, id_floor, asyncio.get_running_loop())
-            await store._start_tiering(readonly)
+            await store._start_residency(readonly)
         except BaseException:
             await store._run(store._release_after_failed_open)
             store._pool.shutdown(wait=False)
@@ -150,46 +138,25 @@ class Store(StoreReads, StoreWrites):
                 log.warning("restored the tenant registry from the object tier")
         return listing, 0
 
-    async def _start_tiering(self, readonly: bool) -> None:
-        self._tiering = Tiering(
+    async def _start_residency(self, readonly: bool) -> None:
+        """Build the residency, then what its hooks call (the compactor and
+        retention), then start them: nothing runs before what it calls exists."""
+        writer = not readonly
+        self._residency = Residency(
             self.config,
             self._index,
             self._registry,
             self._cache,
+            self._life,
+            self.leases,
             self.metrics,
             self._run,
             self.tier,
-            writer=not readonly,
-            lifecycle=self._life,
-            leases=self.leases,
-            drop_entries=self._drop_segment_entries,
-            before_drop=lambda tenant, sid: self._compactor.carry_tombstones(tenant, sid),
-            adopted=self.adopted,
-            moved=self._moved,
+            hooks=self if writer else None,
             reserve=self.reserve,
-            pressure=self._disk_full,
+            writer=writer,
+            adopted=self.adopted,
         )
-        if self.reserve is not None:
-            loop = asyncio.get_running_loop()
-
-            def released(_freed: int) -> None:
-                loop.call_soon_threadsafe(self._disk_full)
-
-            self.reserve.on_release = released
-        mirror = None
-        if self.tier is not None and not readonly and not self.adopted and self._background:
-            mirror = Mirror(
-                self.tier,
-                self._life,
-                self.metrics,
-                self._maintain,
-                self._registry.document,
-                self.config.s3_upload_concurrency,
-                self._tiering.mirrored,
-            )
-            self._registry.on_change = mirror.registry_changed
-            mirror.registry_changed()  # the bucket gets this node's registry now
-        await self._tiering.start(mirror, self._background)
         self._compactor = Compactor(
             self.config,
             self._index,
@@ -197,11 +164,10 @@ class Store(StoreReads, StoreWrites):
             self.leases,
             self._registry,
             self._cache,
-            self.tier,
+            self._residency,
             lambda name: self._appender(self._registry.get(name)),
             self._maintain,
             self.metrics,
-            pressed=lambda: self._tiering.full,
             available=self._room_for_maintenance,
         )
         self._retention = Retention(
@@ -215,46 +181,40 @@ class Store(StoreReads, StoreWrites):
             identities=self._identities,
             leases=self.leases,
         )
-        if not readonly and not self.adopted and self._background:
-            self._tiering.spawn(self._compactor.loop(), "compactor")
-            self._tiering.spawn(self._retention.checkpointer(), "access-checkpoints")
-            self._tiering.spawn(self._retention.sweeper(self.config.ttl_sweep_s), "ttl-sweeper")
+        if self.reserve is not None:
+            loop = asyncio.get_running_loop()
+
+            def released(_freed: int) -> None:
+                loop.call_soon_threadsafe(self.disk_full)
+
+            self.reserve.on_release = released
+        mirror = None
+        if self.tier is not None and writer and not self.adopted and self._background:
+            mirror = Mirror(
+                self.tier,
+                self._life,
+                self.metrics,
+                self._maintain,
+                self._registry.document,
+                self.config.s3_upload_concurrency,
+                self._residency.mirrored,
+            )
+            self._registry.on_change = mirror.registry_changed
+            mirror.registry_changed()  # the bucket gets this node's registry now
+        await self._residency.start(mirror, self._background)
+        if writer and not self.adopted and self._background:
+            self._residency.spawn(self._compactor.loop(), "compactor")
+            self._residency.spawn(self._retention.checkpointer(), "access-checkpoints")
+            self._residency.spawn(self._retention.sweeper(self.config.ttl_sweep_s), "ttl-sweeper")
         if mirror is not None:
             for prefix in self._stale:
                 log.warning("deleting objects of a deleted tenant under %s", prefix)
                 mirror.delete_prefix(prefix)
 
-    def _disk_full(self) -> None:
-        """On the loop: the disk filled (the reserve was released, or a put
-        refused for space): compaction runs now, the evictor too."""
-        if hasattr(self, "_compactor"):
-            self._compactor.kick()
-        self._tiering.kick()
-
     def _open_reader_sync(self) -> None:
         self._registry = Registry(self._root / "registry.json", self._master, readonly=True)
         self._index = Index(self._root / "index", readonly=True)
         self._life = Lifecycle(self._index)
-
-    def _remote_view(
-        self, listing: Listing | None, loop: asyncio.AbstractEventLoop
-    ) -> dict[str, RemoteSegments] | None:
-        tier = self.tier
-        if listing is None or tier is None:
-            return None
-
-        def fetcher(tenant: str, incarnation: int) -> Callable[[int, int], RemoteFooter]:
-            def fetch(sid: int, size: int) -> RemoteFooter:
-                coro = fetch_footer(tier, segment_object(tenant, incarnation, sid), size, tenant, sid)
-                return asyncio.run_coroutine_threadsafe(coro, loop).result(FOOTER_FETCH_TIMEOUT_S)
-
-            return fetch
-
-        view: dict[str, RemoteSegments] = {}
-        for name in self._registry.names():
-            inc = self._registry.get(name).created_ns
-            view[name] = RemoteSegments(listing.get(name, {}).get(inc, {}), fetcher(name, inc))
-        return view
 
     def _stale_prefixes(self, listing: Listing) -> list[str]:
         """Bucket prefixes of deleted tenants (or deleted incarnations)."""
@@ -294,7 +254,7 @@ class Store(StoreReads, StoreWrites):
             self._index = reserve.spending(lambda: Index(index_dir, sync=sync))
             rebuilt = has_segments
         self._life = Lifecycle(self._index)
-        remote = self._remote_view(listing, loop)
+        remote = remote_segments(self.tier, self._registry, listing, loop) if listing is not None else None
 
         def recovered() -> dict[str, OpenSegment]:
             # Recovery converges from any point it stopped at, so on a full
@@ -399,7 +359,7 @@ class Store(StoreReads, StoreWrites):
         for app in list(self._appenders.values()):
             await app.close()
         self._appenders.clear()
-        await self._tiering.close()
+        await self._residency.close()
         await self._run(self._close_sync)
         self._pool.shutdown(wait=True)
         if self._own_tier and self.tier is not None:
@@ -544,7 +504,7 @@ class Store(StoreReads, StoreWrites):
             await self._maintain(self._life.tenant_deleted, name)
             self._cache.forget_tenant(name)  # closed once the reads in progress end
             self.access.forget_tenant(name)
-            self._tiering.tenant_deleted(name, incarnation)
+            self._residency.tenant_deleted(name, incarnation)
             moved = await self._run(trash, self._seg_root, name)
             self._tails.pop(name, None)
             if self.events is not None:
@@ -552,7 +512,7 @@ class Store(StoreReads, StoreWrites):
         finally:
             self._deleting.discard(name)
         if moved is not None:
-            self._tiering.spawn(self._run(shutil.rmtree, moved, True), f"remove:{name}")
+            self._residency.spawn(self._run(shutil.rmtree, moved, True), f"remove:{name}")
 
     def authenticate(self, token: str) -> str | None:
         """The tenant a bearer token names, or None (unknown, revoked, deleted)."""
@@ -622,7 +582,7 @@ class Store(StoreReads, StoreWrites):
         self._check_writable()
         for app in list(self._appenders.values()):
             await app.seal()
-        mirror = self._tiering.mirror
+        mirror = self._residency.mirror
         if mirror is None:
             return {"flushed": True, "tier": None}
         mirror.kick()
@@ -645,7 +605,7 @@ class Store(StoreReads, StoreWrites):
     async def evict(self) -> int:
         """Run one eviction pass now (normally the evictor runs it)."""
         self._check_open()
-        return await self._tiering.evict()
+        return await self._residency.evict()
 
     async def follow_bucket(self) -> int:
         """A node adopting a bucket read-only: pick up the owner's changes now
@@ -653,7 +613,7 @@ class Store(StoreReads, StoreWrites):
         self._check_open()
         if not self.adopted:
             raise InvalidInput("follow_bucket is for a node started with s3_readonly")
-        return await self._tiering.follow_bucket()
+        return await self._residency.follow_bucket()
 
     # -- reads ----------------------------------------------------------------
 

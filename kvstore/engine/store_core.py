@@ -25,7 +25,7 @@ from kvstore.engine.object_tier import tier_from_config
 from kvstore.engine.recovery import RecoveryReport
 from kvstore.engine.registry import Registry, Tenant
 from kvstore.engine.reserve import SpaceReserve
-from kvstore.engine.residency import Tiering
+from kvstore.engine.residency import Residency
 from kvstore.engine.retention import Retention
 from kvstore.engine.segcache import SegmentCache
 from kvstore.errors import (
@@ -69,7 +69,7 @@ class StoreCore:
         self.adopted = config.s3_readonly  # serves a bucket another node writes
         self.tier = tier if tier is not None else tier_from_config(config)
         self._own_tier = tier is None and self.tier is not None
-        self._tiering: Tiering
+        self._residency: Residency
         self._stale: list[str] = []
         self._life: Lifecycle
         self._compactor: Compactor
@@ -141,7 +141,9 @@ class StoreCore:
             self._appenders[t.name] = app
         return app
 
-    async def _drop_segment_entries(self, tenant: str, sid: int) -> int:
+    # -- what residency asks (residency.ResidencyHooks) ----------------------
+
+    async def drop_segment_entries(self, tenant: str, sid: int) -> int:
         """Remove every entry pointing into segment ``sid`` (it is being
         dropped), through the tenant's appender; returns how many."""
         victims = await self._run(self._index.entries_in, tenant, sid)
@@ -242,7 +244,18 @@ class StoreCore:
         ts = self._index.tier_state(tenant, segment_id)
         return "local" if ts is None or ts.local else "object"
 
-    async def _moved(self, tenant: str, segment_id: int, to: TierName) -> None:
+    async def carry_tombstones(self, tenant: str, sid: int) -> int:
+        """Copy forward the tombstones of ``sid`` an older segment still needs
+        (it is dropped without being compacted)."""
+        return await self._compactor.carry_tombstones(tenant, sid)
+
+    def disk_full(self) -> None:
+        """On the loop: the disk filled (the reserve was released, or a put
+        refused for space): compaction runs now, the evictor too."""
+        self._compactor.kick()
+        self._residency.kick()
+
+    async def segment_moved(self, tenant: str, segment_id: int, to: TierName) -> None:
         """A segment's blocks are now read from ``to`` (its local copy was
         dropped: ``object``; it was rehydrated: ``local``)."""
         if self.events is None:
@@ -260,7 +273,7 @@ class StoreCore:
 
     def _sealed_elsewhere(self, loop: asyncio.AbstractEventLoop, tenant: str, segment_id: int) -> None:
         """An appender thread sealed a segment: tell the tiering, on the loop."""
-        loop.call_soon_threadsafe(self._tiering.sealed, tenant, segment_id)
+        loop.call_soon_threadsafe(self._residency.sealed, tenant, segment_id)
 
     async def _serialize(self, tenant: str, key: str) -> asyncio.Future[None]:
         """Wait for any write in flight on (tenant, key), then claim it."""

@@ -163,7 +163,7 @@ class StoreReads(StoreCore):
         entry, start, end = await self._range(tenant, key, start, end)
         if entry.flags & reader.REC_FLAG_DIRECT:
             try:
-                seg = await self._tiering.local(tenant, entry, key)
+                seg = await self._residency.local(tenant, entry, key)
             except SegmentMoved:
                 seg = None  # the read below asks the index again
             if seg is not None:
@@ -246,7 +246,7 @@ class StoreReads(StoreCore):
         """The index entry of a block and its local segment, acquired."""
         entry = await self._entry(t.name, key)
         try:
-            seg = await self._tiering.local(t.name, entry, key)
+            seg = await self._residency.local(t.name, entry, key)
         except SegmentMoved:
             raise NotPlannable(f"key {key!r} moved while it was planned: GET it") from None
         if seg is None:
@@ -313,9 +313,9 @@ class StoreReads(StoreCore):
         return await self._retrying(tenant, key, entry, lambda e: self._stored_unchecked(tenant, key, e, start, end))
 
     async def _stored_unchecked(self, tenant: str, key: str, entry: IndexEntry, start: int, end: int) -> StoredRecord:
-        seg = await self._tiering.local(tenant, entry, key)
+        seg = await self._residency.local(tenant, entry, key)
         if seg is None:
-            source = await self._tiering.fetch(tenant, key, entry)
+            source = await self._residency.fetch(tenant, key, entry)
             frames = await self._run(reader.stored_frames, source, entry, tenant, key, start, end, self._registry)
             body: DirectExtent | memoryview = frames.view
         else:
@@ -332,10 +332,10 @@ class StoreReads(StoreCore):
     async def _read_unchecked(
         self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool
     ) -> bytearray | memoryview:
-        seg = await self._tiering.local(tenant, entry, key)
+        seg = await self._residency.local(tenant, entry, key)
         out: bytearray | memoryview
         if seg is None:
-            source = await self._tiering.fetch(tenant, key, entry)
+            source = await self._residency.fetch(tenant, key, entry)
             out = await self._decode(source, tenant, key, entry, start, end)
         else:
             try:

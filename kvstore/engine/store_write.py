@@ -77,16 +77,16 @@ class StoreWrites(StoreCore):
                 self.metrics.inc("kvstore_puts_total", result="exists")
                 self.access.touch(tenant, key)  # written again: it is still wanted
                 return False
-            await self._tiering.admit(len(view))
+            await self._residency.admit(len(view))
             record = await self._encode(t, key, view)
             ident = self._ident_blob(t, key, meta) if meta is not None else None
             async with self._retention.reserve(t, record.length):
                 try:
                     await self._appender(t).submit(record, ident)
                 except StorageFull:
-                    self._tiering.filled()
+                    self._residency.filled()
                     raise
-            self._tiering.space.wrote(record.length)
+            self._residency.space.wrote(record.length)
             self._stored(tenant, "put", "local", [key], [len(view)], [meta or BlockMeta.of_key(key)])
             self.metrics.inc("kvstore_puts_total", result="created")
             self.metrics.inc("kvstore_bytes_in_total", len(view))

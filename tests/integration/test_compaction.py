@@ -126,10 +126,10 @@ async def test_a_lease_keeps_a_segment_through_compaction_and_eviction(
     lease = store.leases.acquire([("eph", 1)], ttl_s=60)
     await store.compact("eph")
     assert seg.exists(), "a leased segment was compacted away"
-    store._tiering.space.capacity = 1  # over every watermark: the evictor wants everything
+    store._residency.space.capacity = 1  # over every watermark: the evictor wants everything
     await store.evict()
     assert seg.exists(), "a leased segment was dropped"
-    store._tiering.space.capacity = 0
+    store._residency.space.capacity = 0
     assert store.leases.release(lease.id)
 
     leased_after: list[str] = []
@@ -161,7 +161,7 @@ async def test_compaction_of_segments_only_in_the_object_tier(open_store: OpenSt
     for k in keys:
         await store.put("alice", k, incompressible(k))
     await store.flush(upload_timeout_s=60)
-    store._tiering.space.capacity, store._tiering.space.high, store._tiering.space.low = 1, 1, 1
+    store._residency.space.capacity, store._residency.space.high, store._residency.space.low = 1, 1, 1
     assert await store.evict() > 0  # every mirrored local copy goes
     local = sorted((store.config.data_dir / "segments" / "alice").glob("*.seg"))
     objects_before = sorted(p.name for p in tier_dir.rglob("*.seg"))

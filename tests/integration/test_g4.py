@@ -345,7 +345,7 @@ async def test_s3_outage_backlog_drains_and_nothing_is_lost(aws_env: None, tmp_p
             endpoint.start()  # same port, same bucket contents
             await asyncio.sleep(FAIL_FAST_S)
             await s.flush(upload_timeout_s=60)  # the backlog drains
-            n, _ = s._tiering.mirror.backlog if s._tiering.mirror else (0, 0)
+            n, _ = s._residency.mirror.backlog if s._residency.mirror else (0, 0)
             assert n == 0
             await check(s, "alice", early)
             await s.evict()

@@ -212,20 +212,20 @@ async def test_read_in_flight_across_a_tenant_delete_answered_corruption(
     opened the new incarnation's segment of the same id and failed its
     identity check: a 500 "corruption" and a corruption count for what was
     only a block that went. It is a miss now, and never the new bytes."""
-    from kvstore.engine.residency import Tiering
+    from kvstore.engine.residency import Residency
     from kvstore.errors import NotFound
 
     store = await open_store()
     await store.create_tenant("t", "direct")
     await store.put("t", "k", b"first incarnation" * 100)
     gate = asyncio.Event()
-    real = Tiering.local
+    real = Residency.local
 
-    async def slow_local(self: Tiering, *args: object) -> object:
+    async def slow_local(self: Residency, *args: object) -> object:
         await gate.wait()
         return await real(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Tiering, "local", slow_local)
+    monkeypatch.setattr(Residency, "local", slow_local)
     read = asyncio.create_task(store.get("t", "k"))
     await asyncio.sleep(0.05)
     await store.delete_tenant("t")
