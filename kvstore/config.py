@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from kvstore.errors import ConfigError
 
@@ -229,15 +229,10 @@ class StoreConfig:
     def from_env(
         cls, data_dir: str | os.PathLike[str], env: Mapping[str, str] | None = None, **overrides: Any
     ) -> StoreConfig:
-        """Defaults, then ``KVSTORE_<FIELD>`` variables from ``env``, then ``overrides``."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name == "data_dir":
-                continue
-            var = "KVSTORE_" + f.name.upper()
-            if var in env:
-                values[f.name] = parse_field(var, f.name, env[var])
+        """Defaults, then ``KVSTORE_<FIELD>`` variables from ``env``, then
+        ``overrides`` (for tests and tools; the daemon and fsck load every
+        source with :func:`kvstore.server_config.load`)."""
+        values = env_values(os.environ if env is None else env, STORE_PARSERS, parse_field)
         for name, value in overrides.items():
             values[name] = parse_field(name, name, value)
         return cls(data_dir=Path(data_dir), **values)
@@ -247,44 +242,77 @@ class StoreConfig:
         return replace(self, **{name: parse_field(name, name, value) for name, value in changes.items()})
 
 
+Parser = Callable[[str, object], Any]  # (the name to show in errors, the raw value) -> the setting's value
+
+
+def _choice(choices: tuple[str, ...]) -> Parser:
+    return lambda label, value: parse_choice(label, value, choices)
+
+
+# The storage engine's settings: one parser each (server_config.py has the
+# daemon's in the same form; a setting without a parser does not exist).
+STORE_PARSERS: dict[str, Parser] = {
+    **dict.fromkeys(
+        (
+            "segment_size",
+            "frame_size",
+            "max_block_size",
+            "max_batch_bytes",
+            "capacity",
+            "space_reserve",
+            "default_quota_bytes",
+            "compact_rate",
+        ),
+        parse_size,
+    ),
+    **dict.fromkeys(
+        (
+            "sync_interval_ms",
+            "zstd_level",
+            "io_threads",
+            "high_watermark",
+            "low_watermark",
+            "s3_upload_concurrency",
+            "s3_read_timeout_ms",
+            "s3_refresh_s",
+            "rehydrate_reads",
+            "default_ttl_s",
+            "ttl_sweep_s",
+            "compact_dead_percent",
+            "compact_interval_s",
+        ),
+        parse_int,
+    ),
+    **dict.fromkeys(("s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "tier_dir"), parse_text),
+    **dict.fromkeys(("s3_readonly", "discard_unknown_tenants"), parse_bool),
+    "s3_addressing": _choice(S3_ADDRESSING),
+    "default_durability": _choice(DURABILITY_CLASSES),
+    "durability": _choice(("fsync", "interval")),
+    "compression": _choice(COMPRESSIONS),
+}
+
+
 def parse_field(label: str, name: str, value: object) -> Any:
-    if name in (
-        "segment_size",
-        "frame_size",
-        "max_block_size",
-        "max_batch_bytes",
-        "capacity",
-        "space_reserve",
-        "default_quota_bytes",
-        "compact_rate",
-    ):
-        return parse_size(label, value)
-    if name in (
-        "sync_interval_ms",
-        "zstd_level",
-        "io_threads",
-        "high_watermark",
-        "low_watermark",
-        "s3_upload_concurrency",
-        "s3_read_timeout_ms",
-        "s3_refresh_s",
-        "rehydrate_reads",
-        "default_ttl_s",
-        "ttl_sweep_s",
-        "compact_dead_percent",
-        "compact_interval_s",
-    ):
-        return parse_int(label, value)
-    if name in ("s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "tier_dir"):
-        return parse_text(label, value)
-    if name == "s3_addressing":
-        return parse_choice(label, value, S3_ADDRESSING)
-    if name in ("s3_readonly", "discard_unknown_tenants"):
-        return parse_bool(label, value)
-    if name == "default_durability":
-        return parse_choice(label, value, DURABILITY_CLASSES)
-    if name == "durability":
-        return cast(Durability, parse_choice(label, value, ("fsync", "interval")))
-    if name == "compression":
-        return parse_choice(label, value, COMPRESSIONS)
-    raise ConfigError(f"{label}: unknown setting")
+    """The value of storage setting ``name`` from ``value`` (``label`` names
+    it in errors: the TOML key, the variable or the flag)."""
+    parser = STORE_PARSERS.get(name)
+    if parser is None:
+        raise ConfigError(f"{label}: unknown setting")
+    return parser(label, value)
+
+
+ENV_PREFIX = "KVSTORE_"
+
+
+def env_values(
+    env: Mapping[str, str], names: Iterable[str], parse: Callable[[str, str, object], Any]
+) -> dict[str, Any]:
+    """The settings among ``names`` that ``env`` sets (``KVSTORE_<NAME>``),
+    parsed with ``parse(variable, name, text)``: the one reader of settings
+    from the environment."""
+    values: dict[str, Any] = {}
+    for name in names:
+        var = ENV_PREFIX + name.upper()
+        if var in env:
+            values[name] = parse(var, name, env[var])
+    return values

@@ -1,6 +1,6 @@
 """Offline check of a data directory. It only reads, unless told to repair.
 
-    .venv/bin/python -m kvstore.fsck --data-dir DIR [--shallow] [--repair]
+    .venv/bin/python -m kvstore.fsck --data-dir DIR [--config FILE] [--shallow] [--repair]
 
 Runs with the daemon stopped (the store's lock refuses a second process).
 
@@ -18,8 +18,12 @@ what the tier holds is trusted as it is.
 
 Prints JSON; exits 0 when nothing is wrong (a plan with nothing to do and a
 clean scrub), 1 when something is, 2 on a start-up error (a wrong master key
-is refused, never reported as clean). Needs the master key
-(KVSTORE_MASTER_KEY_FILE or KVSTORE_MASTER_KEY) to open frames.
+is refused, never reported as clean). Settings are loaded as the daemon
+loads them (``--config`` or ``$KVSTORE_CONFIG``, then ``KVSTORE_*``
+variables; an unknown one is refused), so a repair recovers with the
+daemon's durability, segment and tenant settings; the master key comes from
+them too (``master_key_file``, KVSTORE_MASTER_KEY_FILE or
+KVSTORE_MASTER_KEY).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from kvstore.engine.segment import SegmentFile, parse_segment_name
 from kvstore.engine.store import Store
 from kvstore.engine.verify import verify_segments
 from kvstore.errors import CorruptionError, IndexUnusable, KVStoreError, StoreLocked
+from kvstore.server_config import load
 
 
 def _locked(root: Path) -> int:
@@ -154,8 +159,10 @@ async def check(data_dir: str, master: MasterKey, deep: bool) -> tuple[int, dict
             os.close(fd)
 
 
-async def repair(data_dir: str, master: MasterKey, deep: bool) -> tuple[int, dict[str, Any]]:
-    cfg = StoreConfig.from_env(data_dir).with_(s3_bucket="", tier_dir="", s3_readonly=False, compact_interval_s=0)
+async def repair(config: StoreConfig, master: MasterKey, deep: bool) -> tuple[int, dict[str, Any]]:
+    """Recovery as the daemon runs it, with the daemon's settings (``config``)
+    but no object tier and no background work."""
+    cfg = config.with_(s3_bucket="", tier_dir="", s3_readonly=False, compact_interval_s=0)
     store = await Store.open(cfg, master, background=False)
     try:
         report = await store.verify(deep=deep)
@@ -168,13 +175,19 @@ async def repair(data_dir: str, master: MasterKey, deep: bool) -> tuple[int, dic
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", required=True)
+    p.add_argument(
+        "--config", help="the daemon's TOML settings (default: $KVSTORE_CONFIG); its KVSTORE_* variables apply too"
+    )
     p.add_argument("--shallow", action="store_true", help="do not open frames (no GCM/zstd check)")
     p.add_argument("--repair", action="store_true", help="run recovery (it writes), then check")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        master = load_master_key(os.environ.get("KVSTORE_MASTER_KEY_FILE"), os.environ.get("KVSTORE_MASTER_KEY"))
-        run = repair if args.repair else check
-        rc, doc = asyncio.run(run(args.data_dir, master, not args.shallow))
+        cfg = load(args.config, os.environ, {"data_dir": args.data_dir})  # as the daemon loads them
+        master = load_master_key(cfg.master_key_file, cfg.master_key)
+        if args.repair:
+            rc, doc = asyncio.run(repair(cfg.store, master, not args.shallow))
+        else:
+            rc, doc = asyncio.run(check(args.data_dir, master, not args.shallow))
     except KVStoreError as e:
         print(f"kvstore fsck: {e}", file=sys.stderr)
         return 2

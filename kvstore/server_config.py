@@ -16,11 +16,21 @@ import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.config import StoreConfig, parse_bool, parse_choice, parse_field, parse_int, parse_size
+from kvstore.config import (
+    ENV_PREFIX,
+    STORE_PARSERS,
+    StoreConfig,
+    env_values,
+    parse_bool,
+    parse_choice,
+    parse_field,
+    parse_int,
+    parse_size,
+)
 from kvstore.errors import ConfigError
 
 DEFAULT_PORT = 8420
@@ -223,9 +233,8 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "s3_gateway_region": _region,
     "s3_gateway_domain": _domain,
 }
-_STORE_FIELDS = {f.name for f in fields(StoreConfig)} - {"data_dir"}
+_STORE_FIELDS = set(STORE_PARSERS)
 SETTINGS: tuple[str, ...] = ("data_dir", *_SERVER_PARSERS, *sorted(_STORE_FIELDS))
-ENV_PREFIX = "KVSTORE_"
 # KVSTORE_* variables that are not settings, read by other programs that may
 # share the daemon's environment (an operator's shell, the bench harness,
 # which passes its KVSTORE_* variables on): allowed, and ignored here.
@@ -309,10 +318,7 @@ def load(
             if key in _NOT_IN_TOML:
                 raise ConfigError(f"config file {str(path)!r}: {key!r} is a secret; use {key}_file or the environment")
             values[key] = _parse(key, key, value)
-    for name in SETTINGS:
-        var = "KVSTORE_" + name.upper()
-        if var in env:
-            values[name] = _parse(var, name, env[var])
+    values |= env_values(env, SETTINGS, _parse)
     for name, value in (flags or {}).items():
         if value is None:
             continue

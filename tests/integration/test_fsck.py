@@ -76,3 +76,27 @@ async def test_fsck_repaired_although_asked_only_to_check(store: Store) -> None:
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     assert json.loads(fixed.stdout)["recovery"]["truncated"]
     assert _fsck(data_dir, key).returncode == 0
+
+
+async def test_fsck_repair_ignored_the_daemons_settings(store: Store, tmp_path: Path) -> None:
+    """fsck --repair used to run recovery with default settings, whatever the
+    daemon's TOML file said (durability, segment sizes, what to do with
+    unknown tenants). It now loads them as the daemon does: --config (or
+    $KVSTORE_CONFIG), then KVSTORE_* variables, an unknown one refused."""
+    await store.put("alice", "k", os.urandom(10_000))
+    key = store._master.secret
+    data_dir = store.config.data_dir
+    await store.close()
+    (data_dir / "segments" / "ghost").mkdir()  # a tenant the registry does not know
+    refused = _fsck(data_dir, key, "--repair")
+    assert refused.returncode == 2 and "ghost" in refused.stderr, refused.stderr
+    toml = tmp_path / "kvstore.toml"
+    toml.write_text("discard_unknown_tenants = true\nsegment_size = '4MiB'\n")
+    fixed = _fsck(data_dir, key, "--repair", "--config", str(toml))
+    assert fixed.returncode == 0, fixed.stderr
+    assert "ghost" in json.loads(fixed.stdout)["recovery"]["orphans_removed"]
+    assert not (data_dir / "segments" / "ghost").exists()
+    env = {**os.environ, "KVSTORE_MASTER_KEY": key.hex(), "PYTHONPATH": str(ROOT), "KVSTORE_DURABLITY": "interval"}
+    cmd = [sys.executable, "-m", "kvstore.fsck", "--data-dir", str(data_dir)]
+    typo = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert typo.returncode == 2 and "KVSTORE_DURABILITY" in typo.stderr, typo.stderr

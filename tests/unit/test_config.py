@@ -71,3 +71,21 @@ def test_invalid_keys(key: str, why: str) -> None:
 def test_invalid_tenants(name: str) -> None:
     with pytest.raises(InvalidTenant):
         validate_tenant(name)
+
+
+def test_every_setting_has_one_parser_and_one_environment_reader() -> None:
+    """One schema: each storage setting has exactly one parser in
+    config.STORE_PARSERS, the daemon's in server_config, and both are read
+    from the environment by config.env_values."""
+    from dataclasses import fields
+
+    from kvstore.config import STORE_PARSERS, StoreConfig, env_values, parse_field
+    from kvstore.server_config import SETTINGS, load
+
+    assert set(STORE_PARSERS) == {f.name for f in fields(StoreConfig)} - {"data_dir"}
+    assert set(STORE_PARSERS) <= set(SETTINGS)
+    env = {"KVSTORE_SEGMENT_SIZE": "2MiB", "KVSTORE_TTL_SWEEP_S": "5", "KVSTORE_WORKERS": "3"}
+    assert env_values(env, STORE_PARSERS, parse_field) == {"segment_size": 2 << 20, "ttl_sweep_s": 5}
+    cfg = load(None, env=env, flags={"data_dir": "/tmp/x"})
+    assert (cfg.workers, cfg.store.segment_size, cfg.store.ttl_sweep_s) == (3, 2 << 20, 5)
+    assert StoreConfig.from_env("/tmp/x", env=env).segment_size == 2 << 20
