@@ -1,7 +1,7 @@
 """Client library of the kvstore KV-cache block daemon (HTTP v1)."""
 
 from kvstore_client.breaker import CircuitBreaker
-from kvstore_client.client import AsyncClient, Locks
+from kvstore_client.client import AsyncClient
 from kvstore_client.errors import (
     BufferTooSmall,
     CircuitOpenError,
@@ -14,6 +14,7 @@ from kvstore_client.errors import (
     UnavailableError,
 )
 from kvstore_client.keys import block_keys, model_fingerprint
+from kvstore_client.lookups import Locks
 from kvstore_client.sharding import rank_endpoints
 from kvstore_client.sync import Client
 

@@ -7,7 +7,7 @@ the others. The weight is blake2b, so the order is the same in every process.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 UNIX = "unix:"  # unix:PATH, a daemon's unix socket on this host
 
@@ -35,3 +35,35 @@ def rank_endpoints(endpoints: Sequence[str], key: str) -> list[str]:
         return int.from_bytes(digest, "big")
 
     return sorted(endpoints, key=weight, reverse=True)
+
+
+class Shards:
+    """Where each key lives: its top ``replicas`` endpoints by rendezvous
+    weight; writes go to all of them, reads try them in rank order."""
+
+    def __init__(self, urls: Sequence[str], replicas: int) -> None:
+        self.urls = list(urls)
+        self.replicas = replicas
+
+    def owners(self, key: str) -> list[str]:
+        """The endpoints that hold ``key``, in the order reads try them."""
+        if len(self.urls) == 1:
+            return list(self.urls)
+        return rank_endpoints(self.urls, key)[: self.replicas]
+
+    def by_first_owner(self, keys: Sequence[str], idx: Iterable[int]) -> dict[str, list[int]]:
+        """The indices ``idx`` of ``keys`` grouped by their first owner."""
+        groups: dict[str, list[int]] = {}
+        for i in idx:
+            groups.setdefault(self.owners(keys[i])[0], []).append(i)
+        return groups
+
+
+def group(idx: Iterable[int], owners: Sequence[Sequence[str]], rank: int) -> dict[str, list[int]]:
+    """The indices ``idx`` grouped by their owner of ``rank`` (those with
+    fewer owners left out), in the order of ``idx``."""
+    groups: dict[str, list[int]] = {}
+    for i in idx:
+        if rank < len(owners[i]):
+            groups.setdefault(owners[i][rank], []).append(i)
+    return groups

@@ -187,7 +187,7 @@ def test_breaker_state_machine() -> None:
 
 
 def test_json_error_body_parsing() -> None:
-    from kvstore_client.client import _error_from
+    from kvstore_client.answers import error_from as _error_from
 
     e = _error_from(507, json.dumps({"error": {"code": "storage_full", "message": "disk"}}).encode())
     assert (e.status, e.code, e.message, e.retryable) == (507, "storage_full", "disk", True)

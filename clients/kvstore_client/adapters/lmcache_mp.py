@@ -85,7 +85,8 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from kvstore_client.adapters._common import CLIENT_SETTINGS, LoopThread, Settings, escape, unescape
-from kvstore_client.client import AsyncClient, Locks
+from kvstore_client.client import AsyncClient
+from kvstore_client.lookups import Locks
 
 log = logging.getLogger("kvstore_client.adapters.lmcache_mp")
 

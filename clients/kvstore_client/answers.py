@@ -1,0 +1,67 @@
+"""A daemon's answers read: its statuses and JSON error bodies, as client errors.
+
+Which statuses are worth a retry (:data:`RETRYABLE_STATUSES`) and which count
+against an endpoint's circuit breaker (:data:`BREAKER_STATUSES`) are decided
+here, once. A 404 is not an error: it is :class:`Miss`, which the caller
+turns into ``None`` (or ``False``), and tries the key's next owner.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+from kvstore_client.errors import ProtocolError, ServerError
+
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504, 507})
+BREAKER_STATUSES = frozenset({502, 503, 504})
+
+
+class Miss(Exception):
+    """Internal: an endpoint definitively does not have the key (404)."""
+
+
+async def json_answer(r: aiohttp.ClientResponse) -> dict[str, Any]:
+    """The answer's body as a JSON object, else ProtocolError."""
+    try:
+        doc = json.loads(await r.read())
+    except ValueError as e:
+        raise ProtocolError(f"bad JSON answer: {e}", status=r.status) from None
+    if not isinstance(doc, dict):
+        raise ProtocolError("JSON answer is not an object", status=r.status)
+    return doc
+
+
+def error_from(status: int, body: bytes, r: aiohttp.ClientResponse | None = None) -> ServerError:
+    """The daemon's error answer (``{"error": {"code", "message"}}``, or
+    anything else, e.g. a proxy's HTML) as a ServerError."""
+    code, message = f"http_{status}", (r.reason if r is not None and r.reason else "")
+    try:
+        doc = json.loads(body) if body else None
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        err = doc.get("error", doc)
+        if isinstance(err, dict):
+            code = str(err.get("code", code))
+            message = str(err.get("message", message))
+    return ServerError(
+        message or f"HTTP {status}",
+        status=status,
+        code=code,
+        retryable=status in RETRYABLE_STATUSES,
+    )
+
+
+async def check(r: aiohttp.ClientResponse, ok: tuple[int, ...]) -> None:
+    """Return if ``r.status`` is in ``ok``; raise Miss on 404, else the server's error."""
+    if r.status in ok:
+        return
+    if r.status == 404:
+        raise Miss
+    body = await r.read() if r.method != "HEAD" else b""
+    err = error_from(r.status, body, r)
+    err.breaker_failure = r.status in BREAKER_STATUSES
+    raise err

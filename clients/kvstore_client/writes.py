@@ -1,0 +1,149 @@
+"""Writes: ``put`` and ``put_many`` to every owner of a key (replicas), and ``delete``.
+
+First write wins on the daemon: an item's result is 201 (this call stored
+it), 200 (it was stored already) or None (failed), the best over its
+replicas. ``put_many`` sends one ``/v1/batch/put`` per owner (per
+``max_batch_keys`` items), or, with ``transport="nixl"``, one NIXL write
+per owner, falling back to HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from kvstore_client import framing
+from kvstore_client.answers import check, json_answer
+from kvstore_client.bodies import BuffersPayload
+from kvstore_client.errors import KVStoreClientError
+from kvstore_client.exchange import Exchange
+from kvstore_client.nixl import NixlFallback
+from kvstore_client.nixl_link import NixlLink
+from kvstore_client.sharding import Shards
+
+Metas = Sequence[Mapping[str, Any] | None]
+
+
+class Writes:
+    def __init__(
+        self, exchange: Exchange, shards: Shards, nixl: NixlLink | None, *, max_batch_keys: int, strict: bool
+    ) -> None:
+        self._x = exchange
+        self._shards = shards
+        self._nixl = nixl
+        self._max_batch_keys = max_batch_keys
+        self._strict = strict
+
+    async def put(self, key: str, data: framing.BufferLike, meta: Mapping[str, Any] | None) -> bool:
+        framing.check_key(key)
+        if memoryview(data).nbytes == 0:
+            raise KVStoreClientError("blocks are 1 byte or more", code="invalid_input")
+        deadline = self._x.deadline()
+        headers = {framing.META_HEADER: framing.meta_header(meta)} if meta is not None else None
+
+        async def fn(s: aiohttp.ClientSession) -> bool:
+            body = BuffersPayload([data], "application/octet-stream")
+            async with s.put(f"/v1/blocks/{key}", data=body, headers=headers) as r:
+                await check(r, ok=(200, 201))
+                return True
+
+        return await self._x.on_all_owners(self._shards.owners(key), fn, deadline)
+
+    async def delete(self, key: str) -> bool:
+        framing.check_key(key)
+
+        async def fn(s: aiohttp.ClientSession) -> bool:
+            async with s.delete(f"/v1/blocks/{key}") as r:
+                await check(r, ok=(204,))
+                return True
+
+        return await self._x.on_all_owners(self._shards.owners(key), fn, self._x.deadline())
+
+    async def put_many(
+        self, items: list[tuple[str, framing.BufferLike]], metas: Metas | None = None
+    ) -> list[int | None]:
+        for k, _ in items:
+            framing.check_key(k)
+        deadline = self._x.deadline()
+        ok: list[int | None] = [None] * len(items)
+        groups: dict[str, list[int]] = {}
+        for i, (k, _) in enumerate(items):
+            for url in self._shards.owners(k):
+                groups.setdefault(url, []).append(i)
+        if self._nixl is not None:
+            for url in list(groups):
+                if await self._nixl_write(self._nixl, url, items, groups[url], ok, metas):
+                    del groups[url]
+        calls = [
+            self._chunk(url, items, idx[c : c + self._max_batch_keys], ok, deadline, metas)
+            for url, idx in groups.items()
+            for c in range(0, len(idx), self._max_batch_keys)
+        ]
+        errors = [r for r in await asyncio.gather(*calls, return_exceptions=True) if isinstance(r, BaseException)]
+        for e in errors:
+            if not isinstance(e, KVStoreClientError):
+                raise e
+        if errors and (self._strict or all(o is None for o in ok)):
+            raise errors[0]
+        return ok
+
+    async def _nixl_write(
+        self,
+        link: NixlLink,
+        url: str,
+        items: list[tuple[str, framing.BufferLike]],
+        idx: list[int],
+        ok: list[int | None],
+        metas: Metas | None,
+    ) -> bool:
+        """Put ``items[idx]`` on ``url`` over NIXL; False: HTTP must."""
+        ep = self._x.endpoints[url]
+        if not link.usable(ep):
+            return False
+        chosen = [(items[i][0], memoryview(items[i][1]).cast("B")) for i in idx]
+        ids = [metas[i] for i in idx] if metas is not None else None
+        try:
+            results = await link.agent().write(self._x.session(ep), url, chosen, ids)
+        except (TimeoutError, NixlFallback, aiohttp.ClientError, OSError) as e:
+            link.failed(ep, e)
+            return False
+        for i, res in zip(idx, results, strict=True):
+            _stored(ok, i, res)
+        self._x.stats["nixl_writes"] += len(idx)
+        return True
+
+    async def _chunk(
+        self,
+        url: str,
+        items: list[tuple[str, framing.BufferLike]],
+        idx: list[int],
+        ok: list[int | None],
+        deadline: float,
+        metas: Metas | None,
+    ) -> None:
+        chosen = [metas[i] for i in idx] if metas is not None else None
+
+        async def fn(s: aiohttp.ClientSession) -> None:
+            body = BuffersPayload(framing.encode_put_stream((items[i] for i in idx), chosen), framing.CONTENT_TYPE)
+            async with s.post("/v1/batch/put", data=body) as r:
+                if r.status in (200, 400, 413) and r.content_type == "application/json":
+                    doc = await json_answer(r)
+                    results = doc.get("results")
+                    if isinstance(results, list):
+                        for i, res in zip(idx, results, strict=False):
+                            _stored(ok, i, res)
+                        if r.status == 200:
+                            return
+                await check(r, ok=())
+
+        await self._x.attempts(self._x.endpoints[url], fn, deadline)
+
+
+def _stored(ok: list[int | None], i: int, res: Any) -> None:
+    """Record item ``i``'s put result: 201 (stored now) over 200 (there
+    already) over None (failed), across replicas."""
+    if isinstance(res, dict) and res.get("status") in (200, 201):
+        ok[i] = max(ok[i] or 0, int(res["status"]))
