@@ -25,12 +25,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
-from kvstore_client import framing
 from kvstore_client.bodies import writable_view
 from kvstore_client.breaker import CircuitBreaker
 from kvstore_client.decoding import Decode, DecodePool, decode_allowed, decode_available
 from kvstore_client.errors import KVStoreClientError
 from kvstore_client.exchange import Endpoint, Exchange
+from kvstore_client.keys import check_key
 from kvstore_client.lookups import Locks, Lookups
 from kvstore_client.nixl import nixl_available
 from kvstore_client.nixl_link import NixlLink
@@ -44,6 +44,7 @@ from kvstore_client.reads.records import RecordReader
 from kvstore_client.reads.unix_plan import UnixPlanReader
 from kvstore_client.sharding import UNIX, Shards
 from kvstore_client.sharding import normalize as _normalize
+from kvstore_client.wire.batchframe import BufferLike
 from kvstore_client.writes import Writes
 
 T = TypeVar("T")
@@ -253,7 +254,7 @@ class AsyncClient:
         return result
 
     async def _get(self, key: str, rng: tuple[int, int] | None) -> bytes | None:
-        framing.check_key(key)
+        check_key(key)
         return await self._http.get(key, rng)
 
     async def get_into(self, key: str, buf: Any) -> int | None:
@@ -268,7 +269,7 @@ class AsyncClient:
         return result
 
     async def _get_into(self, key: str, mv: memoryview) -> int | None:
-        framing.check_key(key)
+        check_key(key)
         outcome = (await self._reads.read([key], [mv]))[0]
         if isinstance(outcome, BaseException):
             raise outcome
@@ -276,14 +277,14 @@ class AsyncClient:
 
     async def exists(self, key: str) -> bool:
         async def run() -> bool:
-            framing.check_key(key)
+            check_key(key)
             return await self._http.exists(key)
 
         result = await self._guard("exists", False, run())
         self._count(result)
         return result
 
-    async def put(self, key: str, data: framing.BufferLike, meta: Mapping[str, Any] | None = None) -> bool:
+    async def put(self, key: str, data: BufferLike, meta: Mapping[str, Any] | None = None) -> bool:
         """Store ``data`` under ``key`` on its owner(s); True if at least one stored
         it (or already had it: first write wins). ``meta``: the engine's
         identity of the block (``block_hash``, ``parent_block_hash``,
@@ -311,7 +312,7 @@ class AsyncClient:
         if not keys:
             raise ValueError("a read plan needs at least one key")
         for k in keys:
-            framing.check_key(k)
+            check_key(k)
         url = self.owners(keys[0])[0]
         ep = self._x.endpoints[url]
         if not url.startswith(UNIX):
@@ -421,7 +422,7 @@ class AsyncClient:
 
     async def _get_many(self, keys: list[str]) -> list[bytes | None]:
         for k in keys:
-            framing.check_key(k)
+            check_key(k)
         return await self._batch_get.get_many(keys)
 
     async def get_many_into(self, keys: Sequence[str], bufs: Sequence[Any]) -> list[int | None]:
@@ -443,7 +444,7 @@ class AsyncClient:
 
     async def _get_many_into(self, keys: list[str], mvs: list[memoryview]) -> list[int | None]:
         for k in keys:
-            framing.check_key(k)
+            check_key(k)
         outcomes = await self._reads.read(keys, mvs)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         for e in errors:
@@ -455,7 +456,7 @@ class AsyncClient:
 
     async def put_many(
         self,
-        items: Iterable[tuple[str, framing.BufferLike]],
+        items: Iterable[tuple[str, BufferLike]],
         metas: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[bool]:
         """Store many blocks with ``/v1/batch/put``; per item, whether it is
@@ -464,7 +465,7 @@ class AsyncClient:
 
     async def put_many_detail(
         self,
-        items: Iterable[tuple[str, framing.BufferLike]],
+        items: Iterable[tuple[str, BufferLike]],
         metas: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[int | None]:
         """:meth:`put_many`, per item: 201 (this call stored it), 200 (it was

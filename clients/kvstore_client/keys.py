@@ -1,4 +1,7 @@
-"""Content addresses for token blocks.
+"""Keys: the check before sending, and content addresses for token blocks.
+
+:func:`check_key` applies the key grammar the daemon applies
+(kvstore_client/wire/keys.py) before a key is sent.
 
 A block's key depends on the model fingerprint, on every token before it and
 on its own tokens, so a prefix of a prompt maps to a prefix of the key list
@@ -27,10 +30,21 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from kvstore_client.errors import InvalidKeyError
+from kvstore_client.wire.keys import key_problem
+
 KEY_DOMAIN = b"kvstore-key-v1"
 FINGERPRINT_DOMAIN = b"kvstore-fp-v1"
 _U32 = struct.Struct("<I")
 _U32_MAX = (1 << 32) - 1
+
+
+def check_key(key: str) -> str:
+    """``key`` if it matches the daemon's key grammar, else InvalidKeyError."""
+    problem = key_problem(key)
+    if problem is None:
+        return key
+    raise InvalidKeyError(f"invalid key {key!r}: {problem}")
 
 
 def _lp(data: bytes) -> bytes:

@@ -14,10 +14,10 @@ from typing import Any
 
 import aiohttp
 
-from kvstore_client import framing
 from kvstore_client.answers import Miss, check, json_answer
 from kvstore_client.errors import KVStoreClientError, ProtocolError
 from kvstore_client.exchange import Exchange
+from kvstore_client.keys import check_key
 from kvstore_client.sharding import Shards, group
 
 
@@ -48,7 +48,7 @@ class Lookups:
         """Per key, whether it is stored; with ``lease_s``, each lease taken
         is appended to ``leases``."""
         for k in keys:
-            framing.check_key(k)
+            check_key(k)
         deadline = self._x.deadline()
         present = [False] * len(keys)
         owners = [self._shards.owners(k) for k in keys]

@@ -28,11 +28,9 @@ import asyncio
 import base64
 import contextlib
 import ctypes
-import importlib
 import json
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -42,6 +40,7 @@ import aiohttp
 import xxhash
 
 from kvstore_client.errors import BufferTooSmall
+from kvstore_client.wire.nixl_loader import configure_ucx, make_agent, nixl_api
 
 PROGRESS_DELAY_US = 100  # the progress thread's sleep between polls (NIXL's wrapper uses 0: a spinning core)
 POLL_S = (0.01, 0.002)  # poll without sleeping this long after a transfer starts or ends; then sleep up to this
@@ -49,7 +48,6 @@ MAX_REGISTERED = 256  # caller buffers kept registered (least recently used go f
 INLINE_VERIFY_BYTES = 4 << 20  # READ bytes checked on the event loop; more go to a thread
 RELEASE_AFTER_S = 0.05  # a verified read's lease waits this long for the next read to carry its release
 MAX_RELEASES = 256  # leases released by one call
-_make_lock = threading.Lock()
 
 
 class NixlFallback(Exception):
@@ -72,40 +70,6 @@ def nixl_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def nixl_api() -> Any:
-    """NIXL's Python API. ``nixl`` picks the wheel for the CUDA it detects and
-    fails when that one is not installed (vLLM's CPU build makes it detect
-    CUDA 13 beside an installed nixl-cu12): the installed wheels are then
-    tried directly."""
-    try:
-        import nixl._api as api  # type: ignore[import-untyped]
-    except ImportError as first:
-        for wheel in ("nixl_cu12", "nixl_cu13"):
-            try:
-                return importlib.import_module(wheel + "._api")
-            except ImportError:
-                continue
-        raise first from None
-    return api
-
-
-def _make_agent(name: str, backend: str) -> Any:
-    api = nixl_api()
-    bindings: Any = api.nixlBind
-    real = bindings.nixlAgent
-
-    def with_delay(agent_name: str, config: Any) -> Any:
-        config.pthrDelay = PROGRESS_DELAY_US
-        return real(agent_name, config)
-
-    with _make_lock:  # the wrapper has no option for the delay: its call into the bindings is wrapped
-        bindings.nixlAgent = with_delay
-        try:
-            return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=[backend]))
-        finally:
-            bindings.nixlAgent = real
 
 
 def _rdma_devices() -> list[str]:
@@ -138,16 +102,9 @@ class NixlAgent:
     Event-loop only."""
 
     def __init__(self, name: str | None = None, backend: str = "UCX", devices: str | None = None) -> None:
-        if devices:
-            os.environ["UCX_NET_DEVICES"] = devices
-        for var in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
-            os.environ.setdefault(var, "512k")
-        if not _rdma_devices():
-            # Nothing for UCX's ib module to drive; the libnl it loads (bundled with
-            # nixl-cu12 1.5.1) crashes the process at exit (SIGSEGV in its destructor).
-            os.environ.setdefault("UCX_MODULES", "^ib")
+        configure_ucx(devices or None, rdma=bool(_rdma_devices()))
         self.name = name or f"kvstore-client-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent = _make_agent(self.name, backend)
+        self.agent = make_agent(self.name, backend, PROGRESS_DELAY_US)
         # Registered caller buffers, oldest first, each with the buffer itself: held, so
         # its memory cannot be freed and reused by another object while registered.
         self._regs: dict[tuple[int, int, str, int], tuple[Any, Any]] = {}

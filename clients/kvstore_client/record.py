@@ -13,7 +13,8 @@ into the caller's buffer: its xxh3-64, then (sealed) AES-256-GCM under the
 record's frame key with the nonce and additional data the daemon sealed it
 with (record id, key version, frame index, frame count, size, tenant, key:
 a frame of another record, index, tenant or key fails its tag), then its
-codec (raw, zstd, or zstd over the two byte planes of 2-byte floats). A
+codec (raw, zstd, or zstd over the two byte planes of 2-byte floats:
+kvstore_client/wire/codec.py, as the daemon encoded it). A
 frame that fails any check raises :class:`CorruptBlock`; nothing is returned.
 
 Frames are independent: :meth:`RecordOpener.place` may run for several
@@ -31,22 +32,19 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import xxhash
-import zstandard
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvstore_client.errors import CorruptBlock, ProtocolError
+from kvstore_client.wire.codec import CODECS, decode_frame
+from kvstore_client.wire.errors import CorruptFrame
 
 MAGIC = b"KVE1"
 HEAD = struct.Struct("<4sI")
 MAX_META = 8 << 20  # a frame table of 64 MiB of 4 KiB frames is ~0.8 MiB of JSON
-CODECS = frozenset({"raw", "zstd", "zstd-bp2"})
 _TAG = 16
 _AAD_FIXED = struct.Struct("<16sIIIQ")  # record id, key version, frame index, frame count, size
-_BP2 = struct.Struct("<II")  # high plane length, low plane length | _LOW_ZSTD
-_LOW_ZSTD = 1 << 31
 _local = threading.local()
 
 
@@ -206,8 +204,8 @@ class RecordOpener:
             stored = plain
         try:
             decode_frame(codec, stored, out)
-        except CorruptBlock as e:
-            raise CorruptBlock(f"block {self.meta.key}: frame {self.meta.first + j}: {e.message}") from None
+        except CorruptFrame as e:
+            raise CorruptBlock(f"block {self.meta.key}: frame {self.meta.first + j}: {e}") from None
 
 
 def _scratch(n: int) -> memoryview:
@@ -216,46 +214,3 @@ def _scratch(n: int) -> memoryview:
     if buf is None or len(buf) < n:
         buf = _local.buf = bytearray(max(n, 1 << 20))
     return memoryview(buf)[:n]
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    d: zstandard.ZstdDecompressor | None = getattr(_local, "zstd", None)
-    if d is None:
-        d = _local.zstd = zstandard.ZstdDecompressor()
-    return d
-
-
-def decode_frame(codec: str, stored: memoryview, out: memoryview) -> None:
-    """Decode one stored (opened) frame into ``out``, its whole plaintext."""
-    n = len(out)
-    if codec == "raw":
-        if len(stored) != n:
-            raise CorruptBlock(f"raw frame is {len(stored)} bytes, expected {n}")
-        out[:] = stored
-        return
-    try:
-        if codec == "zstd":
-            plain = _decompressor().decompress(stored, max_output_size=n)
-            if len(plain) != n:
-                raise CorruptBlock(f"frame decompressed to {len(plain)} bytes, expected {n}")
-            out[:] = plain
-            return
-        hlen, lword = _BP2.unpack_from(stored)
-        llen, pairs = lword & ~_LOW_ZSTD, n // 2
-        low_at = _BP2.size + hlen
-        if low_at + llen + (n & 1) != len(stored):
-            raise CorruptBlock("byte-plane frame lengths are inconsistent")
-        dz = _decompressor()
-        high = dz.decompress(stored[_BP2.size : low_at], max_output_size=pairs)
-        low: bytes | memoryview = stored[low_at : low_at + llen]
-        if lword & _LOW_ZSTD:
-            low = dz.decompress(low, max_output_size=pairs)
-        if len(high) != pairs or len(low) != pairs:
-            raise CorruptBlock("byte-plane frame planes have the wrong length")
-        dst = np.frombuffer(out, dtype=np.uint8, count=pairs * 2).reshape(-1, 2)
-        dst[:, 1] = np.frombuffer(high, dtype=np.uint8)
-        dst[:, 0] = np.frombuffer(low, dtype=np.uint8)
-        if n & 1:
-            out[-1] = stored[-1]
-    except (zstandard.ZstdError, struct.error) as e:
-        raise CorruptBlock(f"frame does not decode: {e}") from None

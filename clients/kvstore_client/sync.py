@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from kvstore_client.client import AsyncClient
 from kvstore_client.errors import KVStoreClientError
-from kvstore_client.framing import BufferLike
+from kvstore_client.wire.batchframe import BufferLike
 
 T = TypeVar("T")
 

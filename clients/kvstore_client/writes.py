@@ -10,21 +10,26 @@ per owner, falling back to HTTP.
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
 
-from kvstore_client import framing
 from kvstore_client.answers import check, json_answer
 from kvstore_client.bodies import BuffersPayload
 from kvstore_client.errors import KVStoreClientError
 from kvstore_client.exchange import Exchange
+from kvstore_client.keys import check_key
 from kvstore_client.nixl import NixlFallback
 from kvstore_client.nixl_link import NixlLink
 from kvstore_client.sharding import Shards
+from kvstore_client.wire import batchframe
+from kvstore_client.wire.batchframe import BufferLike
 
 Metas = Sequence[Mapping[str, Any] | None]
+META_HEADER = "Kvstore-Block-Meta"
 
 
 class Writes:
@@ -37,12 +42,12 @@ class Writes:
         self._max_batch_keys = max_batch_keys
         self._strict = strict
 
-    async def put(self, key: str, data: framing.BufferLike, meta: Mapping[str, Any] | None) -> bool:
-        framing.check_key(key)
+    async def put(self, key: str, data: BufferLike, meta: Mapping[str, Any] | None) -> bool:
+        check_key(key)
         if memoryview(data).nbytes == 0:
             raise KVStoreClientError("blocks are 1 byte or more", code="invalid_input")
         deadline = self._x.deadline()
-        headers = {framing.META_HEADER: framing.meta_header(meta)} if meta is not None else None
+        headers = {META_HEADER: meta_header(meta)} if meta is not None else None
 
         async def fn(s: aiohttp.ClientSession) -> bool:
             body = BuffersPayload([data], "application/octet-stream")
@@ -53,7 +58,7 @@ class Writes:
         return await self._x.on_all_owners(self._shards.owners(key), fn, deadline)
 
     async def delete(self, key: str) -> bool:
-        framing.check_key(key)
+        check_key(key)
 
         async def fn(s: aiohttp.ClientSession) -> bool:
             async with s.delete(f"/v1/blocks/{key}") as r:
@@ -62,11 +67,9 @@ class Writes:
 
         return await self._x.on_all_owners(self._shards.owners(key), fn, self._x.deadline())
 
-    async def put_many(
-        self, items: list[tuple[str, framing.BufferLike]], metas: Metas | None = None
-    ) -> list[int | None]:
+    async def put_many(self, items: list[tuple[str, BufferLike]], metas: Metas | None = None) -> list[int | None]:
         for k, _ in items:
-            framing.check_key(k)
+            check_key(k)
         deadline = self._x.deadline()
         ok: list[int | None] = [None] * len(items)
         groups: dict[str, list[int]] = {}
@@ -94,7 +97,7 @@ class Writes:
         self,
         link: NixlLink,
         url: str,
-        items: list[tuple[str, framing.BufferLike]],
+        items: list[tuple[str, BufferLike]],
         idx: list[int],
         ok: list[int | None],
         metas: Metas | None,
@@ -118,16 +121,17 @@ class Writes:
     async def _chunk(
         self,
         url: str,
-        items: list[tuple[str, framing.BufferLike]],
+        items: list[tuple[str, BufferLike]],
         idx: list[int],
         ok: list[int | None],
         deadline: float,
         metas: Metas | None,
     ) -> None:
-        chosen = [metas[i] for i in idx] if metas is not None else None
+        ids = [_meta_json_or_none(metas[i]) for i in idx] if metas is not None else None
 
         async def fn(s: aiohttp.ClientSession) -> None:
-            body = BuffersPayload(framing.encode_put_stream((items[i] for i in idx), chosen), framing.CONTENT_TYPE)
+            parts = batchframe.put_stream_parts((items[i] for i in idx), ids)
+            body = BuffersPayload(parts, batchframe.CONTENT_TYPE)
             async with s.post("/v1/batch/put", data=body) as r:
                 if r.status in (200, 400, 413) and r.content_type == "application/json":
                     doc = await json_answer(r)
@@ -147,3 +151,20 @@ def _stored(ok: list[int | None], i: int, res: Any) -> None:
     already) over None (failed), across replicas."""
     if isinstance(res, dict) and res.get("status") in (200, 201):
         ok[i] = max(ok[i] or 0, int(res["status"]))
+
+
+def meta_json(meta: Mapping[str, Any]) -> bytes:
+    """A block identity (``block_hash``, ``parent_block_hash``, ``token_ids``,
+    ``block_size``, ``lora_id``, ``lora_name``, ``extra_keys``) as compact JSON."""
+    if "block_hash" not in meta:
+        raise ValueError("a block identity needs 'block_hash'")
+    return json.dumps(dict(meta), separators=(",", ":")).encode()
+
+
+def _meta_json_or_none(meta: Mapping[str, Any] | None) -> bytes | None:
+    return None if meta is None else meta_json(meta)
+
+
+def meta_header(meta: Mapping[str, Any]) -> str:
+    """The ``Kvstore-Block-Meta`` header's value: base64url, no padding."""
+    return base64.urlsafe_b64encode(meta_json(meta)).decode().rstrip("=")

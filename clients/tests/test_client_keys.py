@@ -12,8 +12,10 @@ import sys
 
 import pytest
 from kvstore_client import block_keys, model_fingerprint, rank_endpoints
-from kvstore_client.errors import InvalidKeyError, ProtocolError
-from kvstore_client.framing import check_key, encode_get_stream, encode_put_stream, read_get_items
+from kvstore_client.errors import InvalidKeyError
+from kvstore_client.keys import check_key
+from kvstore_client.wire.batchframe import encode_get_stream, encode_put_stream, read_get_items
+from kvstore_client.wire.errors import BadFraming, InvalidKey
 
 FP = "cb6557cd55954638b164799b4bf9c64c"
 VECTORS = {
@@ -92,7 +94,7 @@ def test_stable_across_processes() -> None:
 
 
 def test_framing_matches_the_spec_example() -> None:
-    body = b"".join(encode_put_stream([("a1", b"hi"), ("b", b"\x00\xff\x10")]))
+    body = encode_put_stream([("a1", b"hi"), ("b", b"\x00\xff\x10")])
     assert body.hex() == "4b56423102006131020000000000000068690100620300000000000000" + "00ff100000"
     stream = bytes.fromhex(
         "4b56423102006131c8000200000000000000686902007a7a94012f0000000000000"
@@ -111,18 +113,30 @@ def test_framing_matches_the_spec_example() -> None:
     items = asyncio.run(decode(stream))
     assert [(k, s) for k, s, _ in items] == [("a1", 200), ("zz", 404)]
     assert items[0][2] == b"hi"
-    with pytest.raises(ProtocolError, match="truncated"):
+    with pytest.raises(BadFraming, match="truncated"):
         asyncio.run(decode(stream[:-2]))
-    with pytest.raises(ProtocolError, match="bad magic"):
+    with pytest.raises(BadFraming, match="bad magic"):
         asyncio.run(decode(b"KVB2" + stream[4:]))
-    with pytest.raises(InvalidKeyError):
+    with pytest.raises(InvalidKey):
         encode_put_stream([("a/b", b"x")])
+    with pytest.raises(InvalidKeyError, match="key contains '/' at position 1"):
+        check_key("a/b")
 
 
 def test_no_server_package_imported() -> None:
+    """The client, its wire module included, stands alone: the daemon imports
+    the wire module, never the reverse (the frame codecs need the decode
+    extra: zstandard, numpy)."""
     code = (
-        "import sys, kvstore_client; "
+        "import sys, kvstore_client, kvstore_client.wire.batchframe, kvstore_client.wire.keys, "
+        "kvstore_client.wire.nixl_loader; "
         "print([m for m in sys.modules if m.split('.')[0] in ('kvstore', 'lmdb', 'zstandard', 'numpy')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, text=True)
+    assert out.stdout.strip() == "[]"
+    code = (
+        "import sys, kvstore_client.wire.codec, kvstore_client.record; "
+        "print([m for m in sys.modules if m.split('.')[0] == 'kvstore'])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, text=True)
     assert out.stdout.strip() == "[]"

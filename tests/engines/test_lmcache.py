@@ -22,7 +22,7 @@ from kvstore_client.adapters.lmcache import (
     kvstore_key,
     lmcache_key,
 )
-from kvstore_client.framing import check_key
+from kvstore_client.keys import check_key
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryFormat

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from kvstore_client.adapters.sglang import KVStoreHiCacheStorage
-from kvstore_client.framing import check_key
+from kvstore_client.keys import check_key
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 

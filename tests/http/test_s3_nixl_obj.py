@@ -36,7 +36,8 @@ import pytest
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import ClientError
-from kvstore_client.nixl import nixl_api, nixl_available
+from kvstore_client.nixl import nixl_available
+from kvstore_client.wire.nixl_loader import nixl_api
 
 from tests.http.conftest import Daemon
 from tests.s3.conftest import start_gateway

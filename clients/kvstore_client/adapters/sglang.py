@@ -55,8 +55,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvstore_client.adapters._common import CLIENT_SETTINGS, LoopThread, Settings
 from kvstore_client.client import AsyncClient
-from kvstore_client.framing import check_key
-from kvstore_client.keys import model_fingerprint
+from kvstore_client.keys import check_key, model_fingerprint
 
 log = logging.getLogger("kvstore_client.adapters.sglang")
 

@@ -11,11 +11,12 @@ import asyncio
 
 import aiohttp
 
-from kvstore_client import framing
 from kvstore_client.answers import check, error_from
 from kvstore_client.errors import KVStoreClientError, ProtocolError
 from kvstore_client.exchange import Exchange
 from kvstore_client.sharding import Shards, group
+from kvstore_client.wire import batchframe
+from kvstore_client.wire.errors import BadFraming
 
 
 class BatchGet:
@@ -60,17 +61,20 @@ class BatchGet:
             body = {"keys": [keys[i] for i in pending]}
             async with s.post("/v1/batch/get", json=body) as r:
                 await check(r, ok=(200,))
-                if r.content_type != framing.CONTENT_TYPE:
-                    raise ProtocolError(f"batch get answered {r.content_type}, not {framing.CONTENT_TYPE}")
+                if r.content_type != batchframe.CONTENT_TYPE:
+                    raise ProtocolError(f"batch get answered {r.content_type}, not {batchframe.CONTENT_TYPE}")
                 item_error: KVStoreClientError | None = None
-                async for key, status, payload in framing.read_get_items(r.content):
-                    if not pending or key != keys[pending[0]]:
-                        raise ProtocolError(f"batch get answered key {key!r} out of order")
-                    i = pending.pop(0)
-                    if status == 200:
-                        out[i] = payload
-                    elif status != 404 and item_error is None:
-                        item_error = error_from(status, payload)
+                try:
+                    async for key, status, payload in batchframe.read_get_items(r.content):
+                        if not pending or key != keys[pending[0]]:
+                            raise ProtocolError(f"batch get answered key {key!r} out of order")
+                        i = pending.pop(0)
+                        if status == 200:
+                            out[i] = payload
+                        elif status != 404 and item_error is None:
+                            item_error = error_from(status, payload)
+                except BadFraming as e:
+                    raise ProtocolError(str(e)) from None
                 if pending:
                     raise ProtocolError(f"batch get did not answer {len(pending)} keys")
                 if item_error is not None and self._strict:

@@ -1,0 +1,14 @@
+"""The formats the client and the daemon both speak, written once.
+
+The daemon imports this package (``kvstore`` depends on the ``kvstore-client``
+distribution); nothing here imports the rest of the client, and the client
+stays installable alone.
+
+- :mod:`.keys`: the key grammar;
+- :mod:`.batchframe`: the batch framing of ``/v1/batch/put`` and ``/v1/batch/get``;
+- :mod:`.codec`: the frame codecs (raw, zstd, zstd over byte planes; needs
+  ``kvstore-client[decode]``: zstandard, numpy);
+- :mod:`.nixl_loader`: loading NIXL's Python API and making an agent;
+- :mod:`.errors`: what they raise. Each side turns these into its own errors
+  (the daemon's carry its HTTP statuses, the client's its fail-open codes).
+"""
