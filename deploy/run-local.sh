@@ -6,7 +6,7 @@
 # Extra arguments go to server.py (e.g. --listen 127.0.0.1:9000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-deploy/setup-venv.sh
+deploy/setup-venv.sh  # the daemon and ./clients (the wire formats it imports)
 mkdir -p local
 (umask 077
  [ -f local/master.key ] || head -c 32 /dev/urandom > local/master.key

@@ -4,30 +4,23 @@ from __future__ import annotations
 
 import re
 
+from kvstore_client.wire.keys import key_problem
+
 from kvstore.errors import InvalidInput, InvalidKey, InvalidTenant
 
-KEY_MAX_LEN = 256
 TENANT_MAX_LEN = 64
 
-_KEY_RE = re.compile(r"[A-Za-z0-9._~:@=+\-]{1,256}")
 # Tenant names become directory names: no leading dot, no path separators.
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,63}")
 
 
 def validate_key(key: object) -> str:
-    """Return ``key`` if it is 1-256 characters of ``[A-Za-z0-9._~:@=+-]``."""
-    if not isinstance(key, str):
-        raise InvalidKey(f"key must be a string, got {type(key).__name__}")
-    if not key:
-        raise InvalidKey("key is empty; expected 1-256 characters of [A-Za-z0-9._~:@=+-]")
-    if len(key) > KEY_MAX_LEN:
-        raise InvalidKey(f"key is {len(key)} characters long; the maximum is {KEY_MAX_LEN}")
-    if _KEY_RE.fullmatch(key) is None:
-        bad = next(c for c in key if _KEY_RE.fullmatch(c) is None)
-        raise InvalidKey(
-            f"key contains {bad!r} at position {key.index(bad)}; allowed characters are [A-Za-z0-9._~:@=+-]"
-        )
-    return key
+    """Return ``key`` if it is 1-256 characters of ``[A-Za-z0-9._~:@=+-]``
+    (the grammar both sides apply: kvstore_client/wire/keys.py)."""
+    problem = key_problem(key)
+    if problem is None and isinstance(key, str):
+        return key
+    raise InvalidKey(problem)
 
 
 # Keys under these prefixes are the S3 gateway's: its objects' bytes and its

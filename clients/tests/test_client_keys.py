@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -14,8 +13,6 @@ import pytest
 from kvstore_client import block_keys, model_fingerprint, rank_endpoints
 from kvstore_client.errors import InvalidKeyError
 from kvstore_client.keys import check_key
-from kvstore_client.wire.batchframe import encode_get_stream, encode_put_stream, read_get_items
-from kvstore_client.wire.errors import BadFraming, InvalidKey
 
 FP = "cb6557cd55954638b164799b4bf9c64c"
 VECTORS = {
@@ -93,32 +90,8 @@ def test_stable_across_processes() -> None:
     assert outs[0]["rank"] == rank_endpoints(["http://a:1", "http://b:2", "http://c:3"], "k1")
 
 
-def test_framing_matches_the_spec_example() -> None:
-    body = encode_put_stream([("a1", b"hi"), ("b", b"\x00\xff\x10")])
-    assert body.hex() == "4b56423102006131020000000000000068690100620300000000000000" + "00ff100000"
-    stream = bytes.fromhex(
-        "4b56423102006131c8000200000000000000686902007a7a94012f0000000000000"
-        "07b22636f6465223a20226e6f745f666f756e64222c20226d657373616765223a20226e6f20626c6f636b207a7a227d0000"
-    )
-    assert stream == encode_get_stream(
-        [("a1", 200, b"hi"), ("zz", 404, b'{"code": "not_found", "message": "no block zz"}')]
-    )
-
-    async def decode(data: bytes) -> list[tuple[str, int, bytes]]:
-        reader = asyncio.StreamReader()
-        reader.feed_data(data)
-        reader.feed_eof()
-        return [item async for item in read_get_items(reader)]
-
-    items = asyncio.run(decode(stream))
-    assert [(k, s) for k, s, _ in items] == [("a1", 200), ("zz", 404)]
-    assert items[0][2] == b"hi"
-    with pytest.raises(BadFraming, match="truncated"):
-        asyncio.run(decode(stream[:-2]))
-    with pytest.raises(BadFraming, match="bad magic"):
-        asyncio.run(decode(b"KVB2" + stream[4:]))
-    with pytest.raises(InvalidKey):
-        encode_put_stream([("a/b", b"x")])
+def test_check_key_before_sending() -> None:
+    assert check_key("k.1:a=b+c~d@e-f_g") == "k.1:a=b+c~d@e-f_g"
     with pytest.raises(InvalidKeyError, match="key contains '/' at position 1"):
         check_key("a/b")
 

@@ -25,8 +25,8 @@ from typing import Any
 from urllib.parse import quote
 
 from hypothesis import strategies as st
+from kvstore_client.wire import batchframe
 
-from kvstore.transport import batchframe
 from tests.fuzz.conftest import Target, fuzz
 from tests.http.conftest import ADMIN
 from tests.http.openapi import Operation, Spec

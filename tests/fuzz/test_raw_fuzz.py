@@ -20,8 +20,8 @@ import struct
 import time
 
 from hypothesis import strategies as st
+from kvstore_client.wire import batchframe
 
-from kvstore.transport import batchframe
 from tests.fuzz.client import Answer, exchange
 from tests.fuzz.conftest import SETTINGS, Target, fuzz
 from tests.http.conftest import ADMIN

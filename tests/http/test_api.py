@@ -11,8 +11,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from kvstore_client.wire import batchframe
 
-from kvstore.transport import batchframe
 from tests.http.conftest import ADMIN, Api
 
 KV = (hashlib.sha256(b"seed").digest() * 8192)[:200_000]  # 200 KB: several 64 KiB frames

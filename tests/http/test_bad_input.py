@@ -6,8 +6,8 @@ import asyncio
 import json
 
 import pytest
+from kvstore_client.wire import batchframe
 
-from kvstore.transport import batchframe
 from tests.http.conftest import Api
 
 GOOD = b"the stored block" * 100

@@ -20,8 +20,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from kvstore_client.wire import batchframe
 
-from kvstore.transport import batchframe
 from tests.http.conftest import ADMIN, ROOT, Daemon
 
 

@@ -14,9 +14,9 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from kvstore_client.wire import batchframe
 
 from kvstore.events.model import key_hash
-from kvstore.transport import batchframe
 
 from .conftest import ADMIN, Daemon, free_port
 from .test_read_plans import _admin, _tenant

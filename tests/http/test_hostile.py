@@ -11,8 +11,9 @@ import socket
 import struct
 from pathlib import Path
 
+from kvstore_client.wire import batchframe
+
 from kvstore.engine.crypto import MasterKey
-from kvstore.transport import batchframe
 from kvstore.transport.http.app import make_app
 from tests.http.conftest import ADMIN, Api, Daemon, KVTestServer, free_port, server_config
 from tests.http.rawhttp import Conn, Reply, worker_connections

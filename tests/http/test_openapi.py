@@ -8,10 +8,10 @@ import json
 import os
 from pathlib import Path
 
+from kvstore_client.wire import batchframe
 from openapi_spec_validator import validate
 
 from kvstore.engine.crypto import MasterKey
-from kvstore.transport import batchframe
 from kvstore.transport.http.app import make_app
 from kvstore.transport.http.internal import PREFIX as INTERNAL_PREFIX
 from tests.http.conftest import ADMIN, Api, server_config

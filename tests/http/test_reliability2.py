@@ -15,7 +15,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from kvstore.transport import batchframe
+from kvstore_client.wire import batchframe
+
 from tests.http.conftest import ADMIN, ROOT, Daemon, free_port
 from tests.http.rawhttp import Conn, Reply, worker_connections
 from tests.http.test_hostile import _auth, _each_worker, _json_error, _raw, _start_two_workers

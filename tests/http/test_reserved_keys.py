@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 
-from kvstore.transport import batchframe
+from kvstore_client.wire import batchframe
+
 from tests.http.conftest import Api
 
 

@@ -44,8 +44,8 @@ from typing import Any
 import aiohttp
 import boto3
 import pytest
+from kvstore_client.wire import batchframe
 
-from kvstore.transport import batchframe
 from tests.http.conftest import ADMIN, Daemon, daemon_env, free_port
 from tests.moto_s3 import REGION, MotoEndpoint
 from tests.stress.model import Model, State, content

@@ -37,8 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore_client.wire.nixl_loader import nixl_api
+
 from kvstore.errors import BodyTooLarge, Overloaded, StorageIOError
-from kvstore.transport.nixl.agent import nixl_api
 
 GRACE_S = 30.0  # a retired region keeps its bytes this long
 UNMAP_S = 3600.0  # and its (zero) pages this long

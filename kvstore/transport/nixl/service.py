@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
+from kvstore_client.wire.nixl_loader import configure_ucx
 
 from kvstore.engine.store import Store
 from kvstore.engine.store_read import PlannedBlock
@@ -47,7 +48,7 @@ from kvstore.errors import (
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_client_key
 from kvstore.server_config import ServerConfig
-from kvstore.transport.nixl.agent import configure_ucx, make_agent, ucx_devices
+from kvstore.transport.nixl.agent import make_agent, ucx_devices
 from kvstore.transport.nixl.devices import Discovery
 from kvstore.transport.nixl.memory import Memory, Piece, Region, view
 

@@ -1,10 +1,15 @@
-"""batchframe.py: exact bytes, streaming round trips over real stream readers
-(whole, and split into tiny chunks), and every framing error with its message."""
+"""The wire formats both sides speak (kvstore_client/wire), in one suite: the
+key grammar, the batch framing and the frame codecs, each encoded and decoded
+by the one definition (exact bytes, hypothesis round trips over real stream
+readers, every error with its message), and each side's mapping of it: the
+daemon's errors and codec ids, the client's errors."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import struct
 
 import aiohttp
@@ -12,20 +17,35 @@ import pytest
 from aiohttp.base_protocol import BaseProtocol
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from kvstore.errors import BadFraming, BlockTooLarge, InvalidInput, InvalidKey
-from kvstore.transport.batchframe import (
+from kvstore_client import keys as client_keys
+from kvstore_client.errors import InvalidKeyError
+from kvstore_client.wire import codec
+from kvstore_client.wire.batchframe import (
     CONTENT_TYPE,
     END,
     MAGIC,
+    MAGIC_META,
+    META_MAX,
     encode_get_stream,
     encode_put_stream,
     error_payload,
     get_item_header,
     put_item_header,
+    put_stream_parts,
     read_get_items,
     read_put_items,
+    read_put_items_meta,
 )
+from kvstore_client.wire.errors import BadFraming, CorruptFrame, InvalidKey, TooLarge
+from kvstore_client.wire.keys import KEY_MAX_LEN, check_key, key_problem
+
+from kvstore import errors as daemon_errors
+from kvstore.config import COMPRESSIONS
+from kvstore.engine import codec as engine_codec
+from kvstore.engine.format import CODEC_NAMES, CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_BP2
+from kvstore.names import validate_key
+from kvstore.transport import batchframe as daemon_batchframe
+from tests.conftest import kv_sample
 
 KEY_CHARS = "abcXYZ019._~:@=+-"
 MiB = 1 << 20
@@ -76,14 +96,14 @@ async def get_items(
         await feeder
 
 
-async def put_until_error(data: bytes, **limits: int) -> tuple[list[tuple[str, bytes]], BadFraming | BlockTooLarge]:
+async def put_until_error(data: bytes, **limits: int) -> tuple[list[tuple[str, bytes]], BadFraming | TooLarge]:
     """The items decoded before the error, and the error."""
     got: list[tuple[str, bytes]] = []
-    with pytest.raises((BadFraming, BlockTooLarge)) as info:
+    with pytest.raises((BadFraming, TooLarge)) as info:
         async for item in read_put_items(fed(data), limits.get("max_block_size", MiB), limits.get("max_items", 100)):
             got.append(item)
     err = info.value
-    assert isinstance(err, BadFraming | BlockTooLarge)
+    assert isinstance(err, BadFraming | TooLarge)
     return got, err
 
 
@@ -95,7 +115,49 @@ def u64(n: int) -> bytes:
     return struct.pack("<Q", n)
 
 
-# -- encoding ---------------------------------------------------------------------------
+# -- the key grammar ----------------------------------------------------------------------
+
+KEY_RE = re.compile(r"[A-Za-z0-9._~:@=+\-]{1,256}")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=300), st.text(alphabet=KEY_CHARS + "/ ?\x00\u00e9", max_size=260)))
+def test_both_sides_apply_one_key_grammar(key: str) -> None:
+    valid = KEY_RE.fullmatch(key) is not None
+    assert (key_problem(key) is None) == valid
+    for check, error in ((check_key, InvalidKey), (validate_key, daemon_errors.InvalidKey)):
+        if valid:
+            assert check(key) == key
+        else:
+            with pytest.raises(error):
+                check(key)
+    if valid:
+        assert client_keys.check_key(key) == key
+    else:
+        with pytest.raises(InvalidKeyError):
+            client_keys.check_key(key)
+
+
+@pytest.mark.parametrize(
+    ("key", "problem"),
+    [
+        ("", "key is empty; expected 1-256 characters of [A-Za-z0-9._~:@=+-]"),
+        ("k" * 257, "key is 257 characters long; the maximum is 256"),
+        ("a/b", "key contains '/' at position 1; allowed characters are [A-Za-z0-9._~:@=+-]"),
+        (7, "key must be a string, got int"),
+    ],
+)
+def test_a_bad_key_says_what_is_wrong_on_both_sides(key: object, problem: str) -> None:
+    assert key_problem(key) == problem
+    with pytest.raises(daemon_errors.InvalidKey) as daemon:
+        validate_key(key)
+    assert str(daemon.value) == problem and daemon.value.code == "invalid_key"
+    with pytest.raises(InvalidKeyError, match=re.escape(problem)):
+        client_keys.check_key(key)  # type: ignore[arg-type]
+    assert KEY_MAX_LEN == 256
+
+
+# -- batch framing: encoding ---------------------------------------------------------------------------
 
 
 def test_constants() -> None:
@@ -172,7 +234,7 @@ def test_error_payload_is_utf8_json() -> None:
     assert "\u00e9".encode() in payload
 
 
-# -- read_put_items: round trips -----------------------------------------------------------
+# -- batch framing: read_put_items, round trips -----------------------------------------------------------
 
 
 async def test_put_empty_batch() -> None:
@@ -244,7 +306,7 @@ def test_put_round_trip_property(items: list[tuple[str, bytes]], chunk: int | No
     assert asyncio.run(put_items(stream, chunk=chunk)) == items
 
 
-# -- read_put_items: errors ----------------------------------------------------------------
+# -- batch framing: read_put_items, errors ----------------------------------------------------------------
 
 TWO = encode_put_stream([("ab", b"xyz"), ("c", b"\x01")])
 # offsets in TWO: magic 0, item 0: key_len 4, key 6, data_len 8, data 16;
@@ -265,12 +327,6 @@ async def test_put_bad_magic(magic: bytes) -> None:
     assert isinstance(err, BadFraming)
     expected = "expected b'KVB1' or b'KVB2' (application/x-kvstore-batch)"
     assert str(err) == f"bad magic {magic!r} at byte offset 0: {expected}"
-
-
-async def test_put_bad_framing_is_a_400() -> None:
-    _, err = await put_until_error(b"KVB2")
-    assert isinstance(err, InvalidInput)
-    assert (err.status, err.code, err.retryable) == (400, "bad_framing", False)
 
 
 @pytest.mark.parametrize("key_len", [257, 300, 65535])
@@ -311,8 +367,7 @@ async def test_put_block_too_large_before_reading_the_data(data_len: int) -> Non
     # Only the header is there: a decoder that read the data first would report a truncation.
     got, err = await put_until_error(TWO[:19] + u16(1) + b"c" + u64(data_len), max_block_size=4)
     assert got == [("ab", b"xyz")]
-    assert isinstance(err, BlockTooLarge)
-    assert (err.status, err.code) == (413, "block_too_large")
+    assert isinstance(err, TooLarge)
     assert str(err) == f"item 1 (c): data length {data_len} at byte offset 22 exceeds the maximum block size 4"
 
 
@@ -385,7 +440,7 @@ async def test_put_limits_must_be_positive(max_block_size: int, max_items: int) 
         await anext(read_put_items(fed(TWO), max_block_size, max_items))
 
 
-# -- read_get_items ------------------------------------------------------------------------
+# -- batch framing: read_get_items ------------------------------------------------------------------------
 
 
 async def test_get_round_trip() -> None:
@@ -492,8 +547,6 @@ async def test_get_items_streams() -> None:
 
 
 async def test_kvb2_put_items_carry_their_identities() -> None:
-    from kvstore.transport.batchframe import MAGIC_META, META_MAX, read_put_items_meta
-
     metas = [b'{"block_hash": 7}', None, b'{"block_hash": 9, "token_ids": [1, 2]}']
     body = encode_put_stream([("a", b"1" * 10), ("b", b"2" * 20), ("c", b"3" * 30)], metas)
     assert body.startswith(MAGIC_META)
@@ -518,3 +571,128 @@ async def test_kvb2_put_items_carry_their_identities() -> None:
         [i async for i in read_put_items_meta(fed(huge), MiB, 10)]
     with pytest.raises(BadFraming, match="truncated stream: item 0 \\(a\\): 17-byte meta"):
         [i async for i in read_put_items_meta(fed(body[:15]), MiB, 10)]
+
+
+# -- batch framing: the spec's examples, the client's parts, the daemon's errors ---------------
+
+
+def test_framing_matches_the_spec_example() -> None:
+    """docs/batch-framing.md's examples, byte for byte."""
+    assert encode_put_stream([("a1", b"hi"), ("b", b"\x00\xff\x10")]).hex() == (
+        "4b56423102006131020000000000000068690100620300000000000000" + "00ff100000"
+    )
+    stream = bytes.fromhex(
+        "4b56423102006131c8000200000000000000686902007a7a94012f0000000000000"
+        "07b22636f6465223a20226e6f745f666f756e64222c20226d657373616765223a20226e6f20626c6f636b207a7a227d0000"
+    )
+    items = [("a1", 200, b"hi"), ("zz", 404, b'{"code": "not_found", "message": "no block zz"}')]
+    assert stream == encode_get_stream(items)
+    assert asyncio.run(get_items(stream)) == items
+
+
+def test_put_stream_parts_hold_the_blocks_themselves() -> None:
+    """The client sends the parts as they are: the blocks are not copied."""
+    block = bytearray(b"x" * 1000)
+    parts = put_stream_parts([("k", block)], [b'{"block_hash": 1}'])
+    assert any(p is block for p in parts)
+    assert b"".join(parts) == encode_put_stream([("k", bytes(block))], [b'{"block_hash": 1}'])
+
+
+async def test_the_daemon_answers_bad_framing_400_and_a_large_block_413() -> None:
+    """kvstore/transport/batchframe.py: the wire's put decoder with the daemon's errors."""
+    with pytest.raises(daemon_errors.BadFraming) as bad:
+        _ = [i async for i in daemon_batchframe.read_put_items_meta(fed(b"KVB3" + TWO[4:]), MiB, 10)]
+    assert (bad.value.code, bad.value.retryable) == ("bad_framing", False)  # a 400
+    assert str(bad.value).startswith("bad magic b'KVB3' at byte offset 0")
+    got = []
+    with pytest.raises(daemon_errors.BlockTooLarge) as large:
+        async for item in daemon_batchframe.read_put_items_meta(fed(TWO), 2, 10):
+            got.append(item)
+    assert large.value.code == "block_too_large"  # a 413
+    assert str(large.value) == "item 0 (ab): data length 3 at byte offset 8 exceeds the maximum block size 2"
+    assert got == []
+    assert [i async for i in daemon_batchframe.read_put_items_meta(fed(TWO), MiB, 10)] == [
+        ("ab", b"xyz", None),
+        ("c", b"\x01", None),
+    ]
+
+
+# -- frame codecs: the daemon encodes, either side decodes -----------------------------------
+
+
+def _round_trip(data: bytes, compression: str) -> tuple[int, int]:
+    """Encoded as the engine stores a frame (its codec id), decoded by the
+    wire (the codec's name, as the client sees it) and by the engine."""
+    codec_id, stored = engine_codec.encode_frame(memoryview(data), compression, 1)  # type: ignore[arg-type]
+    out = bytearray(len(data))
+    codec.decode_frame(CODEC_NAMES[codec_id], memoryview(stored), memoryview(out))
+    assert out == data
+    again = bytearray(len(data))
+    engine_codec.decode_frame(codec_id, memoryview(stored), memoryview(again))
+    assert again == data
+    return codec_id, len(stored)
+
+
+@given(st.binary(min_size=1, max_size=5000), st.sampled_from(COMPRESSIONS))
+def test_frame_round_trip_any_bytes(data: bytes, compression: str) -> None:
+    _, stored_len = _round_trip(data, compression)
+    assert stored_len <= len(data)  # never grows: raw fallback
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 4095, 4096, 4097, 1 << 20])
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_frame_round_trip_sizes(n: int, compression: str) -> None:
+    kv = kv_sample("gemma3-270m.bf16.layers8-9.bin")
+    _round_trip(kv[:n], compression)
+    _round_trip(bytes(n), compression)
+
+
+def test_incompressible_is_stored_raw() -> None:
+    codec_id, stored_len = _round_trip(os.urandom(1 << 16), "zstd-bp2")
+    assert codec_id == CODEC_RAW and stored_len == 1 << 16
+
+
+def _ratio(data: bytes, compression: str, frame: int = 1 << 20) -> float:
+    stored = 0
+    for i in range(0, len(data), frame):
+        stored += _round_trip(data[i : i + frame], compression)[1]
+    return len(data) / stored
+
+
+def test_byte_plane_split_pays_on_real_kv() -> None:
+    """Measured on real KV caches (see tests/data/kv/README.md)."""
+    bf16 = kv_sample("minilm-l6-v2.bf16.first2MiB.bin")
+    f16 = kv_sample("minilm-l6-v2.f16.first2MiB.bin")
+    assert _ratio(bf16, "zstd-bp2") > 1.45 > _ratio(bf16, "zstd")
+    assert _ratio(f16, "zstd-bp2") > 1.15 > _ratio(f16, "zstd")
+    assert engine_codec.encode_frame(memoryview(bf16[: 1 << 20]), "zstd-bp2", 1)[0] == CODEC_ZSTD_BP2
+    assert engine_codec.encode_frame(memoryview(bf16[: 1 << 20]), "zstd", 1)[0] == CODEC_ZSTD
+    assert codec.encode_frame(memoryview(bf16[: 1 << 20]), "zstd-bp2", 1)[0] == "zstd-bp2"
+
+
+def _bp2(data: bytes) -> bytes:
+    name, stored = codec.encode_frame(memoryview(data), "zstd-bp2", 1)
+    assert name == "zstd-bp2"
+    return bytes(stored)
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "message"),
+    [
+        ("raw", lambda s: s[:-1], "raw frame is"),
+        ("zstd", lambda s: s[:-5], "frame does not decode"),
+        ("zstd-bp2", lambda s: s[:6], "frame does not decode"),  # a header cut short
+        ("zstd-bp2", lambda s: s + b"x", "byte-plane frame lengths are inconsistent"),
+        ("lz4", lambda s: s, "unknown frame codec 'lz4'"),
+    ],
+)
+def test_a_frame_that_does_not_decode_is_corrupt_on_both_sides(name: str, damage: object, message: str) -> None:
+    data = kv_sample("minilm-l6-v2.bf16.first2MiB.bin")[: 1 << 16]
+    stored = {"raw": data, "zstd": bytes(codec.encode_frame(memoryview(data), "zstd", 1)[1])}.get(name) or _bp2(data)
+    bad = damage(stored)  # type: ignore[operator]
+    with pytest.raises(CorruptFrame, match=re.escape(message)):
+        codec.decode_frame(name, memoryview(bad), memoryview(bytearray(len(data))))
+    codec_id = {v: k for k, v in CODEC_NAMES.items()}.get(name, 99)
+    with pytest.raises(daemon_errors.CorruptionError) as e:
+        engine_codec.decode_frame(codec_id, memoryview(bad), memoryview(bytearray(len(data))))
+    assert e.value.code == "corruption"
