@@ -13,9 +13,11 @@ import enum
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
-from kvstore_client.decoding import Decode
+from kvstore_client.decoding import Decode, DecodePool
 from kvstore_client.errors import BufferTooSmall
+from kvstore_client.exchange import Exchange
 from kvstore_client.plans import Plan, PlannedBlock
+from kvstore_client.sharding import Shards
 
 #: a key's read: its size, None (absent), or the error that ends its read
 Outcome = int | None | BaseException
@@ -73,3 +75,18 @@ def planned(plan: Plan, key: str, mv: memoryview, decode: Decode) -> PlannedBloc
 def planned_miss(plan: Plan, key: str) -> bool:
     """Whether ``plan`` answers ``key`` absent (404)."""
     return plan.others.get(key, (0, ""))[0] == 404
+
+
+class PlanReader:
+    """What the read-plan readers share: plans asked for (``enabled``), the
+    decode threads, and who decodes a sealed block (``decode="server"``:
+    the daemon, so the key is left for GET)."""
+
+    def __init__(
+        self, exchange: Exchange, shards: Shards, decoders: DecodePool, *, enabled: bool, decode: Decode
+    ) -> None:
+        self._x = exchange
+        self._shards = shards
+        self._decoders = decoders
+        self._enabled = enabled
+        self._decode = decode

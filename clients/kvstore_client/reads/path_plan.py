@@ -18,24 +18,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore_client.answers import error_from, json_answer
-from kvstore_client.decoding import Decode, DecodePool
 from kvstore_client.errors import CorruptBlock, KVStoreClientError
-from kvstore_client.exchange import Endpoint, Exchange
+from kvstore_client.exchange import Endpoint
 from kvstore_client.plans import Plan, PlanConnection, parse_plan
-from kvstore_client.reads.base import LEFT, Left, Outcome, Served, each, planned, planned_miss
-from kvstore_client.sharding import UNIX, Shards
+from kvstore_client.reads.base import LEFT, Left, Outcome, PlanReader, Served, each, planned, planned_miss
+from kvstore_client.sharding import UNIX
 
 
-class PathPlanReader:
-    def __init__(
-        self, exchange: Exchange, shards: Shards, decoders: DecodePool, *, enabled: bool, decode: Decode
-    ) -> None:
-        self._x = exchange
-        self._shards = shards
-        self._decoders = decoders
-        self._enabled = enabled
-        self._decode = decode
-
+class PathPlanReader(PlanReader):
     def asks(self, url: str) -> bool:
         """Whether get_into asks ``url`` (http or https) for plans with paths."""
         return self._enabled and not url.startswith(UNIX) and self._x.endpoints[url].paths_offered

@@ -18,11 +18,11 @@ from kvstore_client.decoding import Decode, DecodePool
 from kvstore_client.errors import BufferTooSmall, CorruptBlock, KVStoreClientError
 from kvstore_client.exchange import Exchange
 from kvstore_client.plans import Plan, PlanConnection, PlannedBlock
-from kvstore_client.reads.base import LEFT, Left, Outcome, Served, planned, planned_miss
+from kvstore_client.reads.base import LEFT, Left, Outcome, PlanReader, Served, planned, planned_miss
 from kvstore_client.sharding import UNIX, Shards
 
 
-class UnixPlanReader:
+class UnixPlanReader(PlanReader):
     def __init__(
         self,
         exchange: Exchange,
@@ -33,11 +33,7 @@ class UnixPlanReader:
         decode: Decode,
         max_batch_keys: int,
     ) -> None:
-        self._x = exchange
-        self._shards = shards
-        self._decoders = decoders
-        self._enabled = enabled
-        self._decode = decode
+        super().__init__(exchange, shards, decoders, enabled=enabled, decode=decode)
         self._max_batch_keys = max_batch_keys
 
     def connection(self, url: str) -> PlanConnection | None:
