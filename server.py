@@ -38,7 +38,7 @@ from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server_config import SETTINGS, UNIX, ServerConfig, load
 from kvstore.tasks import Background
 from kvstore.transport.http.app import make_app
-from kvstore.transport.http.common import METRICS, STATE, STORE
+from kvstore.transport.http.appkeys import METRICS, STATE, STORE
 from kvstore.transport.http.connection import KVAppRunner
 from kvstore.transport.http.unix import BACKLOG, UnixListener, bind_unix
 from kvstore.transport.s3.gateway import make_gateway_app

@@ -29,7 +29,7 @@ from kvstore_client.plans import PlanConnection, parse_plan
 from kvstore.engine.crypto import MasterKey
 from kvstore.engine.lifecycle import Leases
 from kvstore.transport.http.app import make_app
-from kvstore.transport.http.common import STORE
+from kvstore.transport.http.appkeys import STORE
 
 from ..conftest import kv_sample
 from .conftest import ROOT, Daemon, KVTestServer, free_port, server_config

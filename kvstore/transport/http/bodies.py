@@ -12,6 +12,7 @@
 - **JSON.** UTF-8 (RFC 8259 §8.1), at most :data:`JSON_MAX_BYTES`, arrays and
   objects nested at most :data:`kvstore.jsonlimits.MAX_DEPTH` deep; each way
   a document can be wrong is a 4xx naming it, never a 500.
+- **Fields** several routes read (``lease_s``, ``keys``) are checked here, once.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from kvstore.errors import (
     RequestTimeout,
     UnsupportedMediaType,
 )
-from kvstore.transport.http.common import METRICS, config_of
+from kvstore.names import validate_key
+from kvstore.transport.http.appkeys import METRICS, config_of
 
 JSON_MAX_BYTES = 4 << 20
 # The answer to a body aiohttp's parser could not decode (its message quotes the bytes).
@@ -210,3 +212,33 @@ class BatchBody:
     def close(self) -> None:
         """Release what was read and never taken."""
         self._budget.release(self.take())
+
+
+# Fields of JSON bodies that several routes read.
+
+LEASE_S = 30.0  # default lease of a read plan
+MAX_LEASE_S = 600.0
+
+
+def lease_field(body: dict[str, Any], default: float = LEASE_S) -> float:
+    """A request's ``lease_s``: seconds in (0, MAX_LEASE_S]."""
+    value = body.get("lease_s", default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_LEASE_S:
+        raise InvalidInput(f"field 'lease_s' must be a number of seconds in (0, {MAX_LEASE_S:g}]; got {value!r}")
+    return float(value)
+
+
+def keys_field(body: dict[str, Any], limit: int, validate: bool = True) -> list[str]:
+    """The request's ``keys``: a list of at most ``limit`` keys, each checked
+    unless ``validate`` is False (the store checks them itself)."""
+    keys = body.get("keys")
+    if not isinstance(keys, list):
+        raise InvalidInput("field 'keys' must be a list of keys")
+    if len(keys) > limit:
+        raise InvalidInput(f"field 'keys' has {len(keys)} keys; the maximum is {limit}")
+    for i, k in enumerate(keys if validate else ()):
+        try:
+            validate_key(k)
+        except InvalidInput as e:
+            raise type(e)(f"keys[{i}]: {e}") from None
+    return keys

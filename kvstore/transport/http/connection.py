@@ -25,7 +25,7 @@ connection is still the keep-alive timeout's).
 :class:`KVAppRunner` is ``web.AppRunner`` serving connections with it; for
 the kvstore API (``gate_expect``) it takes ``Expect`` away from aiohttp and
 leaves it on the request (:data:`EXPECT`) for the gate, which answers it
-after authentication (kvstore/transport/http/app.py).
+after authentication (kvstore/transport/http/middleware.py).
 
 aiohttp hooks relied on (3.14; tests/http/test_hostile.py fails if they change):
 
@@ -66,7 +66,7 @@ from aiohttp.web_protocol import RequestHandler, _ErrInfo
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvstore.transport.http.common import CONFIG, EXPECT, METRICS
+from kvstore.transport.http.appkeys import CONFIG, EXPECT, METRICS
 
 log = logging.getLogger("kvstore.http")
 
@@ -278,7 +278,7 @@ class KVAppRunner(web.AppRunner):
     ``gate_expect``: the request's ``Expect`` is taken from aiohttp, which
     would answer it before any middleware (a 100 before authentication, a
     text/plain 417 echoing the value), and left on the request as
-    :data:`~kvstore.transport.http.common.EXPECT` for the app to answer (the
+    :data:`~kvstore.transport.http.appkeys.EXPECT` for the app to answer (the
     kvstore API: after its gate). False for an app that answers ``Expect``
     with aiohttp's own hook (the S3 gateway's ``expect_handler``)."""
 

@@ -10,7 +10,7 @@ A route must mean the same on every worker. So the reader decides what to
 relay by the route its own router matched (never by a prefix of the decoded
 path), answers unmatched paths itself exactly as the writer would (404/405),
 relays only after the same authentication and path checks the writer makes
-(``gate_middleware`` in app.py runs on every worker), and relays the path as
+(``gate_middleware`` in middleware.py runs on every worker), and relays the path as
 it was received, still percent-encoded: a decoded ``%2F``, ``%3F``, ``%23`` or
 ``..`` never becomes path syntax on the writer.
 """
@@ -28,16 +28,10 @@ from aiohttp.web_protocol import RequestPayloadError
 from yarl import URL
 
 from kvstore.errors import InvalidInput, KVStoreError, Overloaded, StoreClosed, WriterTimeout
+from kvstore.transport.http.appkeys import STATE, client_gone, config_of, route_of, store_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING, check_length
-from kvstore.transport.http.common import (
-    STATE,
-    client_gone,
-    config_of,
-    query_number,
-    route_of,
-    send,
-    store_of,
-)
+from kvstore.transport.http.query import query_number
+from kvstore.transport.http.respond import send
 
 WRITER = web.AppKey("writer", aiohttp.ClientSession)
 T = TypeVar("T")

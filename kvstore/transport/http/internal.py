@@ -25,7 +25,7 @@ from aiohttp import web
 
 from kvstore.engine.lifecycle import Lease
 from kvstore.errors import InvalidInput, NotFound
-from kvstore.transport.http.common import STATE, STORE, store_of
+from kvstore.transport.http.appkeys import STATE, STORE, store_of
 from kvstore.transport.http.forward import WRITER
 
 log = logging.getLogger("kvstore.http.internal")

@@ -26,8 +26,8 @@ from typing import Any
 from aiohttp import web
 
 from kvstore.metrics import merged
+from kvstore.transport.http.appkeys import METRICS, STATE, STORE
 from kvstore.transport.http.bodies import BUDGET
-from kvstore.transport.http.common import METRICS, STATE, STORE
 
 SNAPSHOT_S = 0.5
 STALE_S = 5.0

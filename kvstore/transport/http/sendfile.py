@@ -19,7 +19,8 @@ import os
 from aiohttp import web
 
 from kvstore.engine.store_read import DirectExtent
-from kvstore.transport.http.common import METRICS, reset_connection, send
+from kvstore.transport.http.appkeys import METRICS
+from kvstore.transport.http.respond import reset_connection, send
 
 _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN)
 

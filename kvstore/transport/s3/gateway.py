@@ -30,7 +30,7 @@ from kvstore.engine.store import Store
 from kvstore.errors import KVStoreError
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
-from kvstore.transport.http.common import CONFIG, METRICS
+from kvstore.transport.http.appkeys import CONFIG, METRICS
 from kvstore.transport.s3 import acl, bucket_ops, multipart_ops, object_ops, objects, recovery
 from kvstore.transport.s3.call import Call, Settings, validate_object_key
 from kvstore.transport.s3.catalog import Catalog

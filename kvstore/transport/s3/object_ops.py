@@ -14,8 +14,9 @@ from aiohttp import web
 
 from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import InvalidRange, KVStoreError, NotFound
-from kvstore.transport.http.common import config_of, send
+from kvstore.transport.http.appkeys import config_of
 from kvstore.transport.http.ranges import parse_range
+from kvstore.transport.http.respond import send
 from kvstore.transport.http.sendfile import send_extent
 from kvstore.transport.s3 import objects, records
 from kvstore.transport.s3.body import UploadBody

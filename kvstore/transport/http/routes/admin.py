@@ -13,8 +13,10 @@ from kvstore.engine.crypto import load_master_key
 from kvstore.errors import InvalidInput, MasterKeyError
 from kvstore.names import validate_tenant
 from kvstore.redaction import SCRUBBER
+from kvstore.transport.http.appkeys import STATE, store_of
+from kvstore.transport.http.auth import require_admin
 from kvstore.transport.http.bodies import json_body
-from kvstore.transport.http.common import STATE, query_bool, query_number, query_value, require_admin, store_of
+from kvstore.transport.http.query import query_bool, query_number, query_value
 from kvstore.transport.http.routes.xfer import XFER
 from kvstore.transport.nixl.devices import discover
 

@@ -19,10 +19,12 @@ from kvstore.errors import InvalidInput, KVStoreError
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_client_key
 from kvstore.transport import batchframe
-from kvstore.transport.http.bodies import BAD_BODY_FRAMING, BatchBody, json_body
-from kvstore.transport.http.common import BATCH_TYPE, METRICS, config_of, error_body, send, store_of, tenant_of
-from kvstore.transport.http.routes.blocks import keys_field
+from kvstore.transport.http.appkeys import METRICS, config_of, store_of
+from kvstore.transport.http.auth import tenant_of
+from kvstore.transport.http.bodies import BAD_BODY_FRAMING, BatchBody, json_body, keys_field
+from kvstore.transport.http.respond import error_body, send
 
+BATCH_TYPE = "application/x-kvstore-batch"  # docs/batch-framing.md
 routes = web.RouteTableDef()
 _WINDOW = 4
 

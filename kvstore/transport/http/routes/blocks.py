@@ -10,28 +10,20 @@ a malformed Range header ignored (§14.2).
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 
 from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_client_key, validate_key
-from kvstore.transport.http.bodies import block_body, json_body
-from kvstore.transport.http.common import (
-    METRICS,
-    config_of,
-    lease_field,
-    query_int,
-    query_value,
-    send,
-    store_of,
-    tenant_of,
-)
+from kvstore.transport.http.appkeys import METRICS, config_of, store_of
+from kvstore.transport.http.auth import tenant_of
+from kvstore.transport.http.bodies import block_body, json_body, keys_field, lease_field
 from kvstore.transport.http.forward import WRITER
 from kvstore.transport.http.internal import share_lease
+from kvstore.transport.http.query import query_int, query_value
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
+from kvstore.transport.http.respond import send
 from kvstore.transport.http.sendfile import send_extent
 
 routes = web.RouteTableDef()
@@ -130,22 +122,6 @@ async def delete_block(request: web.Request) -> web.Response:
     if not await store_of(request).delete(tenant, key):
         raise NotFound(f"key {key!r} not found")
     return web.Response(status=204)
-
-
-def keys_field(body: dict[str, Any], limit: int, validate: bool = True) -> list[str]:
-    """The request's ``keys``: a list of at most ``limit`` keys, each checked
-    unless ``validate`` is False (the store checks them itself)."""
-    keys = body.get("keys")
-    if not isinstance(keys, list):
-        raise InvalidInput("field 'keys' must be a list of keys")
-    if len(keys) > limit:
-        raise InvalidInput(f"field 'keys' has {len(keys)} keys; the maximum is {limit}")
-    for i, k in enumerate(keys if validate else ()):
-        try:
-            validate_key(k)
-        except InvalidInput as e:
-            raise type(e)(f"keys[{i}]: {e}") from None
-    return keys
 
 
 @routes.post("/v1/lookup")

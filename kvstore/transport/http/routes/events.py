@@ -27,7 +27,10 @@ from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.bus import EventBus, Gap
 from kvstore.events.model import Event
 from kvstore.events.zmq_pub import ZmqPublisher
-from kvstore.transport.http.common import CONFIG, STORE, is_admin, query_int, send, tenant_of
+from kvstore.transport.http.appkeys import CONFIG, STORE
+from kvstore.transport.http.auth import is_admin, tenant_of
+from kvstore.transport.http.query import query_int
+from kvstore.transport.http.respond import send
 
 routes = web.RouteTableDef()
 EVENTS = web.AppKey("events", EventBus)

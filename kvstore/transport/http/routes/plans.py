@@ -62,20 +62,12 @@ from kvstore.errors import (
     UnixSocketRequired,
 )
 from kvstore.tasks import Background
-from kvstore.transport.http.bodies import json_body
-from kvstore.transport.http.common import (
-    STATE,
-    STORE,
-    config_of,
-    lease_field,
-    reset_connection,
-    send,
-    store_of,
-    tenant_of,
-)
+from kvstore.transport.http.appkeys import STATE, STORE, config_of, store_of
+from kvstore.transport.http.auth import tenant_of
+from kvstore.transport.http.bodies import json_body, keys_field, lease_field
 from kvstore.transport.http.forward import WRITER, writer_url
 from kvstore.transport.http.internal import share_lease
-from kvstore.transport.http.routes.blocks import keys_field
+from kvstore.transport.http.respond import reset_connection, send
 from kvstore.transport.http.routes.records import client_decode_allowed, record_meta
 
 log = logging.getLogger("kvstore.transport.plans")

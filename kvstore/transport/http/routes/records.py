@@ -33,7 +33,8 @@ from kvstore.engine.format import CODEC_NAMES
 from kvstore.engine.reader import StoredFrames
 from kvstore.errors import InsecureTransport
 from kvstore.names import validate_key
-from kvstore.transport.http.common import store_of, tenant_of
+from kvstore.transport.http.appkeys import store_of
+from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.routes.blocks import etag, send_bytes
 

@@ -32,9 +32,9 @@ from kvstore.errors import InvalidInput, NixlDisabled
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_key
 from kvstore.tasks import Background
-from kvstore.transport.http.bodies import json_body
-from kvstore.transport.http.common import CONFIG, STORE, config_of, tenant_of
-from kvstore.transport.http.routes.blocks import keys_field
+from kvstore.transport.http.appkeys import CONFIG, STORE, config_of
+from kvstore.transport.http.auth import tenant_of
+from kvstore.transport.http.bodies import json_body, keys_field
 from kvstore.transport.nixl.devices import discover
 from kvstore.transport.nixl.service import XferService
 

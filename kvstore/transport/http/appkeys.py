@@ -1,0 +1,45 @@
+"""What the application and a request carry: aiohttp's typed keys and their accessors.
+
+The store, the settings, the metrics and the process's state (ready, requests
+in flight, role) hang on the application; every route and middleware reads
+them through these keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.engine.store import Store
+from kvstore.metrics import Metrics
+from kvstore.server_config import ServerConfig
+
+STORE = web.AppKey("store", Store)
+CONFIG = web.AppKey("config", ServerConfig)
+METRICS = web.AppKey("metrics", Metrics)
+STATE = web.AppKey("state", dict[str, Any])
+# The request's Expect header, taken from aiohttp by the connection layer
+# (connection.KVAppRunner) and answered by the gate (middleware.gate_middleware).
+EXPECT = web.RequestKey("expect", str)
+
+
+def store_of(request: web.Request) -> Store:
+    return request.app[STORE]
+
+
+def config_of(request: web.Request) -> ServerConfig:
+    return request.app[CONFIG]
+
+
+def route_of(request: web.Request) -> str:
+    """The matched route's pattern (``/v1/blocks/{key}``), or "unmatched"."""
+    info = request.match_info
+    resource = info.route.resource if info.route is not None else None
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client's connection is closed or closing."""
+    transport = request.transport
+    return transport is None or transport.is_closing()

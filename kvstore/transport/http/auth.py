@@ -1,0 +1,60 @@
+"""Who is asking: the bearer token names a tenant, or is the admin's."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from aiohttp import web
+
+from kvstore.errors import Unauthorized
+from kvstore.transport.http.appkeys import config_of, store_of
+
+
+def _bearer(request: web.Request) -> str:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip(" \t")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
+    # Tokens are visible ASCII (RFC 6750's b64token is a subset); anything else
+    # cannot name a tenant. Never echo it: it may be a secret with a typo.
+    if not token.isascii() or not token.isprintable() or " " in token:
+        raise Unauthorized("malformed bearer token: expected visible ASCII characters")
+    return token
+
+
+_TENANT = web.RequestKey("tenant", str)
+
+
+def tenant_of(request: web.Request) -> str:
+    """The tenant named by the request's bearer token (401 when none)."""
+    cached: str | None = request.get(_TENANT)
+    if cached is not None:
+        return cached
+    tenant = store_of(request).authenticate(_bearer(request))
+    if tenant is None:
+        raise Unauthorized("unknown or revoked token")
+    request[_TENANT] = tenant
+    return tenant
+
+
+def require_admin(request: web.Request) -> None:
+    secret = config_of(request).admin_secret()
+    token = _bearer(request)
+    # Compare fixed-length digests in constant time: no early exit, no length leak.
+    if secret is None or not hmac.compare_digest(_digest(token), _digest(secret)):
+        raise Unauthorized("admin token required")
+
+
+def is_admin(request: web.Request) -> bool:
+    """Whether the request carries the admin token (never raises)."""
+    try:
+        require_admin(request)
+    except Unauthorized:
+        return False
+    return True
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
