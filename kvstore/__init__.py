@@ -17,6 +17,9 @@ The tree shows the architecture:
   its middleware, request bodies, RFC 9110 ranges, forwarding between
   workers, the connection layer, ``routes/``), the S3 gateway's HTTP
   (``s3/``), NIXL (``nixl/``), the batch framing.
+- ``buckets/``: the S3 gateway's lasting state: its SQLite catalog of
+  buckets, objects and uploads, kept as record blocks of the tenants and
+  rebuilt from them (``catalog``, ``records``, ``recovery``, ``objects``).
 - At the top: what every part shares (``errors``, ``config``, ``metrics``,
   ``names``, ``redaction``), the daemon's own (``server_config``,
   ``sdnotify``, ``tuning``) and the offline checker (``fsck``).

@@ -24,7 +24,7 @@ def validate_key(key: object) -> str:
 
 
 # Keys under these prefixes are the S3 gateway's: its objects' bytes and its
-# records of buckets, objects and uploads (transport/s3/objects.py, records.py).
+# records of buckets, objects and uploads (kvstore/buckets/objects.py, records.py).
 # Clients cannot write or delete them through /v1 or NIXL, so nothing a tenant
 # writes there can pass for the gateway's state when it is rebuilt.
 S3_DATA_PREFIX = "s3~"

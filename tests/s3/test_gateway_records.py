@@ -1,4 +1,4 @@
-"""The gateway's records (kvstore/transport/s3/records.py) and the start-up
+"""The gateway's records (kvstore/buckets/records.py) and the start-up
 that brings the catalog in line with them (recovery.py), on a real store with
 the gateway served in-process on 127.0.0.1 and driven by boto3: a catalog
 lost and rebuilt, a catalog kept and reconciled, crashes between a record
@@ -23,15 +23,15 @@ from aiohttp.test_utils import TestServer
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from kvstore.buckets import catalog as catalog_mod
+from kvstore.buckets import records
+from kvstore.buckets.objects import new_uid
 from kvstore.engine.crypto import MasterKey
 from kvstore.engine.store import Store
 from kvstore.errors import TierUnavailable
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
-from kvstore.transport.s3 import catalog as catalog_mod
-from kvstore.transport.s3 import records
 from kvstore.transport.s3.gateway import make_gateway_app
-from kvstore.transport.s3.objects import new_uid
 from tests.http.conftest import free_port, server_config
 
 MiB = 1 << 20
@@ -349,7 +349,7 @@ async def test_an_unfinished_rebuild_deletes_nothing(node: Node, monkeypatch: py
             raise TierUnavailable("injected: the object tier is unreachable")
         return await real_get(self, tenant, key)
 
-    monkeypatch.setattr("kvstore.transport.s3.recovery.READ_ATTEMPTS", 1)
+    monkeypatch.setattr("kvstore.buckets.recovery.READ_ATTEMPTS", 1)
     monkeypatch.setattr(Store, "get", get)
     await node.start()
     assert node.state() == catalog_mod.REBUILDING

@@ -127,7 +127,7 @@ def test_overwrites_read_while_compaction_and_flush_run(gw: Gateway) -> None:
     assert not errors, errors[:5]
     for tenant in ("acme", "beta"):
         s3 = gw.client(tenant)
-        total_blocks = 1  # the bucket's record (kvstore/transport/s3/records.py)
+        total_blocks = 1  # the bucket's record (kvstore/buckets/records.py)
         for key in keys:
             digest = last[(tenant, key)]
             assert hashlib.md5(s3.get_object(Bucket=buckets[tenant], Key=key)["Body"].read()).hexdigest() == digest

@@ -10,11 +10,11 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from kvstore.transport.s3 import records
+from kvstore.buckets import records
+from kvstore.buckets.catalog import Bucket, Dropped, ObjectRow
+from kvstore.buckets.objects import new_uid
 from kvstore.transport.s3.call import Call, validate_bucket_name, validate_object_key
-from kvstore.transport.s3.catalog import Bucket, Dropped, ObjectRow
 from kvstore.transport.s3.errors import S3Error
-from kvstore.transport.s3.objects import new_uid
 from kvstore.transport.s3.xml import children, document, element, iso_time, parse, text_of
 
 MAX_KEYS = 1000

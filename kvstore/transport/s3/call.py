@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from kvstore.buckets import records
+from kvstore.buckets.catalog import Bucket, Catalog, Dropped
+from kvstore.buckets.names import valid_bucket_name
+from kvstore.buckets.objects import Readers
 from kvstore.engine.store import Store
-from kvstore.transport.s3 import records
 from kvstore.transport.s3.body import UploadBody
-from kvstore.transport.s3.catalog import Bucket, Catalog, Dropped
 from kvstore.transport.s3.errors import S3Error
-from kvstore.transport.s3.objects import Readers
 from kvstore.transport.s3.sigv4 import STREAMING_SIGNED, STREAMING_SIGNED_TRAILER, Authorization, ChunkSigner
 from kvstore.transport.s3.xml import MAX_BODY
 
 MAX_KEY_BYTES = 1024
 SIGNED_STREAMING = (STREAMING_SIGNED, STREAMING_SIGNED_TRAILER)
-_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
-_IPV4_RE = re.compile(r"\d+\.\d+\.\d+\.\d+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,14 +111,7 @@ class Call:
 
 
 def validate_bucket_name(name: str) -> str:
-    if (
-        _BUCKET_RE.fullmatch(name) is None
-        or ".." in name
-        or ".-" in name
-        or "-." in name
-        or _IPV4_RE.fullmatch(name) is not None
-        or name.startswith("xn--")
-    ):
+    if not valid_bucket_name(name):
         raise S3Error(
             "InvalidBucketName",
             "The specified bucket is not valid: 3-63 characters of a-z 0-9 . -, starting and ending with a letter "

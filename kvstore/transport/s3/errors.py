@@ -7,6 +7,7 @@ translates the store's own errors.
 
 from __future__ import annotations
 
+from kvstore.buckets.catalog import NoSuchUpload
 from kvstore.errors import (
     BlockTooLarge,
     InvalidInput,
@@ -90,6 +91,8 @@ def from_kvstore(e: KVStoreError) -> S3Error:
         return S3Error("AccessDenied", str(e))
     if isinstance(e, RequestTimeout):
         return S3Error("RequestTimeout", str(e))
+    if isinstance(e, NoSuchUpload):
+        return S3Error("NoSuchUpload", "The specified upload does not exist.")
     if isinstance(e, NotFound):
         return S3Error("NoSuchKey", "The specified key does not exist.")
     if isinstance(e, InvalidInput):

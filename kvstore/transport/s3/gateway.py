@@ -5,11 +5,13 @@ the writer of a multi-worker daemon), on its own address
 (``s3_gateway_listen``), so S3's path layout (``/bucket/key``) never meets
 ``/v1``. Every request is authenticated with SigV4 (:mod:`.sigv4`) against
 the access keys the admin API issues per tenant; a bucket belongs to the
-tenant whose key created it. Objects are kvstore blocks of that tenant
-(:mod:`.objects`), named by the catalog (:mod:`.catalog`), a cache of the
-gateway's records (:mod:`.records`: blocks of the same tenant, mirrored with
-its segments), from which a node rebuilt from its bucket rebuilds it at
-start-up (:mod:`.recovery`).
+tenant whose key created it. The gateway's lasting state is kept by
+:mod:`kvstore.buckets`: objects are kvstore blocks of that tenant
+(``objects``), named by the catalog (``catalog``), a cache of the gateway's
+records (``records``: blocks of the same tenant, mirrored with its segments),
+from which a node rebuilt from its bucket rebuilds it at start-up
+(``recovery``). This package is the gateway's HTTP: SigV4, S3's XML and
+errors, the operations.
 
 Errors are S3's XML documents with a request id (``x-amz-request-id``); a
 HEAD's error has no body, as S3's.
@@ -26,14 +28,15 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
+from kvstore.buckets import objects, recovery
+from kvstore.buckets.catalog import Catalog
 from kvstore.engine.store import Store
 from kvstore.errors import KVStoreError
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
 from kvstore.transport.http.appkeys import CONFIG, METRICS
-from kvstore.transport.s3 import acl, bucket_ops, multipart_ops, object_ops, objects, recovery
+from kvstore.transport.s3 import acl, bucket_ops, multipart_ops, object_ops
 from kvstore.transport.s3.call import Call, Settings, validate_object_key
-from kvstore.transport.s3.catalog import Catalog
 from kvstore.transport.s3.errors import S3Error, from_kvstore
 from kvstore.transport.s3.sigv4 import RequestParts, check_scope_and_time, parse_authorization, parse_query, verify
 from kvstore.transport.s3.xml import error_document

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from kvstore.transport.s3 import objects, records
+from kvstore.buckets import objects, records
+from kvstore.buckets.catalog import Dropped, Extents, ObjectRow, PartRow, Upload
 from kvstore.transport.s3.bucket_ops import MAX_KEYS
 from kvstore.transport.s3.call import Call, validate_object_key
-from kvstore.transport.s3.catalog import Dropped, Extents, ObjectRow, PartRow, Upload
 from kvstore.transport.s3.errors import S3Error
 from kvstore.transport.s3.object_ops import (
     meta_from_headers,

@@ -12,18 +12,18 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
+from kvstore.buckets import objects, records
+from kvstore.buckets.catalog import Dropped, Extents, ObjectRow
+from kvstore.buckets.objects import Held
 from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import InvalidRange, KVStoreError, NotFound
 from kvstore.transport.http.appkeys import config_of
 from kvstore.transport.http.ranges import parse_range
 from kvstore.transport.http.respond import send
 from kvstore.transport.http.sendfile import send_extent
-from kvstore.transport.s3 import objects, records
 from kvstore.transport.s3.body import UploadBody
 from kvstore.transport.s3.call import Call, validate_bucket_name, validate_object_key
-from kvstore.transport.s3.catalog import Dropped, Extents, ObjectRow
 from kvstore.transport.s3.errors import S3Error
-from kvstore.transport.s3.objects import Held
 from kvstore.transport.s3.sigv4 import STREAMING_SIGNED, STREAMING_SIGNED_TRAILER, ChunkSigner
 from kvstore.transport.s3.xml import document, element, http_time, iso_time
 

@@ -57,10 +57,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.buckets.catalog import Bucket, Extents, ObjectRow, PartRow, Upload
+from kvstore.buckets.names import valid_bucket_name
 from kvstore.engine.store import Store
 from kvstore.errors import CorruptionError, KVStoreError, NotFound
 from kvstore.names import S3_DATA_PREFIX, S3_RECORD_PREFIX, validate_key
-from kvstore.transport.s3.catalog import Bucket, Extents, ObjectRow, PartRow, Upload
 
 log = logging.getLogger("kvstore.s3")
 
@@ -226,6 +227,12 @@ def _block_key(v: Any) -> str:
     return key
 
 
+def _bucket(v: Any) -> str:
+    if not valid_bucket_name(_text(v)):
+        raise ValueError("bucket name")
+    return str(v)
+
+
 def _upload_id(v: Any) -> str:
     if _UPLOAD_ID.fullmatch(_text(v)) is None:
         raise ValueError("upload id")
@@ -278,13 +285,11 @@ def _doc(rec: Record) -> dict[str, Any]:
 
 
 def _record(kind: str, d: dict[str, Any]) -> Record:
-    from kvstore.transport.s3.call import validate_bucket_name
-
     if kind == BUCKET:
-        return BucketRecord(validate_bucket_name(_text(d["name"])), _text(d["region"]), _count(d["created"]))
+        return BucketRecord(_bucket(d["name"]), _text(d["region"]), _count(d["created"]))
     if kind == OBJECT:
         return ObjectRecord(
-            validate_bucket_name(_text(d["bucket"])),
+            _bucket(d["bucket"]),
             _object_key(d["key"]),
             _count(d["size"]),
             _text(d["etag"]),
@@ -295,7 +300,7 @@ def _record(kind: str, d: dict[str, Any]) -> Record:
     if kind == UPLOAD:
         return UploadRecord(
             _upload_id(d["id"]),
-            validate_bucket_name(_text(d["bucket"])),
+            _bucket(d["bucket"]),
             _object_key(d["key"]),
             _count(d["created"]),
             _meta(d["meta"]),
@@ -339,7 +344,7 @@ def decode(store: Store, tenant: str, key: str, blob: bytes | bytearray) -> Reco
     except CorruptionError:
         raise
     except (KVStoreError, ValueError, KeyError, TypeError, binascii.Error, UnicodeDecodeError) as e:
-        # S3Error (a bad bucket name) is a KVStoreError; its text names no plaintext.
+        # Only the exception's type is named: its text may quote plaintext.
         what = type(e).__name__
         raise CorruptionError(f"gateway record {key!r} of tenant {tenant!r} is unreadable: {what}") from None
 

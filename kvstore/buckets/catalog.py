@@ -1,7 +1,7 @@
 """The gateway's catalog: buckets, objects, multipart uploads, in SQLite.
 
 An object's bytes are kvstore blocks of the bucket's tenant (keys
-``s3~<uid>~<n>``, see :mod:`kvstore.transport.s3.objects`); the catalog maps
+``s3~<uid>~<n>``, see :mod:`kvstore.buckets.objects`); the catalog maps
 ``(bucket, key)`` to those blocks and to what S3 reports about the object
 (size, ETag, time, metadata). It lives in its own file
 (``<data_dir>/s3/catalog.sqlite3``), in WAL mode with ``synchronous=FULL``:
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvstore.transport.s3.errors import S3Error
+from kvstore.errors import NotFound
 
 T = TypeVar("T")
 Extents = list[tuple[str, int]]  # (block key, length), in the object's order
@@ -80,6 +80,12 @@ CREATE TABLE IF NOT EXISTS parts (
 
 
 _TABLES = ("buckets", "objects", "uploads", "parts")
+
+
+class NoSuchUpload(NotFound):
+    """The multipart upload is gone (completed or aborted meanwhile)."""
+
+    code = "no_such_upload"
 
 
 @dataclass(frozen=True, slots=True)
@@ -436,7 +442,7 @@ class Catalog:
 
         def tx(db: sqlite3.Connection) -> Dropped:
             if self.upload(upload.upload_id) is None:
-                raise S3Error("NoSuchUpload", "The specified upload does not exist.")
+                raise NoSuchUpload(f"upload {upload.upload_id!r} does not exist")
             old = self.get(upload.bucket, obj.key)
             if expect is not None:
                 expect(old)

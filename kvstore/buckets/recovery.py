@@ -42,12 +42,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvstore.buckets import records
+from kvstore.buckets.catalog import MIRRORED, REBUILDING, Bucket, Catalog, ObjectRow, PartRow, Upload
+from kvstore.buckets.objects import new_uid
+from kvstore.buckets.records import BucketRecord, ObjectRecord, PartRecord, Record, UploadRecord
 from kvstore.engine.store import Store
 from kvstore.errors import CorruptionError, KVStoreError, NotFound
-from kvstore.transport.s3 import records
-from kvstore.transport.s3.catalog import MIRRORED, REBUILDING, Bucket, Catalog, ObjectRow, PartRow, Upload
-from kvstore.transport.s3.objects import new_uid
-from kvstore.transport.s3.records import BucketRecord, ObjectRecord, PartRecord, Record, UploadRecord
 
 log = logging.getLogger("kvstore.s3")
 T = TypeVar("T")

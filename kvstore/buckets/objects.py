@@ -23,13 +23,13 @@ import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 
+from kvstore.buckets import records
+from kvstore.buckets.catalog import Catalog, Extents
+from kvstore.buckets.records import Record
 from kvstore.engine.store import Store
 from kvstore.engine.store_read import DirectExtent
 from kvstore.errors import KVStoreError
 from kvstore.names import S3_DATA_PREFIX
-from kvstore.transport.s3 import records
-from kvstore.transport.s3.catalog import Catalog, Extents
-from kvstore.transport.s3.records import Record
 
 log = logging.getLogger("kvstore.s3")
 
