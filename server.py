@@ -33,7 +33,7 @@ import uvloop
 from aiohttp import web
 
 from kvstore import redaction, sdnotify
-from kvstore.engine.crypto import MasterKey, load_master_key
+from kvstore.engine.api import MasterKey, load_master_key
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server_config import SETTINGS, UNIX, ServerConfig, load
 from kvstore.tasks import Background

@@ -357,7 +357,7 @@ class Bench:
         with t.measure():
             for wave in waves(len(keys), self.opts.concurrency):
                 done = await asyncio.gather(*(self.store.put(tenant, keys[i], blocks[i]) for i in wave))
-                if not all(done):
+                if not all(s.created for s in done):
                     raise RuntimeError(f"tenant {tenant}: a put found its key already present")
         return t
 

@@ -26,8 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from kvstore.buckets import records
 from kvstore.buckets.catalog import Catalog, Extents
 from kvstore.buckets.records import Record
-from kvstore.engine.store import Store
-from kvstore.engine.store_read import DirectExtent
+from kvstore.engine.api import DirectExtent, Store
 from kvstore.errors import KVStoreError
 from kvstore.names import S3_DATA_PREFIX
 

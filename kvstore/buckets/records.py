@@ -59,7 +59,7 @@ from typing import Any
 
 from kvstore.buckets.catalog import Bucket, Extents, ObjectRow, PartRow, Upload
 from kvstore.buckets.names import valid_bucket_name
-from kvstore.engine.store import Store
+from kvstore.engine.api import Store
 from kvstore.errors import CorruptionError, KVStoreError, NotFound
 from kvstore.names import S3_DATA_PREFIX, S3_RECORD_PREFIX, validate_key
 

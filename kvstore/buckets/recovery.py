@@ -46,7 +46,7 @@ from kvstore.buckets import records
 from kvstore.buckets.catalog import MIRRORED, REBUILDING, Bucket, Catalog, ObjectRow, PartRow, Upload
 from kvstore.buckets.objects import new_uid
 from kvstore.buckets.records import BucketRecord, ObjectRecord, PartRecord, Record, UploadRecord
-from kvstore.engine.store import Store
+from kvstore.engine.api import Store
 from kvstore.errors import CorruptionError, KVStoreError, NotFound
 
 log = logging.getLogger("kvstore.s3")

@@ -4,7 +4,7 @@ A read costs one dict store on the event loop (no LMDB write transaction per
 read). The writer checkpoints what changed to the index every
 ``CHECKPOINT_S`` in one transaction (and at close); reader processes hand
 their touches to the writer about every second (the internal route in
-transport/http.py). After a crash or restart, access times are at most that
+transport/http/internal.py). After a crash or restart, access times are at most that
 old, so a restart never makes the hottest data look cold: the quota's LRU and
 the TTL see every access but the last few seconds'.
 

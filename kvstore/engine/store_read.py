@@ -12,7 +12,6 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 from kvstore.engine import reader
@@ -22,6 +21,7 @@ from kvstore.engine.lifecycle import Lease, SegmentKey
 from kvstore.engine.registry import Tenant
 from kvstore.engine.segment import SegmentFile
 from kvstore.engine.store_core import StoreCore
+from kvstore.engine.types import BlockInfo, DirectExtent, LookupResult, PlannedBlock, StoredRecord, TenantStats
 from kvstore.errors import (
     CorruptionError,
     InvalidInput,
@@ -46,87 +46,6 @@ T = TypeVar("T")
 # Direct reads up to this size have their frames verified on the event loop.
 INLINE_VERIFY_BYTES = 4 << 20
 READ_ATTEMPTS = 4  # a block that keeps moving under a read (compaction) is retried this often
-
-
-@dataclass(frozen=True, slots=True)
-class BlockInfo:
-    key: str
-    size: int
-    etag: str  # strong: names the stored record, unique per write
-    created_ns: int
-    stored_bytes: int
-    sealed: bool
-    key_version: int
-
-
-@dataclass(frozen=True, slots=True)
-class DirectExtent:
-    """Verified bytes of a direct block in a local segment file, which stays
-    open until :meth:`release`: sent with sendfile from ``segment.fd`` at
-    ``offset``; ``view`` holds the same bytes in the segment's mapping, for
-    what sendfile does not take."""
-
-    segment: SegmentFile
-    offset: int
-    view: memoryview
-
-    def release(self) -> None:
-        self.segment.release()
-
-
-@dataclass(frozen=True, slots=True)
-class StoredRecord:
-    """Bytes [start, end) of a block as stored: ``frames`` says which frames
-    and how to open them; ``body`` holds their stored bytes (a local
-    segment's extent, sent with sendfile, or a record fetched from the
-    object tier). Release it once sent."""
-
-    start: int
-    end: int
-    frames: reader.StoredFrames
-    body: DirectExtent | memoryview
-
-    def release(self) -> None:
-        if isinstance(self.body, DirectExtent):
-            self.body.release()
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedBlock:
-    """Where a block's bytes are, for a client on this host to read itself:
-    ``segment`` (acquired: the caller passes its descriptor on, then
-    releases it) holds them at ``offset``. A direct block's frames of
-    ``frame_size`` bytes (the last may be shorter) have their xxh3-64 in
-    ``checksums``; a sealed block's stored frames start at ``offset`` and
-    ``record`` says how to open them (the client decodes them itself)."""
-
-    key: str
-    segment: SegmentFile
-    file: tuple[str, int, int]  # tenant, incarnation, segment id: names the file
-    offset: int
-    size: int
-    frame_size: int
-    checksums: tuple[int, ...]
-    record: reader.StoredFrames | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    prefix: int  # how many keys, from the start of the chain, are present
-    present: list[bool]
-
-    def only(self, keys: Sequence[str], kept: Collection[str]) -> LookupResult:
-        """The same answer with the keys outside ``kept`` absent (found by
-        the lookup, gone before a lock could pin them)."""
-        present = [p and k in kept for k, p in zip(keys, self.present, strict=True)]
-        return LookupResult(next((i for i, p in enumerate(present) if not p), len(present)), present)
-
-
-@dataclass(frozen=True, slots=True)
-class TenantStats:
-    blocks: int
-    stored_bytes: int
-    logical_bytes: int
 
 
 class StoreReads(StoreCore):
@@ -154,13 +73,15 @@ class StoreReads(StoreCore):
         return await self._read(tenant, key, entry, start, end, view_ok=True)
 
     async def get_sendable(
-        self, tenant: str, key: str, start: int = 0, end: int | None = None
+        self, tenant: str, key: str, start: int = 0, end: int | None = None, info: BlockInfo | None = None
     ) -> DirectExtent | bytearray | memoryview:
         """Bytes [start, end) of the block, to send on: for a direct block in
         a local segment, a :class:`DirectExtent` (the covering frames
         verified; the caller releases it once sent); otherwise as
-        :meth:`get_buffer`."""
-        entry, start, end = await self._range(tenant, key, start, end)
+        :meth:`get_buffer`. ``info``: the block's :meth:`head` in the same
+        request, so the index is not asked twice (if the block moved or went
+        since, the read finds out and asks again, as it always does)."""
+        entry, start, end = await self._range(tenant, key, start, end, info)
         if entry.flags & reader.REC_FLAG_DIRECT:
             try:
                 seg = await self._residency.local(tenant, entry, key)
@@ -259,10 +180,12 @@ class StoreReads(StoreCore):
         entry, start, end = await self._range(tenant, key, start, end)
         return _owned(await self._read(tenant, key, entry, start, end))
 
-    async def _range(self, tenant: str, key: str, start: int, end: int | None) -> tuple[IndexEntry, int, int]:
+    async def _range(
+        self, tenant: str, key: str, start: int, end: int | None, info: BlockInfo | None = None
+    ) -> tuple[IndexEntry, int, int]:
         if start < 0 or (end is not None and end <= start):
             raise InvalidInput(f"range [{start}, {end}) is not a non-empty range of non-negative offsets")
-        entry = await self._entry(tenant, key)
+        entry = info.entry if info is not None and info.entry is not None else await self._entry(tenant, key)
         size = entry.logical_size
         if start >= size:
             raise InvalidRange(f"range starts at {start}, past the end of a {size}-byte block", size)
@@ -369,10 +292,7 @@ class StoreReads(StoreCore):
         return out
 
     async def head(self, tenant: str, key: str) -> BlockInfo:
-        e = await self._entry(tenant, key)
-        return BlockInfo(
-            key, e.logical_size, e.record_id.hex(), e.created_ns, e.record_len, bool(e.flags & 1), e.key_version
-        )
+        return BlockInfo.of(key, await self._entry(tenant, key))
 
     async def exists(self, tenant: str, key: str) -> bool:
         t = self._tenant(tenant)

@@ -17,6 +17,7 @@ from kvstore.engine.crypto import RecordCipher
 from kvstore.engine.record import EncodedRecord, assemble, encode_frame, frame_count, new_record_id, tombstone
 from kvstore.engine.registry import Tenant
 from kvstore.engine.store_core import StoreCore
+from kvstore.engine.types import BlockInfo, Stored
 from kvstore.errors import (
     BlockTooLarge,
     InvalidInput,
@@ -59,8 +60,9 @@ class StoreWrites(StoreCore):
             done = [f for part in parts for f in part]
         return assemble(t.name, key, n, fs, done, record_id, kv, sealed, t.policy == "direct")
 
-    async def put(self, tenant: str, key: str, data: Data, meta: BlockMeta | None = None) -> bool:
-        """Store ``data`` under ``key``. True: written; False: the key existed.
+    async def put(self, tenant: str, key: str, data: Data, meta: BlockMeta | None = None) -> Stored:
+        """Store ``data`` under ``key``: the block as stored, ``created``
+        False when the key existed (nothing written; the first write wins).
         ``meta``: the engine's identity of the block (Kvstore-Block-Meta),
         indexed with it and told in its residency events.
 
@@ -73,16 +75,17 @@ class StoreWrites(StoreCore):
         self._retention.check_block(t, len(view))
         claim = await self._serialize(tenant, key)
         try:
-            if self._index.get(tenant, key) is not None:
+            existing = self._index.get(tenant, key)
+            if existing is not None:
                 self.metrics.inc("kvstore_puts_total", result="exists")
                 self.access.touch(tenant, key)  # written again: it is still wanted
-                return False
+                return Stored(False, BlockInfo.of(key, existing))
             await self._residency.admit(len(view))
             record = await self._encode(t, key, view)
             ident = self._ident_blob(t, key, meta) if meta is not None else None
             async with self._retention.reserve(t, record.length):
                 try:
-                    await self._appender(t).submit(record, ident)
+                    entry = await self._appender(t).submit(record, ident)
                 except StorageFull:
                     self._residency.filled()
                     raise
@@ -90,13 +93,14 @@ class StoreWrites(StoreCore):
             self._stored(tenant, "put", "local", [key], [len(view)], [meta or BlockMeta.of_key(key)])
             self.metrics.inc("kvstore_puts_total", result="created")
             self.metrics.inc("kvstore_bytes_in_total", len(view))
-            return True
+            assert entry is not None  # an unconditional write is always indexed
+            return Stored(True, BlockInfo.of(key, entry))
         finally:
             self._release(tenant, key, claim)
 
     async def put_many(
         self, tenant: str, items: Iterable[tuple[str, Data]], metas: Sequence[BlockMeta | None] | None = None
-    ) -> list[bool]:
+    ) -> list[Stored]:
         """Put several blocks (``metas``: their engine identities, in order);
         they share group-commit batches. Fails as a whole on the first
         invalid item, before writing anything."""

@@ -133,7 +133,7 @@ def _say(line: str) -> None:
 
 async def _put(store: Store, seed: str, tenant: str, key: str) -> None:
     data = block_content(seed, key)
-    if not await store.put(tenant, key, data):
+    if not (await store.put(tenant, key, data)).created:
         raise AssertionError(f"put of new key {key!r} reported that the key exists")
     _say(f"ACK {tenant} {key} {hashlib.sha256(data).hexdigest()}")
 

@@ -128,7 +128,7 @@ def segments(data_dir: Path, tenant: str) -> list[Path]:
 
 
 async def put_all(store: Store, tenant: str, blocks: dict[str, bytes], acked: Blocks) -> None:
-    assert all(await asyncio.gather(*(store.put(tenant, k, v) for k, v in blocks.items())))
+    assert all(s.created for s in await asyncio.gather(*(store.put(tenant, k, v) for k, v in blocks.items())))
     acked.update({(tenant, k): v for k, v in blocks.items()})
 
 

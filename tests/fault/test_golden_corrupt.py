@@ -261,7 +261,7 @@ async def test_bad_segment_magic_is_reported_and_the_store_opens(open_case: Open
     assert [(s, o) for s, o, _ in report.errors] == [(seg_label(SEG1), 0)]
     assert "bad segment magic" in report.errors[0][2]
     # Writes go on; the damaged segment is reported, never rewritten.
-    assert await store.put(TENANT, "new", b"n" * 5000)
+    assert (await store.put(TENANT, "new", b"n" * 5000)).created
     assert await store.get(TENANT, "new") == b"n" * 5000
     assert (tmp_path / "bad_segment_magic" / "segments" / TENANT / SEG1).read_bytes() == seg_bytes(
         "bad_segment_magic", SEG1
@@ -341,7 +341,7 @@ async def test_torn_tail_is_truncated_at_open(open_case: OpenCase, tmp_path: Pat
     await check_readable(store, others(info["key"]))
     assert (await store.verify(deep=True)).ok
     # The segment takes writes again where the torn record began.
-    assert await store.put(TENANT, info["key"], content(info["key"]))
+    assert (await store.put(TENANT, info["key"], content(info["key"]))).created
     await check_readable(store, [info["key"]])
     assert seg.stat().st_size == info["offset"] + RECORDS[info["key"]]["record_len"]
 

@@ -57,8 +57,8 @@ async def test_puts_deletes_quota_ttl_and_tenant_deletion(open_store: OpenStore)
     await store.create_tenant("q", quota_bytes=1024 * KiB)
     await store.create_tenant("t", ttl_s=1)
     await store.create_tenant("d")
-    assert await store.put("d", "k0", b"x" * 1000)
-    assert not await store.put("d", "k0", b"y" * 10)  # exists: nothing changes, no event
+    assert (await store.put("d", "k0", b"x" * 1000)).created
+    assert not (await store.put("d", "k0", b"y" * 10)).created  # exists: nothing changes, no event
     assert await store.delete("d", "k0")
     assert not await store.delete("d", "k0")
     for i in range(30):  # ~2 MiB through a 1 MiB quota
@@ -176,8 +176,8 @@ async def test_the_engines_identity_is_kept_with_the_block_and_told_on_removal(o
     await store.create_tenant("plain", "direct")
     ident = BlockMeta(2**63 + 5, 42, tuple(range(1000, 1016)), 16, None, "adapter-1", [["salt"]])
     for tenant in ("sealed", "plain"):
-        assert await store.put(tenant, "b0", b"x" * 500, ident)
-        assert await store.put(tenant, "b1", b"y" * 500)
+        assert (await store.put(tenant, "b0", b"x" * 500, ident)).created
+        assert (await store.put(tenant, "b1", b"y" * 500)).created
     # Kept in the index: sealed under the tenant's key (token ids are the prompt), plain otherwise.
     raw_sealed, raw_plain = store._index.idents("sealed", ["b0"])[0], store._index.idents("plain", ["b0"])[0]
     assert raw_plain is not None and b"1000,1001" in raw_plain

@@ -103,7 +103,7 @@ async def g4_open(g4_config: StoreConfig, master: MasterKey) -> AsyncIterator[G4
 async def fill(s: Store, tenant: str, n: int, prefix: str = "k") -> dict[str, bytes]:
     blocks = {f"{prefix}{i:03d}": payload(f"{tenant}/{prefix}{i:03d}") for i in range(n)}
     for k, v in blocks.items():
-        assert await s.put(tenant, k, v)
+        assert (await s.put(tenant, k, v)).created
     return blocks
 
 
@@ -377,7 +377,7 @@ async def test_g3_only_drops_ephemeral_data_and_refuses_persistent_when_full(tmp
         for i in range(130):
             k = f"c{i:03d}"
             written[k] = payload(k)
-            assert await s.put("cache", k, written[k])
+            assert (await s.put("cache", k, written[k])).created
         present = [k for k in written if await s.exists("cache", k)]
         assert 0 < len(present) < len(written)
         assert "c129" in present and "c000" not in present

@@ -59,8 +59,9 @@ def test_round_trip_property(config: StoreConfig, master: MasterKey) -> None:
         )
         def check(tenant: str, key: str, size: int, a: float, b: float) -> None:
             data = written.get((tenant, key)) or block(tenant + key, size)
-            created = loop.run_until_complete(store.put(tenant, key, data))
-            assert created == ((tenant, key) not in written)
+            stored = loop.run_until_complete(store.put(tenant, key, data))
+            assert stored.created == ((tenant, key) not in written)
+            assert stored.info.size == len(data)
             written[(tenant, key)] = data
             assert loop.run_until_complete(store.get(tenant, key)) == data
             start = int(a * (len(data) - 1))
@@ -96,7 +97,7 @@ async def test_frame_boundaries(store: Store, tenant: str) -> None:
 async def test_size_limits(store: Store) -> None:
     maximum = store.config.max_block_size
     big = block("max", maximum)
-    assert await store.put("alice", "max", big)
+    assert (await store.put("alice", "max", big)).created
     assert await store.get("alice", "max") == big
     with pytest.raises(BlockTooLarge, match=str(maximum)):
         await store.put("alice", "too-big", big + b"x")
@@ -123,9 +124,9 @@ async def test_bad_input_is_precise(store: Store) -> None:
 
 
 async def test_first_write_wins(store: Store) -> None:
-    assert await store.put("alice", "k", b"first")
+    assert (await store.put("alice", "k", b"first")).created
     etag = (await store.head("alice", "k")).etag
-    assert not await store.put("alice", "k", b"second")
+    assert not (await store.put("alice", "k", b"second")).created
     assert await store.get("alice", "k") == b"first"
     assert (await store.head("alice", "k")).etag == etag
     assert (await store.stats("alice")).blocks == 1
@@ -133,8 +134,10 @@ async def test_first_write_wins(store: Store) -> None:
 
 async def test_concurrent_puts_of_one_key_write_once(store: Store) -> None:
     results = await asyncio.gather(*(store.put("alice", "same", block(f"v{i}", 1000)) for i in range(10)))
-    assert results.count(True) == 1
-    winner = results.index(True)
+    created = [r.created for r in results]
+    assert created.count(True) == 1
+    winner = created.index(True)
+    assert len({r.info.etag for r in results}) == 1  # every answer names the one stored record
     assert await store.get("alice", "same") == block(f"v{winner}", 1000)
     assert (await store.stats("alice")).blocks == 1
 
@@ -152,8 +155,11 @@ async def test_group_commit_batches_concurrent_puts(store: Store) -> None:
 async def test_put_many_lookup_delete_iterate_stats(store: Store) -> None:
     chain = [f"chain-{i:03d}" for i in range(10)]
     created = await store.put_many("alice", [(k, block(k, 3000)) for k in chain[:6]])
-    assert created == [True] * 6
-    assert await store.put_many("alice", [(chain[0], b"x"), (chain[6], block(chain[6], 3000))]) == [False, True]
+    assert [s.created for s in created] == [True] * 6
+    again = await store.put_many("alice", [(chain[0], b"x"), (chain[6], block(chain[6], 3000))])
+    assert [s.created for s in again] == [False, True]
+    assert again[0].info.size == 3000  # the block as stored: the first write's
+    assert again[0].info == await store.head("alice", chain[0])
     r = await store.lookup("alice", chain)
     assert r.prefix == 7 and r.present == [True] * 7 + [False] * 3
     assert await store.delete("alice", chain[2])
@@ -169,7 +175,7 @@ async def test_put_many_lookup_delete_iterate_stats(store: Store) -> None:
         await store.put_many("alice", [("ok", b"x"), ("not ok", b"y")])
     assert not await store.exists("alice", "ok")  # validated before anything was written
     # A deleted key can be written again, with new content.
-    assert await store.put("alice", chain[2], b"new")
+    assert (await store.put("alice", chain[2], b"new")).created
     assert await store.get("alice", chain[2]) == b"new"
 
 

@@ -44,7 +44,7 @@ async def test_another_tenant_cannot_read_or_see_a_key(store: Store) -> None:
         await store.get("bob", "secret")
     assert not await store.exists("bob", "secret")
     assert (await store.lookup("bob", ["secret"])).present == [False]
-    assert await store.put("bob", "secret", b"bob's")  # bob's own key of that name
+    assert (await store.put("bob", "secret", b"bob's")).created  # bob's own key of that name
     assert await store.get("alice", "secret") == b"alice's"
     assert await store.get("bob", "secret") == b"bob's"
     assert [k async for k in store.iter_keys("bob")] == ["secret"]

@@ -16,8 +16,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from kvstore.engine.crypto import MasterKey
-from kvstore.engine.store import Store
+from kvstore.engine.api import MasterKey, Store
 from kvstore.server_config import ServerConfig
 from kvstore.tasks import Background
 from kvstore.transport.http import internal, metrics

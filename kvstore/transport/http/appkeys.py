@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore.engine.store import Store
+from kvstore.engine.api import Store
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
 

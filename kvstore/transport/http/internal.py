@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvstore.engine.lifecycle import Lease
+from kvstore.engine.api import Lease
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.transport.http.appkeys import STATE, STORE, store_of
 from kvstore.transport.http.forward import WRITER

@@ -18,7 +18,7 @@ import os
 
 from aiohttp import web
 
-from kvstore.engine.store_read import DirectExtent
+from kvstore.engine.api import DirectExtent
 from kvstore.transport.http.appkeys import METRICS
 from kvstore.transport.http.respond import reset_connection, send
 

@@ -34,8 +34,7 @@ from typing import Any
 import xxhash
 from kvstore_client.wire.nixl_loader import configure_ucx
 
-from kvstore.engine.store import Store
-from kvstore.engine.store_read import PlannedBlock
+from kvstore.engine.api import PlannedBlock, Store
 from kvstore.errors import (
     AgentTaken,
     AgentUnknown,
@@ -293,7 +292,9 @@ class XferService:
             ids = metas if metas is not None else [None] * len(blocks)
             for (key, _, n, _), (off, *_rest), meta in zip(blocks, spans, ids, strict=True):
                 try:
-                    created = await self._store.put(tenant, validate_client_key(key), data[off : off + n], meta)
+                    created = (
+                        await self._store.put(tenant, validate_client_key(key), data[off : off + n], meta)
+                    ).created
                     results.append({"key": key, "status": 201 if created else 200, "size": n, "created": created})
                 except KVStoreError as e:
                     results.append({"key": key, "status": e.status, "error": {"code": e.code, "message": str(e)}})

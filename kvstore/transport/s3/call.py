@@ -13,7 +13,7 @@ from kvstore.buckets import records
 from kvstore.buckets.catalog import Bucket, Catalog, Dropped
 from kvstore.buckets.names import valid_bucket_name
 from kvstore.buckets.objects import Readers
-from kvstore.engine.store import Store
+from kvstore.engine.api import Store
 from kvstore.transport.s3.body import UploadBody
 from kvstore.transport.s3.errors import S3Error
 from kvstore.transport.s3.sigv4 import STREAMING_SIGNED, STREAMING_SIGNED_TRAILER, Authorization, ChunkSigner

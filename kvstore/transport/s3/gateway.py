@@ -30,7 +30,7 @@ from aiohttp import web
 
 from kvstore.buckets import objects, recovery
 from kvstore.buckets.catalog import Catalog
-from kvstore.engine.store import Store
+from kvstore.engine.api import Store
 from kvstore.errors import KVStoreError
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig

@@ -15,7 +15,7 @@ from aiohttp import web
 from kvstore.buckets import objects, records
 from kvstore.buckets.catalog import Dropped, Extents, ObjectRow
 from kvstore.buckets.objects import Held
-from kvstore.engine.store_read import DirectExtent
+from kvstore.engine.api import DirectExtent
 from kvstore.errors import InvalidRange, KVStoreError, NotFound
 from kvstore.transport.http.appkeys import config_of
 from kvstore.transport.http.ranges import parse_range

@@ -74,7 +74,7 @@ async def build(data_dir: Path) -> dict[str, bytes]:
     for i, (key, size) in enumerate(SEGMENT_1 + SEGMENT_2):
         src = source(i, size)
         blocks[key] = kv[src["start"] : src["start"] + size]
-        assert await store.put(TENANT, key, blocks[key])
+        assert (await store.put(TENANT, key, blocks[key])).created
         if i == len(SEGMENT_1) - 1:
             await store.flush()  # seal segment 1; segment 2 stays open
     await store.close()

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from kvstore.config import DURABILITY_CLASSES
-from kvstore.engine.crypto import load_master_key
+from kvstore.engine.api import load_master_key
 from kvstore.errors import InvalidInput, MasterKeyError
 from kvstore.names import validate_tenant
 from kvstore.redaction import SCRUBBER

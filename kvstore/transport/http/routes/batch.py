@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from kvstore.engine.api import Stored
 from kvstore.errors import InvalidInput, KVStoreError
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_client_key
@@ -43,18 +44,18 @@ async def batch_put(request: web.Request) -> web.Response:
     cfg = config_of(request)
     metrics = request.app[METRICS]
     results: list[dict[str, Any]] = []
-    pending: list[tuple[str, asyncio.Task[bool]]] = []
+    pending: list[tuple[str, asyncio.Task[Stored]]] = []
     body = BatchBody(request)
 
     async def settle(upto: int) -> None:
         while len(pending) > upto:
             key, task = pending.pop(0)
             try:
-                results.append(_result(key, 201 if await task else 200))
+                results.append(_result(key, 201 if (await task).created else 200))
             except KVStoreError as e:
                 results.append(_result(key, e.status, e))
 
-    def stored(held: int) -> Callable[[asyncio.Task[bool]], None]:
+    def stored(held: int) -> Callable[[asyncio.Task[Stored]], None]:
         return lambda _task: body.release(held)  # the block's bytes are no longer held
 
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvstore.engine.store_read import DirectExtent
+from kvstore.engine.api import DirectExtent
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_client_key, validate_key
@@ -41,12 +41,11 @@ async def put_block(request: web.Request) -> web.Response:
     raw_meta = request.headers.get(META_HEADER)
     meta = BlockMeta.from_header(raw_meta) if raw_meta is not None else None
     async with block_body(request, store.config.max_block_size) as data:
-        created = await store.put(tenant, key, data, meta)
-    info = await store.head(tenant, key)
+        stored = await store.put(tenant, key, data, meta)
     return web.json_response(
-        {"key": key, "size": info.size, "created": created},
-        status=201 if created else 200,
-        headers={"ETag": etag(info.etag)},
+        {"key": key, "size": stored.info.size, "created": stored.created},
+        status=201 if stored.created else 200,
+        headers={"ETag": etag(stored.info.etag)},
     )
 
 
@@ -63,11 +62,11 @@ async def get_block(request: web.Request) -> web.StreamResponse:
     ranges = parse_range(header, info.size)  # 416 when none is satisfiable
     if ranges is not None and range_spec_count(header) == 1:
         r = ranges[0]
-        data = await store.get_sendable(tenant, key, r.start, r.end)
+        data = await store.get_sendable(tenant, key, r.start, r.end, info)  # one index lookup per GET
         headers["Content-Range"] = r.content_range(info.size)
         status = 206
     else:
-        data = await store.get_sendable(tenant, key)
+        data = await store.get_sendable(tenant, key, info=info)
         status = 200
     try:
         return await send_bytes(request, data, status, headers)

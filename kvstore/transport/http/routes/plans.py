@@ -48,8 +48,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvstore.engine.lifecycle import Leases
-from kvstore.engine.store_read import PlannedBlock
+from kvstore.engine.api import Leases, PlannedBlock
 from kvstore.errors import (
     InsecureTransport,
     InvalidInput,

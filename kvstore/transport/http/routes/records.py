@@ -29,8 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore.engine.format import CODEC_NAMES
-from kvstore.engine.reader import StoredFrames
+from kvstore.engine.api import CODEC_NAMES, StoredFrames
 from kvstore.errors import InsecureTransport
 from kvstore.names import validate_key
 from kvstore.transport.http.appkeys import store_of

@@ -1,0 +1,35 @@
+"""The storage engine's public API: what transports, the daemon and tools
+import from the engine, and nothing else (tests/unit/test_layers.py keeps
+it so). The store's operations are :class:`Store`'s methods; the rest are
+the types they take and answer.
+"""
+
+from __future__ import annotations
+
+from kvstore.engine.compactor import CompactionReport
+from kvstore.engine.crypto import MasterKey, load_master_key
+from kvstore.engine.format import CODEC_NAMES
+from kvstore.engine.lifecycle import Lease, Leases
+from kvstore.engine.reader import StoredFrames
+from kvstore.engine.store import Store
+from kvstore.engine.types import BlockInfo, DirectExtent, LookupResult, PlannedBlock, Stored, StoredRecord, TenantStats
+from kvstore.engine.verify import VerifyReport
+
+__all__ = [
+    "CODEC_NAMES",
+    "BlockInfo",
+    "CompactionReport",
+    "DirectExtent",
+    "Lease",
+    "Leases",
+    "LookupResult",
+    "MasterKey",
+    "PlannedBlock",
+    "Store",
+    "Stored",
+    "StoredFrames",
+    "StoredRecord",
+    "TenantStats",
+    "VerifyReport",
+    "load_master_key",
+]

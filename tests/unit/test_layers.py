@@ -1,0 +1,74 @@
+"""The tree's layers, as issue 25 drew them, checked on every import in it.
+
+- No package of kvstore imports another that imports it back.
+- kvstore/tier/ is a leaf: the backends import nothing of the engine.
+- Transports (kvstore/transport/) and the daemon (server.py) see the engine
+  only through its public API, kvstore.engine.api.
+- The client distribution imports nothing of the daemon.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+    return out
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _package(module: str) -> str:
+    """kvstore.<package> (or the root module itself) of a module."""
+    return ".".join(module.split(".")[:2])
+
+
+def _kvstore_modules() -> dict[str, set[str]]:
+    return {_module(p): _imports(p) for p in (ROOT / "kvstore").rglob("*.py")}
+
+
+def test_no_package_imports_one_that_imports_it_back() -> None:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for module, imports in _kvstore_modules().items():
+        for imported in imports:
+            if imported.startswith("kvstore.") and _package(imported) != _package(module):
+                edges[_package(module)].add(_package(imported))
+    cycles = sorted(f"{a} <-> {b}" for a in edges for b in edges[a] if a < b and a in edges.get(b, set()))
+    assert not cycles, cycles
+
+
+def test_the_object_tier_is_a_leaf() -> None:
+    for module, imports in _kvstore_modules().items():
+        if module.startswith("kvstore.tier"):
+            daemon = ("kvstore.engine", "kvstore.transport", "kvstore.config")
+            wrong = sorted(i for i in imports if i.startswith(daemon))
+            assert not wrong, f"{module} imports {wrong}"
+
+
+def test_transports_see_the_engine_through_its_api() -> None:
+    users = {m: i for m, i in _kvstore_modules().items() if m.startswith(("kvstore.transport", "kvstore.buckets"))}
+    users["server"] = _imports(ROOT / "server.py")
+    for module, imports in users.items():
+        wrong = sorted(i for i in imports if i.startswith("kvstore.engine") and i != "kvstore.engine.api")
+        assert not wrong, f"{module} imports {wrong}: use kvstore.engine.api"
+
+
+def test_the_client_imports_nothing_of_the_daemon() -> None:
+    for path in (ROOT / "clients" / "kvstore_client").rglob("*.py"):
+        wrong = sorted(i for i in _imports(path) if i == "kvstore" or i.startswith("kvstore."))
+        assert not wrong, f"{path}: {wrong}"
