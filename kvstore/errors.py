@@ -1,7 +1,9 @@
 """One exception tree for kvstore.
 
-Every error knows the HTTP status it maps to, a stable machine-readable code,
-and whether retrying the same request can help. Messages name what was wrong
+Every error knows a stable machine-readable code and whether retrying the
+same request can help; what each transport answers for it (an HTTP status,
+S3's error code, a NIXL result) is the transport's business
+(kvstore/transport/statuses.py, s3/errors.py). Messages name what was wrong
 and what was expected; they never carry secrets or tenant plaintext.
 """
 
@@ -11,7 +13,6 @@ from __future__ import annotations
 class KVStoreError(Exception):
     """Base of every error kvstore raises on purpose."""
 
-    status: int = 500
     code: str = "internal"
     retryable: bool = False
 
@@ -20,7 +21,6 @@ class KVStoreError(Exception):
 
 
 class InvalidInput(KVStoreError):
-    status = 400
     code = "invalid_input"
 
 
@@ -35,7 +35,6 @@ class InvalidTenant(InvalidInput):
 class InvalidRange(KVStoreError):
     """A byte range that does not overlap the block (RFC 9110 §15.5.17)."""
 
-    status = 416
     code = "range_not_satisfiable"
 
     def __init__(self, message: str, size: int) -> None:
@@ -44,12 +43,10 @@ class InvalidRange(KVStoreError):
 
 
 class BlockTooLarge(KVStoreError):
-    status = 413
     code = "block_too_large"
 
 
 class NotFound(KVStoreError):
-    status = 404
     code = "not_found"
 
 
@@ -58,7 +55,6 @@ class TenantNotFound(NotFound):
 
 
 class TenantExists(KVStoreError):
-    status = 409
     code = "tenant_exists"
 
 
@@ -69,14 +65,12 @@ class NotPlannable(KVStoreError):
     """A read plan cannot hand this block to the client (a sealed record, or
     one in the object tier only): read it with GET."""
 
-    status = 409
     code = "not_plannable"
 
 
 class UnixSocketRequired(KVStoreError):
     """Read plans pass file descriptors: only over a unix socket."""
 
-    status = 400
     code = "unix_socket_required"
 
 
@@ -84,7 +78,6 @@ class PathsNotOffered(KVStoreError):
     """A read plan with paths was asked for, but the daemon does not give
     them (``plan_paths`` is off)."""
 
-    status = 400
     code = "paths_not_offered"
 
 
@@ -92,7 +85,6 @@ class InsecureTransport(KVStoreError):
     """A record's own key is handed out only where no one else can read it:
     over TLS, a unix socket, or loopback."""
 
-    status = 403
     code = "insecure_transport"
 
 
@@ -103,7 +95,6 @@ class NixlDisabled(KVStoreError):
     """This daemon runs no NIXL agent (``nixl = false``): use HTTP. A 404
     (the transfer routes are not offered), not a 5xx: nothing failed."""
 
-    status = 404
     code = "nixl_disabled"
 
 
@@ -111,14 +102,12 @@ class AgentUnknown(KVStoreError):
     """A transfer names a NIXL agent this daemon has not been introduced to
     (or that another tenant introduced): POST /v1/xfer/agents first."""
 
-    status = 409
     code = "agent_unknown"
 
 
 class AgentTaken(KVStoreError):
     """Another tenant registered a NIXL agent of this name."""
 
-    status = 409
     code = "agent_taken"
 
 
@@ -130,7 +119,6 @@ class TransferFailed(KVStoreError):
     """A one-sided transfer between the daemon's agent and a client's failed
     or did not finish in time."""
 
-    status = 502
     code = "transfer_failed"
     retryable = True
 
@@ -148,7 +136,6 @@ class MasterKeyError(ConfigError):
 
 
 class StoreLocked(KVStoreError):
-    status = 503
     code = "store_locked"
 
 
@@ -162,7 +149,6 @@ class IndexUnusable(KVStoreError):
 
 
 class StoreClosed(KVStoreError):
-    status = 503
     code = "not_ready"
     retryable = True
 
@@ -170,7 +156,6 @@ class StoreClosed(KVStoreError):
 class ReadOnlyStore(KVStoreError):
     """A write reached a process that opened the store for reads only."""
 
-    status = 503
     code = "read_only"
     retryable = True
 
@@ -179,7 +164,6 @@ class StorageFull(KVStoreError):
     """No room: ENOSPC while writing a batch, or the data directory is at its
     capacity with nothing it may drop. Nothing of the write was acknowledged."""
 
-    status = 507
     code = "storage_full"
     retryable = True
 
@@ -187,7 +171,6 @@ class StorageFull(KVStoreError):
 class ReadOnlyNode(KVStoreError):
     """A write reached a node that adopted a bucket read-only (``s3_readonly``)."""
 
-    status = 403
     code = "read_only_node"
 
 
@@ -195,7 +178,6 @@ class FlushIncomplete(KVStoreError):
     """``POST /v1/admin/flush`` ran out of time before every sealed segment was
     in the object tier; the message says how many wait."""
 
-    status = 503
     code = "flush_incomplete"
     retryable = True
 
@@ -203,7 +185,6 @@ class FlushIncomplete(KVStoreError):
 class StorageIOError(KVStoreError):
     """An I/O error while writing or syncing a batch; the batch failed whole."""
 
-    status = 503
     code = "io_error"
     retryable = True
 
@@ -211,7 +192,6 @@ class StorageIOError(KVStoreError):
 class CorruptionError(KVStoreError):
     """Stored bytes failed an integrity check. Never returned as data."""
 
-    status = 500
     code = "corruption"
 
     def __init__(self, message: str, segment: str = "", offset: int = -1) -> None:
@@ -234,7 +214,6 @@ class UnknownFlags(FormatError):
 class TenantKeyDestroyed(CorruptionError):
     """A record sealed under a key that no longer exists (crypto-shredded)."""
 
-    status = 404
     code = "not_found"
 
 
@@ -244,23 +223,19 @@ class TenantKeyDestroyed(CorruptionError):
 class Unauthorized(KVStoreError):
     """No bearer token, or one that names no tenant (or no admin)."""
 
-    status = 401
     code = "unauthorized"
 
 
 class LengthRequired(KVStoreError):
-    status = 411
     code = "length_required"
 
 
 class RequestTimeout(KVStoreError):
-    status = 408
     code = "request_timeout"
     retryable = True
 
 
 class Overloaded(KVStoreError):
-    status = 503
     code = "overloaded"
     retryable = True
 
@@ -268,7 +243,6 @@ class Overloaded(KVStoreError):
 class ExpectationFailed(KVStoreError):
     """An ``Expect`` header other than ``100-continue`` (RFC 9110 §10.1.1)."""
 
-    status = 417
     code = "expectation_failed"
 
 
@@ -276,7 +250,6 @@ class WriterTimeout(KVStoreError):
     """A reader worker relayed a request to the writer worker, which did not
     answer in time; the writer may still complete it."""
 
-    status = 504
     code = "timeout"
     retryable = True
 
@@ -284,7 +257,6 @@ class WriterTimeout(KVStoreError):
 class BodyTooLarge(KVStoreError):
     """A request body (other than a block) over its limit, e.g. a JSON body over 4 MiB."""
 
-    status = 413
     code = "body_too_large"
 
 
@@ -292,7 +264,6 @@ class UnsupportedMediaType(KVStoreError):
     """A request body in an encoding the route does not accept (a JSON body
     in a charset other than UTF-8)."""
 
-    status = 415
     code = "unsupported_media_type"
 
 
@@ -322,7 +293,6 @@ class TierUnavailable(TierError):
     """The tier cannot be reached now: connection refused or reset, timeouts,
     5xx answers, throttling. Retrying later can succeed."""
 
-    status = 503
     code = "tier_unavailable"
     retryable = True
 
@@ -330,7 +300,6 @@ class TierUnavailable(TierError):
 class TierNotFound(TierError):
     """The object does not exist in the tier."""
 
-    status = 404
     code = "tier_not_found"
 
 
@@ -359,7 +328,6 @@ class SegmentMoved(KVStoreError):
     went (eviction) meanwhile; the store retries with the index's new answer.
     Reaching a client, it is retryable."""
 
-    status = 503
     code = "retry"
     retryable = True
 
@@ -367,5 +335,4 @@ class SegmentMoved(KVStoreError):
 class QuotaExceeded(KVStoreError):
     """A single block larger than its tenant's whole quota (``quota_bytes``)."""
 
-    status = 507
     code = "quota_exceeded"

@@ -32,6 +32,7 @@ import kvstore.engine.segment
 from kvstore.engine.segment import SegmentFile
 from kvstore.engine.store import Store
 from kvstore.errors import KVStoreError, NotFound, StorageFull, StorageIOError
+from kvstore.transport.statuses import http_status
 from tests.conftest import OpenStore, kv_sample
 
 REAL_PWRITEV = os.pwritev
@@ -203,7 +204,7 @@ async def test_pwritev_error_fails_the_whole_batch_and_truncates_back(
     assert faults.injected[f"pwritev:{errno.errorcode[err]}"] >= 1
     for r in results:
         assert isinstance(r, exc), f"expected {exc.__name__}, got {r!r}"
-        assert r.status == status and r.retryable
+        assert http_status(r) == status and r.retryable
     assert isinstance(results[0], KVStoreError)
     assert f"{tenant}/{seg.name}" in str(results[0]), "the error names the segment"
 
@@ -233,7 +234,7 @@ async def test_partial_write_then_enospc_is_truncated_back(
     data = block(3, 200_000)
     with pytest.raises(StorageFull, match="no space left") as ei:
         await store.put("alice", "torn", data)
-    assert ei.value.status == 507
+    assert ei.value.code == "storage_full" and http_status(ei.value) == 507
     assert faults.injected == {"pwritev:half": 1, "pwritev:ENOSPC": 1} and faults.half_written > 0
     assert seg.read_bytes() == before, "the half-written batch was not cut off the segment"
     await check_absent(store, "alice", ["torn"])

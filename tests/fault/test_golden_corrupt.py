@@ -315,7 +315,7 @@ async def test_flipped_payload_bit_raises_corruption_naming_segment_and_offset(o
     e = ei.value
     assert (e.segment, e.offset) == (seg_label(SEG1), offset)
     assert f"frame {info['frame']} of key '{key}' fails its checksum" in str(e)
-    assert f"segment {seg_label(SEG1)}, offset {offset}" in str(e) and e.status == 500
+    assert f"segment {seg_label(SEG1)}, offset {offset}" in str(e) and e.code == "corruption"
     with pytest.raises(CorruptionError):
         await store.get_range(TENANT, key, fs - 10, fs + 10)  # touches the bad frame
     # Ranges within the good frames still read back right.

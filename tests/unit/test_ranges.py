@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRange
 from kvstore.transport.http.ranges import MAX_RANGES, ByteRange, etag_matches, parse_range, unsatisfied_content_range
+from kvstore.transport.statuses import http_status
 
 SIZE = 100
 
@@ -202,7 +203,7 @@ def test_unsatisfiable_ranges_raise_416(header: str, size: int) -> None:
         parse_range(header, size)
     err = info.value
     assert err.size == size
-    assert err.status == 416
+    assert http_status(err) == 416
     assert err.code == "range_not_satisfiable"
     assert f"block of {size} bytes" in str(err)
 

@@ -23,6 +23,7 @@ from kvstore.transport.http.auth import is_admin, require_admin, tenant_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING
 from kvstore.transport.http.forward import forward, relayed
 from kvstore.transport.http.respond import error_body, error_response
+from kvstore.transport.statuses import http_status
 
 log = logging.getLogger("kvstore.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -68,7 +69,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
     if state["inflight"] >= request.app[CONFIG].max_concurrency:
         e = Overloaded(f"over {request.app[CONFIG].max_concurrency} requests in flight; retry")
         metrics.inc("kvstore_errors_total", code=e.code)
-        metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=str(e.status))
+        metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=str(http_status(e)))
         return error_response(e, {"Retry-After": "1"})
     state["inflight"] += 1
     status = "disconnected"  # what is left when the handler ends without a response
@@ -96,7 +97,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             headers["WWW-Authenticate"] = 'Bearer realm="kvstore"'
         if isinstance(e, Overloaded):
             headers["Retry-After"] = "1"
-        if e.status >= 500:
+        if http_status(e) >= 500:
             if isinstance(e, WriterTimeout):  # slow, not down: the writer may still complete it
                 log.warning("%s %s: %s", request.method, route_of(request), e)
             elif not isinstance(e, Overloaded):  # counted, not logged: a flood must not flood the log

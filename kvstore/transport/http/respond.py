@@ -12,6 +12,7 @@ from aiohttp import web
 
 from kvstore.errors import KVStoreError
 from kvstore.transport.http.appkeys import config_of
+from kvstore.transport.statuses import http_status
 
 
 def error_body(code: str, message: str) -> dict[str, Any]:
@@ -19,7 +20,7 @@ def error_body(code: str, message: str) -> dict[str, Any]:
 
 
 def error_response(e: KVStoreError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(error_body(e.code, str(e)), status=e.status, headers=headers)
+    return web.json_response(error_body(e.code, str(e)), status=http_status(e), headers=headers)
 
 
 SEND_PIECE = 1 << 20

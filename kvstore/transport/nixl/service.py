@@ -50,6 +50,7 @@ from kvstore.server_config import ServerConfig
 from kvstore.transport.nixl.agent import make_agent, ucx_devices
 from kvstore.transport.nixl.devices import Discovery
 from kvstore.transport.nixl.memory import Memory, Piece, Region, view
+from kvstore.transport.statuses import http_status
 
 log = logging.getLogger("kvstore.nixl")
 INLINE_VERIFY_BYTES = 4 << 20  # blocks up to this size are checked on the event loop
@@ -152,7 +153,7 @@ class XferService:
                 try:
                     blocks.append(await self._read_one(tenant, key, p, lease, segments, checksums))
                 except KVStoreError as e:
-                    blocks.append({"key": key, "status": e.status, "error": {"code": e.code, "message": str(e)}})
+                    blocks.append({"key": key, "status": http_status(e), "error": {"code": e.code, "message": str(e)}})
             if segments:
                 store.leases.acquire(segments, self._config.nixl_lease_s, lease.id)
         except BaseException:
@@ -297,7 +298,7 @@ class XferService:
                     ).created
                     results.append({"key": key, "status": 201 if created else 200, "size": n, "created": created})
                 except KVStoreError as e:
-                    results.append({"key": key, "status": e.status, "error": {"code": e.code, "message": str(e)}})
+                    results.append({"key": key, "status": http_status(e), "error": {"code": e.code, "message": str(e)}})
             self.counts["writes"] += 1
             self.counts["write_bytes"] += total
             self._store.metrics.inc("kvstore_nixl_bytes_total", total, op="write", source="staging")

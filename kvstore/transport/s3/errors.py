@@ -20,6 +20,7 @@ from kvstore.errors import (
     RequestTimeout,
     StorageFull,
 )
+from kvstore.transport.statuses import http_status
 
 # S3's status for each error code the gateway answers
 # (https://docs.aws.amazon.com/AmazonS3/latest/API/ErrorResponses.html).
@@ -97,6 +98,6 @@ def from_kvstore(e: KVStoreError) -> S3Error:
         return S3Error("NoSuchKey", "The specified key does not exist.")
     if isinstance(e, InvalidInput):
         return S3Error("InvalidArgument", str(e))
-    if e.status == 503 or e.retryable:
+    if http_status(e) == 503 or e.retryable:
         return S3Error("ServiceUnavailable", str(e))
     return S3Error("InternalError", "We encountered an internal error. Please try again.")

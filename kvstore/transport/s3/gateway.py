@@ -40,6 +40,7 @@ from kvstore.transport.s3.call import Call, Settings, validate_object_key
 from kvstore.transport.s3.errors import S3Error, from_kvstore
 from kvstore.transport.s3.sigv4 import RequestParts, check_scope_and_time, parse_authorization, parse_query, verify
 from kvstore.transport.s3.xml import error_document
+from kvstore.transport.statuses import http_status
 
 log = logging.getLogger("kvstore.s3")
 
@@ -335,7 +336,7 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
         if call.bucket_name is not None and not (request.method == "PUT" and call.key is None):
             await call.bucket()  # every upload but CreateBucket names a bucket that must be the caller's
     except KVStoreError as e:
-        request.app[METRICS].inc("kvstore_s3_requests_total", op="Expect", status=str(e.status))
+        request.app[METRICS].inc("kvstore_s3_requests_total", op="Expect", status=str(http_status(e)))
         resp = _error_response(request, from_kvstore(e), request_id)
         resp.force_close()  # the body it announced will not be read
         return resp

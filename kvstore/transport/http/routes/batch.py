@@ -24,6 +24,7 @@ from kvstore.transport.http.appkeys import METRICS, config_of, store_of
 from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING, BatchBody, json_body, keys_field
 from kvstore.transport.http.respond import error_body, send
+from kvstore.transport.statuses import http_status
 
 BATCH_TYPE = "application/x-kvstore-batch"  # docs/batch-framing.md
 routes = web.RouteTableDef()
@@ -53,7 +54,7 @@ async def batch_put(request: web.Request) -> web.Response:
             try:
                 results.append(_result(key, 201 if (await task).created else 200))
             except KVStoreError as e:
-                results.append(_result(key, e.status, e))
+                results.append(_result(key, http_status(e), e))
 
     def stored(held: int) -> Callable[[asyncio.Task[Stored]], None]:
         return lambda _task: body.release(held)  # the block's bytes are no longer held
@@ -71,14 +72,14 @@ async def batch_put(request: web.Request) -> web.Response:
             except InvalidInput as e:
                 body.release(body.take())
                 await settle(0)
-                results.append(_result(key, e.status, e))
+                results.append(_result(key, http_status(e), e))
                 continue
             try:
                 validate_client_key(key)
             except InvalidInput as e:
                 body.release(body.take())
                 await settle(0)
-                results.append(_result(key, e.status, e))
+                results.append(_result(key, http_status(e), e))
                 continue
             task = asyncio.ensure_future(store.put(tenant, key, data, meta))
             task.add_done_callback(stored(body.take()))
@@ -89,7 +90,7 @@ async def batch_put(request: web.Request) -> web.Response:
         await settle(0)  # what was already accepted is reported, never lost silently
         doc = error_body(e.code, str(e))
         doc["results"] = results
-        return web.json_response(doc, status=e.status, headers={"Retry-After": "1"} if e.retryable else None)
+        return web.json_response(doc, status=http_status(e), headers={"Retry-After": "1"} if e.retryable else None)
     except TimeoutError:
         await settle(0)
         doc = error_body("request_timeout", f"batch body stalled for {cfg.request_timeout_s} s")
@@ -130,7 +131,7 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
                 data: bytes | bytearray | memoryview = await task
                 status = 200
             except KVStoreError as e:
-                data, status = batchframe.error_payload(e.code, str(e)), e.status
+                data, status = batchframe.error_payload(e.code, str(e)), http_status(e)
             await send(request, resp, batchframe.get_item_header(key, status, len(data)))
             await send(request, resp, data)
             if status == 200:

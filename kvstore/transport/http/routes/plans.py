@@ -68,6 +68,7 @@ from kvstore.transport.http.forward import WRITER, writer_url
 from kvstore.transport.http.internal import share_lease
 from kvstore.transport.http.respond import reset_connection, send
 from kvstore.transport.http.routes.records import client_decode_allowed, record_meta
+from kvstore.transport.statuses import http_status
 
 log = logging.getLogger("kvstore.transport.plans")
 routes = web.RouteTableDef()
@@ -216,7 +217,7 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
         segments = set()
         for key, p in zip(keys, planned, strict=True):
             if isinstance(p, KVStoreError):
-                blocks.append({"key": key, "status": p.status, "error": {"code": p.code, "message": str(p)}})
+                blocks.append({"key": key, "status": http_status(p), "error": {"code": p.code, "message": str(p)}})
                 continue
             fid = conn.files.get(p.file)
             if fid is None:
@@ -274,7 +275,7 @@ async def _path_plan(
         if isinstance(p, PlannedBlock) and not alive[p.file]:
             p = NotPlannable(f"key {key!r} moved while it was planned: GET it")
         if isinstance(p, KVStoreError):
-            blocks.append({"key": key, "status": p.status, "error": {"code": p.code, "message": str(p)}})
+            blocks.append({"key": key, "status": http_status(p), "error": {"code": p.code, "message": str(p)}})
             continue
         blocks.append(_block(tenant, p, os.path.abspath(p.segment.path)))
     doc = {"lease": lease.id, "expires_in_s": lease_s, "files": [], "closed": [], "blocks": blocks}
