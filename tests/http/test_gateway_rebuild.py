@@ -20,12 +20,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 from botocore.exceptions import ClientError
 
 from tests.http.conftest import ADMIN
-from tests.integration.test_g4 import new_bucket
+from tests.integration.test_g4 import new_bucket, objects
 from tests.moto_s3 import REGION, S3Env
 from tests.s3.conftest import Gateway, _wait_listening, start_gateway
 
@@ -112,16 +111,6 @@ def _read_all(s3: Any, bucket: str, expected: Expected) -> None:
     assert _code(e) == "NoSuchKey"
 
 
-def _bucket_objects(s3: S3Env, bucket: str) -> dict[str, bytes]:
-    client = boto3.client("s3", endpoint_url=s3.url, region_name=REGION)
-    out = {}
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        for obj in page.get("Contents", ()):
-            out[obj["Key"]] = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
-    client.close()
-    return out
-
-
 def test_gateway_objects_survive_the_loss_of_the_disk(tmp_path: Path, s3: S3Env) -> None:
     tier = new_bucket(s3.url)
     gw = start_gateway(
@@ -158,7 +147,7 @@ def test_gateway_objects_survive_the_loss_of_the_disk(tmp_path: Path, s3: S3Env)
         # What the bucket holds: nothing of the sealed tenant's names or
         # metadata in the clear (the check can fire: the direct tenant's are).
         _flush(gw)
-        stored = _bucket_objects(s3, tier)
+        stored = objects(s3.url, tier)
         assert any("/segments/acme/" in k for k in stored)
         markers = (MARKER.encode(), MARKER.lower().encode())  # in keys and metadata; in bucket names
         seen = {k for k, v in stored.items() if any(m in v or m.decode() in k for m in markers)}
