@@ -143,7 +143,7 @@ async def test_missing_object(tier: Tier) -> None:
     for start, length in [(0, 1), (0, 0)]:
         with pytest.raises(TierNotFound) as exc:
             await tier.read_range("nope", start, length)
-        assert exc.value.status == 404 and not exc.value.retryable
+        assert exc.value.code == "tier_not_found" and not exc.value.retryable
 
 
 async def test_delete_is_idempotent(tier: Tier) -> None:
@@ -346,7 +346,7 @@ async def test_s3_endpoint_down_fails_fast_and_retryable(aws_env: None, tmp_path
             began = time.monotonic()
             with pytest.raises(TierUnavailable) as exc:
                 await call()
-            assert exc.value.retryable and exc.value.status == 503
+            assert exc.value.retryable and exc.value.code == "tier_unavailable"
             assert time.monotonic() - began < 3
     finally:
         await tier.close()

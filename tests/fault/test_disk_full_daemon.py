@@ -53,7 +53,8 @@ async def _fill(session: aiohttp.ClientSession, base: str, auth: dict[str, dict[
             async with session.put(f"{base}/v1/blocks/{key}", data=io.BytesIO(data), headers=auth[tenant]) as r:
                 if r.status == 507:
                     err = (await r.json())["error"]
-                    assert err["code"] == "storage_full" and "full" in err["message"], err
+                    assert err["code"] == "storage_full", err
+                    assert "full" in err["message"] or "no space left" in err["message"], err
                     refused += 1
                     continue
                 assert r.status == 201, await r.text()

@@ -339,7 +339,7 @@ async def test_s3_outage_backlog_drains_and_nothing_is_lost(aws_env: None, tmp_p
             t0 = time.monotonic()
             with pytest.raises(TierUnavailable) as err:
                 await s.get("alice", "early001")
-            assert err.value.retryable and err.value.status == 503
+            assert err.value.retryable and err.value.code == "tier_unavailable"
             assert time.monotonic() - t0 < 3 * cfg.s3_read_timeout_ms / 1000
 
             endpoint.start()  # same port, same bucket contents
@@ -391,7 +391,7 @@ async def test_g3_only_drops_ephemeral_data_and_refuses_persistent_when_full(tmp
                 k = f"p{i:03d}"
                 await s.put("keep", k, payload(k))
                 kept[k] = payload(k)
-        assert full.value.status == 507
+        assert full.value.code == "storage_full"
         assert kept
         await check(s, "keep", kept)
     finally:

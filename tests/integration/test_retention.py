@@ -77,7 +77,7 @@ async def test_ttl_makes_idle_blocks_misses_and_reclaims_them(open_store: OpenSt
     assert (await store.lookup("t", ["k0", "k1"])).present == [True, False]
     with pytest.raises(Exception) as e:
         await store.get("t", "k1")
-    assert getattr(e.value, "status", None) == 404
+    assert e.value.code == "not_found"
     removed = await store.expire("t")
     assert removed == 19
     assert (await store.stats("t")).blocks == 1

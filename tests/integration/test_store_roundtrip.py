@@ -114,7 +114,7 @@ async def test_bad_input_is_precise(store: Store) -> None:
     await store.put("alice", "k", b"12345")
     with pytest.raises(InvalidRange) as e:
         await store.get_range("alice", "k", 5, 6)
-    assert e.value.size == 5 and e.value.status == 416
+    assert e.value.size == 5 and e.value.code == "range_not_satisfiable"
     with pytest.raises(InvalidInput):
         await store.get_range("alice", "k", -1, 3)
     with pytest.raises(InvalidInput):

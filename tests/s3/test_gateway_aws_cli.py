@@ -84,4 +84,4 @@ def test_aws_cli(tmp_path: Path) -> None:
         aws("s3", "rm", "--recursive", "s3://clibucket/")
         aws("s3", "rb", "s3://clibucket")
     finally:
-        gw.daemon.stop()
+        gw.close()

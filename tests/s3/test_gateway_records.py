@@ -56,12 +56,14 @@ class Node:
     async def start(self) -> None:
         self.server = TestServer(make_gateway_app(self.store, Metrics(), self.cfg), host="127.0.0.1", port=free_port())
         await self.server.start_server()
-        self.clients.clear()
 
     async def stop(self) -> None:
         assert self.server is not None
         await self.server.close()
         self.server = None
+        for client in self.clients.values():  # their pooled sockets, before the collector finds them
+            client.close()
+        self.clients.clear()
 
     def lose_catalog(self) -> None:
         for suffix in ("", "-wal", "-shm"):

@@ -177,7 +177,7 @@ def _put_behind_the_gateway(gw: Gateway, tenant: str, key: str, data: bytes) -> 
     """Store a block with the daemon stopped, through the engine itself."""
     from tests.s3.conftest import _wait_listening
 
-    gw.daemon.stop()
+    gw.close()
 
     async def put() -> None:
         cfg = StoreConfig.from_env(gw.daemon.data_dir, env=gw.daemon.env)
@@ -300,7 +300,7 @@ def test_virtual_host_addressing(tmp_path: Path) -> None:
         listed = send_signed(g, "GET", "/?list-type=2", key, host=host, headers={"Host": host})
         assert b"<Key>dir/obj</Key>" in listed.body
     finally:
-        g.daemon.stop()
+        g.close()
 
 
 def test_two_workers(tmp_path: Path) -> None:
@@ -318,4 +318,4 @@ def test_two_workers(tmp_path: Path) -> None:
             assert v1(g, "GET", "/v1/admin/tenants/acme", ADMIN)[0] == 200
         assert token
     finally:
-        g.daemon.stop()
+        g.close()
