@@ -2,13 +2,17 @@
 
 Writes go through ``os.pwritev`` and ``os.fdatasync`` looked up on the ``os``
 module at call time, so fault tests can replace exactly those syscalls.
-Nothing here knows about tenants' keys, the index, or asyncio.
+Records are appended through a second, ``O_DIRECT`` descriptor once
+:meth:`SegmentFile.use_direct_io` opened one (directio.py): no page-cache
+copy; the header, the footer and reads use the ordinary descriptor. Nothing
+here knows about tenants' keys, the index, or asyncio.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import threading
@@ -17,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.engine import directio
 from kvstore.engine.format import (
     ALIGN,
     REC_MAGIC,
@@ -35,6 +40,8 @@ from kvstore.engine.format import (
 )
 from kvstore.errors import CorruptionError, FormatError
 from kvstore.fsutil import fsync_dir
+
+log = logging.getLogger("kvstore.engine.segment")
 
 Buffer = bytes | bytearray | memoryview
 _IOV_MAX = 512
@@ -72,6 +79,8 @@ class SegmentFile:
         self.fd = fd
         self.size = size
         self.sealed = sealed
+        self.dfd = -1  # the O_DIRECT descriptor records are appended through (-1: none)
+        self._direct_refused = False
         self._map: mmap.mmap | None = None
         self._map_lock = threading.Lock()
         self._users = 0  # reads in progress (acquire/release)
@@ -129,6 +138,7 @@ class SegmentFile:
 
     def close(self) -> None:
         self._map = None  # views still being sent keep their mapping alive
+        self._close_direct()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -159,10 +169,41 @@ class SegmentFile:
 
     # -- writing --------------------------------------------------------------
 
+    def use_direct_io(self) -> bool:
+        """Append records through an O_DIRECT descriptor from now on; False
+        where the file will not open with O_DIRECT."""
+        if self.dfd < 0 and not self._direct_refused:
+            try:
+                self.dfd = directio.open_direct(self.path)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct_refused = True
+        return self.dfd >= 0
+
+    def _close_direct(self) -> None:
+        if self.dfd >= 0:
+            os.close(self.dfd)
+            self.dfd = -1
+
     def append(self, buffers: Sequence[Buffer]) -> int:
-        """Write ``buffers`` at the end; return their offset. Not synced."""
+        """Write ``buffers`` at the end; return their offset. Not synced.
+        Their total length is a multiple of ALIGN when O_DIRECT is in use."""
         offset = self.size
-        total = _pwrite_all(self.fd, buffers, offset)
+        if self.dfd >= 0:
+            try:
+                total = directio.pwrite_direct(self.dfd, buffers, offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                # Refused at write time (a device with a bigger logical block, say): this
+                # file goes through the page cache from now on; the batch is written again.
+                log.warning("O_DIRECT write to %s refused (%s): writing it through the page cache", self.name, e)
+                self._close_direct()
+                self._direct_refused = True
+                total = _pwrite_all(self.fd, buffers, offset)
+        else:
+            total = _pwrite_all(self.fd, buffers, offset)
         self.size = offset + total
         return offset
 
@@ -178,6 +219,7 @@ class SegmentFile:
         footer = encode_footer(entries)
         offset = self.size
         trailer = Trailer(offset, len(footer), len(entries), checksum(footer), time.time_ns())
+        self._close_direct()  # no more records
         try:
             _pwrite_all(self.fd, [footer, trailer.encode()], offset)
             os.fdatasync(self.fd)
