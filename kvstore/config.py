@@ -89,6 +89,9 @@ class StoreConfig:
     compression: Compression = "zstd-bp2"
     zstd_level: int = 1
     max_batch_bytes: int = 64 * MiB
+    # Records are appended with O_DIRECT (no page-cache copy): "auto" where the
+    # filesystem takes it, "on" refuses to start where it does not, "off" never.
+    direct_io: str = "auto"
     io_threads: int = max(4, 2 * (os.cpu_count() or 2))
     # Local space: the data directory may use ``capacity`` bytes (0: its whole
     # filesystem). Above ``high_watermark`` percent of it, droppable segments
@@ -288,6 +291,7 @@ STORE_PARSERS: dict[str, Parser] = {
     "s3_addressing": _choice(S3_ADDRESSING),
     "default_durability": _choice(DURABILITY_CLASSES),
     "durability": _choice(("fsync", "interval")),
+    "direct_io": _choice(("auto", "on", "off")),
     "compression": _choice(COMPRESSIONS),
 }
 

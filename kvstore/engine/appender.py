@@ -8,8 +8,9 @@ flush asks the appender; it never touches the file itself). The appender's
 task runs one step at a time on the executor, so no two of these ever run at
 once on the same segment or interleave inside a batch.
 
-Each batch of records is written with one ``pwritev``, synced once (``fsync``
-policy), then its index entries are committed in one LMDB transaction, and
+Each batch of records is written with one ``pwritev`` (``O_DIRECT`` where
+the filesystem takes it and ``direct_io`` is not off: directio.py), synced
+once (``fsync`` policy), then its index entries are committed in one LMDB transaction, and
 only then are its callers acknowledged. On any failure (ENOSPC, EIO on write
 or sync, an index error) the segment is truncated back to where the batch
 began and the whole batch fails: nothing acknowledged is ever lost, nothing
@@ -50,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config import StoreConfig
+from kvstore.engine import directio
 from kvstore.engine.format import ALIGN, FooterEntry
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Lifecycle
@@ -123,6 +125,7 @@ class Appender:
         self._on_segment = on_segment
         self._on_sealed = on_sealed
         self._reserve = reserve
+        self._direct_io: bool | None = None if config.direct_io != "off" else False  # None: not asked yet
         self._queue: deque[_Write | _Step] = deque()
         self._wake = asyncio.Event()
         self._closing = False
@@ -349,6 +352,10 @@ class Appender:
             seg = self._segment_for(nbytes)
         except OSError as e:
             raise _io_error(e, "sealing the full segment or creating the next one") from None
+        if self._direct_io is None:
+            self._direct_io = directio.supported(self._dir)
+        if self._direct_io:
+            seg.use_direct_io()
         start = seg.size
         buffers = [b for item in todo for b in item.record.buffers]
         fsync = self._cfg.durability == "fsync"

@@ -33,6 +33,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvstore.config import FRAME_SIZE_RULE, StoreConfig, valid_frame_size
+from kvstore.engine import directio
 from kvstore.engine.access import Touches
 from kvstore.engine.appender import OpenSegment
 from kvstore.engine.compactor import CompactionReport, Compactor
@@ -234,6 +235,8 @@ class Store(StoreReads, StoreWrites):
             self._lock_fd = -1
             raise StoreLocked(f"data directory {str(self._root)!r} is in use by another process") from None
         _raise_nofile_limit()
+        if self.config.direct_io == "on" and not directio.supported(self._root):
+            raise ConfigError(f"direct_io = on: the filesystem of {str(self._root)!r} does not take O_DIRECT")
         self._set_aside_space()
         self._registry = self._load_registry()
         index_dir = self._root / "index"

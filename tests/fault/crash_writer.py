@@ -112,7 +112,9 @@ def install_crash_point(spec: str) -> None:
             if point == "torn":
                 views = [memoryview(b).cast("B") for b in buffers]
                 half = sum(len(v) for v in views) // 2 | 1  # odd: never on a record boundary
-                real_pwritev(fd, [bytes(b"".join(views))[:half]], offset)
+                # through a page-cache descriptor of the same file: an O_DIRECT one refuses odd lengths
+                torn = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
+                real_pwritev(torn, [bytes(b"".join(views))[:half]], offset)
             os.kill(os.getpid(), signal.SIGKILL)
         return real_pwritev(fd, buffers, offset, *flags)
 

@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from kvstore import jsonlimits
+from kvstore.buffers import POOL, AlignedBuffer
 from kvstore.errors import (
     BlockTooLarge,
     BodyTooLarge,
@@ -95,17 +96,45 @@ async def _read_exactly(request: web.Request, length: int) -> bytes:
         raise InvalidInput(f"body ended after {len(e.partial)} of {length} bytes (Content-Length)") from None
 
 
+async def _read_aligned(request: web.Request, length: int) -> AlignedBuffer:
+    """``length`` bytes of body within the request timeout, received into
+    pooled page-aligned memory chunk by chunk (no join; the segment write
+    takes it from there without another copy: directio.py)."""
+    seconds = config_of(request).request_timeout_s
+    buf = POOL.take(length)
+    mem, pos, content = buf.memory, 0, request.content
+    try:
+        async with asyncio.timeout(seconds):
+            while pos < length:
+                chunk = await content.readany()
+                if not chunk:
+                    raise InvalidInput(f"body ended after {pos} of {length} bytes (Content-Length)")
+                n = min(len(chunk), length - pos)
+                mem[pos : pos + n] = chunk[:n] if n < len(chunk) else chunk
+                pos += n
+    except TimeoutError:
+        buf.release()
+        raise RequestTimeout(f"body not received within {seconds} s") from None
+    except BaseException:
+        buf.release()
+        raise
+    return buf
+
+
 @asynccontextmanager
-async def block_body(request: web.Request, limit: int) -> AsyncIterator[bytes]:
+async def block_body(request: web.Request, limit: int) -> AsyncIterator[memoryview]:
     """A block's body (exactly Content-Length bytes, 1 to ``limit``), held
-    against the budget until the ``async with`` block ends."""
+    against the budget until the ``async with`` block ends. Its memory goes
+    back to the pool only when the block ends without an exception: a put
+    that was cancelled may still have its bytes queued for a write."""
     length = check_length(request, limit)
     budget = budget_of(request)
     budget.reserve(length)
     try:
-        data = await _read_exactly(request, length)
+        buf = await _read_aligned(request, length)
         request.app[METRICS].inc("kvstore_http_bytes_in_total", length)
-        yield data
+        yield buf.view
+        buf.release()
     finally:
         budget.release(length)
 
