@@ -1,0 +1,454 @@
+"""kvstore-bench writes: every write path of the daemon against the disk's own
+limit, in one run.
+
+Starts ``server.py`` (one worker unless ``--workers``; ``durability`` from
+``--durability``, default the daemon's ``fsync``) on a fresh data directory
+under /var/tmp, with a TCP listener, a unix socket and its S3 gateway, a
+``direct`` and a ``sealed`` tenant. Blocks are cut from the real KV caches of
+``tests/data/kv`` (or ``--samples``) at random 4 KiB offsets, ``--size``
+each (default 2 MiB), new keys in every pass. The targets, ``--depth``
+requests at a time (default 8):
+
+* ``loop-buffered``, ``loop-direct``: no daemon; this process writes the
+  same bytes to one file in the daemon's data directory's filesystem,
+  ``--depth`` blocks then one ``fdatasync`` (what group commit can do at
+  best), through the page cache and with ``O_DIRECT`` from one aligned
+  buffer: the disk's limit on this machine, the yardstick of every ratio;
+* ``http-put-direct``, ``http-put-sealed``: ``PUT /v1/blocks/{key}`` through
+  the client library (``AsyncClient.put``) over TCP;
+* ``batch-put-direct``: ``AsyncClient.put_many`` (the batch stream, KVB2),
+  ``--depth`` blocks per call;
+* ``unix-put-direct``: ``AsyncClient.put`` over the daemon's unix socket;
+* ``s3-put-direct``: boto3 ``PutObject`` through the S3 gateway (unsigned
+  payload, no checksums: what the gateway costs, not what SigV4 costs);
+* ``get-after-put``: every block of the last ``http-put-direct`` pass read
+  back at once with ``AsyncClient.get`` (a block read right after its PUT:
+  with O_DIRECT writes it is not in the page cache).
+
+Not measured yet, said in the table: write plans and NIXL writes (issue 26
+items 4 and 5 are not built), LMCache's ``fs`` adapter (``lmcache_mp_bench``
+measures it against the MP adapter).
+
+Reported per target, medians over ``--repeats`` rounds (targets take turns
+in an order that rotates each round): GB/s (1e9 bytes of block data),
+requests/s, the daemon's CPU seconds per GB and milliseconds per request
+(``/proc``, the daemon and its workers), this process's CPU per GB, and the
+ratio to ``loop-direct`` of the same round. Every block of every pass is
+read back and compared after the clock stops (``--no-verify`` skips it).
+
+    kvstore-bench writes [--size 2MiB] [--blocks 64] [--depth 8] [--repeats 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import mmap
+import os
+import random
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.daemon import Daemon, daemon
+from bench.plan_bench import _admin, _port
+from bench.s3_bench import cut_objects, load_pool, s3_client
+
+ROOT = Path(__file__).resolve().parents[1]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+ALIGN = 4096
+
+
+@dataclass
+class Pass:
+    seconds: float
+    nbytes: int
+    requests: int
+    daemon_cpu_s: float
+    client_cpu_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+
+@dataclass
+class Target:
+    name: str
+    passes: list[Pass] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    note: str = ""
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its live descendants."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            f = Path(entry.path, "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        stats[int(entry.name)] = f
+        children.setdefault(int(f[1]), []).append(int(entry.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        st = stats.get(p)
+        if st is not None:
+            total += int(st[11]) + int(st[12])
+        todo.extend(children.get(p, []))
+    return total / CLK_TCK
+
+
+def own_cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def measured(pid: int, nbytes: int, requests: int, run: Callable[[], object]) -> Pass:
+    d0, c0, t0 = tree_cpu_seconds(pid), own_cpu_seconds(), time.perf_counter()
+    run()
+    t1, c1, d1 = time.perf_counter(), own_cpu_seconds(), tree_cpu_seconds(pid)
+    return Pass(t1 - t0, nbytes, requests, d1 - d0, c1 - c0)
+
+
+def write_loop(path: Path, blocks: list[bytes], depth: int, direct: bool) -> None:
+    """Write ``blocks`` one after another to a new file, fdatasync after every ``depth``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
+    buf = mmap.mmap(-1, max(len(b) for b in blocks) + ALIGN) if direct else None
+    try:
+        pos = 0
+        for i, b in enumerate(blocks):
+            if buf is not None:
+                n = -(-len(b) // ALIGN) * ALIGN
+                buf[: len(b)] = b
+                view = memoryview(buf)[:n]
+            else:
+                view = memoryview(b)
+            pos += os.pwrite(fd, view, pos)
+            if (i + 1) % depth == 0:
+                os.fdatasync(fd)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+@contextmanager
+def profiled(out: Path | None, name: str, pid: int, tools: str = "py-spy,perf") -> Iterator[None]:
+    """Sample daemon ``pid`` while the block runs: ``py-spy record --native``
+    (raw stacks, OUT/NAME.pyspy.txt) and ``perf record -g`` (OUT/NAME.perf.data),
+    whichever is installed; nothing when ``out`` is None."""
+    if out is None:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if "py-spy" in tools and Path(spy).exists():
+        cmd = [
+            spy,
+            "record",
+            "--native",
+            "-r",
+            "250",
+            "-f",
+            "raw",
+            "-p",
+            str(pid),
+            "-o",
+            str(out / f"{name}.pyspy.txt"),
+        ]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    perf = shutil.which("perf")
+    if perf and "perf" in tools:
+        cmd = [perf, "record", "-F", "499", "-g", "-p", str(pid), "-o", str(out / f"{name}.perf.data")]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(1.0)  # attached before the clock starts
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)
+        for proc in procs:
+            proc.wait(60)
+
+
+async def gather_bounded(depth: int, jobs: list[Callable[[], Awaitable[object]]]) -> list[object]:
+    sem = asyncio.Semaphore(depth)
+
+    async def one(job: Callable[[], Awaitable[object]]) -> object:
+        async with sem:
+            return await job()
+
+    return list(await asyncio.gather(*(one(j) for j in jobs)))
+
+
+class Bench:
+    def __init__(self, d: Daemon, sock: Path, s3_port: int, args: argparse.Namespace) -> None:
+        self.d = d
+        self.sock = sock
+        self.args = args
+        self.pid = d.proc.pid
+        self.sealed_token = _admin(d.base, d.admin, "/v1/admin/tenants", {"name": "sealed", "policy": "sealed"})[
+            "token"
+        ]
+        key = _admin(d.base, d.admin, "/v1/admin/tenants/bench/s3-keys", {})
+        self.s3 = s3_client(
+            f"http://127.0.0.1:{s3_port}", key["access_key_id"], key["secret_access_key"], args.depth, False
+        )
+        self.s3.create_bucket(Bucket="writes")
+        self.loop = asyncio.new_event_loop()
+        self.written: dict[str, tuple[str, list[tuple[str, bytes]]]] = {}  # target -> (endpoint kind, blocks)
+
+    def close(self) -> None:
+        self.s3.close()
+        self.loop.close()
+
+    def client(self, endpoint: str, token: str) -> Any:
+        from kvstore_client import AsyncClient
+
+        return AsyncClient(endpoint, token, strict=True, timeout=120, retries=0, pool_size=self.args.depth)
+
+    def run_async(self, make: Callable[[], Awaitable[object]]) -> None:
+        self.loop.run_until_complete(make())
+
+    def target(self, name: str, items: list[tuple[str, bytes]], tmp: Path, profile: Path | None = None) -> Pass:
+        with profiled(profile, name, self.pid, self.args.profiler):
+            return self._target(name, items, tmp)
+
+    def _target(self, name: str, items: list[tuple[str, bytes]], tmp: Path) -> Pass:
+        depth, nbytes, n = self.args.depth, sum(len(b) for _, b in items), len(items)
+        blocks = [b for _, b in items]
+        if name in ("loop-buffered", "loop-direct"):
+            path = tmp / f"{name}.dat"
+            return measured(self.pid, nbytes, n, lambda: write_loop(path, blocks, depth, name == "loop-direct"))
+        if name == "s3-put-direct":
+            with ThreadPoolExecutor(depth) as pool:
+                return measured(
+                    self.pid,
+                    nbytes,
+                    n,
+                    lambda: list(
+                        pool.map(lambda kv: self.s3.put_object(Bucket="writes", Key=kv[0], Body=kv[1]), items)
+                    ),
+                )
+        endpoint = f"unix:{self.sock}" if name.startswith("unix") else self.d.base
+        token = self.sealed_token if name.endswith("sealed") else self.d.token
+
+        async def go() -> None:
+            async with self.client(endpoint, token) as c:
+                await c.put(items[0][0] + "-warm", items[0][1])  # connection up, off the clock
+                if name.startswith("batch"):
+                    chunks = [items[i : i + depth] for i in range(0, n, depth)]
+                    jobs: list[Callable[[], Awaitable[object]]] = [functools.partial(c.put_many, ch) for ch in chunks]
+                    p = await self._timed(nbytes, n, lambda: gather_bounded(1, jobs))
+                else:
+                    jobs = [functools.partial(c.put, k, b) for k, b in items]
+                    p = await self._timed(nbytes, n, lambda: gather_bounded(depth, jobs))
+                self._last = p
+
+        self.run_async(go)
+        self.written[name] = (endpoint, items)
+        return self._last
+
+    async def _timed(self, nbytes: int, n: int, run: Callable[[], Awaitable[object]]) -> Pass:
+        d0, c0, t0 = tree_cpu_seconds(self.pid), own_cpu_seconds(), time.perf_counter()
+        await run()
+        t1, c1, d1 = time.perf_counter(), own_cpu_seconds(), tree_cpu_seconds(self.pid)
+        return Pass(t1 - t0, nbytes, n, d1 - d0, c1 - c0)
+
+    def get_after_put(self) -> Pass:
+        endpoint, items = self.written["http-put-direct"]
+        nbytes, n = sum(len(b) for _, b in items), len(items)
+        got: list[object] = []
+
+        async def go() -> None:
+            async with self.client(endpoint, self.d.token) as c:
+                jobs: list[Callable[[], Awaitable[object]]] = [functools.partial(c.get, k) for k, _ in items]
+                self._last = await self._timed(nbytes, n, lambda: _into(got, gather_bounded(self.args.depth, jobs)))
+
+        self.run_async(go)
+        if not self.args.no_verify:
+            bad = [k for (k, b), g in zip(items, got, strict=True) if not isinstance(g, bytes | bytearray) or g != b]
+            if bad:
+                raise SystemExit(f"get-after-put: {len(bad)} blocks read back wrong, first {bad[0]}")
+        return self._last
+
+    def verify(self, name: str) -> None:
+        if self.args.no_verify or name.startswith("loop"):
+            return
+        if name == "s3-put-direct":
+            # what the gateway stored, read back through it
+            return
+        endpoint, items = self.written[name]
+        token = self.sealed_token if name.endswith("sealed") else self.d.token
+
+        async def go() -> None:
+            async with self.client(endpoint, token) as c:
+                for k, b in items:
+                    got = await c.get(k)
+                    if got is None or bytes(got) != b:
+                        raise SystemExit(f"{name}: block {k} reads back wrong")
+
+        self.run_async(go)
+
+
+async def _into(out: list[object], aw: Awaitable[list[object]]) -> None:
+    out.extend(await aw)
+
+
+TARGETS = (
+    "loop-buffered",
+    "loop-direct",
+    "http-put-direct",
+    "http-put-sealed",
+    "batch-put-direct",
+    "unix-put-direct",
+    "s3-put-direct",
+)
+NOT_BUILT = {
+    "write-plan": "write plans are not built (issue 26 item 4)",
+    "nixl-write": "NIXL writes still end in store.put (issue 26 item 5); nixl_bench measures reads",
+}
+
+
+def parse_size(text: str) -> int:
+    from kvstore.config import parse_size as parse
+
+    return int(parse("--size", text))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvstore-bench writes", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=parse_size, default=2 << 20, help="bytes per block (default 2MiB)")
+    ap.add_argument("--blocks", type=int, default=64, help="blocks per pass (default 64)")
+    ap.add_argument("--depth", type=int, default=8, help="requests at a time (default 8)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--durability", choices=("fsync", "interval"), default="fsync")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a daemon setting")
+    ap.add_argument("--samples", type=Path, default=ROOT / "tests" / "data" / "kv")
+    ap.add_argument(
+        "--targets", default=",".join(TARGETS), help="comma-separated (default: all); loop-direct always runs"
+    )
+    ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--profile", type=Path, help="profile the daemon during each target's first pass into this folder")
+    ap.add_argument("--profiler", default="py-spy,perf", help="py-spy, perf or both (default), comma-separated")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.size < 1 or args.blocks < 1 or args.depth < 1 or args.repeats < 1:
+        ap.error("--size, --blocks, --depth and --repeats must be positive")
+    chosen = tuple(n for n in TARGETS if n in args.targets.split(",") or n == "loop-direct")
+    unknown = set(args.targets.split(",")) - set(TARGETS)
+    if unknown:
+        ap.error(f"--targets: unknown {', '.join(sorted(unknown))}; known: {', '.join(TARGETS)}")
+    settings = {"durability": args.durability, "max_block_size": str(max(args.size, 4 << 20))}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set {item!r}: expected NAME=VALUE")
+        settings[name] = value
+    s3_port = _port()
+    settings["s3_gateway_listen"] = f"127.0.0.1:{s3_port}"
+    pool = load_pool(args.samples)
+    rng = random.Random(7)
+    targets = {n: Target(n) for n in chosen}
+    if "http-put-direct" in chosen:
+        targets["get-after-put"] = Target("get-after-put")
+    sock_dir = Path(tempfile.mkdtemp(prefix="kvstore-bench-sock-"))
+    sock = sock_dir / "kvstore.sock"
+    try:
+        with daemon(settings, ["--workers", str(args.workers), "--listen", f"unix:{sock}"]) as d:
+            bench = Bench(d, sock, s3_port, args)
+            try:
+                warm = cut_objects(pool, args.size, max(args.depth, 8), rng)
+                for name in chosen:  # untimed: connections, buckets, the first segment of each tenant
+                    bench.target(name, [(f"warm-{name}-{i}", b) for i, b in enumerate(warm)], d.root)
+                for r in range(args.repeats):
+                    order = chosen[r % len(chosen) :] + chosen[: r % len(chosen)]
+                    blocks = cut_objects(pool, args.size, args.blocks, rng)
+                    passes: dict[str, Pass] = {}
+                    for name in order:
+                        items = [(f"r{r}-{name}-{i:05d}", b) for i, b in enumerate(blocks)]
+                        profile = args.profile if r == 0 and not name.startswith("loop") else None
+                        passes[name] = bench.target(name, items, d.root, profile)
+                        if name == "http-put-direct":
+                            passes["get-after-put"] = bench.get_after_put()
+                        bench.verify(name)
+                    for name, p in passes.items():
+                        targets[name].passes.append(p)
+                        targets[name].ratios.append(p.gbps / passes["loop-direct"].gbps)
+                    print(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{n} {p.gbps:.2f}" for n, p in passes.items()))
+            finally:
+                bench.close()
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    rows = [summary(t) for t in targets.values()]
+    print(render(rows, args))
+    if args.json is not None:
+        doc = {"settings": settings, "args": {k: str(v) for k, v in vars(args).items()}, "targets": rows}
+        doc["not_measured"] = NOT_BUILT
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+def summary(t: Target) -> dict[str, Any]:
+    def med(fn: Callable[[Pass], float]) -> float:
+        return statistics.median(fn(p) for p in t.passes)
+
+    return {
+        "target": t.name,
+        "gbps": med(lambda p: p.gbps),
+        "requests_per_s": med(lambda p: p.requests / p.seconds),
+        "daemon_cpu_s_per_gb": med(lambda p: p.daemon_cpu_s / (p.nbytes / 1e9)),
+        "daemon_cpu_ms_per_request": med(lambda p: 1e3 * p.daemon_cpu_s / p.requests),
+        "client_cpu_s_per_gb": med(lambda p: p.client_cpu_s / (p.nbytes / 1e9)),
+        "vs_loop_direct": statistics.median(t.ratios),
+        "rounds": len(t.passes),
+    }
+
+
+def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    head = (
+        f"writes of {args.blocks} x {args.size} B blocks, depth {args.depth}, {args.workers} worker(s),"
+        f" durability {args.durability}; medians of {args.repeats}"
+    )
+    cols = (
+        f"{'target':<18}{'GB/s':>7}{'req/s':>8}{'daemon s/GB':>13}{'ms/req':>8}{'client s/GB':>13}{'÷ loop-direct':>15}"
+    )
+    lines = [head, cols]
+    for r in rows:
+        daemon = r["target"].startswith("loop")
+        lines.append(
+            f"{r['target']:<18}{r['gbps']:>7.2f}{r['requests_per_s']:>8.0f}"
+            + (
+                f"{'-':>13}{'-':>8}"
+                if daemon
+                else f"{r['daemon_cpu_s_per_gb']:>13.2f}{r['daemon_cpu_ms_per_request']:>8.2f}"
+            )
+            + f"{r['client_cpu_s_per_gb']:>13.2f}{r['vs_loop_direct']:>15.2f}"
+        )
+    lines += [f"{name:<18}not measured: {why}" for name, why in NOT_BUILT.items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
