@@ -216,7 +216,8 @@ class Bench:
         )
         self.s3.create_bucket(Bucket="writes")
         self.loop = asyncio.new_event_loop()
-        self.written: dict[str, tuple[str, list[tuple[str, bytes]]]] = {}  # target -> (endpoint kind, blocks)
+        self.written: dict[str, tuple[str, list[tuple[str, bytes]]]] = {}
+        self.s3_written: list[tuple[str, bytes]] = []  # target -> (endpoint kind, blocks)
 
     def close(self) -> None:
         self.s3.close()
@@ -241,6 +242,7 @@ class Bench:
             path = tmp / f"{name}.dat"
             return measured(self.pid, nbytes, n, lambda: write_loop(path, blocks, depth, name == "loop-direct"))
         if name == "s3-put-direct":
+            self.s3_written = items
             with ThreadPoolExecutor(depth) as pool:
                 return measured(
                     self.pid,
@@ -295,8 +297,10 @@ class Bench:
     def verify(self, name: str) -> None:
         if self.args.no_verify or name.startswith("loop"):
             return
-        if name == "s3-put-direct":
-            # what the gateway stored, read back through it
+        if name == "s3-put-direct":  # read back through the gateway
+            for k, b in self.s3_written:
+                if self.s3.get_object(Bucket="writes", Key=k)["Body"].read() != b:
+                    raise SystemExit(f"{name}: object {k} reads back wrong")
             return
         endpoint, items = self.written[name]
         token = self.sealed_token if name.endswith("sealed") else self.d.token
