@@ -670,6 +670,32 @@ def test_byte_plane_split_pays_on_real_kv() -> None:
     assert codec.encode_frame(memoryview(bf16[: 1 << 20]), "zstd-bp2", 1)[0] == "zstd-bp2"
 
 
+@pytest.mark.parametrize(
+    ("sample", "few"),
+    [
+        ("gemma3-270m.bf16.layers8-9.bin", True),
+        ("minilm-l6-v2.bf16.first2MiB.bin", True),
+        ("gemma3-270m.f16.layer8.bin", False),
+        ("minilm-l6-v2.f16.first2MiB.bin", False),
+    ],
+)
+def test_the_high_plane_probe_picks_its_compressor(sample: str, few: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16's exponent plane (few distinct values) gets the narrow-window
+    parameters, fp16's does not; both decode, and the narrow window compresses
+    a bf16 plane at least as well as level 1 does."""
+    import numpy as np
+
+    data = kv_sample(sample)[: 1 << 20]
+    high = np.frombuffer(data, dtype=np.uint8)[1::2]
+    chosen = codec._plane_compressor(high, 1)
+    assert (chosen is not codec._compressor(1)) == few
+    assert codec._plane_compressor(high, 3) is codec._compressor(3)  # other levels: zstd's own
+    assert _round_trip(data, "zstd-bp2")[0] == CODEC_ZSTD_BP2
+    if few:
+        plane = high.tobytes()
+        assert len(chosen.compress(plane)) <= len(codec._compressor(1).compress(plane))
+
+
 def _bp2(data: bytes) -> bytes:
     name, stored = codec.encode_frame(memoryview(data), "zstd-bp2", 1)
     assert name == "zstd-bp2"

@@ -59,6 +59,38 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return c
 
 
+# zstd's level 1 searches matches of 6 bytes or more in a 128 KiB+ window.
+# On a high byte plane with few distinct values (bf16: sign and exponent, 15-20
+# values in 8 KiB of real KV) that search is most of the encode time; matches
+# of 7 bytes or more in a 32 KiB window, one probe each, give the same ratio
+# or better at about twice the speed (bf16: 0.19 -> 0.37 GB/s per core,
+# 2.62x -> 2.73x on the plane). On fp16's high plane (sign, exponent and two
+# mantissa bits: ~100 values) they are slower, so a probe of each frame picks:
+# the distinct values among its first PROBE_BYTES high bytes. Either way the
+# frames are ordinary zstd frames: readers need nothing new.
+_FEW_VALUES_LEVEL1 = zstandard.ZstdCompressionParameters(
+    window_log=15,
+    hash_log=9,
+    chain_log=9,
+    search_log=1,
+    min_match=7,
+    strategy=zstandard.STRATEGY_FAST,
+    write_checksum=False,
+)
+PROBE_BYTES = 8192
+FEW_VALUES = 48
+
+
+def _plane_compressor(plane: np.ndarray, level: int) -> zstandard.ZstdCompressor:
+    """The compressor of byte plane ``plane`` at ``level`` (see _FEW_VALUES_LEVEL1)."""
+    if level != 1 or int(np.count_nonzero(np.bincount(plane[:PROBE_BYTES], minlength=256))) > FEW_VALUES:
+        return _compressor(level)
+    c: zstandard.ZstdCompressor | None = getattr(_local, "few1", None)
+    if c is None:
+        c = _local.few1 = zstandard.ZstdCompressor(compression_params=_FEW_VALUES_LEVEL1)
+    return c
+
+
 def _decompressor() -> zstandard.ZstdDecompressor:
     d: zstandard.ZstdDecompressor | None = getattr(_local, "d", None)
     if d is None:
@@ -75,11 +107,13 @@ def encode_frame(plain: memoryview, codec: Codec, level: int) -> tuple[Codec, by
     if codec == "zstd":
         out = _compressor(level).compress(plain)
         return ("zstd", out) if len(out) < n else ("raw", plain)
-    pairs = np.frombuffer(plain, dtype=np.uint8, count=n - (n & 1)).reshape(-1, 2)
-    zc = _compressor(level)
-    high = zc.compress(pairs[:, 1].tobytes())
-    low_raw = pairs[:, 0].tobytes()
-    low = zc.compress(low_raw)
+    # The planes by shifts of little-endian 2-byte values: a third of the time
+    # of gathering every other byte (a strided copy).
+    values = np.frombuffer(plain, dtype="<u2", count=n // 2)
+    high_plane = (values >> 8).astype(np.uint8)
+    low_raw = values.astype(np.uint8).data  # the low byte
+    high = _plane_compressor(high_plane, level).compress(high_plane.data)
+    low: bytes | memoryview = _compressor(level).compress(low_raw)
     low_flag = _LOW_ZSTD
     if len(low) * 100 > len(low_raw) * 99:  # saves under 1%: not worth decoding
         low, low_flag = low_raw, 0
@@ -119,9 +153,9 @@ def decode_frame(codec: str, stored: memoryview, out: memoryview) -> None:
             low = dz.decompress(low, max_output_size=pairs)
         if len(high) != pairs or len(low) != pairs:
             raise CorruptFrame("byte-plane frame planes have the wrong length")
-        dst = np.frombuffer(out, dtype=np.uint8, count=pairs * 2).reshape(-1, 2)
-        dst[:, 1] = np.frombuffer(high, dtype=np.uint8)
-        dst[:, 0] = np.frombuffer(low, dtype=np.uint8)
+        dst = np.frombuffer(out, dtype="<u2", count=pairs)
+        np.left_shift(np.frombuffer(high, dtype=np.uint8), 8, out=dst, dtype=np.uint16)
+        np.bitwise_or(dst, np.frombuffer(low, dtype=np.uint8), out=dst)
         if n & 1:
             out[-1] = stored[-1]
     except (zstandard.ZstdError, struct.error) as e:
