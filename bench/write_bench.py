@@ -21,13 +21,17 @@ requests at a time (default 8):
 * ``unix-put-direct``: ``AsyncClient.put`` over the daemon's unix socket;
 * ``s3-put-direct``: boto3 ``PutObject`` through the S3 gateway (unsigned
   payload, no checksums: what the gateway costs, not what SigV4 costs);
+* ``nixl-put-direct`` (only when named in ``--targets``: the daemon then
+  runs a NIXL agent): ``AsyncClient(transport="nixl").put_many``, the
+  daemon READs the blocks from this process's registered memory (UCX over
+  TCP on loopback here), ``--depth`` blocks per call;
 * ``get-after-put``: every block of the last ``http-put-direct`` pass read
   back at once with ``AsyncClient.get`` (a block read right after its PUT:
   with O_DIRECT writes it is not in the page cache).
 
-Not measured yet, said in the table: write plans and NIXL writes (issue 26
-items 4 and 5 are not built), LMCache's ``fs`` adapter (``lmcache_mp_bench``
-measures it against the MP adapter).
+Not measured yet, said in the table: write plans (issue 26 item 4 is not
+built); LMCache's ``fs`` adapter is measured by ``lmcache_mp_bench`` against
+the MP adapter.
 
 Reported per target, medians over ``--repeats`` rounds (targets take turns
 in an order that rotates each round): GB/s (1e9 bytes of block data),
@@ -223,10 +227,11 @@ class Bench:
         self.s3.close()
         self.loop.close()
 
-    def client(self, endpoint: str, token: str) -> Any:
+    def client(self, endpoint: str, token: str, nixl: bool = False) -> Any:
         from kvstore_client import AsyncClient
 
-        return AsyncClient(endpoint, token, strict=True, timeout=120, retries=0, pool_size=self.args.depth)
+        extra: dict[str, Any] = {"transport": "nixl", "nixl_devices": NIXL_DEVICES} if nixl else {}
+        return AsyncClient(endpoint, token, strict=True, timeout=120, retries=0, pool_size=self.args.depth, **extra)
 
     def run_async(self, make: Callable[[], Awaitable[object]]) -> None:
         self.loop.run_until_complete(make())
@@ -256,9 +261,12 @@ class Bench:
         token = self.sealed_token if name.endswith("sealed") else self.d.token
 
         async def go() -> None:
-            async with self.client(endpoint, token) as c:
-                await c.put(items[0][0] + "-warm", items[0][1])  # connection up, off the clock
-                if name.startswith("batch"):
+            async with self.client(endpoint, token, nixl=name.startswith("nixl")) as c:
+                if name.startswith("nixl"):  # the agents connected and a registration made, off the clock
+                    await c.put_many([(items[0][0] + "-warm", items[0][1])])
+                else:
+                    await c.put(items[0][0] + "-warm", items[0][1])  # connection up, off the clock
+                if name.startswith(("batch", "nixl")):
                     chunks = [items[i : i + depth] for i in range(0, n, depth)]
                     jobs: list[Callable[[], Awaitable[object]]] = [functools.partial(c.put_many, ch) for ch in chunks]
                     p = await self._timed(nbytes, n, lambda: gather_bounded(1, jobs))
@@ -328,9 +336,12 @@ TARGETS = (
     "unix-put-direct",
     "s3-put-direct",
 )
+# Only when asked for (--targets ...,nixl-put-direct): the daemon then runs a NIXL
+# agent (UCX over TCP on loopback here), whose progress thread is daemon CPU too.
+OPTIONAL = ("nixl-put-direct",)
+NIXL_DEVICES = "lo"
 NOT_BUILT = {
     "write-plan": "write plans are not built (issue 26 item 4)",
-    "nixl-write": "NIXL writes still end in store.put (issue 26 item 5); nixl_bench measures reads",
 }
 
 
@@ -360,11 +371,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.size < 1 or args.blocks < 1 or args.depth < 1 or args.repeats < 1:
         ap.error("--size, --blocks, --depth and --repeats must be positive")
-    chosen = tuple(n for n in TARGETS if n in args.targets.split(",") or n == "loop-direct")
-    unknown = set(args.targets.split(",")) - set(TARGETS)
+    asked = args.targets.split(",")
+    chosen = tuple(n for n in (*TARGETS, *OPTIONAL) if n in asked or n == "loop-direct")
+    unknown = set(asked) - set(TARGETS) - set(OPTIONAL)
     if unknown:
-        ap.error(f"--targets: unknown {', '.join(sorted(unknown))}; known: {', '.join(TARGETS)}")
+        ap.error(f"--targets: unknown {', '.join(sorted(unknown))}; known: {', '.join((*TARGETS, *OPTIONAL))}")
     settings = {"durability": args.durability, "max_block_size": str(max(args.size, 4 << 20))}
+    if "nixl-put-direct" in chosen:
+        import importlib.util
+
+        if importlib.util.find_spec("nixl") is None:
+            ap.error("--targets nixl-put-direct needs NIXL (pip install 'kvstore-client[nixl]')")
+        os.environ.setdefault("UCX_TLS", "tcp")  # passed on to the daemon (bench.daemon passes UCX_*)
+        settings |= {"nixl": "1", "nixl_devices": NIXL_DEVICES}
     for item in args.set:
         name, sep, value = item.partition("=")
         if not sep:

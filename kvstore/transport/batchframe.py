@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from kvstore_client.wire import batchframe as wire
 from kvstore_client.wire import errors as wire_errors
-from kvstore_client.wire.batchframe import END, MAGIC, ByteReader, error_payload, get_item_header
+from kvstore_client.wire.batchframe import END, MAGIC, Buffer, ByteReader, error_payload, get_item_header
 
 from kvstore.errors import BadFraming, BlockTooLarge
 
@@ -26,7 +26,7 @@ __all__ = ["END", "MAGIC", "error_payload", "get_item_header", "read_put_items_m
 
 async def read_put_items_meta(
     reader: ByteReader, max_block_size: int, max_items: int
-) -> AsyncIterator[tuple[str, bytes, bytes | None]]:
+) -> AsyncIterator[tuple[str, Buffer, bytes | None]]:
     """:func:`kvstore_client.wire.batchframe.read_put_items_meta` with the daemon's errors."""
     try:
         async for item in wire.read_put_items_meta(reader, max_block_size, max_items):

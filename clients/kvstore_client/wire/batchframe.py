@@ -67,7 +67,11 @@ BufferLike = Any
 
 
 class ByteReader(Protocol):
-    """What the decoders read from: ``asyncio.StreamReader``, ``aiohttp.StreamReader``."""
+    """What the decoders read from: ``asyncio.StreamReader``, ``aiohttp.StreamReader``.
+    A reader may also have ``async readblock(n) -> bytes | memoryview``: the
+    put decoders read each block's data with it (the daemon receives blocks
+    into pooled aligned memory that way), and everything else with
+    ``readexactly``."""
 
     async def readexactly(self, n: int, /) -> bytes: ...
 
@@ -167,6 +171,21 @@ class _Cursor:
         self.offset += n
         return data
 
+    async def block(self, n: int, what: str) -> Buffer:
+        """``n`` bytes of a block's data: through the reader's ``readblock`` if it has one."""
+        readblock = getattr(self._reader, "readblock", None)
+        if readblock is None:
+            return await self.read(n, what)
+        try:
+            data: Buffer = await readblock(n)
+        except asyncio.IncompleteReadError as e:
+            raise BadFraming(
+                f"truncated stream: {what} at byte offset {self.offset}: expected {n} bytes, "
+                f"the stream ended after {len(e.partial)}"
+            ) from None
+        self.offset += n
+        return data
+
     async def magic(self, allowed: tuple[bytes, ...] = (MAGIC,)) -> bytes:
         magic = await self.read(len(MAGIC), "the 4-byte magic")
         if magic not in allowed:
@@ -205,7 +224,7 @@ class _Cursor:
             raise BadFraming(f"item {index}: invalid key at byte offset {at}: {e}") from None
 
 
-async def read_put_items(reader: ByteReader, max_block_size: int, max_items: int) -> AsyncIterator[tuple[str, bytes]]:
+async def read_put_items(reader: ByteReader, max_block_size: int, max_items: int) -> AsyncIterator[tuple[str, Buffer]]:
     """Decode a batch/put request body, yielding ``(key, data)`` one item at
     a time (a KVB2 stream's identities are dropped: see read_put_items_meta)."""
     async for key, data, _ in read_put_items_meta(reader, max_block_size, max_items):
@@ -214,7 +233,7 @@ async def read_put_items(reader: ByteReader, max_block_size: int, max_items: int
 
 async def read_put_items_meta(
     reader: ByteReader, max_block_size: int, max_items: int
-) -> AsyncIterator[tuple[str, bytes, bytes | None]]:
+) -> AsyncIterator[tuple[str, Buffer, bytes | None]]:
     """Decode a batch/put request body (KVB1 or KVB2), yielding ``(key,
     data, meta)`` one item at a time; ``meta`` is the item's identity as
     JSON bytes, None when it has none.
@@ -251,7 +270,7 @@ async def read_put_items_meta(
                 f"item {index} ({key}): data length {data_len} at byte offset {at} exceeds "
                 f"the maximum block size {max_block_size}"
             )
-        data = await cur.read(data_len, f"item {index} ({key}): {data_len}-byte data")
+        data = await cur.block(data_len, f"item {index} ({key}): {data_len}-byte data")
         yield key, data, meta
         index += 1
 

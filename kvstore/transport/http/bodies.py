@@ -21,9 +21,10 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from kvstore import jsonlimits
 from kvstore.buffers import POOL, AlignedBuffer
@@ -96,29 +97,37 @@ async def _read_exactly(request: web.Request, length: int) -> bytes:
         raise InvalidInput(f"body ended after {len(e.partial)} of {length} bytes (Content-Length)") from None
 
 
-async def _read_aligned(request: web.Request, length: int) -> AlignedBuffer:
-    """``length`` bytes of body within the request timeout, received into
-    pooled page-aligned memory chunk by chunk (no join; the segment write
-    takes it from there without another copy: directio.py)."""
-    seconds = config_of(request).request_timeout_s
+async def _receive_into(content: StreamReader, length: int) -> AlignedBuffer:
+    """``length`` bytes of ``content`` received into pooled page-aligned
+    memory chunk by chunk (no join; the segment write takes it from there
+    without another copy: engine/directio.py). An early end raises
+    ``asyncio.IncompleteReadError``; the buffer goes back to the pool on any
+    failure."""
     buf = POOL.take(length)
-    mem, pos, content = buf.memory, 0, request.content
+    mem, pos = buf.memory, 0
     try:
-        async with asyncio.timeout(seconds):
-            while pos < length:
-                chunk = await content.readany()
-                if not chunk:
-                    raise InvalidInput(f"body ended after {pos} of {length} bytes (Content-Length)")
-                n = min(len(chunk), length - pos)
-                mem[pos : pos + n] = chunk[:n] if n < len(chunk) else chunk
-                pos += n
-    except TimeoutError:
-        buf.release()
-        raise RequestTimeout(f"body not received within {seconds} s") from None
+        while pos < length:
+            chunk = await content.read(length - pos)  # at most that: what follows stays buffered
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(mem[:pos]), length)
+            mem[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
     except BaseException:
         buf.release()
         raise
     return buf
+
+
+async def _read_aligned(request: web.Request, length: int) -> AlignedBuffer:
+    """A block's ``length`` bytes of body within the request timeout, in aligned memory."""
+    seconds = config_of(request).request_timeout_s
+    try:
+        async with asyncio.timeout(seconds):
+            return await _receive_into(request.content, length)
+    except TimeoutError:
+        raise RequestTimeout(f"body not received within {seconds} s") from None
+    except asyncio.IncompleteReadError as e:
+        raise InvalidInput(f"body ended after {len(e.partial)} of {length} bytes (Content-Length)") from None
 
 
 @asynccontextmanager
@@ -207,17 +216,31 @@ async def json_body(request: web.Request) -> dict[str, Any]:
         budget.release(held)
 
 
+ALIGNED_MIN = 64 << 10  # a batch item this big is received into aligned memory
+
+
+@dataclass(slots=True)
+class Held:
+    """What a batch body handed over since the last take: bytes held against
+    the budget, and the aligned buffers some of them are in."""
+
+    nbytes: int = 0
+    buffers: list[AlignedBuffer] = field(default_factory=list)
+
+
 class BatchBody:
     """A batch stream's body for the framing decoder: every read must complete
     within ``seconds`` (a batch may take as long as it needs, a stalled client
     is cut off), and every byte read is held against the budget until the
-    caller :meth:`take`\\ s it (and releases it once the block is stored)."""
+    caller :meth:`take`\\ s it (and releases it once the block is stored).
+    A block of :data:`ALIGNED_MIN` bytes or more is received into pooled
+    aligned memory (:meth:`readblock`), written to its segment from there."""
 
     def __init__(self, request: web.Request) -> None:
         self._content = request.content
         self._seconds = config_of(request).request_timeout_s
         self._budget = budget_of(request)
-        self._unowned = 0
+        self._unowned = Held()
 
     async def readexactly(self, n: int, /) -> bytes:
         self._budget.reserve(n)
@@ -227,20 +250,40 @@ class BatchBody:
         except BaseException:
             self._budget.release(n)
             raise
-        self._unowned += n
+        self._unowned.nbytes += n
         return data
 
-    def take(self) -> int:
-        """The bytes read since the last take, now the caller's to release."""
-        n, self._unowned = self._unowned, 0
-        return n
+    async def readblock(self, n: int, /) -> bytes | memoryview:
+        if n < ALIGNED_MIN:
+            return await self.readexactly(n)
+        self._budget.reserve(n)
+        try:
+            async with asyncio.timeout(self._seconds):
+                buf = await _receive_into(self._content, n)
+        except BaseException:
+            self._budget.release(n)
+            raise
+        self._unowned.nbytes += n
+        self._unowned.buffers.append(buf)
+        return buf.view
 
-    def release(self, n: int) -> None:
-        self._budget.release(n)
+    def take(self) -> Held:
+        """What was read since the last take, now the caller's to release."""
+        held, self._unowned = self._unowned, Held()
+        return held
+
+    def release(self, held: Held, reuse: bool = True) -> None:
+        """Give ``held`` back: its bytes to the budget, its buffers to the pool
+        (``reuse`` False: a put that was cancelled may still have its bytes
+        queued for a write, so its memory is left to the collector)."""
+        self._budget.release(held.nbytes)
+        if reuse:
+            for buf in held.buffers:
+                buf.release()
 
     def close(self) -> None:
         """Release what was read and never taken."""
-        self._budget.release(self.take())
+        self.release(self.take())
 
 
 # Fields of JSON bodies that several routes read.

@@ -22,7 +22,7 @@ from kvstore.names import validate_client_key
 from kvstore.transport import batchframe
 from kvstore.transport.http.appkeys import METRICS, config_of, store_of
 from kvstore.transport.http.auth import tenant_of
-from kvstore.transport.http.bodies import BAD_BODY_FRAMING, BatchBody, json_body, keys_field
+from kvstore.transport.http.bodies import BAD_BODY_FRAMING, BatchBody, Held, json_body, keys_field
 from kvstore.transport.http.respond import error_body, send
 from kvstore.transport.statuses import http_status
 
@@ -56,8 +56,9 @@ async def batch_put(request: web.Request) -> web.Response:
             except KVStoreError as e:
                 results.append(_result(key, http_status(e), e))
 
-    def stored(held: int) -> Callable[[asyncio.Task[Stored]], None]:
-        return lambda _task: body.release(held)  # the block's bytes are no longer held
+    def stored(held: Held) -> Callable[[asyncio.Task[Stored]], None]:
+        # the block's bytes are no longer held (a cancelled put's memory is not reused)
+        return lambda task: body.release(held, reuse=not task.cancelled())
 
     try:
         items = batchframe.read_put_items_meta(body, store.config.max_block_size, cfg.max_batch_keys)
