@@ -575,7 +575,7 @@ class Store(StoreReads, StoreWrites):
         await self._run(self._registry.rotate_master, new_master)
         self._master = new_master
 
-    # -- writes ---------------------------------------------------------------
+    # -- maintenance on demand (flush, compact, evict, follow, verify) ---------
 
     async def flush(self, upload_timeout_s: float = 0) -> dict[str, Any]:
         """Seal every open segment (each becomes immutable, with its footer);
@@ -617,8 +617,6 @@ class Store(StoreReads, StoreWrites):
         if not self.adopted:
             raise InvalidInput("follow_bucket is for a node started with s3_readonly")
         return await self._residency.follow_bucket()
-
-    # -- reads ----------------------------------------------------------------
 
     async def verify(self, deep: bool = False) -> VerifyReport:
         """Scrub every segment: headers, footers, frame checksums; ``deep`` also
