@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any, Protocol
 
 from kvstore_client.wire.errors import BadFraming, InvalidKey, TooLarge
@@ -161,14 +161,7 @@ class _Cursor:
         self.offset = 0
 
     async def read(self, n: int, what: str) -> bytes:
-        try:
-            data = await self._reader.readexactly(n)
-        except asyncio.IncompleteReadError as e:
-            raise BadFraming(
-                f"truncated stream: {what} at byte offset {self.offset}: expected {n} bytes, "
-                f"the stream ended after {len(e.partial)}"
-            ) from None
-        self.offset += n
+        data: bytes = await self._counted(self._reader.readexactly(n), n, what)
         return data
 
     async def block(self, n: int, what: str) -> Buffer:
@@ -176,8 +169,13 @@ class _Cursor:
         readblock = getattr(self._reader, "readblock", None)
         if readblock is None:
             return await self.read(n, what)
+        data: Buffer = await self._counted(readblock(n), n, what)
+        return data
+
+    async def _counted(self, read: Awaitable[Any], n: int, what: str) -> Any:
+        """The result of ``read`` (``n`` bytes of ``what``), counted; an early end is BadFraming."""
         try:
-            data: Buffer = await readblock(n)
+            data = await read
         except asyncio.IncompleteReadError as e:
             raise BadFraming(
                 f"truncated stream: {what} at byte offset {self.offset}: expected {n} bytes, "
