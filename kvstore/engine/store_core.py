@@ -1,7 +1,9 @@
 """What the store's parts share: its state, the thread pool, the checks.
 
 :class:`kvstore.engine.store.Store` is put together from this core, the read
-path (store_read.py) and the write path (store_write.py), one file per verb.
+path (store_read.py), the write path (store_write.py), tenants
+(store_tenants.py) and maintenance on demand (store_maintenance.py), one file
+per verb; store.py opens and closes it.
 """
 
 from __future__ import annotations

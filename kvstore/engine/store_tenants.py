@@ -1,0 +1,232 @@
+"""The store's tenants: create, change limits, delete (crypto-shred), their
+bearer tokens and S3 keys, data-key and master-key rotation, and a reader
+process following the writer's registry."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from kvstore.config import FRAME_SIZE_RULE, valid_frame_size
+from kvstore.engine.access import Touches
+from kvstore.engine.appender import OpenSegment
+from kvstore.engine.crypto import MasterKey, load_master_key
+from kvstore.engine.recovery import trash
+from kvstore.engine.store_core import StoreCore, log
+from kvstore.errors import InvalidInput, MasterKeyError
+from kvstore.fsutil import atomic_write
+from kvstore.names import validate_tenant
+
+MASTER_KEY_HINT = "master-key.path"  # where the last rotation's new key file is (a path, never a key)
+
+
+class StoreTenants(StoreCore):
+    def refresh(self) -> None:
+        """A reader: pick up the writer's registry changes (tenants, tokens,
+        keys), following a master-key rotation through the path it left."""
+        if not self.readonly:
+            return
+        before = self._registry.incarnations()
+        try:
+            self._registry.refresh()
+        except MasterKeyError:
+            hint = self._root / MASTER_KEY_HINT
+            try:
+                new = load_master_key(hint.read_text().strip())
+            except (OSError, MasterKeyError) as e:
+                log.error("registry changed under a new master key, which this process cannot load: %s", e)
+                return
+            self._registry.use_master(new)
+            try:
+                self._registry.refresh()
+            except MasterKeyError as e:  # rotated again meanwhile: serve the last view, retry next time
+                self._registry.use_master(self._master)
+                log.warning("registry changed under a master key this process cannot load yet: %s", e)
+                return
+            self._master = new
+        after = self._registry.incarnations()
+        for name, created in before.items():
+            if after.get(name) != created:  # deleted, maybe created again: segment ids start over
+                self._cache.forget_tenant(name)
+                self.access.forget_tenant(name)
+
+    async def create_tenant(
+        self,
+        name: str,
+        policy: str = "sealed",
+        compression: str | None = None,
+        durability: str | None = None,
+        quota_bytes: int | None = None,
+        ttl_s: int | None = None,
+        frame_size: int | None = None,
+        events_topic: str | None = None,
+    ) -> dict[str, Any]:
+        """``durability``: persistent (never dropped before it is in the object
+        tier) or ephemeral (may be dropped when the disk is full); default the
+        ``default_durability`` setting. ``quota_bytes`` and ``ttl_s``: None for
+        the configured defaults, 0 for none. ``frame_size``: plaintext bytes
+        per frame of its records (a ranged read of a sealed block decodes the
+        frames it covers); None or 0 for the store's ``frame_size``.
+        ``events_topic``: the ZMQ topic of its residency events (None or "":
+        its name)."""
+        self._check_writable()
+        validate_tenant(name)
+        if compression is None and policy == "sealed":
+            compression = self.config.compression
+        durability = durability or self.config.default_durability
+        quota = self.config.default_quota_bytes if quota_bytes is None else _limit("quota_bytes", quota_bytes)
+        ttl = self.config.default_ttl_s if ttl_s is None else _limit("ttl_s", ttl_s)
+        fs = _frame_size(frame_size or 0)
+        topic = _topic(events_topic or "")
+        await self._run(trash, self._seg_root, name)  # files of a deleted incarnation, if any are left
+        t = await self._run(self._registry.create, name, policy, compression, durability, quota, ttl, fs, topic)
+        self._tails[name] = OpenSegment(None)
+        return t.public()
+
+    async def set_limits(
+        self,
+        name: str,
+        quota_bytes: int | None = None,
+        ttl_s: int | None = None,
+        frame_size: int | None = None,
+        events_topic: str | None = None,
+    ) -> dict[str, Any]:
+        """Change a tenant's quota, TTL and frame size (None: unchanged; 0:
+        none, or the store's frame size). A lower quota is enforced at once, a
+        shorter TTL on the next read and sweep; a frame size applies to the
+        records written from now on (each record keeps the one it has)."""
+        self._check_writable()
+        self._tenant(name)
+        quota = None if quota_bytes is None else _limit("quota_bytes", quota_bytes)
+        ttl = None if ttl_s is None else _limit("ttl_s", ttl_s)
+        fs = None if frame_size is None else _frame_size(frame_size)
+        topic = None if events_topic is None else _topic(events_topic)
+        t = await self._maintain(self._registry.set_limits, name, quota, ttl, fs, topic)  # it may free space
+        await self._retention.enforce(t)
+        return t.public()
+
+    def touches(self) -> Touches:
+        """A reader process: the accesses it served since the last call, for
+        the writer (:meth:`absorb_touches`), which owns the access times."""
+        return self.access.drain()
+
+    def absorb_touches(self, touches: Touches) -> None:
+        self.access.merge(touches)
+
+    async def expire(self, tenant: str | None = None) -> int:
+        """Remove the blocks past their tenant's TTL now (normally the sweeper does)."""
+        self._check_writable()
+        return await self._retention.sweep(tenant)
+
+    def tenants(self) -> list[dict[str, Any]]:
+        self._check_open()
+        return [self._registry.get(n).public() for n in self._registry.names() if n not in self._deleting]
+
+    def tenant(self, name: str) -> dict[str, Any]:
+        return self._tenant(name).public()
+
+    async def delete_tenant(self, name: str) -> None:
+        """Crypto-shred: destroy the tenant's keys, then drop its index and files.
+        The files are moved aside in one rename, then removed in the background."""
+        self._check_writable()
+        incarnation = self._tenant(name).created_ns
+        topic = self._topic(name)  # for its last event, told once it is gone
+        self._deleting.add(name)
+        try:
+            app = self._appenders.pop(name, None)
+            if app is not None:
+                await app.close()
+            await self._maintain(self._registry.delete, name)
+            await self._maintain(self._life.tenant_deleted, name)
+            self._cache.forget_tenant(name)  # closed once the reads in progress end
+            self.access.forget_tenant(name)
+            self._residency.tenant_deleted(name, incarnation)
+            moved = await self._run(trash, self._seg_root, name)
+            self._tails.pop(name, None)
+            if self.events is not None:
+                self.events.publish(name, "cleared", "tenant_deleted", topic=topic)
+        finally:
+            self._deleting.discard(name)
+        if moved is not None:
+            self._residency.spawn(self._run(shutil.rmtree, moved, True), f"remove:{name}")
+
+    def authenticate(self, token: str) -> str | None:
+        """The tenant a bearer token names, or None (unknown, revoked, deleted)."""
+        self._check_open()
+        self.refresh()
+        name = self._registry.tenant_for_token(token)
+        return None if name is None or name in self._deleting else name
+
+    async def issue_token(self, name: str) -> tuple[str, str]:
+        """A new bearer token for the tenant: (token id, token), shown once."""
+        self._check_writable()
+        self._tenant(name)
+        return await self._run(self._registry.issue_token, name)
+
+    async def revoke_token(self, name: str, token_id: str) -> None:
+        self._check_writable()
+        self._tenant(name)
+        await self._maintain(self._registry.revoke_token, name, token_id)  # works on a full disk
+
+    async def issue_s3_key(self, name: str) -> tuple[str, str]:
+        """A new S3 access key for the tenant: (access key id, secret), shown once."""
+        self._check_writable()
+        self._tenant(name)
+        return await self._run(self._registry.issue_s3_key, name)
+
+    async def revoke_s3_key(self, name: str, access_key_id: str) -> None:
+        self._check_writable()
+        self._tenant(name)
+        await self._maintain(self._registry.revoke_s3_key, name, access_key_id)  # works on a full disk
+
+    def s3_credentials(self, access_key_id: str) -> tuple[str, str, int] | None:
+        """(tenant, secret access key, the tenant's incarnation) of an S3
+        access key id; None if unknown, revoked or its tenant deleted."""
+        self._check_open()
+        self.refresh()
+        found = self._registry.s3_secret(access_key_id)
+        if found is None or found[0] in self._deleting:
+            return None
+        return found[0], found[1], self._registry.get(found[0]).created_ns
+
+    def incarnation(self, name: str) -> int | None:
+        """The tenant's incarnation (its creation time), None if it does not exist."""
+        return None if name not in self._registry or name in self._deleting else self._registry.get(name).created_ns
+
+    async def rotate_tenant_key(self, name: str) -> int:
+        self._check_writable()
+        self._tenant(name)
+        return await self._run(self._registry.rotate_data_key, name)
+
+    async def rotate_master_key(self, new_master: MasterKey, key_file: str | None = None) -> None:
+        """Rewrap every data key under ``new_master``; start with it from now on.
+        ``key_file``, the new key's path, is recorded (the path, never the key)
+        for reader processes of this store to follow."""
+        self._check_writable()
+        if key_file:  # first: a reader that sees the rewrapped registry must find the key it needs
+            await self._run(atomic_write, self._root / MASTER_KEY_HINT, os.path.abspath(key_file).encode())
+        await self._run(self._registry.rotate_master, new_master)
+        self._master = new_master
+
+
+def _limit(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+        raise InvalidInput(f"field {name!r} must be null or a non-negative integer, got {value!r}")
+    return value
+
+
+def _topic(value: str) -> str:
+    if (
+        not isinstance(value, str)
+        or len(value.encode()) > 256
+        or not all(c.isprintable() and not c.isspace() for c in value)
+    ):
+        raise InvalidInput("field 'events_topic' must be up to 256 bytes of printable text without spaces, or null")
+    return value
+
+
+def _frame_size(value: int) -> int:
+    if value and not valid_frame_size(value):
+        raise InvalidInput(f"field 'frame_size' {FRAME_SIZE_RULE}, or null for the store's; got {value!r}")
+    return value
