@@ -212,10 +212,20 @@ class Compactor:
             dead = total - kept
             if total <= 0 or dead * 100 < threshold * total:
                 continue
-            if room is not None and kept + (1 << 20) > room:
+            if room is not None and not _fits(kept, room):
                 continue  # copying it would fill the disk before its space came back
             out.append((-dead / total if pressed else 0.0, kept if pressed else 0, sid))
         return [sid for *_, sid in sorted(out)]
+
+    def _room_for(self, tenant: str, sid: int) -> bool:
+        """Whether the live records of ``sid`` fit in the space maintenance may
+        still write, asked right before it is copied: the segments rewritten
+        before it in the pass may not have given their space back yet (a
+        reader process still holds their files open, say)."""
+        if self._available is None:
+            return True
+        kept = self._index.live(tenant).get(sid, (0, 0))[1]
+        return _fits(kept, self._available())
 
     def _open_worth_sealing(self, tenant: str, sid: int) -> bool:
         """On a full disk: whether the open segment ``sid`` holds enough dead
@@ -255,6 +265,8 @@ class Compactor:
                 phase = await self._run(self._life.phase, tenant, sid)
                 if phase not in (Phase.SEALED, Phase.MIRRORED, Phase.REMOTE_ONLY):
                     continue
+                if not await self._run(self._room_for, tenant, sid):
+                    continue  # next pass: the space of those rewritten so far has not come back yet
                 if not await self._copy_live(tenant, sid, phase, app, report, throttle, pressed):
                     continue
                 await app.make_durable()
@@ -476,3 +488,8 @@ def _checked_record(raw: bytes | bytearray, tenant: str, fe: FooterEntry, where:
 
 
 __all__ = ["CompactionReport", "Compactor"]
+
+
+def _fits(live_bytes: int, room: int) -> bool:
+    """Whether copying ``live_bytes`` leaves a MiB of ``room`` (records, padding, a seal)."""
+    return live_bytes + (1 << 20) <= room

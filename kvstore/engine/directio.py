@@ -56,6 +56,17 @@ def supported(directory: Path) -> bool:
         known = _probed.get(dev)
         if known is not None:
             return known
+        fstype = filesystem_type(directory)
+        if fstype in IN_MEMORY:
+            log.warning(
+                "the data directory %s is on %s (memory): segments are written through the page cache,"
+                " which is where a %s keeps them anyway (O_DIRECT there is emulated and brings nothing)",
+                directory,
+                fstype,
+                fstype,
+            )
+            _probed[dev] = False
+            return False
         probe = directory / f".odirect-probe-{os.getpid()}-{threading.get_ident()}"
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o600)
@@ -75,6 +86,32 @@ def supported(directory: Path) -> bool:
             probe.unlink(missing_ok=True)
         _probed[dev] = ok
         return ok
+
+
+# Filesystems whose files live in memory: Linux 6.6 and later accept O_DIRECT
+# on tmpfs but serve it from the page cache, so it saves no copy there.
+IN_MEMORY = frozenset({"tmpfs", "ramfs"})
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem ``path`` is on (the longest mount point
+    above it in /proc/self/mountinfo); None where that cannot be read."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best, fstype = "", None
+    for line in lines:
+        fields = line.split(" ")
+        if "-" not in fields:
+            continue
+        mount = fields[4].replace("\\040", " ")
+        kind = fields[fields.index("-") + 1]
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, fstype = mount, kind
+    return fstype
 
 
 def open_direct(path: Path) -> int:

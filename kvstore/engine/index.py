@@ -27,6 +27,7 @@ what it is told, in one transaction per call.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import struct
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -132,11 +133,26 @@ def _write_error(e: lmdb.Error, doing: str) -> KVStoreError:
 
 
 @contextlib.contextmanager
-def _lmdb_errors(doing: str) -> Generator[None, None, None]:
+def _lmdb_errors(doing: str, path: Path | None = None) -> Generator[None, None, None]:
     try:
         yield
     except (lmdb.DiskError, lmdb.MapFullError) as e:
         raise _write_error(e, doing) from None
+    except lmdb.Error as e:
+        # LMDB answers a short write with EIO (mdb_page_flush): on a full
+        # filesystem that is what ENOSPC looks like (seen on a full tmpfs).
+        if path is not None and "input/output error" in str(e).lower() and _nearly_full(path):
+            raise StorageFull(f"no space left on device while {doing} (a short write); nothing was committed") from None
+        raise
+
+
+def _nearly_full(path: Path) -> bool:
+    """Whether the filesystem of ``path`` has less than a MiB free."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
 
 
 def _bkey(tenant: str, key: str) -> bytes:
@@ -203,14 +219,14 @@ class Index:
         self.env.close()
 
     def sync(self) -> None:
-        with _lmdb_errors("syncing the index"):
+        with _lmdb_errors("syncing the index", self.path):
             self.env.sync(True)
 
     @contextlib.contextmanager
     def _writing(self) -> Generator[Any, None, None]:
         """A write transaction, committed at the end; a full disk or map is
         :class:`StorageFull` (nothing of it was committed), never corruption."""
-        with _lmdb_errors("committing to the index"), self.env.begin(write=True) as txn:
+        with _lmdb_errors("committing to the index", self.path), self.env.begin(write=True) as txn:
             yield txn
 
     # -- the lifecycle epoch --------------------------------------------------

@@ -209,6 +209,20 @@ def test_index_on_a_full_disk_is_storage_full_not_corruption(tmp_path: Path) -> 
     assert lmdb.version()  # a real LMDB
 
 
+def test_lmdb_short_write_on_a_full_disk_is_storage_full(small_fs: Path, tmp_path: Path) -> None:
+    """LMDB answers a short write with EIO (mdb_page_flush), which is how a
+    full filesystem can show: on a full one it is StorageFull (the reserve
+    then makes room), elsewhere it stays the I/O error it is."""
+    from kvstore.engine.index import _lmdb_errors
+
+    short = lmdb.Error("mdb_txn_commit: Input/output error")
+    fill(small_fs / "other-process")
+    with pytest.raises(StorageFull, match="short write"), _lmdb_errors("committing to the index", small_fs):
+        raise short
+    with pytest.raises(lmdb.Error, match="Input/output"), _lmdb_errors("committing to the index", tmp_path):
+        raise short
+
+
 async def test_ephemeral_blocks_go_before_anyone_is_refused(small_fs: Path) -> None:
     """G3 only: on a filling disk the ephemeral tenant's segments are evicted
     before a persistent tenant's put is refused."""

@@ -97,7 +97,7 @@ async def test_a_full_disk_is_freed_through_the_api(tmp_path: Path, workers: int
     fs = tmp_path / "fs"
     mount_tmpfs(fs, 64 * MiB)
     env = daemon_env(tmp_path, frame_size="64KiB", compact_interval_s="0")
-    daemon = Daemon(fs / "data", free_port(), env, extra=["--workers", str(workers)])
+    daemon = Daemon(fs / "data", free_port(), env, extra=["--workers", str(workers)], log_dir=tmp_path)
     try:
         daemon.start()
         async with aiohttp.ClientSession() as session:

@@ -99,6 +99,10 @@ class Daemon:
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
     extra: list[str] = field(default_factory=list)
+    # Where server.log goes (default: beside the data directory). A test that
+    # fills the data directory's filesystem puts it elsewhere: a log on a full
+    # disk would fail the daemon's last flush at exit (status 120).
+    log_dir: Path | None = None
 
     @property
     def base(self) -> str:
@@ -134,7 +138,7 @@ class Daemon:
 
     @property
     def log(self) -> Path:
-        return self.data_dir.parent / "server.log"
+        return (self.log_dir or self.data_dir.parent) / "server.log"
 
 
 def daemon_env(workdir: Path, **settings: str) -> dict[str, str]:
