@@ -65,7 +65,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.daemon import Daemon, daemon
 from bench.plan_bench import _admin, _port
@@ -74,6 +74,7 @@ from bench.s3_bench import cut_objects, load_pool, s3_client
 ROOT = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ALIGN = 4096
+T = TypeVar("T")
 
 
 @dataclass
@@ -125,11 +126,28 @@ def own_cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+class Clock:
+    """Wall time, the daemon's CPU and this process's CPU over a ``with``
+    block (sync or async code alike); :meth:`result` is the pass it timed."""
+
+    def __init__(self, pid: int, nbytes: int, requests: int) -> None:
+        self.pid, self.nbytes, self.requests = pid, nbytes, requests
+
+    def __enter__(self) -> Clock:
+        self.d0, self.c0, self.t0 = tree_cpu_seconds(self.pid), own_cpu_seconds(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.t1, self.c1, self.d1 = time.perf_counter(), own_cpu_seconds(), tree_cpu_seconds(self.pid)
+
+    def result(self) -> Pass:
+        return Pass(self.t1 - self.t0, self.nbytes, self.requests, self.d1 - self.d0, self.c1 - self.c0)
+
+
 def measured(pid: int, nbytes: int, requests: int, run: Callable[[], object]) -> Pass:
-    d0, c0, t0 = tree_cpu_seconds(pid), own_cpu_seconds(), time.perf_counter()
-    run()
-    t1, c1, d1 = time.perf_counter(), own_cpu_seconds(), tree_cpu_seconds(pid)
-    return Pass(t1 - t0, nbytes, requests, d1 - d0, c1 - c0)
+    with Clock(pid, nbytes, requests) as clock:
+        run()
+    return clock.result()
 
 
 def write_loop(path: Path, blocks: list[bytes], depth: int, direct: bool) -> None:
@@ -220,8 +238,8 @@ class Bench:
         )
         self.s3.create_bucket(Bucket="writes")
         self.loop = asyncio.new_event_loop()
-        self.written: dict[str, tuple[str, list[tuple[str, bytes]]]] = {}
-        self.s3_written: list[tuple[str, bytes]] = []  # target -> (endpoint kind, blocks)
+        self.written: dict[str, tuple[str, list[tuple[str, bytes]]]] = {}  # target -> (endpoint, blocks)
+        self.s3_written: list[tuple[str, bytes]] = []  # the last s3-put-direct pass's objects
 
     def close(self) -> None:
         self.s3.close()
@@ -233,8 +251,8 @@ class Bench:
         extra: dict[str, Any] = {"transport": "nixl", "nixl_devices": NIXL_DEVICES} if nixl else {}
         return AsyncClient(endpoint, token, strict=True, timeout=120, retries=0, pool_size=self.args.depth, **extra)
 
-    def run_async(self, make: Callable[[], Awaitable[object]]) -> None:
-        self.loop.run_until_complete(make())
+    def run_async(self, make: Callable[[], Awaitable[T]]) -> T:
+        return self.loop.run_until_complete(make())
 
     def target(self, name: str, items: list[tuple[str, bytes]], tmp: Path, profile: Path | None = None) -> Pass:
         with profiled(profile, name, self.pid, self.args.profiler):
@@ -260,7 +278,7 @@ class Bench:
         endpoint = f"unix:{self.sock}" if name.startswith("unix") else self.d.base
         token = self.sealed_token if name.endswith("sealed") else self.d.token
 
-        async def go() -> None:
+        async def go() -> Pass:
             async with self.client(endpoint, token, nixl=name.startswith("nixl")) as c:
                 if name.startswith("nixl"):  # the agents connected and a registration made, off the clock
                     await c.put_many([(items[0][0] + "-warm", items[0][1])])
@@ -269,38 +287,34 @@ class Bench:
                 if name.startswith(("batch", "nixl")):
                     chunks = [items[i : i + depth] for i in range(0, n, depth)]
                     jobs: list[Callable[[], Awaitable[object]]] = [functools.partial(c.put_many, ch) for ch in chunks]
-                    p = await self._timed(nbytes, n, lambda: gather_bounded(1, jobs))
+                    width = 1
                 else:
-                    jobs = [functools.partial(c.put, k, b) for k, b in items]
-                    p = await self._timed(nbytes, n, lambda: gather_bounded(depth, jobs))
-                self._last = p
+                    jobs, width = [functools.partial(c.put, k, b) for k, b in items], depth
+                with Clock(self.pid, nbytes, n) as clock:
+                    await gather_bounded(width, jobs)
+                return clock.result()
 
-        self.run_async(go)
+        p = self.run_async(go)
         self.written[name] = (endpoint, items)
-        return self._last
-
-    async def _timed(self, nbytes: int, n: int, run: Callable[[], Awaitable[object]]) -> Pass:
-        d0, c0, t0 = tree_cpu_seconds(self.pid), own_cpu_seconds(), time.perf_counter()
-        await run()
-        t1, c1, d1 = time.perf_counter(), own_cpu_seconds(), tree_cpu_seconds(self.pid)
-        return Pass(t1 - t0, nbytes, n, d1 - d0, c1 - c0)
+        return p
 
     def get_after_put(self) -> Pass:
         endpoint, items = self.written["http-put-direct"]
         nbytes, n = sum(len(b) for _, b in items), len(items)
-        got: list[object] = []
 
-        async def go() -> None:
+        async def go() -> tuple[Pass, list[object]]:
             async with self.client(endpoint, self.d.token) as c:
                 jobs: list[Callable[[], Awaitable[object]]] = [functools.partial(c.get, k) for k, _ in items]
-                self._last = await self._timed(nbytes, n, lambda: _into(got, gather_bounded(self.args.depth, jobs)))
+                with Clock(self.pid, nbytes, n) as clock:
+                    got = await gather_bounded(self.args.depth, jobs)
+                return clock.result(), got
 
-        self.run_async(go)
+        p, got = self.run_async(go)
         if not self.args.no_verify:
             bad = [k for (k, b), g in zip(items, got, strict=True) if not isinstance(g, bytes | bytearray) or g != b]
             if bad:
                 raise SystemExit(f"get-after-put: {len(bad)} blocks read back wrong, first {bad[0]}")
-        return self._last
+        return p
 
     def verify(self, name: str) -> None:
         if self.args.no_verify or name.startswith("loop"):
@@ -321,10 +335,6 @@ class Bench:
                         raise SystemExit(f"{name}: block {k} reads back wrong")
 
         self.run_async(go)
-
-
-async def _into(out: list[object], aw: Awaitable[list[object]]) -> None:
-    out.extend(await aw)
 
 
 TARGETS = (
