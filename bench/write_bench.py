@@ -19,6 +19,11 @@ requests at a time (default 8):
 * ``batch-put-direct``: ``AsyncClient.put_many`` (the batch stream, KVB2),
   ``--depth`` blocks per call;
 * ``unix-put-direct``: ``AsyncClient.put`` over the daemon's unix socket;
+* ``unix-plan-direct``: ``AsyncClient.put_many`` over the unix socket,
+  ``--depth`` blocks per call: write plans (the daemon reserves room and
+  passes the segment file; this process writes the blocks into it with
+  ``O_DIRECT``, then commits their checksums; the daemon reads them back
+  with ``O_DIRECT``, checks, syncs and indexes them);
 * ``s3-put-direct``: boto3 ``PutObject`` through the S3 gateway (unsigned
   payload, no checksums: what the gateway costs, not what SigV4 costs);
 * ``nixl-put-direct`` (only when named in ``--targets``: the daemon then
@@ -29,9 +34,8 @@ requests at a time (default 8):
   back at once with ``AsyncClient.get`` (a block read right after its PUT:
   with O_DIRECT writes it is not in the page cache).
 
-Not measured yet, said in the table: write plans (issue 26 item 4 is not
-built); LMCache's ``fs`` adapter is measured by ``lmcache_mp_bench`` against
-the MP adapter.
+LMCache's ``fs`` adapter is measured by ``lmcache_mp_bench`` against the
+MP adapter.
 
 Reported per target, medians over ``--repeats`` rounds (targets take turns
 in an order that rotates each round): GB/s (1e9 bytes of block data),
@@ -280,11 +284,11 @@ class Bench:
 
         async def go() -> Pass:
             async with self.client(endpoint, token, nixl=name.startswith("nixl")) as c:
-                if name.startswith("nixl"):  # the agents connected and a registration made, off the clock
+                if name.startswith(("nixl", "unix-plan")):  # connected (and registered), off the clock
                     await c.put_many([(items[0][0] + "-warm", items[0][1])])
                 else:
                     await c.put(items[0][0] + "-warm", items[0][1])  # connection up, off the clock
-                if name.startswith(("batch", "nixl")):
+                if name.startswith(("batch", "nixl", "unix-plan")):
                     chunks = [items[i : i + depth] for i in range(0, n, depth)]
                     jobs: list[Callable[[], Awaitable[object]]] = [functools.partial(c.put_many, ch) for ch in chunks]
                     width = 1
@@ -344,15 +348,14 @@ TARGETS = (
     "http-put-sealed",
     "batch-put-direct",
     "unix-put-direct",
+    "unix-plan-direct",
     "s3-put-direct",
 )
 # Only when asked for (--targets ...,nixl-put-direct): the daemon then runs a NIXL
 # agent (UCX over TCP on loopback here), whose progress thread is daemon CPU too.
 OPTIONAL = ("nixl-put-direct",)
 NIXL_DEVICES = "lo"
-NOT_BUILT = {
-    "write-plan": "write plans are not built (issue 26 item 4)",
-}
+NOT_BUILT: dict[str, str] = {}
 
 
 def parse_size(text: str) -> int:

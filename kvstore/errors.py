@@ -332,6 +332,25 @@ class SegmentMoved(KVStoreError):
     retryable = True
 
 
+class KeyReserved(KVStoreError):
+    """Maintenance met a key a write plan holds space for (write_plan.py):
+    what it would write for that key must wait until the plan ends."""
+
+    code = "key_reserved"
+    retryable = True
+
+
+class WritePlanNotFound(NotFound):
+    code = "write_plan_not_found"
+
+
+class WrittenBytesMismatch(KVStoreError):
+    """A write plan's commit: the bytes in the reserved space do not match
+    the checksums the client gave (not written, or written wrong)."""
+
+    code = "checksum_mismatch"
+
+
 class QuotaExceeded(KVStoreError):
     """A single block larger than its tenant's whole quota (``quota_bytes``)."""
 

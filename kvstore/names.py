@@ -76,6 +76,11 @@ def validate_lease(lease: object) -> str:
     return _hex_id(lease, 32, "lease")
 
 
+def validate_plan_id(plan: object) -> str:
+    """Return ``plan`` if it has the form of a write plan id (32 hex digits)."""
+    return _hex_id(plan, 32, "write plan")
+
+
 _ACCESS_KEY_RE = re.compile(r"[A-Z0-9]{16,64}")
 
 
@@ -95,5 +100,6 @@ PATH_PARAMS = {
     "name": validate_tenant,
     "token_id": validate_token_id,
     "lease": validate_lease,
+    "plan": validate_plan_id,
     "access_key_id": validate_access_key_id,
 }

@@ -45,6 +45,7 @@ from kvstore_client.reads.unix_plan import UnixPlanReader
 from kvstore_client.sharding import UNIX, Shards
 from kvstore_client.sharding import normalize as _normalize
 from kvstore_client.wire.batchframe import BufferLike
+from kvstore_client.write_plans import UnixPlanWriter
 from kvstore_client.writes import Writes
 
 T = TypeVar("T")
@@ -57,6 +58,11 @@ class AsyncClient:
     The token is ``token``, else ``$KVSTORE_TOKEN``, else the content of
     ``token_file`` or ``$KVSTORE_TOKEN_FILE``. ``token`` may also map endpoints
     to their own tokens (tenants are per daemon); unmapped endpoints use the default.
+
+    On ``unix:`` endpoints, ``get_into`` reads direct blocks from the segment
+    files (``read_plans``) and ``put_many`` writes them there
+    (``write_plans``: reserved by the daemon, written here, checked and
+    indexed by the daemon); blocks of a sealed tenant go over HTTP.
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class AsyncClient:
         max_lookup_keys: int = 4096,
         log_interval: float = 10.0,
         read_plans: bool = True,
+        write_plans: bool = True,
         decode: Decode = "auto",
         decode_threads: int | None = None,
         plan_paths: bool = False,
@@ -111,6 +118,7 @@ class AsyncClient:
         self.max_batch_keys = max_batch_keys
         self.max_lookup_keys = max_lookup_keys
         self.read_plans = read_plans
+        self.write_plans = write_plans
         self.plan_paths = plan_paths
         if decode not in ("server", "client", "auto"):
             raise ValueError(f"decode must be 'server', 'client' or 'auto', got {decode!r}")
@@ -173,7 +181,14 @@ class AsyncClient:
             self._http,
         )
         self._batch_get = BatchGet(self._x, self._shards, max_batch_keys=max_batch_keys, strict=strict)
-        self._writes = Writes(self._x, self._shards, self._nixl, max_batch_keys=max_batch_keys, strict=strict)
+        self._writes = Writes(
+            self._x,
+            self._shards,
+            self._nixl,
+            UnixPlanWriter(self._x, enabled=write_plans, max_batch_keys=max_batch_keys),
+            max_batch_keys=max_batch_keys,
+            strict=strict,
+        )
         self._lookups = Lookups(self._x, self._shards, max_lookup_keys=max_lookup_keys)
 
     @staticmethod

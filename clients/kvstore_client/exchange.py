@@ -35,7 +35,8 @@ Call = Callable[[aiohttp.ClientSession], Awaitable[T]]
 
 STAT_NAMES = (
     "plan_reads",  # get_into answered by a read plan (the segment file, no HTTP body; a miss included)
-    "plan_fallbacks",  # get_into that fell back to GET (sealed, object tier only, plan failed)
+    "plan_fallbacks",  # get_into or put_many items that fell back to HTTP (sealed, object tier only, plan failed)
+    "plan_writes",  # blocks put_many wrote through a write plan (into the segment file, no HTTP body)
     "client_decodes",  # reads of records as stored, checked and decoded here (decode="client"/"auto")
     "nixl_reads",  # get_into served over NIXL (transport="nixl")
     "nixl_writes",  # blocks put over NIXL

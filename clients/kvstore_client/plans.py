@@ -178,6 +178,45 @@ class PlanConnection:
         if status != 204:
             _raise(status, doc, "releasing the read plan")
 
+    # -- write plans (write_plans.py moves the bytes) ----------------------------
+
+    def plan_writes(self, blocks: list[dict[str, Any]], lease_s: float | None = None) -> tuple[Any, list[int]]:
+        """Ask for room for ``blocks`` (``{"key", "size", "meta"?}``): the
+        answer and the files' descriptors (the caller closes them), in the
+        order of its ``files``."""
+        body: dict[str, Any] = {"blocks": blocks}
+        if lease_s is not None:
+            body["lease_s"] = lease_s
+        with self._lock:
+            status, doc, fds = self._exchange("POST", "/v1/write-plan", json.dumps(body).encode())
+        if status != 200:
+            for fd in fds:
+                os.close(fd)
+            _raise(status, doc, "write plan refused")
+        if not isinstance(doc, dict) or len(doc.get("files", ())) != len(fds):
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"write plan named {len(doc.get('files', ()))} files but {len(fds)} descriptors came")
+        return doc, fds
+
+    def commit_writes(self, plan: str, blocks: list[dict[str, Any]]) -> Any:
+        """Commit plan ``plan`` with ``blocks`` (``{"key", "xxh3": [hex]}``)."""
+        with self._lock:
+            status, doc, fds = self._exchange("POST", f"/v1/write-plan/{plan}", json.dumps({"blocks": blocks}).encode())
+        for fd in fds:
+            os.close(fd)
+        if status != 200:
+            _raise(status, doc, "write plan commit refused")
+        return doc
+
+    def abandon_writes(self, plan: str) -> None:
+        with self._lock:
+            status, doc, fds = self._exchange("DELETE", f"/v1/write-plan/{plan}", None)
+        for fd in fds:
+            os.close(fd)
+        if status not in (204, 404):
+            _raise(status, doc, "abandoning the write plan")
+
     @staticmethod
     def read_into(block: PlannedBlock, buf: Any, pool: Executor | None = None) -> int:
         """Read ``block`` into ``buf`` (host memory: checked; a CUDA buffer:

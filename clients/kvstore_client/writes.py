@@ -2,7 +2,8 @@
 
 First write wins on the daemon: an item's result is 201 (this call stored
 it), 200 (it was stored already) or None (failed), the best over its
-replicas. ``put_many`` sends one ``/v1/batch/put`` per owner (per
+replicas. ``put_many`` writes through a write plan on a ``unix:`` owner
+(write_plans.py), else sends one ``/v1/batch/put`` per owner (per
 ``max_batch_keys`` items), or, with ``transport="nixl"``, one NIXL write
 per owner, falling back to HTTP.
 """
@@ -27,6 +28,7 @@ from kvstore_client.nixl_link import NixlLink
 from kvstore_client.sharding import Shards
 from kvstore_client.wire import batchframe
 from kvstore_client.wire.batchframe import BufferLike
+from kvstore_client.write_plans import UnixPlanWriter
 
 Metas = Sequence[Mapping[str, Any] | None]
 META_HEADER = "Kvstore-Block-Meta"
@@ -34,11 +36,19 @@ META_HEADER = "Kvstore-Block-Meta"
 
 class Writes:
     def __init__(
-        self, exchange: Exchange, shards: Shards, nixl: NixlLink | None, *, max_batch_keys: int, strict: bool
+        self,
+        exchange: Exchange,
+        shards: Shards,
+        nixl: NixlLink | None,
+        plans: UnixPlanWriter | None = None,
+        *,
+        max_batch_keys: int,
+        strict: bool,
     ) -> None:
         self._x = exchange
         self._shards = shards
         self._nixl = nixl
+        self._plans = plans
         self._max_batch_keys = max_batch_keys
         self._strict = strict
 
@@ -76,6 +86,15 @@ class Writes:
         for i, (k, _) in enumerate(items):
             for url in self._shards.owners(k):
                 groups.setdefault(url, []).append(i)
+        plans = self._plans
+        if plans is not None and any(plans.usable(url) for url in groups):
+            headers = [meta_header(m) if m is not None else None for m in metas] if metas is not None else None
+            for url in [u for u in groups if plans.usable(u)]:
+                left = await plans.write(url, items, groups[url], ok, headers)
+                if left:
+                    groups[url] = left
+                else:
+                    del groups[url]
         if self._nixl is not None:
             for url in list(groups):
                 if await self._nixl_write(self._nixl, url, items, groups[url], ok, metas):

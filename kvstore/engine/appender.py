@@ -25,6 +25,17 @@ make progress on a disk that puts have filled; a put batch is refused
 acknowledged after the index commit and synced (segment and index) by the
 same task every ``sync_interval_ms``.
 
+A write plan (write_plan.py) takes space here in two steps: :meth:`reserve`
+allocates room for its records at the end of the open segment and marks it
+with pad records; :meth:`commit` writes a record's header over its pad once
+the client has written the payload, syncs, and indexes it, in order with
+everything else. A segment with reservations still open is not sealed: a
+flush or a full segment sets it aside (*draining*), appends go to a new
+segment, and the drained one is sealed when its last reservation ends.
+While a key has a reservation, compaction may not move a tombstone of it
+(KeyReserved): the block's record sits before that copy in the file, and a
+replay in file order must not delete what the commit indexed after it.
+
 A copied record (compaction) is conditional: it is written only if the key's
 entry still points at the record it copies, taking into account the ops
 before it in the same batch; otherwise it is skipped (the block was deleted,
@@ -41,6 +52,7 @@ import contextlib
 import errno
 import functools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -52,13 +64,13 @@ from typing import Any
 
 from kvstore.config import StoreConfig
 from kvstore.engine import directio
-from kvstore.engine.format import ALIGN, FooterEntry
+from kvstore.engine.format import ALIGN, FooterEntry, RecordHeader
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Lifecycle
-from kvstore.engine.record import EncodedRecord, footer_entry, index_entry, tombstone
+from kvstore.engine.record import EncodedRecord, footer_entry, index_entry, pad, tombstone
 from kvstore.engine.reserve import SpaceReserve
 from kvstore.engine.segment import SegmentFile
-from kvstore.errors import KVStoreError, StorageFull, StorageIOError, StoreClosed
+from kvstore.errors import KeyReserved, KVStoreError, StorageFull, StorageIOError, StoreClosed
 from kvstore.metrics import Metrics
 from kvstore.tasks import wait_event
 
@@ -73,6 +85,33 @@ class OpenSegment:
     footer: list[FooterEntry] = field(default_factory=list)
     next_id: int = 1
     synced_upto: int = ALIGN
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Space a write plan holds for one record: ``header`` (its checksums
+    still zero) at ``offset`` of ``segment``."""
+
+    segment: SegmentFile
+    offset: int
+    header: RecordHeader
+
+    @property
+    def payload_at(self) -> int:
+        """Where the client writes the block's bytes."""
+        return self.offset + self.header.payload_offset
+
+
+@dataclass(slots=True)
+class _Draining:
+    """A segment set aside with reservations still open; sealed when they end."""
+
+    segment: SegmentFile
+    footer: list[FooterEntry]
+    synced_upto: int
+
+
+_RESERVED: tuple[bool, IndexEntry | None] = (False, None)  # a copy left for later: the key is reserved
 
 
 @dataclass(slots=True)
@@ -130,6 +169,9 @@ class Appender:
         self._wake = asyncio.Event()
         self._closing = False
         self._dirty = False
+        self._pending: dict[int, int] = {}  # segment id -> open reservations in it
+        self._draining: dict[int, _Draining] = {}
+        self._reserved: set[str] = set()  # keys with an open reservation
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"appender:{tenant}")
 
     # -- public ---------------------------------------------------------------
@@ -216,12 +258,41 @@ class Appender:
         self._wake.set()
         return await fut
 
+    async def reserve(self, headers: Sequence[RecordHeader]) -> list[Reservation]:
+        """Room for records of these shapes, one after another at the end of
+        the open segment, allocated on disk and marked with pads; each is
+        committed or abandoned later. Their keys are reserved until then."""
+        out: list[Reservation] = await self.step(functools.partial(self._reserve_space, list(headers)))
+        return out
+
+    async def commit(self, items: Sequence[tuple[Reservation, RecordHeader, bytes | None]]) -> list[IndexEntry | None]:
+        """Write each reservation's final header (with the checksums of the
+        bytes the client wrote: checked by the caller) over its pad, sync
+        under the policy, and index them (with the engine identity, if
+        any); None for a key that exists meanwhile (its pad stays). The
+        reservations end, committed or not."""
+        out: list[IndexEntry | None] = await self.step(functools.partial(self._commit, list(items)))
+        return out
+
+    async def abandon(self, reservations: Sequence[Reservation]) -> None:
+        """End reservations that will not be committed: their pads stay, dead
+        space for compaction."""
+        await self.step(functools.partial(self._end, list(reservations)))
+
+    def reserved(self, key: str) -> bool:
+        return key in self._reserved
+
     async def close(self) -> None:
-        """Finish every queued write, sync, and stop. The segment stays open on disk."""
+        """Finish every queued write, sync, and stop. The segment stays open
+        on disk; segments set aside for reservations are sealed."""
         self._closing = True
         self._wake.set()
         await self._task
         await self._call(self._interval_sync)
+        if self._draining:
+            self._pending.clear()
+            self._reserved.clear()
+            await self._call(self._seal_drained)
 
     @property
     def open_segment(self) -> int | None:
@@ -270,7 +341,12 @@ class Appender:
                 continue
             for item, entry in zip(batch, entries, strict=True):
                 if item.future is not None and not item.future.done():
-                    item.future.set_result(entry)
+                    if entry is _RESERVED:
+                        item.future.set_exception(
+                            KeyReserved(f"key {item.record.header.key!r} has a write plan open; copy it later")
+                        )
+                    else:
+                        item.future.set_result(entry)
 
     async def _run_step(self, step: _Step) -> None:
         try:
@@ -318,7 +394,7 @@ class Appender:
         seg = self._tail.segment
         if seg is not None and seg.size > ALIGN and seg.size + nbytes > self._cfg.segment_size:
             self._seal_current()
-            seg = None
+            seg = self._tail.segment  # None now (sealed, or set aside for its reservations)
         if seg is None:
             seg = SegmentFile.create(self._dir, self.tenant, self._tail.next_id, self._direct)
             self._tail.next_id += 1
@@ -337,7 +413,9 @@ class Appender:
         out: list[_Write] = []
         for item in batch:
             key = item.record.header.key
-            if item.copy and (key in touched or self._index.get(self.tenant, key) != item.expect):
+            if item.copy and (
+                key in touched or key in self._reserved or self._index.get(self.tenant, key) != item.expect
+            ):
                 continue
             touched.add(key)
             out.append(item)
@@ -346,7 +424,7 @@ class Appender:
     def _write_batch(self, batch: list[_Write]) -> list[tuple[bool, IndexEntry | None]]:
         todo = self._current(batch)
         if not todo:
-            return [(False, None)] * len(batch)
+            return [self._skipped(item) for item in batch]
         nbytes = sum(item.record.length for item in todo)
         try:
             seg = self._segment_for(nbytes)
@@ -386,7 +464,11 @@ class Appender:
         self._metrics.observe("kvstore_batch_records", len(todo))
         self._metrics.inc("kvstore_bytes_written_total", nbytes)
         written = {id(item): op[1] for item, op in zip(todo, ops, strict=True)}
-        return [(id(item) in written, written.get(id(item))) for item in batch]
+        return [(True, written[id(item)]) if id(item) in written else self._skipped(item) for item in batch]
+
+    def _skipped(self, item: _Write) -> tuple[bool, IndexEntry | None]:
+        """A copy not made: the block moved on, or (_RESERVED) its key is reserved."""
+        return _RESERVED if item.copy and item.record.header.key in self._reserved else (False, None)
 
     def _undo(self, seg: SegmentFile, start: int) -> None:
         """Cut the failed batch off; if even that fails, abandon the segment."""
@@ -415,16 +497,144 @@ class Appender:
         seg = self._tail.segment
         if seg is None or seg.size <= ALIGN:
             return None
-        end = seg.size
-        seg.seal(self._tail.footer)
-        self._life.sealed(self.tenant, seg.segment_id, end)
+        if self._pending.get(seg.segment_id):
+            # Reservations still open: set it aside; it is sealed when they end.
+            if self._dirty:
+                self._interval_sync()
+            self._draining[seg.segment_id] = _Draining(seg, self._tail.footer, self._tail.synced_upto)
+            self._tail.segment = None
+            self._tail.footer = []
+            return None
+        self._seal(seg, self._tail.footer)
         self._tail.segment = None
         self._tail.footer = []
         self._dirty = False
+        return seg.segment_id
+
+    def _seal(self, seg: SegmentFile, footer: list[FooterEntry]) -> None:
+        end = seg.size
+        footer.sort(key=lambda fe: fe.offset)  # commits of reservations come in any order
+        seg.seal(footer)
+        self._life.sealed(self.tenant, seg.segment_id, end)
         self._metrics.inc("kvstore_segments_sealed_total")
         if self._on_sealed is not None:
             self._on_sealed(seg.segment_id)
-        return seg.segment_id
+
+    def _seal_drained(self) -> None:
+        """Seal the segments set aside whose reservations have all ended."""
+        for sid in [sid for sid in self._draining if not self._pending.get(sid)]:
+            d = self._draining.pop(sid)
+            try:
+                self._seal(d.segment, d.footer)
+            except OSError as e:
+                # Left open: recovery seals it at the next start (an unsealed
+                # segment that is not the newest is cut to what was indexed).
+                log.error("could not seal %s after its write plans ended: %s", d.segment.name, e)
+
+    # -- write plans (executor side) ---------------------------------------------
+
+    def _reserve_space(self, headers: list[RecordHeader]) -> list[Reservation]:
+        total = sum(h.record_len for h in headers)
+        try:
+            seg = self._segment_for(total)
+        except OSError as e:
+            raise _io_error(e, "sealing the full segment or creating the next one") from None
+        start = seg.size
+        out: list[Reservation] = []
+        try:
+            os.posix_fallocate(seg.fd, start, total)  # the client's writes never meet a full disk
+            pos = start
+            for h in headers:
+                os.pwrite(seg.fd, pad(self.tenant, h.record_len), pos)
+                out.append(Reservation(seg, pos, h))
+                pos += h.record_len
+            seg.size = pos
+            self._life.appended(self.tenant, seg.segment_id, [], seg.size, self._tail.synced_upto)
+        except Exception as e:  # noqa: BLE001 - undo the reservation whatever failed
+            self._undo(seg, start)
+            if isinstance(e, OSError):
+                raise _io_error(e, f"reserving {total} bytes in {seg.name}") from None
+            raise StorageIOError(f"index update failed reserving space in {seg.name}: {e}") from None
+        self._dirty = True  # the pads: synced with the next batch or commit
+        self._pending[seg.segment_id] = self._pending.get(seg.segment_id, 0) + len(out)
+        self._reserved.update(h.key for h in headers)
+        return out
+
+    def _footer_of(self, seg: SegmentFile) -> list[FooterEntry] | None:
+        if seg is self._tail.segment:
+            return self._tail.footer
+        d = self._draining.get(seg.segment_id)
+        return d.footer if d is not None and d.segment is seg else None
+
+    def _commit(self, items: list[tuple[Reservation, RecordHeader, bytes | None]]) -> list[IndexEntry | None]:
+        try:
+            return self._commit_headers(items)
+        finally:
+            self._end([r for r, _, _ in items])
+
+    def _commit_headers(self, items: list[tuple[Reservation, RecordHeader, bytes | None]]) -> list[IndexEntry | None]:
+        by_seg: dict[int, list[tuple[Reservation, RecordHeader, bytes | None]]] = {}
+        results: dict[int, IndexEntry | None] = {}
+        for item in items:
+            r, h, _ = item
+            if self._footer_of(r.segment) is None:
+                raise StorageIOError(f"the segment of a write plan's reservation ({r.segment.name}) is gone")
+            if self._index.get(self.tenant, h.key) is not None:
+                results[id(item)] = None  # written meanwhile: the first write wins
+                continue
+            by_seg.setdefault(r.segment.segment_id, []).append(item)
+        fsync = self._cfg.durability == "fsync"
+        for group in by_seg.values():
+            seg = group[0][0].segment
+            footer = self._footer_of(seg)
+            assert footer is not None
+            written: list[int] = []
+            try:
+                for r, h, _ in group:
+                    raw = h.encode()
+                    page = raw + bytes(h.payload_offset - len(raw))
+                    if seg.dfd >= 0:
+                        directio.pwrite_direct(seg.dfd, [page], r.offset)
+                    else:
+                        os.pwrite(seg.fd, page, r.offset)
+                    written.append(r.offset)
+                tail = seg is self._tail.segment
+                if fsync or not tail:
+                    seg.sync()
+                    if tail:
+                        self._tail.synced_upto = seg.size
+                synced = self._tail.synced_upto if tail else seg.size
+                fes = [footer_entry(r.offset, h) for r, h, _ in group]
+                ops = [(fe.key, index_entry(seg.segment_id, fe)) for fe in fes]
+                idents = {h.key: ident for _, h, ident in group if ident is not None}
+                self._life.appended(self.tenant, seg.segment_id, ops, seg.size, synced, idents)
+            except Exception as e:  # noqa: BLE001 - put the pads back: nothing half-committed is indexed
+                for (_r, h, _), at in zip(group, written, strict=False):
+                    with contextlib.suppress(OSError):
+                        os.pwrite(seg.fd, pad(self.tenant, h.record_len), at)
+                if isinstance(e, OSError):
+                    raise _io_error(e, f"committing {len(group)} planned records in {seg.name}") from None
+                raise StorageIOError(f"index commit failed for planned records in {seg.name}: {e}") from None
+            footer.extend(fes)
+            if not fsync and tail:
+                self._dirty = True
+            self._metrics.observe("kvstore_batch_records", len(group))
+            self._metrics.inc("kvstore_bytes_written_total", sum(h.record_len for _, h, _ in group))
+            for item, (_, entry) in zip(group, ops, strict=True):
+                results[id(item)] = entry
+        return [results[id(item)] for item in items]
+
+    def _end(self, reservations: list[Reservation]) -> None:
+        for r in reservations:
+            sid = r.segment.segment_id
+            left = self._pending.get(sid, 0) - 1
+            if left > 0:
+                self._pending[sid] = left
+            else:
+                self._pending.pop(sid, None)
+            self._reserved.discard(r.header.key)
+        if self._draining:
+            self._seal_drained()
 
 
 def _fail(batch: list[_Write], e: KVStoreError) -> None:

@@ -62,7 +62,7 @@ from kvstore.engine.record import EncodedRecord, index_entry
 from kvstore.engine.registry import Registry
 from kvstore.engine.residency import Residency
 from kvstore.engine.segcache import SegmentCache
-from kvstore.errors import CorruptionError, KVStoreError, TierError
+from kvstore.errors import CorruptionError, KeyReserved, KVStoreError, TierError
 from kvstore.metrics import Metrics
 from kvstore.tasks import wait_event
 
@@ -83,6 +83,7 @@ class CompactionReport:
     bytes_reclaimed: int = 0  # local segment files removed
     objects_deleted: int = 0  # object-tier copies removed
     seconds: float = 0.0
+    deferred: int = 0  # segments left for a later pass: a key in them has a write plan open
     errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -94,6 +95,7 @@ class CompactionReport:
             "bytes_reclaimed": self.bytes_reclaimed,
             "objects_deleted": self.objects_deleted,
             "seconds": round(self.seconds, 3),
+            "deferred": self.deferred,
             "errors": self.errors,
         }
 
@@ -324,7 +326,12 @@ class Compactor:
                         continue  # dead: deleted, replaced, expired or evicted
                 raw = await self._residency.read_record(tenant, sid, seg, fe.offset, fe.record_len)
                 record = await self._run(_checked_record, raw, tenant, fe, f"{tenant}/{sid:016x}.seg")
-                if await app.copy(record, expect):
+                try:
+                    copied = await app.copy(record, expect)
+                except KeyReserved:
+                    report.deferred += 1  # its tombstone must stay until the write plan ends
+                    return False
+                if copied:
                     if fe.kind == KIND_TOMBSTONE:
                         report.tombstones_copied += 1
                     else:
@@ -360,7 +367,7 @@ class Compactor:
                     continue
                 raw = await self._residency.read_record(tenant, sid, seg, fe.offset, fe.record_len)
                 record = await self._run(_checked_record, raw, tenant, fe, f"{tenant}/{sid:016x}.seg")
-                copied += await app.copy(record, None)
+                copied += await app.copy(record, None)  # KeyReserved: the drop waits for the plan
             if copied:
                 await app.make_durable()
         finally:

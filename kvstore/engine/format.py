@@ -28,11 +28,11 @@ SEG_HEADER  (``<8sHHIQQB64sI``, 101 bytes)
     tenant       64s  the owning tenant's name, zero padded
     crc          u32  crc32 of the preceding 97 bytes
 
-Record (a block, or a tombstone that deletes a key)
+Record (a block, a tombstone that deletes a key, or a pad)
     RECORD_HEADER (``<4sBBHIIBBHIIIQQQ16sQI``, 84 bytes)
         magic          4s   b"KVR1"
         version        u8   1
-        kind           u8   KIND_BLOCK (1) or KIND_TOMBSTONE (2)
+        kind           u8   KIND_BLOCK (1), KIND_TOMBSTONE (2) or KIND_PAD (3)
         flags          u16  REC_FLAG_SEALED (bit 0), REC_FLAG_DIRECT (bit 1)
         header_len     u32  RECORD_HEADER + tenant + key + frame table
         payload_offset u32  from the record start; ALIGN-aligned for direct records
@@ -59,6 +59,12 @@ Record (a block, or a tombstone that deletes a key)
     zero padding up to payload_offset
     payload: the stored frames back to back (sealed frames carry their GCM tag)
     zero padding up to record_len
+
+A pad (KIND_PAD: no key, no frames) holds space ``record_len`` long that is
+no record: the space a write plan reserved (write_plan.py). Its header is
+written when the space is reserved; the block's own header replaces it
+when the plan commits, once the client's bytes match their checksums. A pad
+is never indexed and never in a footer; a scan steps over it.
 
 Footer (sealed segments): FOOTER_ENTRY (``<QQQQ16sIIHBBH``, 68 bytes) + key
 bytes per record, then TRAILER (``<8sQQIQQI``, 52 bytes) at the very end:
@@ -108,6 +114,7 @@ SEG_HEADER = struct.Struct("<8sHHIQQB64sI")
 REC_MAGIC = b"KVR1"
 KIND_BLOCK = 1
 KIND_TOMBSTONE = 2
+KIND_PAD = 3
 REC_FLAG_SEALED = 0x1
 REC_FLAG_DIRECT = 0x2
 REC_FLAGS_KNOWN = REC_FLAG_SEALED | REC_FLAG_DIRECT
@@ -219,6 +226,10 @@ class RecordHeader:
     def is_tombstone(self) -> bool:
         return self.kind == KIND_TOMBSTONE
 
+    @property
+    def is_pad(self) -> bool:
+        return self.kind == KIND_PAD
+
     def frame_offsets(self) -> list[int]:
         """Offset of each stored frame from the start of the payload."""
         out, pos = [], 0
@@ -321,7 +332,7 @@ def decode_record_header(buf: bytes | bytearray | memoryview, where: str = "", o
         raise FormatError(f"record version {version} is not supported (expected {VERSION})", where, offset)
     if flags & ~REC_FLAGS_KNOWN:
         raise UnknownFlags(f"record has unknown flags 0x{flags:x}", where, offset)
-    if kind not in (KIND_BLOCK, KIND_TOMBSTONE):
+    if kind not in (KIND_BLOCK, KIND_TOMBSTONE, KIND_PAD):
         raise FormatError(f"record kind {kind} is unknown", where, offset)
     expect_len = RECORD_HEADER.size + tlen + klen + FRAME_ENTRY.size * frame_count
     if header_len != expect_len:
@@ -345,6 +356,8 @@ def decode_record_header(buf: bytes | bytearray | memoryview, where: str = "", o
     if total != payload_len:
         raise FormatError("frame lengths do not add up to payload_len", where, offset)
     expect_frames = -(-logical_size // frame_size) if frame_size else 0
+    if kind == KIND_PAD and (frame_count or klen or payload_len):
+        raise FormatError("a pad record has a key, frames or a payload", where, offset)
     if kind == KIND_BLOCK and (frame_count != expect_frames or frame_count == 0):
         raise FormatError("frame_count does not match logical_size / frame_size", where, offset)
     return RecordHeader(

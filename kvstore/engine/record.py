@@ -16,8 +16,10 @@ from kvstore.config import Compression
 from kvstore.engine import codec
 from kvstore.engine.crypto import RecordCipher
 from kvstore.engine.format import (
+    ALIGN,
     CODEC_RAW,
     KIND_BLOCK,
+    KIND_PAD,
     KIND_TOMBSTONE,
     REC_FLAG_DIRECT,
     REC_FLAG_SEALED,
@@ -120,6 +122,41 @@ def tombstone(tenant: str, key: str, deletes_from: int = 0) -> EncodedRecord:
     )
     raw = header.encode()
     return EncodedRecord(header, [raw, padding(len(raw))])
+
+
+def pad(tenant: str, record_len: int) -> bytes:
+    """The first ALIGN bytes of a pad record ``record_len`` long (format.py):
+    space that holds no record (yet)."""
+    header_len, _, _ = RecordHeader.sizes(tenant, "", 0, 0, False)
+    header = RecordHeader(
+        KIND_PAD, 0, header_len, header_len, tenant, "", 0, 0, 0, 0, record_len, bytes(16), time.time_ns(), ()
+    )
+    raw = header.encode()
+    return raw + bytes(ALIGN - len(raw))
+
+
+def planned(tenant: str, key: str, size: int, frame_size: int, record_id: bytes) -> RecordHeader:
+    """The header of a direct block of ``size`` bytes whose frames a client
+    writes itself (a write plan): raw frames, checksums still zero."""
+    n = frame_count(size, frame_size)
+    frames = tuple(FrameEntry(min(frame_size, size - i * frame_size), CODEC_RAW, 0) for i in range(n))
+    header_len, payload_offset, record_len = RecordHeader.sizes(tenant, key, n, size, True)
+    return RecordHeader(
+        KIND_BLOCK,
+        REC_FLAG_DIRECT,
+        header_len,
+        payload_offset,
+        tenant,
+        key,
+        0,
+        frame_size,
+        size,
+        size,
+        record_len,
+        record_id,
+        time.time_ns(),
+        frames,
+    )
 
 
 _local = threading.local()

@@ -354,6 +354,8 @@ def _recover_unsealed(
             report.corrupt.append((seg.name, pending_error[0], str(pending_error[1])))
             pending_error = None
         assert item.header is not None
+        if item.header.is_pad:
+            continue  # space a write plan reserved and never committed
         fe = footer_entry(item.offset, item.header)
         footer.append(fe)
         if item.offset >= indexed or not known:

@@ -50,6 +50,7 @@ from kvstore.engine.segment import SegmentFile
 from kvstore.engine.space import Candidate, Space
 from kvstore.errors import (
     CorruptionError,
+    KeyReserved,
     SegmentMoved,
     StorageFull,
     TierError,
@@ -502,7 +503,10 @@ class Residency:
         else:
             if phase is not Phase.SEALED or self._hooks is None:
                 return False
-            await self._hooks.carry_tombstones(tenant, sid)  # those an older segment needs
+            try:
+                await self._hooks.carry_tombstones(tenant, sid)  # those an older segment needs
+            except KeyReserved:
+                return False  # a write plan holds a key it deletes: dropped later
             await self._hooks.drop_segment_entries(tenant, sid)  # through the tenant's appender
             # Retired, not forgotten, until its file is gone: recovery removes
             # a retired segment's file, where it would index a forgotten one

@@ -48,6 +48,7 @@ from kvstore.engine.store_maintenance import StoreMaintenance
 from kvstore.engine.store_read import StoreReads
 from kvstore.engine.store_tenants import StoreTenants
 from kvstore.engine.store_write import StoreWrites
+from kvstore.engine.store_write_plans import StoreWritePlans
 from kvstore.engine.unsynced import index_torn_by_reboot, mark_index_synced, mark_index_unsynced
 from kvstore.errors import (
     ConfigError,
@@ -62,7 +63,7 @@ from kvstore.tier.base import Tier
 log = logging.getLogger("kvstore.engine.store")
 
 
-class Store(StoreTenants, StoreMaintenance, StoreReads, StoreWrites):
+class Store(StoreTenants, StoreMaintenance, StoreReads, StoreWrites, StoreWritePlans):
     """Open with :meth:`open`; close with :meth:`close` (drains queued writes).
     Reads are in store_read.py, writes in store_write.py, tenants and their
     credentials in store_tenants.py, maintenance on demand in
@@ -201,6 +202,8 @@ class Store(StoreTenants, StoreMaintenance, StoreReads, StoreWrites):
             self._residency.spawn(self._compactor.loop(), "compactor")
             self._residency.spawn(self._retention.checkpointer(), "access-checkpoints")
             self._residency.spawn(self._retention.sweeper(self.config.ttl_sweep_s), "ttl-sweeper")
+        if writer and not self.adopted:
+            self._residency.spawn(self.write_plan_sweeper(), "write-plan-sweeper")
         if mirror is not None:
             for prefix in self._stale:
                 log.warning("deleting objects of a deleted tenant under %s", prefix)
@@ -353,6 +356,7 @@ class Store(StoreTenants, StoreMaintenance, StoreReads, StoreWrites):
                 await self._retention.checkpoint()
             except (KVStoreError, OSError) as e:
                 log.error("last checkpoint of access times failed: %s", e)
+        await self.abandon_all_write_plans()
         for app in list(self._appenders.values()):
             await app.close()
         self._appenders.clear()

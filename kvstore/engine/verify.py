@@ -80,6 +80,8 @@ def _verify_segment(seg: SegmentFile, registry: Registry, deep: bool, limit: int
         if item.error is not None or item.header is None:
             report.errors.append((seg.name, item.offset, str(item.error)))
             continue
+        if item.header.is_pad:
+            continue  # reserved space no record holds (a write plan's, never committed)
         report.records += 1
         report.bytes_checked += item.header.record_len
         found.append(footer_entry(item.offset, item.header))

@@ -21,6 +21,7 @@ from kvstore.errors import (
     InsecureTransport,
     InvalidInput,
     InvalidRange,
+    KeyReserved,
     KVStoreError,
     LengthRequired,
     NixlDisabled,
@@ -46,6 +47,7 @@ from kvstore.errors import (
     UnixSocketRequired,
     UnsupportedMediaType,
     WriterTimeout,
+    WrittenBytesMismatch,
 )
 
 STATUS: dict[type[KVStoreError], int] = {
@@ -83,6 +85,8 @@ STATUS: dict[type[KVStoreError], int] = {
     TierNotFound: 404,
     SegmentMoved: 503,
     QuotaExceeded: 507,
+    KeyReserved: 503,
+    WrittenBytesMismatch: 422,
 }
 
 

@@ -70,6 +70,18 @@ async def test_answers_match_the_description(api: Api) -> None:
         ("POST", "/v1/read-plan", "/v1/read-plan", {}, b'{"keys": ["k1"]}', 401),
         ("DELETE", "/v1/read-plan/{lease}", "/v1/read-plan/" + "0" * 32, t, b"", 400),
         ("DELETE", "/v1/read-plan/{lease}", "/v1/read-plan/nope", t, b"", 400),
+        ("POST", "/v1/write-plan", "/v1/write-plan", t, b'{"blocks": [{"key": "k1", "size": 1}]}', 400),
+        ("POST", "/v1/write-plan", "/v1/write-plan", {}, b'{"blocks": [{"key": "k1", "size": 1}]}', 401),
+        (
+            "POST",
+            "/v1/write-plan/{plan}",
+            "/v1/write-plan/" + "0" * 32,
+            t,
+            b'{"blocks": [{"key": "k1", "xxh3": ["0000000000000000"]}]}',
+            404,
+        ),
+        ("POST", "/v1/write-plan/{plan}", "/v1/write-plan/nope", t, b'{"blocks": []}', 400),
+        ("DELETE", "/v1/write-plan/{plan}", "/v1/write-plan/" + "0" * 32, t, b"", 404),
         # Key listing (tests/http/test_key_listing.py checks it).
         ("GET", "/v1/keys", "/v1/keys?prefix=k&limit=5", t, b"", 200),
         ("GET", "/v1/keys", "/v1/keys?limit=0", t, b"", 400),

@@ -32,7 +32,7 @@ from kvstore.transport.http.middleware import (
     metrics_middleware,
 )
 from kvstore.transport.http.respond import error_body
-from kvstore.transport.http.routes import admin, batch, blocks, events, plans, records, xfer
+from kvstore.transport.http.routes import admin, batch, blocks, events, plans, records, write_plans, xfer
 
 log = logging.getLogger("kvstore.http")
 
@@ -130,6 +130,7 @@ def make_app(
     app.router.add_routes(batch.routes)
     app.router.add_routes(admin.routes)
     app.router.add_routes(plans.routes)
+    app.router.add_routes(write_plans.routes)
     app.router.add_routes(records.routes)
     app.router.add_routes(xfer.routes)
     app.router.add_routes(events.routes)

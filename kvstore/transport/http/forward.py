@@ -65,6 +65,7 @@ LOCAL_ROUTES = frozenset(
         ("POST", "/v1/lookup"),
         ("POST", "/v1/batch/get"),
         ("POST", "/v1/read-plan"),  # descriptors come from the worker that holds the connection
+        ("POST", "/v1/write-plan"),  # the writer reserves; this worker passes the descriptors
         ("DELETE", "/v1/read-plan/{lease}"),
         ("GET", "/v1/stats"),
         ("GET", "/healthz"),

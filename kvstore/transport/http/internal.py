@@ -34,7 +34,7 @@ RELAY_S = 1.0
 routes = web.RouteTableDef()
 
 
-def _on_private_socket(request: web.Request) -> bool:
+def on_private_socket(request: web.Request) -> bool:
     """Whether ``request`` came over the workers' private socket (never a
     public ``unix:PATH`` listener, whose clients are tenants)."""
     transport = request.transport
@@ -44,7 +44,7 @@ def _on_private_socket(request: web.Request) -> bool:
 
 @routes.post("/_internal/touches")
 async def touches(request: web.Request) -> web.Response:
-    if not _on_private_socket(request):
+    if not on_private_socket(request):
         raise NotFound("no such route")
     doc = _json_object(await request.read(), "touches")
     if not all(
@@ -73,7 +73,7 @@ async def hold_lease(request: web.Request) -> web.Response:
     lookup's lock (``blocks``, of the owning tenant) is locked here as on
     the reader; the answer names the keys locked (``{"locked": [key, ...]}``):
     one removed here between the reader's lookup and this pin is left out."""
-    if not _on_private_socket(request):
+    if not on_private_socket(request):
         raise NotFound("no such route")
     doc = _json_object(await request.read(), "leases")
     lid, segs, ttl, owner = doc.get("id"), doc.get("segments"), doc.get("ttl_s"), doc.get("tenant")
@@ -110,7 +110,7 @@ def _pairs(value: Any, second: type) -> bool:
 
 @routes.post("/_internal/leases/release")
 async def release_leases(request: web.Request) -> web.Response:
-    if not _on_private_socket(request):
+    if not on_private_socket(request):
         raise NotFound("no such route")
     ids = _json_object(await request.read(), "lease release").get("ids")
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):

@@ -81,6 +81,7 @@ class _Connection:
     transport: weakref.ref[asyncio.Transport]
     files: dict[tuple[str, int, int], int] = field(default_factory=dict)  # segment -> id on this connection
     leases: set[str] = field(default_factory=set)
+    write_plans: set[str] = field(default_factory=set)  # ended with the connection (write_plans.py)
     next_id: int = 0
     epoch: int = -1  # the lifecycle epoch its files were last checked at
 
@@ -95,6 +96,7 @@ class PlanState:
     def __init__(self, leases: Leases, released: Callable[[], list[str]] | None = None) -> None:
         self._leases = leases
         self._conns: dict[int, _Connection] = {}
+        self.ended_write_plans: list[str] = []
         # A reader worker: where released leases go, for the writer to release too.
         self._released = released
 
@@ -120,10 +122,13 @@ class PlanState:
     def sweep(self) -> int:
         """Release the leases of connections that ended, and forget expired
         ones (path plans' leases, held by no connection, end so); returns
-        how many of the former."""
+        how many of the former. The write plans of those connections are
+        left in :attr:`ended_write_plans` for the sweeper to end."""
         n = 0
         for key in [k for k, c in self._conns.items() if c.closed()]:
-            ids = list(self._conns.pop(key).leases)
+            conn = self._conns.pop(key)
+            self.ended_write_plans.extend(conn.write_plans)
+            ids = list(conn.leases)
             self._tell_writer(ids)
             for lid in ids:
                 n += self._leases.release(lid)
@@ -150,9 +155,13 @@ async def plans_ctx(app: web.Application) -> AsyncIterator[None]:
     bg = Background()
 
     async def sweeper() -> None:
+        plans = app[PLANS]
         while True:
             await asyncio.sleep(SWEEP_S)
-            app[PLANS].sweep()
+            plans.sweep()
+            ended, plans.ended_write_plans = plans.ended_write_plans, []
+            if ended and not reader:  # a reader worker's relayed plans end by their lease, on the writer
+                await app[STORE].end_write_plans(ended)
 
     bg.spawn(sweeper(), "read-plan-sweeper")
     yield
@@ -168,13 +177,19 @@ def _on_unix(request: web.Request) -> asyncio.Transport | None:
     return transport
 
 
-def _unix_transport(request: web.Request) -> asyncio.Transport:
+def unix_transport(
+    request: web.Request, what: str = "read plans", instead: str = "GET /v1/blocks/{key}"
+) -> asyncio.Transport:
+    """The request's unix socket transport, else 400 unix_socket_required:
+    ``what`` passes descriptors; use ``instead`` elsewhere."""
     transport = _on_unix(request)
     if transport is None:
-        also = ' (or, with plan_paths on, ask for paths: {"paths": true})' if config_of(request).plan_paths else ""
+        also = ""
+        if what == "read plans" and config_of(request).plan_paths:
+            also = ' (or, with plan_paths on, ask for paths: {"paths": true})'
         raise UnixSocketRequired(
-            "read plans pass file descriptors, so they are served on the daemon's unix socket only "
-            f"(listen = unix:PATH){also}; use GET /v1/blocks/{{key}} here"
+            f"{what} pass file descriptors, so they are served on the daemon's unix socket only "
+            f"(listen = unix:PATH){also}; use {instead} here"
         )
     return transport
 
@@ -191,7 +206,7 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
             "this daemon gives read plans with descriptors only: set plan_paths = true to offer paths "
             "(the data directory must then be mounted at the same path on the client)"
         )
-    transport = None if paths else _unix_transport(request)
+    transport = None if paths else unix_transport(request)
     unknown = set(body) - {"keys", "lease_s", "paths"}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
@@ -236,7 +251,7 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/json", "Kvstore-Fds": str(len(fds))})
         resp.content_length = len(payload)
         await resp.prepare(request)
-        await _send_with_fds(request, resp, transport, payload, fds)
+        await send_with_fds(request, resp, transport, payload, fds)
         await resp.write_eof()
         return resp
     finally:
@@ -303,7 +318,7 @@ def _block(tenant: str, p: PlannedBlock, where: int | str) -> dict[str, Any]:
     return doc
 
 
-async def _send_with_fds(
+async def send_with_fds(
     request: web.Request,
     resp: web.StreamResponse,
     transport: asyncio.Transport,
@@ -353,7 +368,7 @@ async def release_plan(request: web.Request) -> web.Response:
     if transport is not None and request.app[PLANS].release(transport, lease_id):
         return web.Response(status=204)  # a descriptor plan's, held by this connection
     if not config_of(request).plan_paths:
-        _unix_transport(request)  # descriptor plans only: over TCP, 400 as ever
+        unix_transport(request)  # descriptor plans only: over TCP, 400 as ever
         raise NotFound("no such lease on this connection (released, expired, or never given)")
     if not await _release_owned_lease(request, tenant, lease_id):
         raise NotFound(

@@ -1,0 +1,219 @@
+"""Write plans: store direct blocks by writing them into the daemon's
+segment files from this process (``unix:PATH`` endpoints).
+
+``POST /v1/write-plan`` reserves room for each block in the tenant's open
+segment and passes the file's descriptor (write-only, a description of its
+own); the blocks are written here with ``pwrite`` (``O_DIRECT`` where the
+filesystem takes it: from page-aligned memory, no page-cache copy in either
+process), then committed with each frame's xxh3-64. The daemon reads the
+bytes back, checks them, and acknowledges after the same sync as a PUT.
+
+A tenant whose records the daemon encrypts (sealed) cannot plan writes; nor
+can a daemon without the route: such an endpoint is remembered and its
+blocks go over HTTP (``/v1/batch/put``), as does any block a plan could
+not store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+from kvstore_client.errors import KVStoreClientError, ServerError
+from kvstore_client.exchange import Exchange
+from kvstore_client.plans import PlanConnection
+from kvstore_client.sharding import UNIX
+from kvstore_client.wire.batchframe import BufferLike
+
+ALIGN = 4096
+STAGE = 4 << 20  # an aligned bounce buffer, for sources that are not page-aligned
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+# Answers that say this endpoint will never plan writes for this client.
+_NEVER = frozenset({"not_plannable", "unix_socket_required", "not_found"})
+
+
+def frame_checksums(view: memoryview, frame_size: int) -> list[str]:
+    """Each frame's xxh3-64, as the commit gives them (16 hex digits)."""
+    return [
+        f"{xxhash.xxh3_64_intdigest(view[i : i + frame_size]):016x}" for i in range(0, max(len(view), 1), frame_size)
+    ]
+
+
+def _aligned(view: memoryview) -> bool:
+    """Whether ``view`` starts on a page boundary (only writable buffers can
+    tell their address here; a read-only one is staged)."""
+    if view.readonly or not len(view):
+        return False
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
+
+
+_local = threading.local()
+
+
+def _stage() -> memoryview:
+    """This thread's aligned bounce buffer (touched once, then reused)."""
+    sv: memoryview | None = getattr(_local, "stage", None)
+    if sv is None:
+        sv = _local.stage = memoryview(mmap.mmap(-1, STAGE))
+    return sv
+
+
+def _set_direct(fd: int) -> bool:
+    """O_DIRECT on our own description of the file; False where refused."""
+    if not O_DIRECT:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    return True
+
+
+def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def write_block(fd: int, src: memoryview, offset: int, length: int, direct: bool) -> None:
+    """Write ``src`` at ``offset``, then zeros up to ``length`` (an ALIGN
+    multiple). With ``direct`` every write is aligned: a page-aligned source
+    is written as it is, whole pages of it; the rest goes through an aligned
+    bounce buffer (a memcpy is far cheaper than the page-cache copy it
+    replaces)."""
+    if not direct:
+        _pwrite_all(fd, [src, memoryview(bytes(length - len(src)))], offset)
+        return
+    pos = 0
+    if _aligned(src):
+        pos = len(src) - len(src) % ALIGN
+        _pwrite_all(fd, [src[:pos]], offset)
+    sv = _stage()
+    while pos < length:
+        n = min(len(sv), length - pos)
+        have = max(0, min(n, len(src) - pos))
+        sv[:have] = src[pos : pos + have]
+        if have < n:
+            sv[have:n] = bytes(n - have)
+        _pwrite_all(fd, [sv[:n]], offset + pos)
+        pos += n
+
+
+class UnixPlanWriter:
+    """Puts of direct blocks through write plans on ``unix:`` endpoints."""
+
+    def __init__(self, exchange: Exchange, *, enabled: bool, max_batch_keys: int) -> None:
+        self._x = exchange
+        self._enabled = enabled
+        self._max_batch_keys = max_batch_keys
+        self._refused: set[str] = set()  # endpoints that answered they never will
+
+    def usable(self, url: str) -> bool:
+        return self._enabled and url.startswith(UNIX) and url not in self._refused
+
+    def _connection(self, url: str) -> PlanConnection:
+        ep = self._x.endpoints[url]
+        if ep.plans is None:
+            ep.plans = PlanConnection(url[len(UNIX) :], ep.token, self._x.timeout)
+        return ep.plans
+
+    async def write(
+        self,
+        url: str,
+        items: Sequence[tuple[str, BufferLike]],
+        idx: list[int],
+        ok: list[int | None],
+        metas: Sequence[str | None] | None,
+    ) -> list[int]:
+        """Store ``items[idx]`` on ``url``; the indices left for HTTP."""
+        left: list[int] = []
+        for c in range(0, len(idx), self._max_batch_keys):
+            part = idx[c : c + self._max_batch_keys]
+            try:
+                left += await asyncio.to_thread(self._plan_write_commit, url, items, part, ok, metas)
+            except KVStoreClientError as e:
+                if isinstance(e, ServerError) and e.code in _NEVER:
+                    self._refused.add(url)
+                self._x.log.warning("kvstore write plan failed, writing over HTTP: %s", e)
+                left += part
+        self._x.stats["plan_fallbacks"] += len(left)
+        return left
+
+    def _plan_write_commit(
+        self,
+        url: str,
+        items: Sequence[tuple[str, BufferLike]],
+        idx: list[int],
+        ok: list[int | None],
+        metas: Sequence[str | None] | None,
+    ) -> list[int]:
+        """On a thread: one plan for ``idx``'s blocks, their writes, the commit."""
+        conn = self._connection(url)
+        views = {i: memoryview(items[i][1]).cast("B") for i in idx}
+        asks: list[dict[str, Any]] = []
+        for i in idx:
+            ask: dict[str, Any] = {"key": items[i][0], "size": views[i].nbytes}
+            if metas is not None and metas[i] is not None:
+                ask["meta"] = metas[i]
+            asks.append(ask)
+        doc, fds = conn.plan_writes(asks)
+        left: list[int] = []
+        try:
+            direct = [_set_direct(fd) for fd in fds]
+            by_key = {b["key"]: b for b in doc["blocks"]}
+            commits: list[dict[str, Any]] = []
+            pos_of: dict[str, int] = {}
+            for i in idx:
+                key = items[i][0]
+                b = by_key.get(key)
+                if b is None or b.get("status") != 200:
+                    left.append(i)
+                    continue
+                if b.get("exists"):
+                    ok[i] = max(ok[i] or 0, 200)
+                    continue
+                if int(b["size"]) != views[i].nbytes:
+                    raise KVStoreClientError(f"write plan for {key} has size {b['size']}", code="protocol")
+                f = int(b["file"])
+                write_block(fds[f], views[i], int(b["offset"]), int(b["length"]), direct[f])
+                commits.append({"key": key, "xxh3": frame_checksums(views[i], int(b["frame_size"]))})
+                pos_of[key] = i
+        except BaseException:
+            with contextlib.suppress(KVStoreClientError):
+                conn.abandon_writes(doc["plan"])
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if not commits:
+            with contextlib.suppress(KVStoreClientError):
+                conn.abandon_writes(doc["plan"])
+            return left
+        answer = conn.commit_writes(doc["plan"], commits)
+        done: Mapping[str, Any] = {r["key"]: r for r in answer.get("blocks", ()) if isinstance(r, dict)}
+        for key, i in pos_of.items():
+            r = done.get(key)
+            if r is not None and r.get("status") in (200, 201):
+                ok[i] = max(ok[i] or 0, int(r["status"]))
+                self._x.stats["plan_writes"] += 1
+            else:
+                left.append(i)
+        return left

@@ -1,0 +1,382 @@
+"""Write plans: a client on this host writes a block's bytes into the
+tenant's segment itself, and the store indexes them once they check out.
+
+Three steps, each its own call:
+
+1. :meth:`plan_writes` takes the keys and sizes. For each key that is new
+   it claims the key (no other write of it runs until the plan ends),
+   admits the bytes against the disk and the tenant's quota, and has the
+   tenant's appender reserve room for the record at the end of the open
+   segment: allocated on disk, marked with a pad record (format.py), so a
+   scan steps over it whatever happens next. A key that exists is answered
+   as a put of it would be (``created`` False, nothing to write).
+2. The client writes each block's bytes at ``offset`` of the segment file
+   (a descriptor the transport passes; only its own tenant's file), padded
+   with zeros to ``length``, from host memory or GPU memory.
+3. :meth:`commit_writes` with each frame's xxh3-64: the store reads the
+   bytes back (``O_DIRECT`` where it can: no page-cache copy), checks them,
+   and the appender writes the record's header over its pad, syncs under
+   the durability policy and indexes the block, in order with the tenant's
+   other writes. A key whose bytes do not match is refused
+   (``422 checksum_mismatch``) and its space stays a pad.
+
+A plan not committed within its lease (or abandoned) ends: its pads stay as
+dead space that compaction takes back, its keys and quota are released.
+What the client writes after the check is caught by the checksums every
+read verifies: damaged bytes are reported as corruption, never served. A
+kill at any step leaves a pad (not indexed: nothing served) or an indexed,
+checked record; recovery steps over pads.
+
+Only direct tenants plan writes: a sealed tenant's records are encrypted by
+the daemon (PUT them). Blocks are stored raw, in the tenant's frame size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.buffers import POOL
+from kvstore.engine import directio
+from kvstore.engine.appender import Appender, Reservation
+from kvstore.engine.format import FrameEntry, RecordHeader, checksum
+from kvstore.engine.record import new_record_id, planned
+from kvstore.engine.registry import Tenant
+from kvstore.engine.store_core import StoreCore
+from kvstore.engine.types import BlockInfo, Stored
+from kvstore.errors import (
+    BlockTooLarge,
+    InvalidInput,
+    KVStoreError,
+    NotPlannable,
+    StorageFull,
+    StorageIOError,
+    StoreClosed,
+    WritePlanNotFound,
+    WrittenBytesMismatch,
+)
+from kvstore.events.model import BlockMeta
+from kvstore.names import validate_key
+
+log = logging.getLogger("kvstore.engine.write_plans")
+SWEEP_S = 1.0
+MAX_LEASE_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedWrite:
+    """Where the client writes one block: ``length`` bytes (the block, then
+    zeros up to an ALIGN multiple) at ``offset`` of ``segment``'s file
+    (``file`` names it, as in a read plan), in frames of ``frame_size``."""
+
+    key: str
+    size: int
+    frame_size: int
+    offset: int
+    length: int
+    file: tuple[str, int, int]
+    reservation: Reservation
+
+    @property
+    def path(self) -> str:
+        return os.path.abspath(self.reservation.segment.path)
+
+
+@dataclass(slots=True)
+class WritePlan:
+    id: str
+    tenant: Tenant
+    expires: float  # time.monotonic()
+    writes: dict[str, PlannedWrite]
+    #: keys with nothing to write: stored already (created False)
+    existing: dict[str, Stored]
+    metas: dict[str, BlockMeta] = field(default_factory=dict)
+    claims: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    quota: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+    app: Appender | None = None
+    ended: bool = False
+
+
+class StoreWritePlans(StoreCore):
+    _write_plans: dict[str, WritePlan]
+
+    def _plans(self) -> dict[str, WritePlan]:
+        try:
+            return self._write_plans
+        except AttributeError:
+            self._write_plans = {}
+            return self._write_plans
+
+    async def plan_writes(
+        self,
+        tenant: str,
+        items: Sequence[tuple[str, int]],
+        lease_s: float,
+        metas: Mapping[str, BlockMeta] | None = None,
+    ) -> WritePlan:
+        """Reserve room for each (key, size) of ``items`` (see the module's
+        doc); the plan ends at :meth:`commit_writes`, :meth:`abandon_writes`
+        or ``lease_s`` seconds from now. Fails as a whole on invalid input."""
+        t = self._tenant(tenant)
+        if t.policy != "direct":
+            raise NotPlannable(
+                f"tenant {tenant!r} is {t.policy}: the daemon encrypts and compresses its records, so a client "
+                "cannot write them itself; PUT its blocks"
+            )
+        if not 0 < lease_s <= MAX_LEASE_S:
+            raise InvalidInput(f"field 'lease_s' must be in (0, {MAX_LEASE_S:g}]; got {lease_s!r}")
+        seen: set[str] = set()
+        for key, size in items:
+            validate_key(key)
+            if key in seen:
+                raise InvalidInput(f"key {key!r} appears twice in one write plan")
+            seen.add(key)
+            if size <= 0:
+                raise InvalidInput(f"block {key!r}: 'size' must be 1 or more; got {size}")
+            if size > self.config.max_block_size:
+                raise BlockTooLarge(f"block {key!r} is {size} bytes; the maximum is {self.config.max_block_size}")
+            self._retention.check_block(t, size)
+        fs = self.config.frame_size_of(t.frame_size)
+        plan = WritePlan(secrets.token_hex(16), t, time.monotonic() + lease_s, {}, {}, dict(metas or {}))
+        try:
+            headers: list[RecordHeader] = []
+            for key, size in sorted(items):  # claimed in one order: two plans never wait on each other
+                plan.claims[key] = await self._serialize(tenant, key)
+                existing = self._index.get(tenant, key)
+                if existing is not None:
+                    self.access.touch(tenant, key)
+                    plan.existing[key] = Stored(False, BlockInfo.of(key, existing))
+                    self._release(tenant, key, plan.claims.pop(key))
+                    continue
+                headers.append(planned(t.name, key, size, fs, new_record_id()))
+            if headers:
+                total = sum(h.record_len for h in headers)
+                await self._residency.admit(total)
+                await plan.quota.enter_async_context(self._retention.reserve(t, total))
+                plan.app = self._appender(t)
+                try:
+                    reserved = await plan.app.reserve(headers)
+                except StorageFull:
+                    self._residency.filled()
+                    raise
+                self._residency.space.wrote(total)
+                file = (t.name, t.created_ns)
+                for r in reserved:
+                    h = r.header
+                    plan.writes[h.key] = PlannedWrite(
+                        h.key,
+                        h.logical_size,
+                        h.frame_size,
+                        r.payload_at,
+                        h.record_len - h.payload_offset,
+                        (*file, r.segment.segment_id),
+                        r,
+                    )
+        except BaseException:
+            await self._end_plan(plan)
+            raise
+        if plan.writes:
+            self._plans()[plan.id] = plan
+            self.metrics.inc("kvstore_write_plans_total", result="planned")
+        else:
+            await self._end_plan(plan)
+        return plan
+
+    def write_plan(self, tenant: str, plan_id: str) -> WritePlan:
+        """The open plan ``plan_id`` of ``tenant`` (WritePlanNotFound: ended,
+        expired, another tenant's, or never given)."""
+        plan = self._plans().get(plan_id)
+        if plan is None or plan.tenant.name != tenant or plan.ended:
+            raise WritePlanNotFound(
+                f"no open write plan {plan_id!r} of this tenant: committed, abandoned, expired or never given"
+            )
+        return plan
+
+    async def commit_writes(
+        self, tenant: str, plan_id: str, checksums: Mapping[str, Sequence[int]]
+    ) -> dict[str, Stored | KVStoreError]:
+        """Check and index the blocks of plan ``plan_id`` given in
+        ``checksums`` (key -> each frame's xxh3-64 of what the client
+        wrote); the plan ends, and its keys not given are abandoned. Each
+        key's answer: the block as stored, or why it was not."""
+        plan = self.write_plan(tenant, plan_id)
+        unknown = [k for k in checksums if k not in plan.writes]
+        if unknown:
+            raise InvalidInput(f"key(s) not in write plan {plan_id}: {', '.join(sorted(unknown)[:10])}")
+        for key, sums in checksums.items():
+            w = plan.writes[key]
+            want = len(w.reservation.header.frames)
+            if len(sums) != want:
+                raise InvalidInput(f"block {key!r}: 'xxh3' must list {want} frame checksums; got {len(sums)}")
+        del self._plans()[plan_id]
+        plan.ended = True
+        out: dict[str, Stored | KVStoreError] = {}
+        try:
+            given = [plan.writes[k] for k in checksums]
+            checked = await asyncio.gather(*(self._run(_check_written, w, checksums[w.key]) for w in given))
+            app = plan.app
+            if app is None or self._appender(plan.tenant) is not app:  # TenantNotFound if deleted meanwhile
+                raise StoreClosed(f"tenant {tenant!r} was closed while write plan {plan_id} was open; plan again")
+            commits: list[tuple[Reservation, RecordHeader, bytes | None]] = []
+            for w, result in zip(given, checked, strict=True):
+                if isinstance(result, KVStoreError):
+                    out[w.key] = result
+                    continue
+                meta = plan.metas.get(w.key)
+                ident = self._ident_blob(plan.tenant, w.key, meta) if meta is not None else None
+                commits.append((w.reservation, result, ident))
+            committed = set()
+            if commits:
+                done = [r for r, _, _ in commits]
+                entries = await app.commit(commits)
+                committed = {r.header.key for r in done}
+                stored_keys, sizes, metas = [], [], []
+                for (r, _, _), entry in zip(commits, entries, strict=True):
+                    key = r.header.key
+                    if entry is None:
+                        now = self._index.get(tenant, key)
+                        out[key] = Stored(False, BlockInfo.of(key, now)) if now is not None else WritePlanNotFound(key)
+                        continue
+                    out[key] = Stored(True, BlockInfo.of(key, entry))
+                    stored_keys.append(key)
+                    sizes.append(entry.logical_size)
+                    metas.append(plan.metas.get(key) or BlockMeta.of_key(key))
+                self._stored(tenant, "put", "local", stored_keys, sizes, metas)
+                self.metrics.inc("kvstore_puts_total", len(stored_keys), result="created")
+                self.metrics.inc("kvstore_bytes_in_total", sum(sizes))
+            # Reservations not committed (not given, or their bytes did not match) end here.
+            rest = [w.reservation for k, w in plan.writes.items() if k not in committed]
+            if rest:
+                await app.abandon(rest)
+            self.metrics.inc("kvstore_write_plans_total", result="committed")
+        finally:
+            plan.writes.clear()  # ended by the appender
+            await self._end_plan(plan)
+        return out
+
+    async def abandon_writes(self, tenant: str, plan_id: str) -> None:
+        """End plan ``plan_id`` without storing anything."""
+        plan = self.write_plan(tenant, plan_id)
+        await self._abandon(plan, "abandoned")
+
+    async def _abandon(self, plan: WritePlan, why: str) -> None:
+        self._plans().pop(plan.id, None)
+        if plan.ended:
+            return
+        plan.ended = True
+        try:
+            if plan.app is not None and plan.writes:
+                with contextlib.suppress(KVStoreError):  # a closing or deleted tenant: its appender is gone
+                    await plan.app.abandon([w.reservation for w in plan.writes.values()])
+            self.metrics.inc("kvstore_write_plans_total", result=why)
+        finally:
+            plan.writes.clear()
+            await self._end_plan(plan)
+
+    async def _end_plan(self, plan: WritePlan) -> None:
+        for key, claim in list(plan.claims.items()):
+            self._release(plan.tenant.name, key, claim)
+        plan.claims.clear()
+        await plan.quota.aclose()
+
+    async def end_write_plans(self, plan_ids: Sequence[str]) -> None:
+        """End these plans if still open (their connection closed)."""
+        for pid in plan_ids:
+            plan = self._plans().get(pid)
+            if plan is not None:
+                await self._abandon(plan, "abandoned")
+
+    async def expire_write_plans(self) -> int:
+        """End the plans whose lease ran out; returns how many."""
+        now = time.monotonic()
+        late = [p for p in self._plans().values() if p.expires <= now]
+        for plan in late:
+            log.info("write plan %s of tenant %s expired uncommitted", plan.id, plan.tenant.name)
+            await self._abandon(plan, "expired")
+        return len(late)
+
+    async def write_plan_sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            await self.expire_write_plans()
+
+    async def abandon_all_write_plans(self) -> None:
+        """At close: every open plan ends."""
+        for plan in list(self._plans().values()):
+            await self._abandon(plan, "abandoned")
+
+
+def _check_written(w: PlannedWrite, sums: Sequence[int]) -> RecordHeader | KVStoreError:
+    """Read back what the client wrote for ``w`` and check each frame
+    against ``sums``; the record's final header, or why not."""
+    seg = w.reservation.segment
+    h = w.reservation.header
+    buf = POOL.take(w.length)
+    view = buf.view
+    try:
+        _read_back(seg.path, seg.fd, view, w.offset)
+        frames = []
+        pos = 0
+        for i, (f, want) in enumerate(zip(h.frames, sums, strict=True)):
+            got = checksum(view[pos : pos + f.stored_len])
+            if got != want:
+                return WrittenBytesMismatch(
+                    f"block {w.key!r}: frame {i} of the bytes written does not match its xxh3 "
+                    f"({got:016x}, the client gave {want:016x}); it is not stored"
+                )
+            frames.append(FrameEntry(f.stored_len, f.codec, got))
+            pos += f.stored_len
+    except OSError as e:
+        return StorageIOError(f"block {w.key!r}: reading back the bytes written failed: {e.strerror or e}")
+    finally:
+        view.release()
+        buf.release()
+    return RecordHeader(
+        h.kind,
+        h.flags,
+        h.header_len,
+        h.payload_offset,
+        h.tenant,
+        h.key,
+        h.key_version,
+        h.frame_size,
+        h.logical_size,
+        h.payload_len,
+        h.record_len,
+        h.record_id,
+        h.created_ns,
+        tuple(frames),
+    )
+
+
+def _read_back(path: Path, fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` (page-aligned, an ALIGN multiple) from the file: with
+    ``O_DIRECT`` where the filesystem takes it (the bytes a client wrote
+    with O_DIRECT are not in the page cache: reading them through it would
+    cost the copy write plans avoid), else through ``fd``."""
+    dfd = -1
+    if directio.O_DIRECT and directio.supported(path.parent):
+        try:
+            dfd = os.open(path, os.O_RDONLY | directio.O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    try:
+        pos, done = offset, 0
+        while done < len(view):
+            n = os.preadv(dfd if dfd >= 0 else fd, [view[done:]], pos)
+            if n == 0:
+                raise OSError(errno.EIO, f"segment ends before the planned bytes ({done} of {len(view)})")
+            done += n
+            pos += n
+    finally:
+        if dfd >= 0:
+            os.close(dfd)

@@ -1,0 +1,238 @@
+"""Write plans: a client on this host writes direct blocks into the
+tenant's segment itself, then commits them (engine/store_write_plans.py).
+
+``POST /v1/write-plan`` ``{"blocks": [{"key", "size", "meta"?}], "lease_s"?}``
+(unix socket only) reserves room for each new key and answers, per block,
+the file (an id in this answer's ``files``), the ``offset`` where its bytes
+go, the ``length`` to write there (the block, then zeros up to a 4096
+multiple: ``O_DIRECT`` writes fit it) and the ``frame_size`` its checksums
+are taken over; a key that exists is ``"exists": true`` with its ETag,
+nothing to write. The files' descriptors (opened write-only for this answer,
+one per segment; the client may set ``O_DIRECT`` on them and closes them
+when the plan ends) travel with the answer's body as SCM_RIGHTS, in the
+order of ``files``, as a read plan's do.
+
+``POST /v1/write-plan/{plan}`` ``{"blocks": [{"key", "xxh3": [hex per
+frame]}]}`` commits: each block's bytes are read back and checked, then
+indexed and synced like a PUT's; per block ``201`` with its ETag, or the
+error (``422 checksum_mismatch``). Keys left out are abandoned; the plan ends.
+``DELETE /v1/write-plan/{plan}`` abandons it. A plan not committed within
+``lease_s`` (default 30) ends by itself, and so do the plans of a connection
+that closes. Commit and abandon work on any connection of the tenant.
+
+With several workers the writer reserves (the plan comes back to the worker
+holding the connection with the files' paths, over the workers' private
+socket) and that worker opens the files and passes them on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvstore.engine.api import Stored
+from kvstore.errors import InvalidInput, KVStoreError, StoreClosed
+from kvstore.events.model import BlockMeta
+from kvstore.transport.http.appkeys import config_of, store_of
+from kvstore.transport.http.auth import tenant_of
+from kvstore.transport.http.bodies import json_body
+from kvstore.transport.http.forward import WRITER, writer_url
+from kvstore.transport.http.internal import on_private_socket
+from kvstore.transport.http.routes.plans import PLANS, send_with_fds, unix_transport
+from kvstore.transport.statuses import http_status
+
+routes = web.RouteTableDef()
+LEASE_S = 30.0
+MAX_LEASE_S = 600.0
+
+
+def _blocks_field(body: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+    blocks = body.get("blocks")
+    if not isinstance(blocks, list) or not blocks:
+        raise InvalidInput("field 'blocks' must be a non-empty list of objects")
+    if len(blocks) > limit:
+        raise InvalidInput(f"field 'blocks' has {len(blocks)} items; the maximum is {limit}")
+    for i, b in enumerate(blocks):
+        if not isinstance(b, dict):
+            raise InvalidInput(f"blocks[{i}] must be an object")
+        if not isinstance(b.get("key"), str):
+            raise InvalidInput(f"blocks[{i}].key must be a string")
+    return blocks
+
+
+def _lease(body: dict[str, Any]) -> float:
+    value = body.get("lease_s", LEASE_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_LEASE_S:
+        raise InvalidInput(f"field 'lease_s' must be a number of seconds in (0, {MAX_LEASE_S:g}]; got {value!r}")
+    return float(value)
+
+
+@routes.post("/v1/write-plan")
+async def write_plan(request: web.Request) -> web.StreamResponse:
+    tenant = tenant_of(request)
+    private = on_private_socket(request)  # a reader worker relays it: answer paths
+    transport = None if private else unix_transport(request, "write plans", "PUT /v1/blocks/{key}")
+    if WRITER in request.app:  # a reader worker: the writer reserves
+        relayed = await _relay(request)
+        if isinstance(relayed, web.Response):
+            return relayed
+        doc = relayed
+    else:
+        body = await json_body(request)
+        unknown = set(body) - {"blocks", "lease_s"}
+        if unknown:
+            raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
+        doc = await _plan(request, tenant, body, private)
+    if private:
+        return web.json_response(doc, dumps=_dumps)
+    assert transport is not None
+    # The files by path, opened write-only for this answer (a description of
+    # its own: O_DIRECT set on it by the client never reaches the daemon's).
+    paths: list[str] = doc.pop("paths")
+    fds: list[int] = []
+    try:
+        for p in paths:
+            fds.append(os.open(p, os.O_WRONLY | os.O_CLOEXEC))
+        request.app[PLANS].connection(transport).write_plans.add(doc["plan"])
+        doc["files"] = list(range(len(fds)))
+        payload = json.dumps(doc, separators=(",", ":")).encode()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json", "Kvstore-Fds": str(len(fds))})
+        resp.content_length = len(payload)
+        await resp.prepare(request)
+        await send_with_fds(request, resp, transport, payload, fds)
+        await resp.write_eof()
+        return resp
+    except BaseException:
+        with contextlib.suppress(KVStoreError, aiohttp.ClientError, OSError):
+            await _abandon(request, tenant, doc["plan"])
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+async def _plan(request: web.Request, tenant: str, body: dict[str, Any], private: bool) -> dict[str, Any]:
+    """Reserve (the writer); the answer with each file's path in ``paths``."""
+    blocks = _blocks_field(body, config_of(request).max_batch_keys)
+    items: list[tuple[str, int]] = []
+    metas: dict[str, BlockMeta] = {}
+    for i, b in enumerate(blocks):
+        unknown = set(b) - {"key", "size", "meta"}
+        if unknown:
+            raise InvalidInput(f"blocks[{i}]: unknown field(s): {', '.join(sorted(unknown))}")
+        size = b.get("size")
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise InvalidInput(f"blocks[{i}].size must be an integer number of bytes")
+        items.append((b["key"], size))
+        if "meta" in b:
+            if not isinstance(b["meta"], str):
+                raise InvalidInput(f"blocks[{i}].meta must be a string (Kvstore-Block-Meta's value)")
+            try:
+                metas[b["key"]] = BlockMeta.from_header(b["meta"])
+            except InvalidInput as e:
+                raise InvalidInput(f"blocks[{i}].meta: {e}") from None
+    lease_s = _lease(body)
+    plan = await store_of(request).plan_writes(tenant, items, lease_s, metas)
+    paths: list[str] = []
+    out: list[dict[str, Any]] = []
+    for key, _ in items:
+        if key in plan.existing:
+            out.append({"key": key, "status": 200, "exists": True, "etag": plan.existing[key].info.etag})
+            continue
+        w = plan.writes[key]
+        if w.path not in paths:
+            paths.append(w.path)
+        out.append(
+            {
+                "key": key,
+                "status": 200,
+                "file": paths.index(w.path),
+                "offset": w.offset,
+                "length": w.length,
+                "size": w.size,
+                "frame_size": w.frame_size,
+            }
+        )
+    return {"plan": plan.id, "expires_in_s": lease_s, "paths": paths, "blocks": out}
+
+
+async def _relay(request: web.Request) -> dict[str, Any] | web.Response:
+    """A reader worker: the writer reserves; its answer (with paths) comes
+    back, or its error answer, passed on as it is."""
+    raw = await request.read()
+    headers = {"Authorization": request.headers.get("Authorization", ""), "Content-Type": "application/json"}
+    try:
+        async with request.app[WRITER].post(
+            writer_url(request), data=raw, headers=headers, timeout=aiohttp.ClientTimeout(total=60)
+        ) as r:
+            body = await r.read()
+            if r.status != 200:
+                return web.Response(status=r.status, body=body, content_type="application/json")
+    except (aiohttp.ClientError, ConnectionError, TimeoutError) as e:
+        raise StoreClosed(f"the writer process is unavailable ({type(e).__name__}); retry") from None
+    doc: dict[str, Any] = json.loads(body)
+    return doc
+
+
+@routes.post("/v1/write-plan/{plan}")
+async def commit_plan(request: web.Request) -> web.Response:
+    tenant = tenant_of(request)
+    plan_id = request.match_info["plan"]
+    body = await json_body(request)
+    unknown = set(body) - {"blocks"}
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
+    sums: dict[str, list[int]] = {}
+    for i, b in enumerate(_blocks_field(body, config_of(request).max_batch_keys)):
+        xs = b.get("xxh3")
+        if set(b) - {"key", "xxh3"}:
+            raise InvalidInput(f"blocks[{i}]: unknown field(s): {', '.join(sorted(set(b) - {'key', 'xxh3'}))}")
+        if not isinstance(xs, list) or not xs or not all(isinstance(x, str) for x in xs):
+            raise InvalidInput(f"blocks[{i}].xxh3 must be a list of 16-digit hex strings, one per frame")
+        try:
+            sums[b["key"]] = [_hex64(x) for x in xs]
+        except ValueError:
+            raise InvalidInput(f"blocks[{i}].xxh3 must be a list of 16-digit hex strings, one per frame") from None
+        if b["key"] in sums and len(sums) != i + 1:
+            raise InvalidInput(f"blocks[{i}]: key {b['key']!r} appears twice")
+    done = await store_of(request).commit_writes(tenant, plan_id, sums)
+    out: list[dict[str, Any]] = []
+    for key in sums:
+        r = done[key]
+        if isinstance(r, Stored):
+            out.append({"key": key, "status": 201 if r.created else 200, "etag": r.info.etag})
+        else:
+            out.append({"key": key, "status": http_status(r), "error": {"code": r.code, "message": str(r)}})
+    return web.json_response({"blocks": out}, dumps=_dumps)
+
+
+def _hex64(x: str) -> int:
+    if len(x) != 16:
+        raise ValueError(x)
+    return int(x, 16)
+
+
+@routes.delete("/v1/write-plan/{plan}")
+async def abandon_plan(request: web.Request) -> web.Response:
+    tenant = tenant_of(request)
+    await store_of(request).abandon_writes(tenant, request.match_info["plan"])
+    return web.Response(status=204)
+
+
+async def _abandon(request: web.Request, tenant: str, plan_id: str) -> None:
+    if WRITER not in request.app:
+        await store_of(request).abandon_writes(tenant, plan_id)
+        return
+    headers = {"Authorization": request.headers.get("Authorization", "")}
+    url = writer_url(request).with_path(f"/v1/write-plan/{plan_id}")
+    async with request.app[WRITER].delete(url, headers=headers, timeout=aiohttp.ClientTimeout(total=10)):
+        pass
+
+
+def _dumps(doc: Any) -> str:
+    return json.dumps(doc, separators=(",", ":"))
