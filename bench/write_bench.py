@@ -289,9 +289,12 @@ class Bench:
                 else:
                     await c.put(items[0][0] + "-warm", items[0][1])  # connection up, off the clock
                 if name.startswith(("batch", "nixl", "unix-plan")):
-                    chunks = [items[i : i + depth] for i in range(0, n, depth)]
+                    # Write plans: two plans of depth/2 in flight (depth blocks in all), so that
+                    # one plan's blocks are written while the other's commit syncs.
+                    width = 2 if name.startswith("unix-plan") and depth > 1 else 1
+                    per = depth // width
+                    chunks = [items[i : i + per] for i in range(0, n, per)]
                     jobs: list[Callable[[], Awaitable[object]]] = [functools.partial(c.put_many, ch) for ch in chunks]
-                    width = 1
                 else:
                     jobs, width = [functools.partial(c.put, k, b) for k, b in items], depth
                 with Clock(self.pid, nbytes, n) as clock:
