@@ -377,3 +377,34 @@ async def test_plans_while_writes_deletes_and_compaction_run(daemon: Daemon, soc
                 assert r.status == 200 and await r.read() == v, k
     assert _deleted_segments_open("w") == []
     assert daemon.stop() == 0
+
+
+async def test_a_plan_descriptor_is_read_only_and_the_clients_own(daemon: Daemon, sock_dir: Path) -> None:
+    """The descriptor passed is a read-only description of its own: the
+    client cannot write through it, and flags it sets (O_APPEND, O_DIRECT)
+    never reach the daemon's descriptor of the same file."""
+    import errno
+    import fcntl
+
+    sock = _start(daemon, sock_dir)
+    async with aiohttp.ClientSession() as s:
+        token = await _tenant(s, daemon.base, "d", "direct")
+        blocks = _blocks("r", 3)
+        await _put(s, daemon.base, token, blocks)
+    conn = PlanConnection(sock, token)
+    try:
+        plan = conn.plan(list(blocks))
+        fd = plan.blocks["r0"].fd
+        with pytest.raises(OSError) as e:
+            os.pwrite(fd, b"x", 0)
+        assert e.value.errno == errno.EBADF
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        conn.release(plan.lease)
+    finally:
+        conn.close()
+    async with aiohttp.ClientSession() as s:
+        more = _blocks("after", 3)
+        await _put(s, daemon.base, token, more)  # appended where the daemon means to, O_APPEND or not
+    async with AsyncClient(daemon.base, token) as c:
+        for k, v in (blocks | more).items():
+            assert await c.get(k) == v

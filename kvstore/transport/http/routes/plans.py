@@ -13,6 +13,8 @@ segments stay in place (neither compacted nor dropped) under a lease until
 ``DELETE /v1/read-plan/{lease}``, its expiry, or the connection's end; a
 descriptor keeps a segment's bytes readable even after that (an unlinked
 file lives on while a descriptor is open), so a plan never reads other bytes.
+Each descriptor is a read-only description of its own (opened again for the
+client), so nothing the client does with it reaches the daemon's own.
 So that the space of such files comes back, each answer lists in ``closed``
 the ids of files given before whose segments are gone; the client closes
 those descriptors once no plan of its own still uses them.
@@ -214,6 +216,7 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
     lease_s = lease_field(body)
     store = store_of(request)
     planned = await store.plan_reads(tenant, keys)
+    fds: list[int] = []
     try:
         if transport is None:
             return await _path_plan(request, tenant, keys, planned, lease_s)
@@ -227,7 +230,6 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
             closed = [conn.files.pop(f) for f in [f for f in conn.files if not store.segment_alive(*f)]]
             conn.epoch = epoch
         files: list[int] = []
-        fds: list[int] = []
         blocks: list[dict[str, Any]] = []
         segments = set()
         for key, p in zip(keys, planned, strict=True):
@@ -239,7 +241,9 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
                 fid = conn.files[p.file] = conn.next_id
                 conn.next_id += 1
                 files.append(fid)
-                fds.append(p.segment.fd)
+                # A read-only description of its own: flags the client sets on
+                # it (O_APPEND, O_DIRECT) never reach the daemon's descriptor.
+                fds.append(os.open(f"/proc/self/fd/{p.segment.fd}", os.O_RDONLY | os.O_CLOEXEC))
             segments.add((p.file[0], p.file[2]))
             blocks.append(_block(tenant, p, fid))
         lease = store.leases.acquire(segments, lease_s)
@@ -255,6 +259,8 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
         await resp.write_eof()
         return resp
     finally:
+        for fd in fds:
+            os.close(fd)
         for p in planned:
             if isinstance(p, PlannedBlock):
                 p.segment.release()
