@@ -39,12 +39,11 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvstore_client.errors import CorruptBlock, ProtocolError
 from kvstore_client.wire.codec import CODECS, decode_frame
 from kvstore_client.wire.errors import CorruptFrame
+from kvstore_client.wire.sealing import TAG, FrameBinding, frame_nonce
 
 MAGIC = b"KVE1"
 HEAD = struct.Struct("<4sI")
 MAX_META = 8 << 20  # a frame table of 64 MiB of 4 KiB frames is ~0.8 MiB of JSON
-_TAG = 16
-_AAD_FIXED = struct.Struct("<16sIIIQ")  # record id, key version, frame index, frame count, size
 _local = threading.local()
 
 
@@ -166,7 +165,9 @@ class RecordOpener:
         self.meta = meta
         self._out = out
         self._aead = AESGCM(meta.frame_key) if meta.frame_key is not None else None
-        self._aad_tail = b"\x00" + meta.tenant.encode() + b"\x00" + meta.key.encode()
+        self._binding = FrameBinding(
+            meta.record_id, meta.key_version, meta.frame_count, meta.size, meta.tenant, meta.key
+        )
 
     def place(self, j: int, stored: bytes | bytearray | memoryview) -> None:
         """Check frame ``first + j`` (its stored bytes) and put its part of
@@ -189,14 +190,13 @@ class RecordOpener:
     def _open(self, j: int, stored: memoryview, out: memoryview) -> None:
         codec = self.meta.frames[j].codec
         if self._aead is not None:
-            n = len(stored) - _TAG
+            n = len(stored) - TAG
             if n < 0:
                 raise CorruptBlock(f"block {self.meta.key}: frame {self.meta.first + j} is shorter than its tag")
             plain = out if codec == "raw" and n == len(out) else _scratch(n)
             i = self.meta.first + j
-            aad = _AAD_FIXED.pack(self.meta.record_id, self.meta.key_version, i, self.meta.frame_count, self.meta.size)
             try:
-                self._aead.decrypt_into(i.to_bytes(12, "big"), stored, aad + self._aad_tail, plain)
+                self._aead.decrypt_into(frame_nonce(i), stored, self._binding.aad(i), plain)
             except InvalidTag:
                 raise CorruptBlock(f"block {self.meta.key}: frame {i} fails authentication (AES-GCM tag)") from None
             if plain is out:

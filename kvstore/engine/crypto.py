@@ -18,7 +18,6 @@ import hashlib
 import hmac
 import os
 import stat
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +25,12 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from kvstore_client.wire.sealing import TAG, FrameBinding, frame_nonce
 
 from kvstore.errors import CorruptionError, MasterKeyError
 
 KEY_BYTES = 32
 _WRAP_NONCE = 12
-_AAD_FIXED = struct.Struct("<16sIIIQ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +150,10 @@ def derive_frame_key(data_key: bytes, record_id: bytes, tenant: str, key_version
 
 
 class RecordCipher:
-    """Seals and opens the frames of one record (one derived key per record)."""
+    """Seals and opens the frames of one record (one derived key per record;
+    nonces and additional data: kvstore_client/wire/sealing.py)."""
 
-    __slots__ = ("_aad_tail", "_aead", "_frame_count", "_key_version", "_logical_size", "frame_key", "record_id")
+    __slots__ = ("_aead", "_binding", "frame_key", "record_id")
 
     def __init__(
         self,
@@ -167,29 +167,16 @@ class RecordCipher:
     ) -> None:
         self.frame_key = derive_frame_key(data_key, record_id, tenant, key_version)
         self._aead = AESGCM(self.frame_key)
-        self._aad_tail = b"\x00" + tenant.encode() + b"\x00" + key.encode()
+        self._binding = FrameBinding(record_id, key_version, frame_count, logical_size, tenant, key)
         self.record_id = record_id
-        self._key_version = key_version
-        self._frame_count = frame_count
-        self._logical_size = logical_size
-
-    def _nonce_aad(self, index: int) -> tuple[bytes, bytes]:
-        nonce = index.to_bytes(12, "big")
-        aad = (
-            _AAD_FIXED.pack(self.record_id, self._key_version, index, self._frame_count, self._logical_size)
-            + self._aad_tail
-        )
-        return nonce, aad
 
     def seal(self, index: int, data: bytes | bytearray | memoryview) -> bytearray:
-        nonce, aad = self._nonce_aad(index)
-        out = bytearray(len(data) + 16)
-        self._aead.encrypt_into(nonce, data, aad, out)
+        out = bytearray(len(data) + TAG)
+        self._aead.encrypt_into(frame_nonce(index), data, self._binding.aad(index), out)
         return out
 
     def open_into(self, index: int, sealed: memoryview, out: bytearray | memoryview) -> None:
-        nonce, aad = self._nonce_aad(index)
         try:
-            self._aead.decrypt_into(nonce, sealed, aad, out)
+            self._aead.decrypt_into(frame_nonce(index), sealed, self._binding.aad(index), out)
         except InvalidTag:
             raise CorruptionError(f"frame {index} failed authentication (AES-GCM tag)") from None
