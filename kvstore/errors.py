@@ -351,6 +351,13 @@ class WrittenBytesMismatch(KVStoreError):
     code = "checksum_mismatch"
 
 
+class RecordRejected(KVStoreError):
+    """A record a client sealed itself does not open under the key and the
+    binding its plan gave (forged, truncated, replayed or misbound)."""
+
+    code = "record_rejected"
+
+
 class QuotaExceeded(KVStoreError):
     """A single block larger than its tenant's whole quota (``quota_bytes``)."""
 

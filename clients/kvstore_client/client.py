@@ -62,7 +62,9 @@ class AsyncClient:
     On ``unix:`` endpoints, ``get_into`` reads direct blocks from the segment
     files (``read_plans``) and ``put_many`` writes them there
     (``write_plans``: reserved by the daemon, written here, checked and
-    indexed by the daemon); blocks of a sealed tenant go over HTTP.
+    indexed by the daemon). A sealed tenant's records are sealed here for a
+    write plan (``encode`` "client" or "auto": the daemon gives each record
+    its own key, never the tenant's), else go over HTTP (``encode="server"``).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class AsyncClient:
         read_plans: bool = True,
         write_plans: bool = True,
         decode: Decode = "auto",
+        encode: Literal["server", "client", "auto"] = "auto",
         decode_threads: int | None = None,
         plan_paths: bool = False,
         transport: Literal["http", "nixl"] = "http",
@@ -136,6 +139,13 @@ class AsyncClient:
         if decode_threads is not None and decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
         self.decode = decode
+        if encode not in ("server", "client", "auto"):
+            raise ValueError(f"encode must be 'server', 'client' or 'auto', got {encode!r}")
+        if encode == "client" and not decode_available():
+            raise ValueError(
+                "encode='client' needs pip install 'kvstore-client[decode]' (cryptography, zstandard, numpy)"
+            )
+        self.encode = encode
         self.decode_threads = decode_threads or min(8, os.cpu_count() or 1)
         if transport not in ("http", "nixl"):
             raise ValueError(f"transport must be 'http' or 'nixl', got {transport!r}")
@@ -185,7 +195,13 @@ class AsyncClient:
             self._x,
             self._shards,
             self._nixl,
-            UnixPlanWriter(self._x, enabled=write_plans, max_batch_keys=max_batch_keys),
+            UnixPlanWriter(
+                self._x,
+                enabled=write_plans,
+                max_batch_keys=max_batch_keys,
+                client_encode=encode != "server" and decode_available(),
+                pool=self._decoders.get,
+            ),
             max_batch_keys=max_batch_keys,
             strict=strict,
         )

@@ -180,13 +180,18 @@ class PlanConnection:
 
     # -- write plans (write_plans.py moves the bytes) ----------------------------
 
-    def plan_writes(self, blocks: list[dict[str, Any]], lease_s: float | None = None) -> tuple[Any, list[int]]:
+    def plan_writes(
+        self, blocks: list[dict[str, Any]], lease_s: float | None = None, encode: str | None = None
+    ) -> tuple[Any, list[int]]:
         """Ask for room for ``blocks`` (``{"key", "size", "meta"?}``): the
         answer and the files' descriptors (the caller closes them), in the
-        order of its ``files``."""
+        order of its ``files``. ``encode="client"``: a sealed tenant's
+        records are sealed here (each block then carries ``record``)."""
         body: dict[str, Any] = {"blocks": blocks}
         if lease_s is not None:
             body["lease_s"] = lease_s
+        if encode is not None:
+            body["encode"] = encode
         with self._lock:
             status, doc, fds = self._exchange("POST", "/v1/write-plan", json.dumps(body).encode())
         if status != 200:

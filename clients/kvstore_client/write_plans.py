@@ -8,15 +8,23 @@ filesystem takes it: from page-aligned memory, no page-cache copy in either
 process), then committed with each frame's xxh3-64. The daemon reads the
 bytes back, checks them, and acknowledges after the same sync as a PUT.
 
-A tenant whose records the daemon encrypts (sealed) cannot plan writes; nor
-can a daemon without the route: such an endpoint is remembered and its
-blocks go over HTTP (``/v1/batch/put``), as does any block a plan could
-not store.
+A sealed tenant's blocks are planned with ``encode="client"`` when this
+client encodes (``encode`` "client" or "auto", the decode extra installed):
+the plan gives each record its id and its own frame key (never the tenant's
+key), and the frames are compressed (the tenant's codec, as the daemon
+would) and sealed here (AES-256-GCM, nonces and additional data of
+kvstore_client/wire/sealing.py), on the decode threads; the commit gives
+each frame's stored length, codec and xxh3-64, and the daemon checks every
+tag before it indexes the record. With ``encode="server"`` (or without the
+extra) a sealed tenant's blocks go over HTTP. So does any block of an
+endpoint that cannot plan (a daemon without the route: remembered), and any
+block a plan could not store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import ctypes
 import errno
@@ -24,16 +32,18 @@ import fcntl
 import mmap
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import xxhash
 
-from kvstore_client.errors import KVStoreClientError, ServerError
+from kvstore_client.errors import KVStoreClientError, ProtocolError, ServerError
 from kvstore_client.exchange import Exchange
 from kvstore_client.plans import PlanConnection
 from kvstore_client.sharding import UNIX
 from kvstore_client.wire.batchframe import BufferLike
+from kvstore_client.wire.sealing import FrameBinding, frame_nonce
 
 ALIGN = 4096
 STAGE = 4 << 20  # an aligned bounce buffer, for sources that are not page-aligned
@@ -117,13 +127,54 @@ def write_block(fd: int, src: memoryview, offset: int, length: int, direct: bool
         pos += n
 
 
-class UnixPlanWriter:
-    """Puts of direct blocks through write plans on ``unix:`` endpoints."""
+def seal_block(
+    view: memoryview, plan: Mapping[str, Any], pool: Executor | None
+) -> tuple[list[bytes], list[dict[str, Any]]]:
+    """The stored frames of a block this client seals itself (``plan``: its
+    write plan entry, with ``record``), and their entries for the commit."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    def __init__(self, exchange: Exchange, *, enabled: bool, max_batch_keys: int) -> None:
+    from kvstore_client.wire.codec import encode_frame
+
+    rec = plan["record"]
+    fs = int(plan["frame_size"])
+    count = int(rec["frame_count"])
+    if count != -(-len(view) // fs):
+        raise ProtocolError(f"write plan for {plan['key']}: {count} frames cannot hold {len(view)} bytes")
+    binding = FrameBinding(
+        bytes.fromhex(rec["record_id"]), int(rec["key_version"]), count, len(view), str(rec["tenant"]), plan["key"]
+    )
+    aead = AESGCM(base64.b64decode(rec["frame_key"]))
+    codec, level = str(rec["compression"]), int(rec["level"])
+    tried = {"none": "raw", "zstd": "zstd", "zstd-bp2": "zstd-bp2"}.get(codec, "raw")
+
+    def one(i: int) -> tuple[bytes, dict[str, Any]]:
+        name, encoded = encode_frame(view[i * fs : (i + 1) * fs], tried, level)  # type: ignore[arg-type]
+        sealed = aead.encrypt(frame_nonce(i), bytes(encoded), binding.aad(i))
+        return sealed, {"len": len(sealed), "codec": name, "xxh3": f"{xxhash.xxh3_64_intdigest(sealed):016x}"}
+
+    done = list(pool.map(one, range(count))) if pool is not None and count > 1 else [one(i) for i in range(count)]
+    return [d[0] for d in done], [d[1] for d in done]
+
+
+class UnixPlanWriter:
+    """Puts through write plans on ``unix:`` endpoints: direct blocks, and a
+    sealed tenant's when this client encodes (``client_encode``)."""
+
+    def __init__(
+        self,
+        exchange: Exchange,
+        *,
+        enabled: bool,
+        max_batch_keys: int,
+        client_encode: bool = False,
+        pool: Callable[[], Executor] | None = None,
+    ) -> None:
         self._x = exchange
         self._enabled = enabled
         self._max_batch_keys = max_batch_keys
+        self._client_encode = client_encode
+        self._pool = pool
         self._refused: set[str] = set()  # endpoints that answered they never will
 
     def usable(self, url: str) -> bool:
@@ -174,7 +225,7 @@ class UnixPlanWriter:
             if metas is not None and metas[i] is not None:
                 ask["meta"] = metas[i]
             asks.append(ask)
-        doc, fds = conn.plan_writes(asks)
+        doc, fds = conn.plan_writes(asks, encode="client" if self._client_encode else None)
         left: list[int] = []
         try:
             direct = [_set_direct(fd) for fd in fds]
@@ -193,8 +244,17 @@ class UnixPlanWriter:
                 if int(b["size"]) != views[i].nbytes:
                     raise KVStoreClientError(f"write plan for {key} has size {b['size']}", code="protocol")
                 f = int(b["file"])
-                write_block(fds[f], views[i], int(b["offset"]), int(b["length"]), direct[f])
-                commits.append({"key": key, "xxh3": frame_checksums(views[i], int(b["frame_size"]))})
+                if "record" in b:  # sealed here: the frames as stored, back to back
+                    stored, frames = seal_block(views[i], b, self._pool() if self._pool is not None else None)
+                    total = sum(len(x) for x in stored)
+                    length = -(-total // ALIGN) * ALIGN
+                    if length > int(b["length"]):
+                        raise ProtocolError(f"write plan for {key}: {total} stored bytes exceed its room")
+                    write_block(fds[f], memoryview(b"".join(stored)), int(b["offset"]), length, direct[f])
+                    commits.append({"key": key, "frames": frames})
+                else:
+                    write_block(fds[f], views[i], int(b["offset"]), int(b["length"]), direct[f])
+                    commits.append({"key": key, "xxh3": frame_checksums(views[i], int(b["frame_size"]))})
                 pos_of[key] = i
         except BaseException:
             with contextlib.suppress(KVStoreClientError):

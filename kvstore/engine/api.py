@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvstore.engine.compactor import CompactionReport
 from kvstore.engine.crypto import MasterKey, load_master_key
-from kvstore.engine.format import CODEC_NAMES
+from kvstore.engine.format import CODEC_NAMES, FrameEntry
 from kvstore.engine.lifecycle import Lease, Leases
 from kvstore.engine.reader import StoredFrames
 from kvstore.engine.store import Store
@@ -20,6 +20,7 @@ __all__ = [
     "BlockInfo",
     "CompactionReport",
     "DirectExtent",
+    "FrameEntry",
     "Lease",
     "Leases",
     "LookupResult",

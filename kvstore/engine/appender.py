@@ -591,13 +591,11 @@ class Appender:
             written: list[int] = []
             try:
                 for r, h, _ in group:
+                    if h.record_len < r.header.record_len:  # the room the record does not need: a pad
+                        _write_page(seg, pad(self.tenant, r.header.record_len - h.record_len), r.offset + h.record_len)
                     raw = h.encode()
-                    page = raw + bytes(h.payload_offset - len(raw))
-                    if seg.dfd >= 0:
-                        directio.pwrite_direct(seg.dfd, [page], r.offset)
-                    else:
-                        os.pwrite(seg.fd, page, r.offset)
                     written.append(r.offset)
+                    _write_page(seg, raw + bytes(h.payload_offset - len(raw)), r.offset)
                 tail = seg is self._tail.segment
                 if fsync or not tail:
                     seg.sync()
@@ -609,9 +607,9 @@ class Appender:
                 idents = {h.key: ident for _, h, ident in group if ident is not None}
                 self._life.appended(self.tenant, seg.segment_id, ops, seg.size, synced, idents)
             except Exception as e:  # noqa: BLE001 - put the pads back: nothing half-committed is indexed
-                for (_r, h, _), at in zip(group, written, strict=False):
+                for (r, _, _), at in zip(group, written, strict=False):
                     with contextlib.suppress(OSError):
-                        os.pwrite(seg.fd, pad(self.tenant, h.record_len), at)
+                        _write_page(seg, pad(self.tenant, r.header.record_len), at)
                 if isinstance(e, OSError):
                     raise _io_error(e, f"committing {len(group)} planned records in {seg.name}") from None
                 raise StorageIOError(f"index commit failed for planned records in {seg.name}: {e}") from None
@@ -635,6 +633,15 @@ class Appender:
             self._reserved.discard(r.header.key)
         if self._draining:
             self._seal_drained()
+
+
+def _write_page(seg: SegmentFile, page: bytes, offset: int) -> None:
+    """Pages (a header, a pad) inside a segment's records, through the
+    descriptor its records are written with."""
+    if seg.dfd >= 0:
+        directio.pwrite_direct(seg.dfd, [page], offset)
+    else:
+        os.pwrite(seg.fd, page, offset)
 
 
 def _fail(batch: list[_Write], e: KVStoreError) -> None:

@@ -165,10 +165,21 @@ class RecordCipher:
         frame_count: int,
         logical_size: int,
     ) -> None:
-        self.frame_key = derive_frame_key(data_key, record_id, tenant, key_version)
-        self._aead = AESGCM(self.frame_key)
-        self._binding = FrameBinding(record_id, key_version, frame_count, logical_size, tenant, key)
-        self.record_id = record_id
+        binding = FrameBinding(record_id, key_version, frame_count, logical_size, tenant, key)
+        self._init(derive_frame_key(data_key, record_id, tenant, key_version), binding)
+
+    @classmethod
+    def with_frame_key(cls, frame_key: bytes, binding: FrameBinding) -> RecordCipher:
+        """The cipher of a record whose frame key was derived already."""
+        self = cls.__new__(cls)
+        self._init(frame_key, binding)
+        return self
+
+    def _init(self, frame_key: bytes, binding: FrameBinding) -> None:
+        self.frame_key = frame_key
+        self._aead = AESGCM(frame_key)
+        self._binding = binding
+        self.record_id = binding.record_id
 
     def seal(self, index: int, data: bytes | bytearray | memoryview) -> bytearray:
         out = bytearray(len(data) + TAG)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvstore.config import Compression
 from kvstore.engine import codec
@@ -18,6 +18,7 @@ from kvstore.engine.crypto import RecordCipher
 from kvstore.engine.format import (
     ALIGN,
     CODEC_RAW,
+    GCM_TAG,
     KIND_BLOCK,
     KIND_PAD,
     KIND_TOMBSTONE,
@@ -26,6 +27,7 @@ from kvstore.engine.format import (
     FooterEntry,
     FrameEntry,
     RecordHeader,
+    align_up,
     checksum,
 )
 from kvstore.engine.index import IndexEntry
@@ -135,28 +137,48 @@ def pad(tenant: str, record_len: int) -> bytes:
     return raw + bytes(ALIGN - len(raw))
 
 
-def planned(tenant: str, key: str, size: int, frame_size: int, record_id: bytes) -> RecordHeader:
-    """The header of a direct block of ``size`` bytes whose frames a client
-    writes itself (a write plan): raw frames, checksums still zero."""
+def planned(
+    tenant: str, key: str, size: int, frame_size: int, record_id: bytes, sealed_with: int | None = None
+) -> RecordHeader:
+    """The header of a block of ``size`` bytes whose frames a client writes
+    itself (a write plan), as reserved: raw frames, checksums still zero.
+    ``sealed_with``: the data key version the client seals its frames under
+    (client-side encode); the room reserved is then each frame's most, its
+    plaintext and its tag (a frame is compressed only when that shrinks it)."""
     n = frame_count(size, frame_size)
-    frames = tuple(FrameEntry(min(frame_size, size - i * frame_size), CODEC_RAW, 0) for i in range(n))
-    header_len, payload_offset, record_len = RecordHeader.sizes(tenant, key, n, size, True)
+    tag = 0 if sealed_with is None else GCM_TAG
+    frames = tuple(FrameEntry(min(frame_size, size - i * frame_size) + tag, CODEC_RAW, 0) for i in range(n))
+    payload_len = sum(f.stored_len for f in frames)
+    header_len, payload_offset, record_len = RecordHeader.sizes(tenant, key, n, payload_len, True)
+    # Both start their payload on an ALIGN boundary (O_DIRECT writes); only a
+    # direct one is flagged so (its frames are raw and sent as they are).
+    flags = REC_FLAG_DIRECT if sealed_with is None else REC_FLAG_SEALED
     return RecordHeader(
         KIND_BLOCK,
-        REC_FLAG_DIRECT,
+        flags,
         header_len,
         payload_offset,
         tenant,
         key,
-        0,
+        sealed_with or 0,
         frame_size,
         size,
-        size,
+        payload_len,
         record_len,
         record_id,
         time.time_ns(),
         frames,
     )
+
+
+def as_written(reserved: RecordHeader, frames: tuple[FrameEntry, ...]) -> RecordHeader:
+    """The header of a planned record once its frames are known: their
+    stored lengths, codecs and checksums; the record as long as they need
+    (at most the room reserved: the rest of it becomes a pad)."""
+    payload_len = sum(f.stored_len for f in frames)
+    record_len = align_up(reserved.payload_offset + payload_len)
+    assert len(frames) == len(reserved.frames) and record_len <= reserved.record_len
+    return replace(reserved, payload_len=payload_len, record_len=record_len, frames=frames)
 
 
 _local = threading.local()

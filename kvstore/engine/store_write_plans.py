@@ -27,8 +27,21 @@ read verifies: damaged bytes are reported as corruption, never served. A
 kill at any step leaves a pad (not indexed: nothing served) or an indexed,
 checked record; recovery steps over pads.
 
-Only direct tenants plan writes: a sealed tenant's records are encrypted by
-the daemon (PUT them). Blocks are stored raw, in the tenant's frame size.
+A direct tenant's blocks are stored raw, in the tenant's frame size. A
+sealed tenant's blocks are planned only for a client that encodes them
+itself (``encode="client"``, over a connection where a record's own key may
+go: the transport decides): the plan gives each record its identity (a
+random record id, the tenant's current key version) and its own frame key
+(HKDF of the tenant's data key: never the data key itself), and reserves
+the most room its frames can take (each frame's plaintext and tag). The
+client compresses and seals the frames as the daemon would
+(kvstore_client/wire/sealing.py) and commits each frame's stored length,
+codec and xxh3-64; the store checks the frame table against the plan, the
+checksums, and every frame's AES-GCM tag under the record's binding
+(tenant, key, record id, key version, index, frame count, size), so a
+forged, truncated, replayed or misbound record is refused
+(``422 record_rejected``) and never indexed. The room the frames did not
+need becomes a pad.
 """
 
 from __future__ import annotations
@@ -39,24 +52,30 @@ import errno
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore_client.wire.sealing import FrameBinding
+
 from kvstore.buffers import POOL
 from kvstore.engine import directio
 from kvstore.engine.appender import Appender, Reservation
-from kvstore.engine.format import FrameEntry, RecordHeader, checksum
-from kvstore.engine.record import new_record_id, planned
+from kvstore.engine.crypto import RecordCipher, derive_frame_key
+from kvstore.engine.format import CODEC_RAW, CODECS_KNOWN, GCM_TAG, FrameEntry, RecordHeader, checksum
+from kvstore.engine.record import as_written, new_record_id, planned
 from kvstore.engine.registry import Tenant
 from kvstore.engine.store_core import StoreCore
 from kvstore.engine.types import BlockInfo, Stored
 from kvstore.errors import (
     BlockTooLarge,
+    CorruptionError,
     InvalidInput,
     KVStoreError,
     NotPlannable,
+    RecordRejected,
     StorageFull,
     StorageIOError,
     StoreClosed,
@@ -72,6 +91,17 @@ MAX_LEASE_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
+class ClientSealing:
+    """What a client needs to seal a planned record's frames itself."""
+
+    record_id: bytes
+    key_version: int
+    frame_key: bytes  # this record's only
+    compression: str  # the tenant's: the codec to try on each frame
+    level: int
+
+
+@dataclass(frozen=True, slots=True)
 class PlannedWrite:
     """Where the client writes one block: ``length`` bytes (the block, then
     zeros up to an ALIGN multiple) at ``offset`` of ``segment``'s file
@@ -84,6 +114,7 @@ class PlannedWrite:
     length: int
     file: tuple[str, int, int]
     reservation: Reservation
+    sealing: ClientSealing | None = None  # a sealed record the client encodes
 
     @property
     def path(self) -> str:
@@ -121,15 +152,19 @@ class StoreWritePlans(StoreCore):
         items: Sequence[tuple[str, int]],
         lease_s: float,
         metas: Mapping[str, BlockMeta] | None = None,
+        encode: str = "server",
     ) -> WritePlan:
         """Reserve room for each (key, size) of ``items`` (see the module's
         doc); the plan ends at :meth:`commit_writes`, :meth:`abandon_writes`
         or ``lease_s`` seconds from now. Fails as a whole on invalid input."""
         t = self._tenant(tenant)
-        if t.policy != "direct":
+        if encode not in ("server", "client"):
+            raise InvalidInput(f"field 'encode' must be 'server' or 'client'; got {encode!r}")
+        client_seals = t.policy != "direct"
+        if client_seals and encode != "client":
             raise NotPlannable(
-                f"tenant {tenant!r} is {t.policy}: the daemon encrypts and compresses its records, so a client "
-                "cannot write them itself; PUT its blocks"
+                f"tenant {tenant!r} is {t.policy}: its records are compressed and encrypted, by the daemon "
+                "(PUT its blocks) or by the client (ask with encode=client, where a record's key may go)"
             )
         if not 0 < lease_s <= MAX_LEASE_S:
             raise InvalidInput(f"field 'lease_s' must be in (0, {MAX_LEASE_S:g}]; got {lease_s!r}")
@@ -156,7 +191,8 @@ class StoreWritePlans(StoreCore):
                     plan.existing[key] = Stored(False, BlockInfo.of(key, existing))
                     self._release(tenant, key, plan.claims.pop(key))
                     continue
-                headers.append(planned(t.name, key, size, fs, new_record_id()))
+                kv = t.key_version if client_seals else None
+                headers.append(planned(t.name, key, size, fs, new_record_id(), kv))
             if headers:
                 total = sum(h.record_len for h in headers)
                 await self._residency.admit(total)
@@ -171,6 +207,13 @@ class StoreWritePlans(StoreCore):
                 file = (t.name, t.created_ns)
                 for r in reserved:
                     h = r.header
+                    sealing = None
+                    if client_seals:
+                        data_key = self._registry.data_key(t.name, h.key_version)
+                        frame_key = derive_frame_key(data_key, h.record_id, t.name, h.key_version)
+                        sealing = ClientSealing(
+                            h.record_id, h.key_version, frame_key, t.compression, self.config.zstd_level
+                        )
                     plan.writes[h.key] = PlannedWrite(
                         h.key,
                         h.logical_size,
@@ -179,6 +222,7 @@ class StoreWritePlans(StoreCore):
                         h.record_len - h.payload_offset,
                         (*file, r.segment.segment_id),
                         r,
+                        sealing,
                     )
         except BaseException:
             await self._end_plan(plan)
@@ -201,27 +245,26 @@ class StoreWritePlans(StoreCore):
         return plan
 
     async def commit_writes(
-        self, tenant: str, plan_id: str, checksums: Mapping[str, Sequence[int]]
+        self, tenant: str, plan_id: str, written: Mapping[str, Sequence[FrameEntry | int]]
     ) -> dict[str, Stored | KVStoreError]:
         """Check and index the blocks of plan ``plan_id`` given in
-        ``checksums`` (key -> each frame's xxh3-64 of what the client
-        wrote); the plan ends, and its keys not given are abandoned. Each
-        key's answer: the block as stored, or why it was not."""
+        ``written`` (key -> each frame of what the client wrote: its stored
+        length, codec and xxh3-64; of a direct block, just each frame's
+        xxh3-64 will do: its frames are raw, their lengths the plan's); the plan ends, and its keys not given are
+        abandoned. Each key's answer: the block as stored, or why it was not."""
         plan = self.write_plan(tenant, plan_id)
-        unknown = [k for k in checksums if k not in plan.writes]
+        unknown = [k for k in written if k not in plan.writes]
         if unknown:
             raise InvalidInput(f"key(s) not in write plan {plan_id}: {', '.join(sorted(unknown)[:10])}")
-        for key, sums in checksums.items():
-            w = plan.writes[key]
-            want = len(w.reservation.header.frames)
-            if len(sums) != want:
-                raise InvalidInput(f"block {key!r}: 'xxh3' must list {want} frame checksums; got {len(sums)}")
+        tables: dict[str, list[FrameEntry]] = {}
+        for key, frames in written.items():
+            tables[key] = _frame_table(plan.writes[key], frames)
         del self._plans()[plan_id]
         plan.ended = True
         out: dict[str, Stored | KVStoreError] = {}
         try:
-            given = [plan.writes[k] for k in checksums]
-            checked = await asyncio.gather(*(self._run(_check_written, w, checksums[w.key]) for w in given))
+            given = [plan.writes[k] for k in tables]
+            checked = await asyncio.gather(*(self._run(_check_written, w, tables[w.key]) for w in given))
             app = plan.app
             if app is None or self._appender(plan.tenant) is not app:  # TenantNotFound if deleted meanwhile
                 raise StoreClosed(f"tenant {tenant!r} was closed while write plan {plan_id} was open; plan again")
@@ -314,47 +357,94 @@ class StoreWritePlans(StoreCore):
             await self._abandon(plan, "abandoned")
 
 
-def _check_written(w: PlannedWrite, sums: Sequence[int]) -> RecordHeader | KVStoreError:
-    """Read back what the client wrote for ``w`` and check each frame
-    against ``sums``; the record's final header, or why not."""
+def _frame_table(w: PlannedWrite, given: Sequence[FrameEntry | int]) -> list[FrameEntry]:
+    """The frames a client says it wrote, checked against the plan
+    (InvalidInput naming what does not fit): their count; a direct block's
+    lengths and codec are the plan's (its checksums alone will do); a sealed
+    frame holds its tag and at most its plaintext, in a known codec, raw
+    only at its plaintext's length."""
+    reserved = w.reservation.header
+    frames: list[FrameEntry] = []
+    for i, f in enumerate(given):
+        if isinstance(f, FrameEntry):
+            frames.append(f)
+        elif w.sealing is not None:
+            raise InvalidInput(f"block {w.key!r} is sealed by the client: give each frame's length, codec and xxh3")
+        else:
+            frames.append(FrameEntry(reserved.frame_plain_len(i), CODEC_RAW, f))
+    if len(frames) != len(reserved.frames):
+        raise InvalidInput(f"block {w.key!r}: {len(reserved.frames)} frames are planned; {len(frames)} were given")
+    for i, (f, most) in enumerate(zip(frames, reserved.frames, strict=True)):
+        plain = reserved.frame_plain_len(i) if w.sealing is None else most.stored_len - GCM_TAG
+        if w.sealing is None:
+            ok = f.stored_len == plain and f.codec == CODEC_RAW
+        else:
+            exact = f.stored_len == plain + GCM_TAG
+            ok = (
+                f.codec in CODECS_KNOWN
+                and GCM_TAG <= f.stored_len <= plain + GCM_TAG
+                and (f.codec != CODEC_RAW or exact)
+            )
+        if not ok:
+            raise InvalidInput(
+                f"block {w.key!r}: frame {i} ({f.stored_len} bytes, codec {f.codec}) does not fit its plan "
+                f"({plain} bytes of plaintext{'' if w.sealing is None else ' and a 16-byte tag'})"
+            )
+    return frames
+
+
+def _check_written(w: PlannedWrite, frames: Sequence[FrameEntry]) -> RecordHeader | KVStoreError:
+    """Read back what the client wrote for ``w`` and check each frame: its
+    xxh3-64, and a sealed one's AES-GCM tag under the record's binding.
+    The record's final header, or why not."""
     seg = w.reservation.segment
     h = w.reservation.header
-    buf = POOL.take(w.length)
+    header = as_written(h, tuple(frames))
+    length = header.record_len - header.payload_offset
+    buf = POOL.take(length)
     view = buf.view
     try:
         _read_back(seg.path, seg.fd, view, w.offset)
-        frames = []
+        cipher = None
+        if w.sealing is not None:
+            s = w.sealing
+            binding = FrameBinding(s.record_id, s.key_version, len(frames), h.logical_size, h.tenant, h.key)
+            cipher = RecordCipher.with_frame_key(s.frame_key, binding)
         pos = 0
-        for i, (f, want) in enumerate(zip(h.frames, sums, strict=True)):
-            got = checksum(view[pos : pos + f.stored_len])
-            if got != want:
+        for i, f in enumerate(frames):
+            stored = view[pos : pos + f.stored_len]
+            got = checksum(stored)
+            if got != f.checksum:
                 return WrittenBytesMismatch(
                     f"block {w.key!r}: frame {i} of the bytes written does not match its xxh3 "
-                    f"({got:016x}, the client gave {want:016x}); it is not stored"
+                    f"({got:016x}, the client gave {f.checksum:016x}); it is not stored"
                 )
-            frames.append(FrameEntry(f.stored_len, f.codec, got))
+            if cipher is not None:
+                try:
+                    cipher.open_into(i, stored, _scratch(f.stored_len - GCM_TAG))
+                except CorruptionError:
+                    return RecordRejected(
+                        f"block {w.key!r}: frame {i} is not sealed under this record's key and binding "
+                        "(tenant, key, record id, key version, frame index, frame count, size); it is not stored"
+                    )
             pos += f.stored_len
     except OSError as e:
         return StorageIOError(f"block {w.key!r}: reading back the bytes written failed: {e.strerror or e}")
     finally:
         view.release()
         buf.release()
-    return RecordHeader(
-        h.kind,
-        h.flags,
-        h.header_len,
-        h.payload_offset,
-        h.tenant,
-        h.key,
-        h.key_version,
-        h.frame_size,
-        h.logical_size,
-        h.payload_len,
-        h.record_len,
-        h.record_id,
-        h.created_ns,
-        tuple(frames),
-    )
+    return header
+
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> memoryview:
+    """A per-thread buffer of ``n`` bytes for the plaintext a tag check produces."""
+    buf: bytearray | None = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = bytearray(max(n, 1 << 20))
+    return memoryview(buf)[:n]
 
 
 def _read_back(path: Path, fd: int, view: memoryview, offset: int) -> None:

@@ -32,6 +32,7 @@ from kvstore.errors import (
     QuotaExceeded,
     ReadOnlyNode,
     ReadOnlyStore,
+    RecordRejected,
     RequestTimeout,
     SegmentMoved,
     StorageFull,
@@ -87,6 +88,7 @@ STATUS: dict[type[KVStoreError], int] = {
     QuotaExceeded: 507,
     KeyReserved: 503,
     WrittenBytesMismatch: 422,
+    RecordRejected: 422,
 }
 
 

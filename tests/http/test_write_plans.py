@@ -165,7 +165,7 @@ async def test_bytes_that_do_not_match_are_refused_and_never_served(daemon: Daem
         doc, fds = conn.plan_writes([{"key": "c", "size": len(data)}])
         for fd in fds:
             os.close(fd)
-        with pytest.raises(ServerError, match="xxh3") as e:
+        with pytest.raises(ServerError, match="frames are planned") as e:
             conn.commit_writes(doc["plan"], [{"key": "c", "xxh3": sums[:1]}])
         assert e.value.status == 400
         with pytest.raises(ServerError, match="not in write plan") as e:
@@ -237,10 +237,14 @@ async def test_bad_requests_get_precise_errors(daemon: Daemon, sock_dir: Path) -
         assert e.value.status == 409 and e.value.code == "not_plannable"
     finally:
         sconn.close()
-    # The client library sends a sealed tenant's blocks over HTTP instead.
-    async with AsyncClient(f"unix:{sock}", sealed) as c:
+    # The client library seals a sealed tenant's blocks itself (encode="auto"), or
+    # with encode="server" sends them over HTTP, where the daemon seals them.
+    async with AsyncClient(f"unix:{sock}", sealed, encode="server") as c:
         assert await c.put_many([("x", b"abc" * 1000)]) == [True]
         assert c.stats["plan_writes"] == 0 and await c.get("x") == b"abc" * 1000
+    async with AsyncClient(f"unix:{sock}", sealed) as c:
+        assert await c.put_many([("y", b"abc" * 1000)]) == [True]
+        assert c.stats["plan_writes"] == 1 and await c.get("y") == b"abc" * 1000
 
 
 async def test_plans_end_with_their_lease_or_their_connection(daemon: Daemon, sock_dir: Path) -> None:
@@ -324,3 +328,138 @@ def test_write_block_pads_to_its_length(tmp_path: Path) -> None:
         os.close(fd)
     sums = frame_checksums(memoryview(data), 1000)
     assert len(sums) == 6 and sums[0] == f"{xxhash.xxh3_64_intdigest(data[:1000]):016x}"
+
+
+def _sealed_plan(conn: PlanConnection, blocks: dict[str, bytes]) -> tuple[dict[str, object], list[int]]:
+    doc, fds = conn.plan_writes([{"key": k, "size": len(v)} for k, v in blocks.items()], encode="client")
+    return doc, fds
+
+
+def _sealed(b: dict[str, object], data: bytes) -> tuple[bytearray, list[dict[str, object]]]:
+    """``data`` sealed as the plan entry ``b`` says: its stored frames back to back, and their entries."""
+    from kvstore_client.write_plans import seal_block
+
+    stored, frames = seal_block(memoryview(data), b, None)
+    return bytearray(b"".join(stored)), frames
+
+
+def _write_raw(fd: int, b: dict[str, object], raw: bytes | bytearray) -> None:
+    write_block(fd, memoryview(raw), int(b["offset"]), -(-len(raw) // 4096) * 4096, False)  # type: ignore[call-overload]
+
+
+def _xxh3(data: bytes | bytearray) -> str:
+    return f"{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_client_sealed_records_are_checked_then_served(daemon: Daemon, sock_dir: Path, workers: int) -> None:
+    """A sealed tenant's blocks encoded and sealed by the client: read back
+    by GET (the daemon opens them), by read plans (the client opens them)
+    and after a restart; the plan never carries the tenant's key, only each
+    record's own; the room the compressed frames did not need is a pad."""
+    sock = _start(daemon, sock_dir, workers)
+    token = await _tenant(daemon.base, "s", "sealed")
+    kv = kv_sample("gemma3-270m.bf16.layers8-9.bin")
+    blocks = {"bf16": kv[: 3 * BLOCK], "noise": random.Random(5).randbytes(BLOCK), "tiny": b"x" * 100}
+    async with AsyncClient(f"unix:{sock}", token, encode="client") as c:
+        assert await c.put_many(list(blocks.items())) == [True] * 3
+        assert c.stats["plan_writes"] == 3
+        for k, v in blocks.items():
+            buf = bytearray(len(v))
+            assert await c.get_into(k, buf) == len(v) and buf == v
+    for k, v in blocks.items():
+        assert await _get(daemon.base, token, k) == (200, v)
+    async with aiohttp.ClientSession() as s:
+        async with s.head(f"{daemon.base}/v1/blocks/bf16", headers={"Authorization": f"Bearer {token}"}) as r:
+            assert r.status == 200
+        doc = await _admin(s, daemon.base, "POST", "/v1/admin/verify")
+        assert isinstance(doc, dict) and not doc.get("errors"), doc
+    # The plan answer: each record's own key, and what docs/openapi.yaml describes.
+    conn = PlanConnection(sock, token)
+    try:
+        doc, fds = _sealed_plan(conn, {"spec": b"y" * 5000})
+        for fd in fds:
+            os.close(fd)
+        rec = doc["blocks"][0]["record"]  # type: ignore[index]
+        assert set(rec) == {"tenant", "record_id", "key_version", "frame_count", "frame_key", "compression", "level"}
+        assert Spec.load().problems("POST", "/v1/write-plan", 200, "application/json", json.dumps(doc).encode()) == []
+        conn.abandon_writes(str(doc["plan"]))
+        # A sealed tenant without encode=client: 409, PUT instead.
+        with pytest.raises(ServerError) as e:
+            conn.plan_writes([{"key": "z", "size": 10}])
+        assert e.value.status == 409 and e.value.code == "not_plannable"
+    finally:
+        conn.close()
+    daemon.stop()
+    daemon.start()
+    for k, v in blocks.items():
+        assert await _get(daemon.base, token, k) == (200, v)
+
+
+async def test_forged_truncated_replayed_and_misbound_records_are_refused(daemon: Daemon, sock_dir: Path) -> None:
+    sock = _start(daemon, sock_dir)
+    token = await _tenant(daemon.base, "s", "sealed")
+    other = await _tenant(daemon.base, "t", "sealed")
+    data = kv_sample("gemma3-270m.bf16.layers8-9.bin")[:BLOCK]
+    conn, oconn = PlanConnection(sock, token), PlanConnection(sock, other)
+    try:
+        # An earlier plan's record of the same key, committed: its bytes are what a replay sends.
+        doc, fds = _sealed_plan(conn, {"old": data})
+        b = doc["blocks"][0]  # type: ignore[index]
+        old_stored, old_frames = _sealed(b, data)
+        _write_raw(fds[0], b, old_stored)
+        done = conn.commit_writes(str(doc["plan"]), [{"key": "old", "frames": old_frames}])
+        assert done["blocks"][0]["status"] == 201
+        for fd in fds:
+            os.close(fd)
+
+        def attempt(how: str) -> dict[str, object]:
+            c = oconn if how == "cross-tenant" else conn
+            doc, fds = _sealed_plan(c, {"k": data})
+            b = doc["blocks"][0]  # type: ignore[index]
+            try:
+                if how == "replayed":  # another record's bytes (another id, another key): its tags fail here
+                    raw, frames = old_stored, old_frames
+                elif how == "cross-tenant":  # sealed for tenant s's plan, written into tenant t's
+                    sdoc, sfds = _sealed_plan(conn, {"k": data})
+                    raw, frames = _sealed(sdoc["blocks"][0], data)  # type: ignore[index]
+                    for fd in sfds:
+                        os.close(fd)
+                    conn.abandon_writes(str(sdoc["plan"]))
+                else:
+                    raw, frames = _sealed(b, data)
+                    n0 = int(frames[0]["len"])  # type: ignore[call-overload]
+                    if how == "forged":  # one ciphertext byte changed, its checksum made to match
+                        raw[100] ^= 1
+                        frames[0]["xxh3"] = _xxh3(raw[:n0])
+                    elif how == "truncated":  # the last frame cut short by its tag
+                        last = len(raw) - int(frames[-1]["len"])  # type: ignore[call-overload]
+                        frames[-1]["len"] = int(frames[-1]["len"]) - 16  # type: ignore[call-overload]
+                        frames[-1]["xxh3"] = _xxh3(raw[last : last + int(frames[-1]["len"])])  # type: ignore[call-overload]
+                _write_raw(fds[0], b, raw)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            answer = c.commit_writes(str(doc["plan"]), [{"key": "k", "frames": frames}])
+            return dict(answer["blocks"][0])
+
+        for how in ("forged", "truncated", "replayed", "cross-tenant"):
+            r = attempt(how)
+            assert r["status"] == 422 and r["error"]["code"] == "record_rejected", (how, r)  # type: ignore[index]
+        # A frame table that does not fit the plan: 400 before anything is read.
+        doc, fds = _sealed_plan(conn, {"k": data})
+        for fd in fds:
+            os.close(fd)
+        n = doc["blocks"][0]["record"]["frame_count"]  # type: ignore[index]
+        bad = [{"len": 10**9, "codec": "zstd", "xxh3": "0" * 16}] * n
+        with pytest.raises(ServerError, match="does not fit its plan") as e:
+            conn.commit_writes(str(doc["plan"]), [{"key": "k", "frames": bad}])
+        assert e.value.status == 400
+        with pytest.raises(ServerError, match="length, codec and xxh3") as e:
+            conn.commit_writes(str(doc["plan"]), [{"key": "k", "xxh3": ["0" * 16] * n}])
+    finally:
+        conn.close()
+        oconn.close()
+    for t in (token, other):
+        assert (await _get(daemon.base, t, "k"))[0] == 404  # nothing refused was ever stored
+    assert await _get(daemon.base, token, "old") == (200, data)

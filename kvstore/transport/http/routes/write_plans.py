@@ -27,6 +27,7 @@ socket) and that worker opens the files and passes them on.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -35,7 +36,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvstore.engine.api import Stored
+from kvstore.engine.api import CODEC_NAMES, FrameEntry, Stored
 from kvstore.errors import InvalidInput, KVStoreError, StoreClosed
 from kvstore.events.model import BlockMeta
 from kvstore.transport.http.appkeys import config_of, store_of
@@ -84,7 +85,7 @@ async def write_plan(request: web.Request) -> web.StreamResponse:
         doc = relayed
     else:
         body = await json_body(request)
-        unknown = set(body) - {"blocks", "lease_s"}
+        unknown = set(body) - {"blocks", "lease_s", "encode"}
         if unknown:
             raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
         doc = await _plan(request, tenant, body, private)
@@ -137,7 +138,10 @@ async def _plan(request: web.Request, tenant: str, body: dict[str, Any], private
             except InvalidInput as e:
                 raise InvalidInput(f"blocks[{i}].meta: {e}") from None
     lease_s = _lease(body)
-    plan = await store_of(request).plan_writes(tenant, items, lease_s, metas)
+    encode = body.get("encode", "server")
+    if encode not in ("server", "client"):
+        raise InvalidInput(f"field 'encode' must be 'server' or 'client'; got {encode!r}")
+    plan = await store_of(request).plan_writes(tenant, items, lease_s, metas, encode)
     paths: list[str] = []
     out: list[dict[str, Any]] = []
     for key, _ in items:
@@ -158,6 +162,17 @@ async def _plan(request: web.Request, tenant: str, body: dict[str, Any], private
                 "frame_size": w.frame_size,
             }
         )
+        if w.sealing is not None:  # the client seals the frames: this record's identity and its own key
+            sl = w.sealing
+            out[-1]["record"] = {
+                "tenant": tenant,
+                "record_id": sl.record_id.hex(),
+                "key_version": sl.key_version,
+                "frame_count": -(-w.size // w.frame_size),
+                "frame_key": base64.b64encode(sl.frame_key).decode(),
+                "compression": sl.compression,
+                "level": sl.level,
+            }
     return {"plan": plan.id, "expires_in_s": lease_s, "paths": paths, "blocks": out}
 
 
@@ -187,22 +202,21 @@ async def commit_plan(request: web.Request) -> web.Response:
     unknown = set(body) - {"blocks"}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
-    sums: dict[str, list[int]] = {}
+    written: dict[str, list[FrameEntry | int]] = {}
     for i, b in enumerate(_blocks_field(body, config_of(request).max_batch_keys)):
-        xs = b.get("xxh3")
-        if set(b) - {"key", "xxh3"}:
-            raise InvalidInput(f"blocks[{i}]: unknown field(s): {', '.join(sorted(set(b) - {'key', 'xxh3'}))}")
-        if not isinstance(xs, list) or not xs or not all(isinstance(x, str) for x in xs):
-            raise InvalidInput(f"blocks[{i}].xxh3 must be a list of 16-digit hex strings, one per frame")
-        try:
-            sums[b["key"]] = [_hex64(x) for x in xs]
-        except ValueError:
-            raise InvalidInput(f"blocks[{i}].xxh3 must be a list of 16-digit hex strings, one per frame") from None
-        if b["key"] in sums and len(sums) != i + 1:
+        extra = set(b) - {"key", "xxh3", "frames"}
+        if extra:
+            raise InvalidInput(f"blocks[{i}]: unknown field(s): {', '.join(sorted(extra))}")
+        if b["key"] in written:
             raise InvalidInput(f"blocks[{i}]: key {b['key']!r} appears twice")
-    done = await store_of(request).commit_writes(tenant, plan_id, sums)
+        if ("xxh3" in b) == ("frames" in b):
+            raise InvalidInput(
+                f"blocks[{i}] needs 'xxh3' (a direct block) or 'frames' (sealed by the client), not both"
+            )
+        written[b["key"]] = _frames(b["frames"], i) if "frames" in b else _sums(b["xxh3"], i)
+    done = await store_of(request).commit_writes(tenant, plan_id, written)
     out: list[dict[str, Any]] = []
-    for key in sums:
+    for key in written:
         r = done[key]
         if isinstance(r, Stored):
             out.append({"key": key, "status": 201 if r.created else 200, "etag": r.info.etag})
@@ -211,10 +225,42 @@ async def commit_plan(request: web.Request) -> web.Response:
     return web.json_response({"blocks": out}, dumps=_dumps)
 
 
-def _hex64(x: str) -> int:
-    if len(x) != 16:
+def _hex64(x: object) -> int:
+    if not isinstance(x, str) or len(x) != 16:
         raise ValueError(x)
     return int(x, 16)
+
+
+def _sums(xs: object, i: int) -> list[FrameEntry | int]:
+    try:
+        if not isinstance(xs, list) or not xs:
+            raise ValueError(xs)
+        return [_hex64(x) for x in xs]
+    except ValueError:
+        raise InvalidInput(f"blocks[{i}].xxh3 must be a list of 16-digit hex strings, one per frame") from None
+
+
+_CODEC_IDS = {name: cid for cid, name in CODEC_NAMES.items()}
+
+
+def _frames(fs: object, i: int) -> list[FrameEntry | int]:
+    what = f'blocks[{i}].frames must be a list of {{"len", "codec", "xxh3"}}, one per frame'
+    if not isinstance(fs, list) or not fs:
+        raise InvalidInput(what)
+    out: list[FrameEntry | int] = []
+    for j, f in enumerate(fs):
+        if not isinstance(f, dict) or set(f) != {"len", "codec", "xxh3"}:
+            raise InvalidInput(what)
+        n, codec = f["len"], _CODEC_IDS.get(f["codec"]) if isinstance(f["codec"], str) else None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or codec is None:
+            raise InvalidInput(
+                f"blocks[{i}].frames[{j}]: 'len' must be a byte count, 'codec' one of {sorted(_CODEC_IDS)}"
+            )
+        try:
+            out.append(FrameEntry(n, codec, _hex64(f["xxh3"])))
+        except ValueError:
+            raise InvalidInput(f"blocks[{i}].frames[{j}].xxh3 must be 16 hex digits") from None
+    return out
 
 
 @routes.delete("/v1/write-plan/{plan}")
