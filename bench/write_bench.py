@@ -352,6 +352,7 @@ TARGETS = (
     "batch-put-direct",
     "unix-put-direct",
     "unix-plan-direct",
+    "unix-plan-sealed",
     "s3-put-direct",
 )
 # Only when asked for (--targets ...,nixl-put-direct): the daemon then runs a NIXL

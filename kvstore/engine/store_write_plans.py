@@ -234,6 +234,11 @@ class StoreWritePlans(StoreCore):
             await self._end_plan(plan)
         return plan
 
+    def plans_writes(self, tenant: str) -> bool:
+        """Whether ``tenant``'s blocks can be written through a plan with the
+        daemon as the writer (a direct tenant: stored as written)."""
+        return self._tenant(tenant).policy == "direct"
+
     def write_plan(self, tenant: str, plan_id: str) -> WritePlan:
         """The open plan ``plan_id`` of ``tenant`` (WritePlanNotFound: ended,
         expired, another tenant's, or never given)."""
@@ -245,13 +250,20 @@ class StoreWritePlans(StoreCore):
         return plan
 
     async def commit_writes(
-        self, tenant: str, plan_id: str, written: Mapping[str, Sequence[FrameEntry | int]]
+        self,
+        tenant: str,
+        plan_id: str,
+        written: Mapping[str, Sequence[FrameEntry | int]],
+        read_back: bool = True,
     ) -> dict[str, Stored | KVStoreError]:
         """Check and index the blocks of plan ``plan_id`` given in
         ``written`` (key -> each frame of what the client wrote: its stored
         length, codec and xxh3-64; of a direct block, just each frame's
         xxh3-64 will do: its frames are raw, their lengths the plan's); the plan ends, and its keys not given are
-        abandoned. Each key's answer: the block as stored, or why it was not."""
+        abandoned. Each key's answer: the block as stored, or why it was not.
+        ``read_back`` False: the bytes were written by this process and the
+        checksums taken from them (NIXL's landings): they are not read back.
+        (A client's commit is always read back and checked.)"""
         plan = self.write_plan(tenant, plan_id)
         unknown = [k for k in written if k not in plan.writes]
         if unknown:
@@ -264,7 +276,8 @@ class StoreWritePlans(StoreCore):
         out: dict[str, Stored | KVStoreError] = {}
         try:
             given = [plan.writes[k] for k in tables]
-            checked = await asyncio.gather(*(self._run(_check_written, w, tables[w.key]) for w in given))
+            check = _check_written if read_back else _as_written
+            checked = await asyncio.gather(*(self._run(check, w, tables[w.key]) for w in given))
             app = plan.app
             if app is None or self._appender(plan.tenant) is not app:  # TenantNotFound if deleted meanwhile
                 raise StoreClosed(f"tenant {tenant!r} was closed while write plan {plan_id} was open; plan again")
@@ -391,6 +404,11 @@ def _frame_table(w: PlannedWrite, given: Sequence[FrameEntry | int]) -> list[Fra
                 f"({plain} bytes of plaintext{'' if w.sealing is None else ' and a 16-byte tag'})"
             )
     return frames
+
+
+def _as_written(w: PlannedWrite, frames: Sequence[FrameEntry]) -> RecordHeader | KVStoreError:
+    """The record's final header, its frames as given (not read back)."""
+    return as_written(w.reservation.header, tuple(frames))
 
 
 def _check_written(w: PlannedWrite, frames: Sequence[FrameEntry]) -> RecordHeader | KVStoreError:

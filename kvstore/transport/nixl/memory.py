@@ -1,6 +1,6 @@
 """Memory the daemon's NIXL agent exposes to its peers.
 
-Two kinds of region, each registered once with the agent:
+Three kinds of region, each registered once with the agent:
 
 - a segment's mapping (read-only, shared): direct blocks are READ straight
   from it. One per segment file (a new one when an open segment grew past
@@ -9,7 +9,11 @@ Two kinds of region, each registered once with the agent:
   where sealed blocks are decoded for readers, blocks in the object tier
   only are copied, and clients' writes land. Pieces are allocated per lease
   and freed when it ends; a chunk serves one tenant only and goes when it
-  has been empty for ``IDLE_S``. All chunks together stay within a budget.
+  has been empty for ``IDLE_S``. All chunks together stay within a budget;
+- a write plan's landing (writable, shared): the room a write plan reserved
+  for one block in its segment, where the daemon READs the client's block
+  straight into the file's pages (no staging, no put). It exists for one
+  transfer: no peer is ever sent its metadata, so it is let go at once.
 
 A peer is sent the metadata of its own tenant's regions only.
 
@@ -57,8 +61,8 @@ _MAP_FIXED = 0x10
 _MAP_NORESERVE = 0x4000
 
 
-def _mmap(addr: int | None, length: int, prot: int, flags: int, fd: int) -> int:
-    got = _libc.mmap(addr, length, prot, flags, fd, 0)
+def _mmap(addr: int | None, length: int, prot: int, flags: int, fd: int, offset: int = 0) -> int:
+    got = _libc.mmap(addr, length, prot, flags, fd, offset)
     if got is None or got == _MAP_FAILED:
         err = ctypes.get_errno()
         raise StorageIOError(f"mmap of {length} bytes failed: {os.strerror(err)}")
@@ -139,6 +143,20 @@ class Memory:
                 self._retire(r)
         self._segments[file] = region
         return region
+
+    # -- write landings ---------------------------------------------------------
+
+    def landing(self, tenant: str, fd: int, offset: int, length: int) -> Region:
+        """``length`` bytes of the file open as ``fd`` (read-write) from
+        ``offset`` (both page multiples), mapped shared and registered."""
+        addr = _mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, offset)
+        return self._register(tenant, addr, length, None)
+
+    def drop_landing(self, region: Region) -> None:
+        """Deregister and unmap a landing once its transfer ended (its bytes
+        stay in the file's pages)."""
+        self._agent.deregister_memory(region.reg)
+        _libc.munmap(region.addr, region.length)
 
     # -- staging ----------------------------------------------------------------
 

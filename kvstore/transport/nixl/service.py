@@ -14,8 +14,14 @@
   client then needs no confirmation that the lease held (a READ of memory
   reused after expiry fails its checksum), so its release can wait and ride
   on its next read (``release``).
-- ``write`` READs the client's blocks into staging and stores each as a PUT
-  would (first write wins, same durability).
+- ``write`` of a direct tenant's blocks: a write plan reserves room for
+  each in the tenant's open segment (engine/store_write_plans.py), the
+  daemon READs each block straight into the file's pages there (a landing:
+  the reserved range mapped shared, registered for this transfer only),
+  takes each frame's xxh3-64 of what landed and commits the plan: synced
+  and indexed as a PUT would be (first write wins, same durability), with
+  no staging copy and no put. A sealed tenant's blocks (the daemon seals
+  them) are READ into staging and stored each as a PUT.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Any
 import xxhash
 from kvstore_client.wire.nixl_loader import configure_ucx
 
-from kvstore.engine.api import PlannedBlock, Store
+from kvstore.engine.api import PlannedBlock, Store, Stored
 from kvstore.errors import (
     AgentTaken,
     AgentUnknown,
@@ -79,6 +85,10 @@ def _sys_rdma() -> bool:
         return bool(os.listdir("/sys/class/infiniband"))
     except OSError:
         return False
+
+
+def _frame_sums(data: memoryview, frame_size: int) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(data[i : i + frame_size]) for i in range(0, len(data), frame_size)]
 
 
 def b64(data: bytes) -> str:
@@ -278,6 +288,8 @@ class XferService:
             loaded = self._load(metadata, "metadata")
             if loaded != agent:
                 raise InvalidInput(f"field 'metadata' describes agent {loaded!r}, not {agent!r} (field 'agent')")
+        if blocks and self._store.plans_writes(tenant):
+            return await self._write_planned(tenant, agent, blocks, metas)
         total = sum(n for _, _, n, _ in blocks)
         piece = self.memory.stage(tenant, max(total, 1))
         try:
@@ -305,6 +317,65 @@ class XferService:
             return results
         finally:
             self.memory.free(piece)
+
+    async def _write_planned(
+        self,
+        tenant: str,
+        agent: str,
+        blocks: list[tuple[str, int, int, int]],
+        metas: list[BlockMeta | None] | None,
+    ) -> list[dict[str, Any]]:
+        """A direct tenant's write: READ into the room a write plan reserved."""
+        keys = [validate_client_key(key) for key, _, _, _ in blocks]
+        if len(set(keys)) != len(keys):
+            raise InvalidInput("a key appears twice in one write (field 'blocks')")
+        ids = {k: m for k, m in zip(keys, metas, strict=True) if m is not None} if metas is not None else None
+        store = self._store
+        empty = InvalidInput("block is empty; blocks are 1 byte or more")
+        items = [(k, n) for k, (_, _, n, _) in zip(keys, blocks, strict=True) if n > 0]
+        plan = await store.plan_writes(tenant, items, min(self._config.request_timeout_s + 5, 600.0), ids)
+        landings: list[tuple[str, Region]] = []
+        committed = False
+        done: dict[str, Stored | KVStoreError] = {}
+        try:
+            spans = []
+            for key, (_, addr, n, dev) in zip(keys, blocks, strict=True):
+                w = plan.writes.get(key)
+                if w is None:
+                    continue  # stored already
+                region = self.memory.landing(tenant, w.reservation.segment.fd, w.offset, w.length)
+                landings.append((key, region))
+                spans.append((region.addr, addr, n, dev))
+            if spans:
+                await self._transfer("READ", agent, spans)
+            sums: dict[str, list[int]] = {}
+            for key, r in landings:
+                w = plan.writes[key]
+                sums[key] = await asyncio.to_thread(_frame_sums, view(r.addr, w.size), w.frame_size)
+            # Landed by this process, summed from the same pages: nothing to read back.
+            done = await store.commit_writes(tenant, plan.id, sums, read_back=False) if sums else {}
+            committed = True
+        finally:
+            for _, region in landings:
+                self.memory.drop_landing(region)
+            if not committed and plan.writes:
+                with contextlib.suppress(KVStoreError):
+                    await store.abandon_writes(tenant, plan.id)
+        results: list[dict[str, Any]] = []
+        total = 0
+        for key, (_, _, n, _) in zip(keys, blocks, strict=True):
+            res = empty if n <= 0 else done[key] if key in done else plan.existing[key]
+            if isinstance(res, KVStoreError):
+                results.append(
+                    {"key": key, "status": http_status(res), "error": {"code": res.code, "message": str(res)}}
+                )
+                continue
+            results.append({"key": key, "status": 201 if res.created else 200, "size": n, "created": res.created})
+            total += n if res.created else 0
+        self.counts["writes"] += 1
+        self.counts["write_bytes"] += total
+        store.metrics.inc("kvstore_nixl_bytes_total", total, op="write", source="segment")
+        return results
 
     async def _transfer(self, op: str, peer: str, spans: list[tuple[int, int, int, int]]) -> None:
         """One transfer of (local addr, remote addr, len, remote dev) spans;
