@@ -228,7 +228,7 @@ class UnixPlanWriter:
         doc, fds = conn.plan_writes(asks, encode="client" if self._client_encode else None)
         left: list[int] = []
         try:
-            direct = [_set_direct(fd) for fd in fds]
+            direct = [bool(doc.get("direct", True)) and _set_direct(fd) for fd in fds]
             by_key = {b["key"]: b for b in doc["blocks"]}
             commits: list[dict[str, Any]] = []
             pos_of: dict[str, int] = {}

@@ -95,6 +95,7 @@ class Reservation:
     segment: SegmentFile
     offset: int
     header: RecordHeader
+    direct: bool = False  # the segment's records are written with O_DIRECT (the client writes so too)
 
     @property
     def payload_at(self) -> int:
@@ -539,6 +540,8 @@ class Appender:
             seg = self._segment_for(total)
         except OSError as e:
             raise _io_error(e, "sealing the full segment or creating the next one") from None
+        if self._direct_io is None:
+            self._direct_io = directio.supported(self._dir)
         start = seg.size
         out: list[Reservation] = []
         try:
@@ -546,7 +549,7 @@ class Appender:
             pos = start
             for h in headers:
                 os.pwrite(seg.fd, pad(self.tenant, h.record_len), pos)
-                out.append(Reservation(seg, pos, h))
+                out.append(Reservation(seg, pos, h, self._direct_io))
                 pos += h.record_len
             seg.size = pos
             self._life.appended(self.tenant, seg.segment_id, [], seg.size, self._tail.synced_upto)

@@ -422,7 +422,7 @@ def _check_written(w: PlannedWrite, frames: Sequence[FrameEntry]) -> RecordHeade
     buf = POOL.take(length)
     view = buf.view
     try:
-        _read_back(seg.path, seg.fd, view, w.offset)
+        _read_back(seg.path, seg.fd, view, w.offset, w.reservation.direct)
         cipher = None
         if w.sealing is not None:
             s = w.sealing
@@ -465,13 +465,14 @@ def _scratch(n: int) -> memoryview:
     return memoryview(buf)[:n]
 
 
-def _read_back(path: Path, fd: int, view: memoryview, offset: int) -> None:
+def _read_back(path: Path, fd: int, view: memoryview, offset: int, direct: bool) -> None:
     """Fill ``view`` (page-aligned, an ALIGN multiple) from the file: with
-    ``O_DIRECT`` where the filesystem takes it (the bytes a client wrote
+    ``O_DIRECT`` where the segment is written so (the bytes a client wrote
     with O_DIRECT are not in the page cache: reading them through it would
-    cost the copy write plans avoid), else through ``fd``."""
+    cost the copy write plans avoid), else through ``fd`` (from the page
+    cache, where a client's buffered writes are)."""
     dfd = -1
-    if directio.O_DIRECT and directio.supported(path.parent):
+    if direct:
         try:
             dfd = os.open(path, os.O_RDONLY | directio.O_DIRECT)
         except OSError as e:

@@ -6,7 +6,9 @@ tenant's segment itself, then commits them (engine/store_write_plans.py).
 the file (an id in this answer's ``files``), the ``offset`` where its bytes
 go, the ``length`` to write there (the block, then zeros up to a 4096
 multiple: ``O_DIRECT`` writes fit it) and the ``frame_size`` its checksums
-are taken over; a key that exists is ``"exists": true`` with its ETag,
+are taken over; ``direct`` says whether to write with ``O_DIRECT`` (as the
+daemon writes those segments: its ``direct_io`` setting and the
+filesystem); a key that exists is ``"exists": true`` with its ETag,
 nothing to write. The files' descriptors (opened write-only for this answer,
 one per segment; the client may set ``O_DIRECT`` on them and closes them
 when the plan ends) travel with the answer's body as SCM_RIGHTS, in the
@@ -173,7 +175,10 @@ async def _plan(request: web.Request, tenant: str, body: dict[str, Any], private
                 "compression": sl.compression,
                 "level": sl.level,
             }
-    return {"plan": plan.id, "expires_in_s": lease_s, "paths": paths, "blocks": out}
+    # Whether the daemon writes these segments with O_DIRECT (direct_io and
+    # the filesystem): the client writes the same way.
+    direct = all(w.reservation.direct for w in plan.writes.values())
+    return {"plan": plan.id, "expires_in_s": lease_s, "direct": direct, "paths": paths, "blocks": out}
 
 
 async def _relay(request: web.Request) -> dict[str, Any] | web.Response:
