@@ -206,9 +206,9 @@ def _loads(adapter: Any, tasks: list[int]) -> dict[int, Any]:
 
 
 @contextmanager
-def targets(lm: Any, workdir: Path) -> Iterator[dict[str, tuple[Any, int | None]]]:
-    """Each target's adapter and its daemon's pid (None for fs)."""
-    settings = {"durability": "interval", "segment_size": "64MiB"}
+def targets(lm: Any, workdir: Path, extra: dict[str, str] | None = None) -> Iterator[dict[str, tuple[Any, int | None]]]:
+    """Each target's adapter and its daemon's pid (None for fs); ``extra``: more daemon settings."""
+    settings = {"durability": "interval", "segment_size": "64MiB", **(extra or {})}
     os.environ.update(UCX)  # for this process's agent, and passed on to the daemon's
     with ExitStack() as stack:
         sock = workdir / "kv.sock"
@@ -261,7 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=Path, default=SAMPLES, help="a directory of *.bin KV samples")
     p.add_argument("--drop-caches", action="store_true", help="drop the page cache before each load phase")
     p.add_argument("--json", type=Path, help="write the figures here")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a daemon setting (both daemons)")
     args = p.parse_args(argv)
+    extra: dict[str, str] = {}
+    for item in args.set:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            p.error(f"--set {item!r}: expected NAME=VALUE")
+        extra[name] = value
     if args.chunks < 1 or args.batch < 1 or args.repeats < 1 or args.chunk_mib <= 0 or args.warmup < 0:
         p.error("--chunks, --batch, --repeats and --chunk-mib must be positive, --warmup not negative")
     size = int(args.chunk_mib * MiB) // 4096 * 4096 or 4096
@@ -272,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[dict[str, float]]] = {t: [] for t in TARGETS}
     dropped = False
     try:
-        with targets(lm, workdir) as made:
+        with targets(lm, workdir, extra) as made:
             for r in range(-args.warmup, args.repeats):
                 chunks = cut_objects(pool, size, args.chunks, rng)
                 order = TARGETS[r % len(TARGETS) :] + TARGETS[: r % len(TARGETS)]
