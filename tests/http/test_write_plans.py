@@ -463,3 +463,62 @@ async def test_forged_truncated_replayed_and_misbound_records_are_refused(daemon
     for t in (token, other):
         assert (await _get(daemon.base, t, "k"))[0] == 404  # nothing refused was ever stored
     assert await _get(daemon.base, token, "old") == (200, data)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_write_plans_race_flush_compaction_deletes_and_tenant_deletion(
+    daemon: Daemon, sock_dir: Path, workers: int
+) -> None:
+    """Clients storing through write plans (direct, and sealed with client
+    encode) while the admin flushes, compacts and deletes; then a tenant is
+    deleted under a client's feet. Every block acknowledged and not deleted
+    reads back as written; the store verifies clean."""
+    sock = _start(daemon, sock_dir, workers)
+    tokens = {"d": await _tenant(daemon.base, "d"), "s": await _tenant(daemon.base, "s", "sealed")}
+    gone = await _tenant(daemon.base, "gone")
+    stored: dict[tuple[str, str], bytes] = {}
+    deleted: set[tuple[str, str]] = set()
+
+    async def writer(t: str) -> None:
+        async with AsyncClient(f"unix:{sock}", tokens[t], timeout=30) as c:
+            for r in range(6):
+                batch = {f"{t}{r}-{i}": random.Random(f"{t}{r}{i}").randbytes(120_000) for i in range(4)}
+                assert await c.put_many(list(batch.items())) == [True] * 4
+                assert c.stats["plan_writes"] == 4 * (r + 1)
+                stored.update({(t, k): v for k, v in batch.items()})
+
+    async def admin() -> None:
+        async with aiohttp.ClientSession() as s:
+            for i in range(6):
+                await _admin(s, daemon.base, "POST", "/v1/admin/flush")
+                await _admin(s, daemon.base, "POST", "/v1/admin/compact")
+                for t, k in list(stored)[i::5]:
+                    async with s.delete(
+                        f"{daemon.base}/v1/blocks/{k}", headers={"Authorization": f"Bearer {tokens[t]}"}
+                    ) as r:
+                        if r.status == 204:
+                            deleted.add((t, k))
+                await asyncio.sleep(0.05)
+
+    async def doomed() -> None:
+        """A tenant deleted while its client stores: every answer is a
+        success or a clean error, never a hang."""
+        async with AsyncClient(f"unix:{sock}", gone, timeout=10, retries=0) as c:
+            for r in range(4):
+                await c.put_many([(f"g{r}", b"x" * 50_000)])
+                if r == 1:
+                    async with aiohttp.ClientSession() as s:
+                        await _admin(s, daemon.base, "DELETE", "/v1/admin/tenants/gone")
+
+    await asyncio.wait_for(asyncio.gather(writer("d"), writer("s"), admin(), doomed()), 120)
+    for (t, k), v in stored.items():
+        status, body = await _get(daemon.base, tokens[t], k)
+        if (t, k) in deleted:
+            assert status == 404, k
+        else:
+            assert (status, body) == (200, v), k
+    async with aiohttp.ClientSession() as s:
+        await _admin(s, daemon.base, "POST", "/v1/admin/flush")
+        await _admin(s, daemon.base, "POST", "/v1/admin/compact")
+        doc = await _admin(s, daemon.base, "POST", "/v1/admin/verify")
+    assert isinstance(doc, dict) and not doc.get("errors"), doc

@@ -9,15 +9,20 @@ import asyncio
 import os
 import random
 import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import xxhash
 
+from kvstore.config import StoreConfig
+from kvstore.engine import directio
 from kvstore.engine.store import Store
 from kvstore.engine.store_write_plans import WritePlan
 from kvstore.engine.types import Stored
 from kvstore.errors import KVStoreError, NotPlannable, TenantNotFound, WritePlanNotFound
 from tests.conftest import OpenStore
+from tests.fault.smallfs import MiB, mount_tmpfs, unmount
 
 
 def block(key: str, n: int = 60_000) -> bytes:
@@ -172,3 +177,28 @@ async def test_only_direct_tenants_plan_writes(store: Store) -> None:
     await store.create_tenant("s", "sealed")
     with pytest.raises(NotPlannable):
         await store.plan_writes("s", [("a", 10)], 30)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    where = tmp_path / "fs"
+    mount_tmpfs(where, 64 * MiB)
+    yield where
+    unmount(where)
+
+
+async def test_write_plans_on_a_filesystem_without_o_direct(
+    tmpfs: Path, open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tmpfs: the plan says to write through the page cache (the daemon
+    writes those segments so), and the commit reads back the same way."""
+    monkeypatch.setattr(directio, "_probed", {})
+    store = await open_store(StoreConfig.from_env(tmpfs / "data", env={}, segment_size="16MiB"))
+    await store.create_tenant("d", "direct")
+    blocks = {f"k{i}": block(f"t{i}", 70_000 + i) for i in range(4)}
+    plan = await store.plan_writes("d", [(k, len(v)) for k, v in blocks.items()], 30)
+    assert all(not w.reservation.direct for w in plan.writes.values())
+    done = await store.commit_writes("d", plan.id, write(plan, blocks))
+    assert all(isinstance(r, Stored) and r.created for r in done.values())
+    assert await contents(store, "d", list(blocks)) == blocks
+    await store.close()
