@@ -184,7 +184,7 @@ def as_written(reserved: RecordHeader, frames: tuple[FrameEntry, ...]) -> Record
 _local = threading.local()
 
 
-def _scratch(n: int) -> memoryview:
+def scratch(n: int) -> memoryview:
     """A per-thread buffer of ``n`` bytes, reused from call to call (a fresh
     multi-megabyte buffer per frame costs more than decrypting it)."""
     buf: bytearray | None = getattr(_local, "buf", None)
@@ -212,7 +212,7 @@ def open_frame(
         elif entry.codec == CODEC_RAW:
             cipher.open_into(index, stored, out)
         else:
-            plain = _scratch(len(stored) - 16)
+            plain = scratch(len(stored) - 16)
             cipher.open_into(index, stored, plain)
             codec.decode_frame(entry.codec, plain, out)
     except CorruptionError as e:

@@ -52,7 +52,6 @@ import errno
 import logging
 import os
 import secrets
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,7 +64,7 @@ from kvstore.engine import directio
 from kvstore.engine.appender import Appender, Reservation
 from kvstore.engine.crypto import RecordCipher, derive_frame_key
 from kvstore.engine.format import CODEC_RAW, CODECS_KNOWN, GCM_TAG, FrameEntry, RecordHeader, checksum
-from kvstore.engine.record import as_written, new_record_id, planned
+from kvstore.engine.record import as_written, new_record_id, planned, scratch
 from kvstore.engine.registry import Tenant
 from kvstore.engine.store_core import StoreCore
 from kvstore.engine.types import BlockInfo, Stored
@@ -439,7 +438,7 @@ def _check_written(w: PlannedWrite, frames: Sequence[FrameEntry]) -> RecordHeade
                 )
             if cipher is not None:
                 try:
-                    cipher.open_into(i, stored, _scratch(f.stored_len - GCM_TAG))
+                    cipher.open_into(i, stored, scratch(f.stored_len - GCM_TAG))
                 except CorruptionError:
                     return RecordRejected(
                         f"block {w.key!r}: frame {i} is not sealed under this record's key and binding "
@@ -452,17 +451,6 @@ def _check_written(w: PlannedWrite, frames: Sequence[FrameEntry]) -> RecordHeade
         view.release()
         buf.release()
     return header
-
-
-_local = threading.local()
-
-
-def _scratch(n: int) -> memoryview:
-    """A per-thread buffer of ``n`` bytes for the plaintext a tag check produces."""
-    buf: bytearray | None = getattr(_local, "buf", None)
-    if buf is None or len(buf) < n:
-        buf = _local.buf = bytearray(max(n, 1 << 20))
-    return memoryview(buf)[:n]
 
 
 def _read_back(path: Path, fd: int, view: memoryview, offset: int, direct: bool) -> None:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -163,3 +164,16 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     yield d
     if d.proc is not None:
         d.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short directory for a unix socket (pytest's paths can pass the
+    108 bytes a socket path may have) that another user can reach
+    (pytest's tmp_path is 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="kvs-sock-"))
+    d.chmod(0o755)
+    yield d
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()

@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -71,16 +70,6 @@ async def _tenant(s: aiohttp.ClientSession, base: str, name: str, **limits: int)
         async with s.patch(f"{base}/v1/admin/tenants/{name}", json=limits, headers=admin) as r:
             assert r.status == 200, await r.text()
     return h
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short directory for a unix socket (pytest's paths can pass 108 bytes)."""
-    d = Path(tempfile.mkdtemp(prefix="kvs-locks-"))
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
 
 
 @pytest.fixture

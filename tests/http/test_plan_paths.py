@@ -13,9 +13,8 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,15 +34,6 @@ from ..conftest import kv_sample
 from .conftest import ROOT, Daemon, KVTestServer, free_port, server_config
 from .openapi import Spec
 from .test_read_plans import BLOCK, _blocks, _compact, _put, _tenant
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="kvs-paths-"))
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
 
 
 @dataclass

@@ -13,9 +13,7 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,17 +28,6 @@ from .conftest import ADMIN, ROOT, Daemon
 from .openapi import Spec
 
 BLOCK = 200_000  # five to a 1 MiB segment
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A directory another user can reach (pytest's tmp_path is 0700)."""
-    d = Path(tempfile.mkdtemp(prefix="kvs-plans-"))
-    d.chmod(0o755)
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
 
 
 async def _admin(session: aiohttp.ClientSession, base: str, method: str, path: str, body: object = None) -> object:

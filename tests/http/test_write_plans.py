@@ -12,8 +12,6 @@ import json
 import os
 import random
 import signal
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -29,17 +27,6 @@ from .conftest import ADMIN, Daemon
 from .openapi import Spec
 
 BLOCK = 200_000  # five to a 1 MiB segment
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A directory another user can reach (pytest's tmp_path is 0700)."""
-    d = Path(tempfile.mkdtemp(prefix="kvs-wplans-"))
-    d.chmod(0o755)
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
 
 
 async def _admin(s: aiohttp.ClientSession, base: str, method: str, path: str, body: object = None) -> object:

@@ -251,13 +251,7 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
         if WRITER in request.app:  # a reader: the writer, which compacts and evicts, holds it too
             await share_lease(request.app, lease, lease_s)
         doc = {"lease": lease.id, "expires_in_s": lease_s, "files": files, "closed": closed, "blocks": blocks}
-        payload = json.dumps(doc, separators=(",", ":")).encode()
-        resp = web.StreamResponse(headers={"Content-Type": "application/json", "Kvstore-Fds": str(len(fds))})
-        resp.content_length = len(payload)
-        await resp.prepare(request)
-        await send_with_fds(request, resp, transport, payload, fds)
-        await resp.write_eof()
-        return resp
+        return await answer_with_fds(request, transport, doc, fds)
     finally:
         for fd in fds:
             os.close(fd)
@@ -324,7 +318,21 @@ def _block(tenant: str, p: PlannedBlock, where: int | str) -> dict[str, Any]:
     return doc
 
 
-async def send_with_fds(
+async def answer_with_fds(
+    request: web.Request, transport: asyncio.Transport, doc: dict[str, Any], fds: list[int]
+) -> web.StreamResponse:
+    """A plan's answer: ``doc`` as JSON, its first bytes carrying ``fds``
+    (SCM_RIGHTS; ``Kvstore-Fds`` says how many)."""
+    payload = json.dumps(doc, separators=(",", ":")).encode()
+    resp = web.StreamResponse(headers={"Content-Type": "application/json", "Kvstore-Fds": str(len(fds))})
+    resp.content_length = len(payload)
+    await resp.prepare(request)
+    await _send_with_fds(request, resp, transport, payload, fds)
+    await resp.write_eof()
+    return resp
+
+
+async def _send_with_fds(
     request: web.Request,
     resp: web.StreamResponse,
     transport: asyncio.Transport,

@@ -46,7 +46,7 @@ from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import json_body
 from kvstore.transport.http.forward import WRITER, writer_url
 from kvstore.transport.http.internal import on_private_socket
-from kvstore.transport.http.routes.plans import PLANS, send_with_fds, unix_transport
+from kvstore.transport.http.routes.plans import PLANS, answer_with_fds, unix_transport
 from kvstore.transport.statuses import http_status
 
 routes = web.RouteTableDef()
@@ -103,13 +103,7 @@ async def write_plan(request: web.Request) -> web.StreamResponse:
             fds.append(os.open(p, os.O_WRONLY | os.O_CLOEXEC))
         request.app[PLANS].connection(transport).write_plans.add(doc["plan"])
         doc["files"] = list(range(len(fds)))
-        payload = json.dumps(doc, separators=(",", ":")).encode()
-        resp = web.StreamResponse(headers={"Content-Type": "application/json", "Kvstore-Fds": str(len(fds))})
-        resp.content_length = len(payload)
-        await resp.prepare(request)
-        await send_with_fds(request, resp, transport, payload, fds)
-        await resp.write_eof()
-        return resp
+        return await answer_with_fds(request, transport, doc, fds)
     except BaseException:
         with contextlib.suppress(KVStoreError, aiohttp.ClientError, OSError):
             await _abandon(request, tenant, doc["plan"])
