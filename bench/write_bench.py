@@ -284,14 +284,14 @@ class Bench:
 
         async def go() -> Pass:
             async with self.client(endpoint, token, nixl=name.startswith("nixl")) as c:
-                if name.startswith(("nixl", "unix-plan")):  # connected (and registered), off the clock
+                if name.startswith(("nixl", "unix-plan", "tcp-plan")):  # connected (and registered), off the clock
                     await c.put_many([(items[0][0] + "-warm", items[0][1])])
                 else:
                     await c.put(items[0][0] + "-warm", items[0][1])  # connection up, off the clock
-                if name.startswith(("batch", "nixl", "unix-plan")):
+                if name.startswith(("batch", "nixl", "unix-plan", "tcp-plan")):
                     # Write plans: two plans of depth/2 in flight (depth blocks in all), so that
                     # one plan's blocks are written while the other's commit syncs.
-                    width = 2 if name.startswith("unix-plan") and depth > 1 else 1
+                    width = 2 if name.startswith(("unix-plan", "tcp-plan")) and depth > 1 else 1
                     per = depth // width
                     chunks = [items[i : i + per] for i in range(0, n, per)]
                     jobs: list[Callable[[], Awaitable[object]]] = [functools.partial(c.put_many, ch) for ch in chunks]
@@ -353,6 +353,7 @@ TARGETS = (
     "unix-put-direct",
     "unix-plan-direct",
     "unix-plan-sealed",
+    "tcp-plan-sealed",
     "s3-put-direct",
 )
 # Only when asked for (--targets ...,nixl-put-direct): the daemon then runs a NIXL

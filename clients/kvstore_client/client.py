@@ -45,7 +45,7 @@ from kvstore_client.reads.unix_plan import UnixPlanReader
 from kvstore_client.sharding import UNIX, Shards
 from kvstore_client.sharding import normalize as _normalize
 from kvstore_client.wire.batchframe import BufferLike
-from kvstore_client.write_plans import UnixPlanWriter
+from kvstore_client.write_plans import UnixPlanWriter, UploadPlanWriter
 from kvstore_client.writes import Writes
 
 T = TypeVar("T")
@@ -202,6 +202,7 @@ class AsyncClient:
                 client_encode=encode != "server" and decode_available(),
                 pool=self._decoders.get,
             ),
+            UploadPlanWriter(self._x, enabled=encode != "server" and decode_available(), pool=self._decoders.get),
             max_batch_keys=max_batch_keys,
             strict=strict,
         )

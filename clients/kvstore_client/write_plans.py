@@ -36,8 +36,10 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+import aiohttp
 import xxhash
 
+from kvstore_client.answers import check, json_answer
 from kvstore_client.errors import KVStoreClientError, ProtocolError, ServerError
 from kvstore_client.exchange import Exchange
 from kvstore_client.plans import PlanConnection
@@ -273,6 +275,106 @@ class UnixPlanWriter:
             r = done.get(key)
             if r is not None and r.get("status") in (200, 201):
                 ok[i] = max(ok[i] or 0, int(r["status"]))
+                self._x.stats["plan_writes"] += 1
+            else:
+                left.append(i)
+        return left
+
+
+class UploadPlanWriter:
+    """Puts of a sealed tenant's blocks sealed here, on an ``http(s)://``
+    endpoint where a record's key may go (TLS, loopback): a write plan gives
+    each record its id and key, the sealed frames go up as request bodies
+    (``PUT /v1/write-plan/{plan}/blocks/{key}``), and the commit has the
+    daemon check every tag. The daemon answers a direct tenant's plan over
+    TCP with ``unix_socket_required``: that endpoint is remembered and its
+    blocks go through ``/v1/batch/put``."""
+
+    def __init__(self, exchange: Exchange, *, enabled: bool, pool: Callable[[], Executor]) -> None:
+        self._x = exchange
+        self._enabled = enabled
+        self._pool = pool
+        self._refused: set[str] = set()
+
+    def usable(self, url: str) -> bool:
+        from kvstore_client.decoding import decode_allowed
+
+        return self._enabled and not url.startswith(UNIX) and url not in self._refused and decode_allowed(url)
+
+    async def write(
+        self,
+        url: str,
+        items: Sequence[tuple[str, BufferLike]],
+        idx: list[int],
+        ok: list[int | None],
+        metas: Sequence[str | None] | None,
+    ) -> list[int]:
+        """Store ``items[idx]`` on ``url``; the indices left for HTTP PUTs."""
+        try:
+            return await self._plan_upload_commit(url, items, idx, ok, metas)
+        except (KVStoreClientError, aiohttp.ClientError, OSError) as e:
+            if isinstance(e, ServerError) and e.code in (*_NEVER, "insecure_transport"):
+                self._refused.add(url)
+            else:
+                self._x.log.warning("kvstore write plan failed, writing over HTTP: %s", e)
+            return idx
+
+    async def _plan_upload_commit(
+        self,
+        url: str,
+        items: Sequence[tuple[str, BufferLike]],
+        idx: list[int],
+        ok: list[int | None],
+        metas: Sequence[str | None] | None,
+    ) -> list[int]:
+        s = self._x.session(self._x.endpoints[url])
+        views = {i: memoryview(items[i][1]).cast("B") for i in idx}
+        asks: list[dict[str, Any]] = []
+        for i in idx:
+            ask: dict[str, Any] = {"key": items[i][0], "size": views[i].nbytes}
+            if metas is not None and metas[i] is not None:
+                ask["meta"] = metas[i]
+            asks.append(ask)
+        async with s.post("/v1/write-plan", json={"blocks": asks, "encode": "client"}) as r:
+            await check(r, ok=(200,))
+            doc = await json_answer(r)
+        plan = doc["plan"]
+        by_key = {b["key"]: b for b in doc["blocks"]}
+        left: list[int] = []
+        commits: list[dict[str, Any]] = []
+        pos_of: dict[str, int] = {}
+        try:
+            for i in idx:
+                key = items[i][0]
+                b = by_key.get(key)
+                if b is None or b.get("status") != 200 or ("record" not in b and not b.get("exists")):
+                    left.append(i)
+                    continue
+                if b.get("exists"):
+                    ok[i] = max(ok[i] or 0, 200)
+                    continue
+                stored, frames = await asyncio.to_thread(seal_block, views[i], b, self._pool())
+                async with s.put(f"/v1/write-plan/{plan}/blocks/{key}", data=b"".join(stored)) as r:
+                    await check(r, ok=(204,))
+                commits.append({"key": key, "frames": frames})
+                pos_of[key] = i
+        except BaseException:
+            with contextlib.suppress(Exception):
+                async with s.delete(f"/v1/write-plan/{plan}"):
+                    pass
+            raise
+        if not commits:
+            async with s.delete(f"/v1/write-plan/{plan}"):
+                pass
+            return left
+        async with s.post(f"/v1/write-plan/{plan}", json={"blocks": commits}) as r:
+            await check(r, ok=(200,))
+            answer = await json_answer(r)
+        done = {r["key"]: r for r in answer.get("blocks", ()) if isinstance(r, dict)}
+        for key, i in pos_of.items():
+            res = done.get(key)
+            if res is not None and res.get("status") in (200, 201):
+                ok[i] = max(ok[i] or 0, int(res["status"]))
                 self._x.stats["plan_writes"] += 1
             else:
                 left.append(i)

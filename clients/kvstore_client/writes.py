@@ -28,7 +28,7 @@ from kvstore_client.nixl_link import NixlLink
 from kvstore_client.sharding import Shards
 from kvstore_client.wire import batchframe
 from kvstore_client.wire.batchframe import BufferLike
-from kvstore_client.write_plans import UnixPlanWriter
+from kvstore_client.write_plans import UnixPlanWriter, UploadPlanWriter
 
 Metas = Sequence[Mapping[str, Any] | None]
 META_HEADER = "Kvstore-Block-Meta"
@@ -41,6 +41,7 @@ class Writes:
         shards: Shards,
         nixl: NixlLink | None,
         plans: UnixPlanWriter | None = None,
+        uploads: UploadPlanWriter | None = None,
         *,
         max_batch_keys: int,
         strict: bool,
@@ -49,6 +50,7 @@ class Writes:
         self._shards = shards
         self._nixl = nixl
         self._plans = plans
+        self._uploads = uploads
         self._max_batch_keys = max_batch_keys
         self._strict = strict
 
@@ -86,19 +88,15 @@ class Writes:
         for i, (k, _) in enumerate(items):
             for url in self._shards.owners(k):
                 groups.setdefault(url, []).append(i)
-        plans = self._plans
-        if plans is not None and any(plans.usable(url) for url in groups):
-            headers = [meta_header(m) if m is not None else None for m in metas] if metas is not None else None
-            for url in [u for u in groups if plans.usable(u)]:
-                left = await plans.write(url, items, groups[url], ok, headers)
-                if left:
-                    groups[url] = left
-                else:
-                    del groups[url]
+        # Write plans on unix: endpoints; then NIXL when asked for; then, for a
+        # sealed tenant's blocks sealed here, uploads into a plan; the rest in batches.
+        await self._planned(self._plans, groups, items, ok, metas)
         if self._nixl is not None:
             for url in list(groups):
                 if await self._nixl_write(self._nixl, url, items, groups[url], ok, metas):
                     del groups[url]
+        else:
+            await self._planned(self._uploads, groups, items, ok, metas)
         calls = [
             self._chunk(url, items, idx[c : c + self._max_batch_keys], ok, deadline, metas)
             for url, idx in groups.items()
@@ -111,6 +109,25 @@ class Writes:
         if errors and (self._strict or all(o is None for o in ok)):
             raise errors[0]
         return ok
+
+    async def _planned(
+        self,
+        plans: UnixPlanWriter | UploadPlanWriter | None,
+        groups: dict[str, list[int]],
+        items: list[tuple[str, BufferLike]],
+        ok: list[int | None],
+        metas: Metas | None,
+    ) -> None:
+        """Store what ``plans`` can of each owner's items; ``groups`` keeps the rest."""
+        if plans is None or not any(plans.usable(url) for url in groups):
+            return
+        headers = [meta_header(m) if m is not None else None for m in metas] if metas is not None else None
+        for url in [u for u in groups if plans.usable(u)]:
+            left = await plans.write(url, items, groups[url], ok, headers)
+            if left:
+                groups[url] = left
+            else:
+                del groups[url]
 
     async def _nixl_write(
         self,

@@ -317,6 +317,23 @@ class StoreWritePlans(StoreCore):
             await self._end_plan(plan)
         return out
 
+    async def upload_planned(self, tenant: str, plan_id: str, key: str, data: memoryview) -> None:
+        """Write ``data`` (a block's bytes as stored: its sealed frames back
+        to back, or a direct block) into the room plan ``plan_id`` reserved
+        for ``key``, for a client that cannot write the file itself (a plan
+        over TCP: the bytes come in a request body). Checked at the commit
+        like a client's own writes."""
+        plan = self.write_plan(tenant, plan_id)
+        w = plan.writes.get(key)
+        if w is None:
+            raise InvalidInput(f"key {key!r} is not in write plan {plan_id} (or it exists: nothing to write)")
+        if not 0 < len(data) <= w.length:
+            raise InvalidInput(f"block {key!r}: {len(data)} bytes do not fit the {w.length} reserved for it")
+        try:
+            await self._run(_write_into, w, data)
+        except OSError as e:
+            raise StorageIOError(f"block {key!r}: writing into its reserved room failed: {e.strerror or e}") from None
+
     async def abandon_writes(self, tenant: str, plan_id: str) -> None:
         """End plan ``plan_id`` without storing anything."""
         plan = self.write_plan(tenant, plan_id)
@@ -451,6 +468,26 @@ def _check_written(w: PlannedWrite, frames: Sequence[FrameEntry]) -> RecordHeade
         view.release()
         buf.release()
     return header
+
+
+def _write_into(w: PlannedWrite, data: memoryview) -> None:
+    """``data`` then zeros up to an ALIGN multiple, at ``w.offset`` of its
+    segment: with O_DIRECT where the segment is written so."""
+    seg = w.reservation.segment
+    pad = memoryview(bytes(-len(data) % 4096))
+    if not w.reservation.direct:
+        done = 0
+        for part in (data, pad):
+            pos = 0
+            while pos < len(part):
+                pos += os.pwrite(seg.fd, part[pos:], w.offset + done + pos)
+            done += len(part)
+        return
+    fd = os.open(seg.path, os.O_WRONLY | directio.O_DIRECT)
+    try:
+        directio.pwrite_direct(fd, [data, pad], w.offset)
+    finally:
+        os.close(fd)
 
 
 def _read_back(path: Path, fd: int, view: memoryview, offset: int, direct: bool) -> None:

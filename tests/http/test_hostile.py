@@ -56,7 +56,8 @@ def _routes(tmp: Path) -> list[tuple[str, str]]:
 def _fill(pattern: str, value: str) -> str:
     for name in ("{key}", "{name}", "{token_id}"):
         pattern = pattern.replace(name, value)
-    return pattern.replace("{lease}", "0" * 32).replace("{access_key_id}", "KVS" + "A" * 17)
+    pattern = pattern.replace("{lease}", "0" * 32).replace("{plan}", "0" * 32)
+    return pattern.replace("{access_key_id}", "KVS" + "A" * 17)
 
 
 async def _setup(conn: Conn) -> dict[str, str]:

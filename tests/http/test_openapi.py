@@ -82,6 +82,7 @@ async def test_answers_match_the_description(api: Api) -> None:
         ),
         ("POST", "/v1/write-plan/{plan}", "/v1/write-plan/nope", t, b'{"blocks": []}', 400),
         ("DELETE", "/v1/write-plan/{plan}", "/v1/write-plan/" + "0" * 32, t, b"", 404),
+        ("PUT", "/v1/write-plan/{plan}/blocks/{key}", "/v1/write-plan/" + "0" * 32 + "/blocks/k1", t, b"x", 404),
         # Key listing (tests/http/test_key_listing.py checks it).
         ("GET", "/v1/keys", "/v1/keys?prefix=k&limit=5", t, b"", 200),
         ("GET", "/v1/keys", "/v1/keys?limit=0", t, b"", 400),

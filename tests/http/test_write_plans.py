@@ -509,3 +509,56 @@ async def test_write_plans_race_flush_compaction_deletes_and_tenant_deletion(
         await _admin(s, daemon.base, "POST", "/v1/admin/compact")
         doc = await _admin(s, daemon.base, "POST", "/v1/admin/verify")
     assert isinstance(doc, dict) and not doc.get("errors"), doc
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_sealed_records_sealed_by_the_client_go_up_over_tcp(daemon: Daemon, workers: int) -> None:
+    """Over TCP on loopback (where a record's key may go) a sealed tenant's
+    blocks are sealed by the client and uploaded into a write plan; a direct
+    tenant's are not planned there (batch PUT)."""
+    daemon.extra = ["--workers", str(workers), "--compact-interval-s", "0"]
+    daemon.start()
+    sealed, direct = await _tenant(daemon.base, "s", "sealed"), await _tenant(daemon.base, "d")
+    kv = kv_sample("gemma3-270m.bf16.layers8-9.bin")
+    blocks = {"a": kv[:BLOCK], "b": kv[BLOCK : 3 * BLOCK], "c": random.Random(9).randbytes(5000)}
+    async with AsyncClient(daemon.base, sealed) as c:
+        assert await c.put_many(list(blocks.items())) == [True] * 3
+        assert c.stats["plan_writes"] == 3
+        assert await c.put_many([("a", b"again")]) == [True]  # first write wins
+    for k, v in blocks.items():
+        assert await _get(daemon.base, sealed, k) == (200, v)
+    async with AsyncClient(daemon.base, direct) as c:
+        assert await c.put_many([("x", b"y" * 9000), ("z", b"w" * 100)]) == [True, True]
+        assert c.stats["plan_writes"] == 0
+        assert await c.get("x") == b"y" * 9000
+    async with aiohttp.ClientSession(daemon.base) as s:
+
+        async def post(token: str, path: str, body: object) -> tuple[int, dict[str, object]]:
+            async with s.post(path, json=body, headers={"Authorization": f"Bearer {token}"}) as r:
+                return r.status, await r.json()
+
+        status, err = await post(sealed, "/v1/write-plan", {"blocks": [{"key": "k", "size": 10}]})
+        assert (status, err["error"]["code"]) == (400, "unix_socket_required")  # type: ignore[index]
+        status, err = await post(direct, "/v1/write-plan", {"blocks": [{"key": "k", "size": 10}], "encode": "client"})
+        assert (status, err["error"]["code"]) == (400, "unix_socket_required")  # type: ignore[index]
+        data = kv[:BLOCK]
+        status, doc = await post(
+            sealed, "/v1/write-plan", {"blocks": [{"key": "k", "size": len(data)}], "encode": "client"}
+        )
+        assert status == 200 and doc["files"] == [] and "file" not in doc["blocks"][0]  # type: ignore[index]
+        assert Spec.load().problems("POST", "/v1/write-plan", 200, "application/json", json.dumps(doc).encode()) == []
+        b = doc["blocks"][0]  # type: ignore[index]
+        raw, frames = _sealed(b, data)
+        auth = {"Authorization": f"Bearer {sealed}"}
+        plan = doc["plan"]
+        async with s.put(f"/v1/write-plan/{plan}/blocks/zz", data=bytes(raw), headers=auth) as r:
+            assert r.status == 400  # not in the plan
+        async with s.put(f"/v1/write-plan/{plan}/blocks/k", data=bytes(raw) + bytes(b["length"]), headers=auth) as r:
+            assert r.status == 413  # more than the room reserved
+        raw[7] ^= 1  # forged: the checksum made to match, the tag cannot be
+        frames[0]["xxh3"] = _xxh3(raw[: int(frames[0]["len"])])  # type: ignore[call-overload]
+        async with s.put(f"/v1/write-plan/{plan}/blocks/k", data=bytes(raw), headers=auth) as r:
+            assert r.status == 204
+        status, done = await post(sealed, f"/v1/write-plan/{plan}", {"blocks": [{"key": "k", "frames": frames}]})
+        assert status == 200 and done["blocks"][0]["error"]["code"] == "record_rejected"  # type: ignore[index]
+    assert (await _get(daemon.base, sealed, "k"))[0] == 404

@@ -170,7 +170,7 @@ async def plans_ctx(app: web.Application) -> AsyncIterator[None]:
     await bg.close()
 
 
-def _on_unix(request: web.Request) -> asyncio.Transport | None:
+def on_unix(request: web.Request) -> asyncio.Transport | None:
     """The request's transport if it is a unix socket's, else None."""
     transport = request.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
@@ -184,7 +184,7 @@ def unix_transport(
 ) -> asyncio.Transport:
     """The request's unix socket transport, else 400 unix_socket_required:
     ``what`` passes descriptors; use ``instead`` elsewhere."""
-    transport = _on_unix(request)
+    transport = on_unix(request)
     if transport is None:
         also = ""
         if what == "read plans" and config_of(request).plan_paths:
@@ -378,7 +378,7 @@ def _sendmsg(transport: asyncio.Transport, data: bytes, fds: array.array[int]) -
 async def release_plan(request: web.Request) -> web.Response:
     tenant = tenant_of(request)
     lease_id = request.match_info["lease"]
-    transport = _on_unix(request)
+    transport = on_unix(request)
     if transport is not None and request.app[PLANS].release(transport, lease_id):
         return web.Response(status=204)  # a descriptor plan's, held by this connection
     if not config_of(request).plan_paths:

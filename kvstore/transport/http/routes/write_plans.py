@@ -39,14 +39,15 @@ import aiohttp
 from aiohttp import web
 
 from kvstore.engine.api import CODEC_NAMES, FrameEntry, Stored
-from kvstore.errors import InvalidInput, KVStoreError, StoreClosed
+from kvstore.errors import InsecureTransport, InvalidInput, KVStoreError, StoreClosed, UnixSocketRequired
 from kvstore.events.model import BlockMeta
 from kvstore.transport.http.appkeys import config_of, store_of
 from kvstore.transport.http.auth import tenant_of
-from kvstore.transport.http.bodies import json_body
+from kvstore.transport.http.bodies import block_body, json_body
 from kvstore.transport.http.forward import WRITER, writer_url
 from kvstore.transport.http.internal import on_private_socket
-from kvstore.transport.http.routes.plans import PLANS, answer_with_fds, unix_transport
+from kvstore.transport.http.routes.plans import PLANS, answer_with_fds, on_unix, unix_transport
+from kvstore.transport.http.routes.records import client_decode_allowed
 from kvstore.transport.statuses import http_status
 
 routes = web.RouteTableDef()
@@ -79,18 +80,16 @@ def _lease(body: dict[str, Any]) -> float:
 async def write_plan(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
     private = on_private_socket(request)  # a reader worker relays it: answer paths
-    transport = None if private else unix_transport(request, "write plans", "PUT /v1/blocks/{key}")
+    transport = None if private else on_unix(request)
+    if not private and transport is None:
+        return await _upload_plan(request, tenant)
     if WRITER in request.app:  # a reader worker: the writer reserves
         relayed = await _relay(request)
         if isinstance(relayed, web.Response):
             return relayed
         doc = relayed
     else:
-        body = await json_body(request)
-        unknown = set(body) - {"blocks", "lease_s", "encode"}
-        if unknown:
-            raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
-        doc = await _plan(request, tenant, body, private)
+        doc = await _plan(request, tenant, await _plan_body(request), private)
     if private:
         return web.json_response(doc, dumps=_dumps)
     assert transport is not None
@@ -111,6 +110,46 @@ async def write_plan(request: web.Request) -> web.StreamResponse:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+async def _plan_body(request: web.Request) -> dict[str, Any]:
+    body = await json_body(request)
+    unknown = set(body) - {"blocks", "lease_s", "encode"}
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
+    return body
+
+
+async def _upload_plan(request: web.Request, tenant: str) -> web.Response:
+    """A plan over TCP or TLS: only for records the client seals itself
+    (encode=client, where a record's key may go), whose bytes then come as
+    request bodies (``PUT /v1/write-plan/{plan}/blocks/{key}``): a direct
+    block gains nothing over ``POST /v1/batch/put`` there."""
+    body = await _plan_body(request)
+    if body.get("encode") != "client":
+        unix_transport(request, "write plans", "PUT /v1/blocks/{key} or POST /v1/batch/put")
+    if not client_decode_allowed(request.transport):
+        raise InsecureTransport(
+            "a record's own key goes out only over TLS, a unix socket or loopback: PUT the blocks "
+            "(the daemon seals them) on this connection"
+        )
+    if store_of(request).plans_writes(tenant):
+        raise UnixSocketRequired(
+            "write plans of a direct tenant pass file descriptors, so they are served on the daemon's unix "
+            "socket only; use POST /v1/batch/put here"
+        )
+    if WRITER in request.app:
+        relayed = await _relay(request, json.dumps(body).encode())
+        if isinstance(relayed, web.Response):
+            return relayed
+        doc = relayed
+    else:
+        doc = await _plan(request, tenant, body, True)
+    doc.pop("paths", None)
+    for b in doc["blocks"]:
+        b.pop("file", None)
+    doc["files"] = []
+    return web.json_response(doc, headers={"Kvstore-Fds": "0"}, dumps=_dumps)
 
 
 async def _plan(request: web.Request, tenant: str, body: dict[str, Any], private: bool) -> dict[str, Any]:
@@ -175,10 +214,12 @@ async def _plan(request: web.Request, tenant: str, body: dict[str, Any], private
     return {"plan": plan.id, "expires_in_s": lease_s, "direct": direct, "paths": paths, "blocks": out}
 
 
-async def _relay(request: web.Request) -> dict[str, Any] | web.Response:
+async def _relay(request: web.Request, raw: bytes | None = None) -> dict[str, Any] | web.Response:
     """A reader worker: the writer reserves; its answer (with paths) comes
-    back, or its error answer, passed on as it is."""
-    raw = await request.read()
+    back, or its error answer, passed on as it is. ``raw``: the body, when
+    it was read already."""
+    if raw is None:
+        raw = await request.read()
     headers = {"Authorization": request.headers.get("Authorization", ""), "Content-Type": "application/json"}
     try:
         async with request.app[WRITER].post(
@@ -260,6 +301,22 @@ def _frames(fs: object, i: int) -> list[FrameEntry | int]:
         except ValueError:
             raise InvalidInput(f"blocks[{i}].frames[{j}].xxh3 must be 16 hex digits") from None
     return out
+
+
+@routes.put("/v1/write-plan/{plan}/blocks/{key}")
+async def upload_block(request: web.Request) -> web.Response:
+    """The stored bytes of one block of a plan, for a client that cannot
+    write the segment file itself (a plan over TCP or TLS)."""
+    tenant = tenant_of(request)
+    key = request.match_info["key"]
+    store = store_of(request)
+    plan_id = request.match_info["plan"]
+    w = store.write_plan(tenant, plan_id).writes.get(key)  # 404 before the body is read
+    if w is None:
+        raise InvalidInput(f"key {key!r} is not in write plan {plan_id} (or it exists: nothing to write)")
+    async with block_body(request, w.length) as data:
+        await store.upload_planned(tenant, plan_id, key, data)
+    return web.Response(status=204)
 
 
 @routes.delete("/v1/write-plan/{plan}")
