@@ -159,6 +159,36 @@ def seal_block(
     return [d[0] for d in done], [d[1] for d in done]
 
 
+def _on_gpu(buf: object) -> bool:
+    return hasattr(buf, "__cuda_array_interface__")
+
+
+def _nbytes(buf: Any) -> int:
+    n = getattr(buf, "nbytes", None)
+    if not isinstance(n, int):
+        raise KVStoreClientError("a GPU buffer must tell its size (nbytes)", code="invalid_input")
+    return n
+
+
+def _write_gpu(fd: int, buf: Any, offset: int, size: int) -> None:
+    """``size`` bytes of GPU memory ``buf`` at ``offset`` of the file open
+    as ``fd``, through kvikio (GPUDirect Storage where the driver has it,
+    its own bounce buffers where not). The rest of the room stays zeros (the
+    daemon allocated it)."""
+    try:
+        import kvikio  # type: ignore[import-not-found]
+    except ImportError:
+        raise KVStoreClientError(
+            "a CUDA buffer needs kvikio (pip install 'kvstore-client[gds]')", code="gds_unavailable"
+        ) from None
+    # kvikio opens by path: the descriptor's own path reaches the same file
+    # (the daemon passed it write-only; no permission on its directory needed).
+    with kvikio.CuFile(f"/proc/self/fd/{fd}", "r+") as f:
+        n = int(f.pwrite(buf, size, offset).get())
+    if n != size:
+        raise KVStoreClientError(f"wrote {n} of {size} bytes from GPU memory", code="gds_short_write")
+
+
 class UnixPlanWriter:
     """Puts through write plans on ``unix:`` endpoints: direct blocks, and a
     sealed tenant's when this client encodes (``client_encode``)."""
@@ -220,10 +250,12 @@ class UnixPlanWriter:
     ) -> list[int]:
         """On a thread: one plan for ``idx``'s blocks, their writes, the commit."""
         conn = self._connection(url)
-        views = {i: memoryview(items[i][1]).cast("B") for i in idx}
+        gpu = {i for i in idx if _on_gpu(items[i][1])}
+        views = {i: memoryview(items[i][1]).cast("B") for i in idx if i not in gpu}
+        sizes = {i: _nbytes(items[i][1]) if i in gpu else views[i].nbytes for i in idx}
         asks: list[dict[str, Any]] = []
         for i in idx:
-            ask: dict[str, Any] = {"key": items[i][0], "size": views[i].nbytes}
+            ask: dict[str, Any] = {"key": items[i][0], "size": sizes[i]}
             if metas is not None and metas[i] is not None:
                 ask["meta"] = metas[i]
             asks.append(ask)
@@ -243,10 +275,20 @@ class UnixPlanWriter:
                 if b.get("exists"):
                     ok[i] = max(ok[i] or 0, 200)
                     continue
-                if int(b["size"]) != views[i].nbytes:
+                if int(b["size"]) != sizes[i]:
                     raise KVStoreClientError(f"write plan for {key} has size {b['size']}", code="protocol")
                 f = int(b["file"])
-                if "record" in b:  # sealed here: the frames as stored, back to back
+                if i in gpu:  # GPUDirect Storage: GPU memory to the file, no host copy
+                    if "record" in b:
+                        raise KVStoreClientError(
+                            f"block {key} is in GPU memory and its tenant is sealed: it is sealed on the CPU; "
+                            "put it from host memory",
+                            code="sealed_from_gpu",
+                        )
+                    _write_gpu(fds[f], items[i][1], int(b["offset"]), sizes[i])
+                    # No host copy to take checksums from: the daemon takes them from what landed.
+                    commits.append({"key": key, "xxh3": None})
+                elif "record" in b:  # sealed here: the frames as stored, back to back
                     stored, frames = seal_block(views[i], b, self._pool() if self._pool is not None else None)
                     total = sum(len(x) for x in stored)
                     length = -(-total // ALIGN) * ALIGN

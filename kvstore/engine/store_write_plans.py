@@ -393,6 +393,10 @@ def _frame_table(w: PlannedWrite, given: Sequence[FrameEntry | int]) -> list[Fra
     frame holds its tag and at most its plaintext, in a known codec, raw
     only at its plaintext's length."""
     reserved = w.reservation.header
+    if not given and w.sealing is None:
+        # No checksums given (a client writing from GPU memory has no host copy
+        # to take them from): taken from what landed, at the read-back (UNSUMMED).
+        return [FrameEntry(reserved.frame_plain_len(i), CODEC_RAW, UNSUMMED) for i in range(len(reserved.frames))]
     frames: list[FrameEntry] = []
     for i, f in enumerate(given):
         if isinstance(f, FrameEntry):
@@ -422,8 +426,13 @@ def _frame_table(w: PlannedWrite, given: Sequence[FrameEntry | int]) -> list[Fra
     return frames
 
 
+UNSUMMED = -1  # a frame whose checksum the client did not give
+
+
 def _as_written(w: PlannedWrite, frames: Sequence[FrameEntry]) -> RecordHeader | KVStoreError:
     """The record's final header, its frames as given (not read back)."""
+    if any(f.checksum == UNSUMMED for f in frames):
+        return InvalidInput(f"block {w.key!r}: its frames' checksums are needed (nothing is read back)")
     return as_written(w.reservation.header, tuple(frames))
 
 
@@ -433,7 +442,8 @@ def _check_written(w: PlannedWrite, frames: Sequence[FrameEntry]) -> RecordHeade
     The record's final header, or why not."""
     seg = w.reservation.segment
     h = w.reservation.header
-    header = as_written(h, tuple(frames))
+    table = list(frames)
+    header = as_written(h, tuple(table))
     length = header.record_len - header.payload_offset
     buf = POOL.take(length)
     view = buf.view
@@ -442,13 +452,15 @@ def _check_written(w: PlannedWrite, frames: Sequence[FrameEntry]) -> RecordHeade
         cipher = None
         if w.sealing is not None:
             s = w.sealing
-            binding = FrameBinding(s.record_id, s.key_version, len(frames), h.logical_size, h.tenant, h.key)
+            binding = FrameBinding(s.record_id, s.key_version, len(table), h.logical_size, h.tenant, h.key)
             cipher = RecordCipher.with_frame_key(s.frame_key, binding)
         pos = 0
-        for i, f in enumerate(frames):
+        for i, f in enumerate(table):
             stored = view[pos : pos + f.stored_len]
             got = checksum(stored)
-            if got != f.checksum:
+            if f.checksum == UNSUMMED:
+                table[i] = FrameEntry(f.stored_len, f.codec, got)
+            elif got != f.checksum:
                 return WrittenBytesMismatch(
                     f"block {w.key!r}: frame {i} of the bytes written does not match its xxh3 "
                     f"({got:016x}, the client gave {f.checksum:016x}); it is not stored"
@@ -467,7 +479,7 @@ def _check_written(w: PlannedWrite, frames: Sequence[FrameEntry]) -> RecordHeade
     finally:
         view.release()
         buf.release()
-    return header
+    return as_written(h, tuple(table))
 
 
 def _write_into(w: PlannedWrite, data: memoryview) -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import signal
+import tempfile
 from pathlib import Path
 
 import aiohttp
@@ -562,3 +563,42 @@ async def test_sealed_records_sealed_by_the_client_go_up_over_tcp(daemon: Daemon
         status, done = await post(sealed, f"/v1/write-plan/{plan}", {"blocks": [{"key": "k", "frames": frames}]})
         assert status == 200 and done["blocks"][0]["error"]["code"] == "record_rejected"  # type: ignore[index]
     assert (await _get(daemon.base, sealed, "k"))[0] == 404
+
+
+async def test_a_commit_without_checksums_takes_them_from_what_landed(daemon: Daemon, sock_dir: Path) -> None:
+    """What a GPU source commits (``"xxh3": null``: no host copy to sum):
+    the daemon sums what it reads back; the block is served and checked on
+    every read like any other. (The kvikio write itself needs a GPU.)"""
+    sock = _start(daemon, sock_dir)
+    token = await _tenant(daemon.base, "d")
+    data = random.Random(11).randbytes(3 * BLOCK + 5)
+    conn = PlanConnection(sock, token)
+    try:
+        doc, fds = conn.plan_writes([{"key": "g", "size": len(data)}])
+        b = doc["blocks"][0]
+        write_block(fds[0], memoryview(data), b["offset"], b["length"], False)
+        for fd in fds:
+            os.close(fd)
+        answer = conn.commit_writes(doc["plan"], [{"key": "g", "xxh3": None}])
+        assert answer["blocks"][0]["status"] == 201
+    finally:
+        conn.close()
+    assert await _get(daemon.base, token, "g") == (200, data)
+    async with AsyncClient(f"unix:{sock}", token) as c:  # read plans check the daemon's sums
+        buf = bytearray(len(data))
+        assert await c.get_into("g", buf) == len(data) and buf == data
+
+
+def test_a_gpu_buffer_is_written_with_kvikio() -> None:
+    pytest.importorskip("kvikio", reason="kvikio (GPUDirect Storage) is not installed: no GPU on this machine")
+    cupy = pytest.importorskip("cupy", reason="cupy is not installed: no GPU on this machine")
+    from kvstore_client.write_plans import _write_gpu
+
+    data = cupy.arange(1 << 20, dtype=cupy.uint8)
+    with tempfile.NamedTemporaryFile() as f:
+        fd = os.open(f.name, os.O_WRONLY)
+        try:
+            _write_gpu(fd, data, 4096, data.nbytes)
+        finally:
+            os.close(fd)
+        assert f.read()[4096:] == data.get().tobytes()

@@ -272,6 +272,8 @@ def _hex64(x: object) -> int:
 
 
 def _sums(xs: object, i: int) -> list[FrameEntry | int]:
+    if xs is None:
+        return []  # none given (a GPU source): the daemon takes them from what landed
     try:
         if not isinstance(xs, list) or not xs:
             raise ValueError(xs)
