@@ -170,15 +170,21 @@ async def test_writes_over_nixl_read_back_over_http(daemon: Daemon, session: aio
             assert await c.get_many(list(blocks)) == list(blocks.values())
     # The direct tenant's blocks landed in the room a write plan reserved in
     # their segment (no staging, no put); the sealed tenant's went through staging.
-    async with session.get(f"{base}/metrics") as r:
-        text = await r.text()
-    landed = {
-        line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("kvstore_nixl_bytes_total{") and 'op="write"' in line
-    }
-    assert landed.get('op="write",source="segment"', 0) >= sum(len(v) for v in _blocks("wdirect", 5).values())
-    assert landed.get('op="write",source="staging"', 0) > 0
+    want = sum(len(v) for v in _blocks("wdirect", 5).values())
+    landed: dict[str, float] = {}
+    for _ in range(50):  # /metrics merges the workers' figures, which may lag a moment
+        async with session.get(f"{base}/metrics") as r:
+            text = await r.text()
+        landed = {
+            line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("kvstore_nixl_bytes_total{") and 'op="write"' in line
+        }
+        if landed.get('op="write",source="segment"', 0) >= want and landed.get('op="write",source="staging"', 0):
+            break
+        await asyncio.sleep(0.1)
+    assert landed.get('op="write",source="segment"', 0) >= want, landed
+    assert landed.get('op="write",source="staging"', 0) > 0, landed
 
 
 async def test_lease_holds_a_compacted_segment_and_ends(daemon: Daemon, session: aiohttp.ClientSession) -> None:
