@@ -189,6 +189,36 @@ def _write_gpu(fd: int, buf: Any, offset: int, size: int) -> None:
         raise KVStoreClientError(f"wrote {n} of {size} bytes from GPU memory", code="gds_short_write")
 
 
+def _asks(
+    items: Sequence[tuple[str, BufferLike]],
+    idx: list[int],
+    sizes: Mapping[int, int],
+    metas: Sequence[str | None] | None,
+) -> list[dict[str, Any]]:
+    """A plan's ``blocks``: each item's key, size and identity."""
+    asks: list[dict[str, Any]] = []
+    for i in idx:
+        ask: dict[str, Any] = {"key": items[i][0], "size": sizes[i]}
+        if metas is not None and metas[i] is not None:
+            ask["meta"] = metas[i]
+        asks.append(ask)
+    return asks
+
+
+def _settle(answer: Any, pos_of: Mapping[str, int], ok: list[int | None], stats: dict[str, int]) -> list[int]:
+    """Each committed item's status from a commit's answer; the indices it did not store."""
+    done: Mapping[str, Any] = {r["key"]: r for r in answer.get("blocks", ()) if isinstance(r, dict)}
+    left: list[int] = []
+    for key, i in pos_of.items():
+        res = done.get(key)
+        if res is not None and res.get("status") in (200, 201):
+            ok[i] = max(ok[i] or 0, int(res["status"]))
+            stats["plan_writes"] += 1
+        else:
+            left.append(i)
+    return left
+
+
 class UnixPlanWriter:
     """Puts through write plans on ``unix:`` endpoints: direct blocks, and a
     sealed tenant's when this client encodes (``client_encode``)."""
@@ -253,13 +283,7 @@ class UnixPlanWriter:
         gpu = {i for i in idx if _on_gpu(items[i][1])}
         views = {i: memoryview(items[i][1]).cast("B") for i in idx if i not in gpu}
         sizes = {i: _nbytes(items[i][1]) if i in gpu else views[i].nbytes for i in idx}
-        asks: list[dict[str, Any]] = []
-        for i in idx:
-            ask: dict[str, Any] = {"key": items[i][0], "size": sizes[i]}
-            if metas is not None and metas[i] is not None:
-                ask["meta"] = metas[i]
-            asks.append(ask)
-        doc, fds = conn.plan_writes(asks, encode="client" if self._client_encode else None)
+        doc, fds = conn.plan_writes(_asks(items, idx, sizes, metas), encode="client" if self._client_encode else None)
         left: list[int] = []
         try:
             direct = [bool(doc.get("direct", True)) and _set_direct(fd) for fd in fds]
@@ -312,15 +336,7 @@ class UnixPlanWriter:
                 conn.abandon_writes(doc["plan"])
             return left
         answer = conn.commit_writes(doc["plan"], commits)
-        done: Mapping[str, Any] = {r["key"]: r for r in answer.get("blocks", ()) if isinstance(r, dict)}
-        for key, i in pos_of.items():
-            r = done.get(key)
-            if r is not None and r.get("status") in (200, 201):
-                ok[i] = max(ok[i] or 0, int(r["status"]))
-                self._x.stats["plan_writes"] += 1
-            else:
-                left.append(i)
-        return left
+        return left + _settle(answer, pos_of, ok, self._x.stats)
 
 
 class UploadPlanWriter:
@@ -371,12 +387,7 @@ class UploadPlanWriter:
     ) -> list[int]:
         s = self._x.session(self._x.endpoints[url])
         views = {i: memoryview(items[i][1]).cast("B") for i in idx}
-        asks: list[dict[str, Any]] = []
-        for i in idx:
-            ask: dict[str, Any] = {"key": items[i][0], "size": views[i].nbytes}
-            if metas is not None and metas[i] is not None:
-                ask["meta"] = metas[i]
-            asks.append(ask)
+        asks = _asks(items, idx, {i: v.nbytes for i, v in views.items()}, metas)
         async with s.post("/v1/write-plan", json={"blocks": asks, "encode": "client"}) as r:
             await check(r, ok=(200,))
             doc = await json_answer(r)
@@ -412,12 +423,4 @@ class UploadPlanWriter:
         async with s.post(f"/v1/write-plan/{plan}", json={"blocks": commits}) as r:
             await check(r, ok=(200,))
             answer = await json_answer(r)
-        done = {r["key"]: r for r in answer.get("blocks", ()) if isinstance(r, dict)}
-        for key, i in pos_of.items():
-            res = done.get(key)
-            if res is not None and res.get("status") in (200, 201):
-                ok[i] = max(ok[i] or 0, int(res["status"]))
-                self._x.stats["plan_writes"] += 1
-            else:
-                left.append(i)
-        return left
+        return left + _settle(answer, pos_of, ok, self._x.stats)
