@@ -249,10 +249,12 @@ class Bench:
         self.s3.close()
         self.loop.close()
 
-    def client(self, endpoint: str, token: str, nixl: bool = False) -> Any:
+    def client(self, endpoint: str, token: str, nixl: bool = False, name: str = "") -> Any:
         from kvstore_client import AsyncClient
 
         extra: dict[str, Any] = {"transport": "nixl", "nixl_devices": NIXL_DEVICES} if nixl else {}
+        if name.startswith("tcp-plan"):
+            extra["encode"] = "client"  # uploads over TCP only when asked for
         return AsyncClient(endpoint, token, strict=True, timeout=120, retries=0, pool_size=self.args.depth, **extra)
 
     def run_async(self, make: Callable[[], Awaitable[T]]) -> T:
@@ -283,7 +285,7 @@ class Bench:
         token = self.sealed_token if name.endswith("sealed") else self.d.token
 
         async def go() -> Pass:
-            async with self.client(endpoint, token, nixl=name.startswith("nixl")) as c:
+            async with self.client(endpoint, token, nixl=name.startswith("nixl"), name=name) as c:
                 if name.startswith(("nixl", "unix-plan", "tcp-plan")):  # connected (and registered), off the clock
                     await c.put_many([(items[0][0] + "-warm", items[0][1])])
                 else:

@@ -522,13 +522,16 @@ async def test_sealed_records_sealed_by_the_client_go_up_over_tcp(daemon: Daemon
     sealed, direct = await _tenant(daemon.base, "s", "sealed"), await _tenant(daemon.base, "d")
     kv = kv_sample("gemma3-270m.bf16.layers8-9.bin")
     blocks = {"a": kv[:BLOCK], "b": kv[BLOCK : 3 * BLOCK], "c": random.Random(9).randbytes(5000)}
-    async with AsyncClient(daemon.base, sealed) as c:
+    async with AsyncClient(daemon.base, sealed) as c:  # encode="auto": uploads only where asked for
+        assert await c.put_many([("auto", b"q" * 5000)]) == [True]
+        assert c.stats["plan_writes"] == 0
+    async with AsyncClient(daemon.base, sealed, encode="client") as c:
         assert await c.put_many(list(blocks.items())) == [True] * 3
         assert c.stats["plan_writes"] == 3
         assert await c.put_many([("a", b"again")]) == [True]  # first write wins
     for k, v in blocks.items():
         assert await _get(daemon.base, sealed, k) == (200, v)
-    async with AsyncClient(daemon.base, direct) as c:
+    async with AsyncClient(daemon.base, direct, encode="client") as c:
         assert await c.put_many([("x", b"y" * 9000), ("z", b"w" * 100)]) == [True, True]
         assert c.stats["plan_writes"] == 0
         assert await c.get("x") == b"y" * 9000
