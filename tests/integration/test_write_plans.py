@@ -6,6 +6,7 @@ and an index rebuild; nothing uncommitted or deleted is ever served."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import random
 import shutil
@@ -201,4 +202,42 @@ async def test_write_plans_on_a_filesystem_without_o_direct(
     done = await store.commit_writes("d", plan.id, write(plan, blocks))
     assert all(isinstance(r, Stored) and r.created for r in done.values())
     assert await contents(store, "d", list(blocks)) == blocks
+    await store.close()
+
+
+async def test_a_commit_that_fails_midway_leaves_only_a_pad(
+    open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index commit fails after the header went over the pad (EIO
+    injected): the pad is put back, so the block is served neither now, nor
+    after a restart, nor after an index rebuild; the key can be written again."""
+    store = await open_store()
+    await store.create_tenant("d", "direct")
+    data = block("a", 90_000)
+    plan = await store.plan_writes("d", [("a", len(data))], 30)
+    sums = write(plan, {"a": data})
+    life = store._life
+    indexed = life.appended
+
+    def fail_with_entries(tenant: str, sid: int, ops: object, *rest: object, **kw: object) -> None:
+        if ops:
+            raise OSError(errno.EIO, "injected: the index commit failed")
+        indexed(tenant, sid, ops, *rest, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(life, "appended", fail_with_entries)
+    with pytest.raises(KVStoreError):
+        await store.commit_writes("d", plan.id, sums)
+    monkeypatch.undo()
+    assert not await store.exists("d", "a")
+    await store.close()
+    store = await open_store()
+    assert not await store.exists("d", "a")
+    assert (await store.verify(deep=True)).ok
+    await store.close()
+    shutil.rmtree(store.config.data_dir / "index")
+    store = await open_store()
+    assert store.recovery.index_rebuilt and not await store.exists("d", "a")
+    done = await plan_and_commit(store, "d", {"a": data})
+    assert isinstance(done["a"], Stored) and done["a"].created
+    assert bytes(await store.get("d", "a")) == data
     await store.close()
