@@ -40,6 +40,7 @@ import aiohttp
 import xxhash
 
 from kvstore_client.answers import check, json_answer
+from kvstore_client.bodies import BuffersPayload
 from kvstore_client.errors import KVStoreClientError, ProtocolError, ServerError
 from kvstore_client.exchange import Exchange
 from kvstore_client.plans import PlanConnection
@@ -407,7 +408,8 @@ class UploadPlanWriter:
                     ok[i] = max(ok[i] or 0, 200)
                     continue
                 stored, frames = await asyncio.to_thread(seal_block, views[i], b, self._pool())
-                async with s.put(f"/v1/write-plan/{plan}/blocks/{key}", data=b"".join(stored)) as r:
+                body = BuffersPayload(stored, "application/octet-stream")
+                async with s.put(f"/v1/write-plan/{plan}/blocks/{key}", data=body) as r:
                     await check(r, ok=(204,))
                 commits.append({"key": key, "frames": frames})
                 pos_of[key] = i

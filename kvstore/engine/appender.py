@@ -109,7 +109,6 @@ class _Draining:
 
     segment: SegmentFile
     footer: list[FooterEntry]
-    synced_upto: int
 
 
 _RESERVED: tuple[bool, IndexEntry | None] = (False, None)  # a copy left for later: the key is reserved
@@ -279,9 +278,6 @@ class Appender:
         """End reservations that will not be committed: their pads stay, dead
         space for compaction."""
         await self.step(functools.partial(self._end, list(reservations)))
-
-    def reserved(self, key: str) -> bool:
-        return key in self._reserved
 
     async def close(self) -> None:
         """Finish every queued write, sync, and stop. The segment stays open
@@ -502,7 +498,7 @@ class Appender:
             # Reservations still open: set it aside; it is sealed when they end.
             if self._dirty:
                 self._interval_sync()
-            self._draining[seg.segment_id] = _Draining(seg, self._tail.footer, self._tail.synced_upto)
+            self._draining[seg.segment_id] = _Draining(seg, self._tail.footer)
             self._tail.segment = None
             self._tail.footer = []
             return None

@@ -112,7 +112,7 @@ class SegmentFile:
         header = SegmentHeader(segment_id, tenant, direct, time.time_ns())
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            _pwrite_all(fd, [header.encode()], 0)
+            pwrite_all(fd, [header.encode()], 0)
             os.fdatasync(fd)
             os.rename(tmp, path)
             fsync_dir(directory)
@@ -201,9 +201,9 @@ class SegmentFile:
                 log.warning("O_DIRECT write to %s refused (%s): writing it through the page cache", self.name, e)
                 self._close_direct()
                 self._direct_refused = True
-                total = _pwrite_all(self.fd, buffers, offset)
+                total = pwrite_all(self.fd, buffers, offset)
         else:
-            total = _pwrite_all(self.fd, buffers, offset)
+            total = pwrite_all(self.fd, buffers, offset)
         self.size = offset + total
         return offset
 
@@ -221,7 +221,7 @@ class SegmentFile:
         trailer = Trailer(offset, len(footer), len(entries), checksum(footer), time.time_ns())
         self._close_direct()  # no more records
         try:
-            _pwrite_all(self.fd, [footer, trailer.encode()], offset)
+            pwrite_all(self.fd, [footer, trailer.encode()], offset)
             os.fdatasync(self.fd)
         except BaseException:
             # The segment stays open: cut the footer and trailer off, or records
@@ -350,7 +350,7 @@ class SegmentFile:
         return None
 
 
-def _pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
+def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
     """pwritev every byte of ``buffers`` at ``offset`` (retrying short writes)."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     total = sum(len(v) for v in views)

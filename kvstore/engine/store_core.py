@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstore.config import StoreConfig
 from kvstore.engine.access import AccessLog
@@ -43,6 +43,9 @@ from kvstore.metrics import Metrics
 from kvstore.names import validate_tenant
 from kvstore.tier.base import Tier
 
+if TYPE_CHECKING:
+    from kvstore.engine.store_write_plans import WritePlan
+
 log = logging.getLogger("kvstore.engine.store")
 T = TypeVar("T")
 
@@ -67,6 +70,7 @@ class StoreCore:
         self._inflight: dict[tuple[str, str], asyncio.Future[None]] = {}
         self._cache = SegmentCache(self._seg_root)
         self._deleting: set[str] = set()
+        self._write_plans: dict[str, WritePlan] = {}  # open write plans by id (store_write_plans.py)
         self.readonly = False
         self.adopted = config.s3_readonly  # serves a bucket another node writes
         self.tier = tier if tier is not None else tier_from_config(config)

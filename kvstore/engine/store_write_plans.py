@@ -66,6 +66,7 @@ from kvstore.engine.crypto import RecordCipher, derive_frame_key
 from kvstore.engine.format import CODEC_RAW, CODECS_KNOWN, GCM_TAG, FrameEntry, RecordHeader, checksum
 from kvstore.engine.record import as_written, new_record_id, planned, scratch
 from kvstore.engine.registry import Tenant
+from kvstore.engine.segment import Buffer, padding, pwrite_all
 from kvstore.engine.store_core import StoreCore
 from kvstore.engine.types import BlockInfo, Stored
 from kvstore.errors import (
@@ -103,17 +104,29 @@ class ClientSealing:
 @dataclass(frozen=True, slots=True)
 class PlannedWrite:
     """Where the client writes one block: ``length`` bytes (the block, then
-    zeros up to an ALIGN multiple) at ``offset`` of ``segment``'s file
-    (``file`` names it, as in a read plan), in frames of ``frame_size``."""
+    zeros up to an ALIGN multiple) at ``offset`` of its segment's file, in
+    frames of ``frame_size``: all of it read off its reservation."""
 
     key: str
-    size: int
-    frame_size: int
-    offset: int
-    length: int
-    file: tuple[str, int, int]
     reservation: Reservation
     sealing: ClientSealing | None = None  # a sealed record the client encodes
+
+    @property
+    def size(self) -> int:
+        return self.reservation.header.logical_size
+
+    @property
+    def frame_size(self) -> int:
+        return self.reservation.header.frame_size
+
+    @property
+    def offset(self) -> int:
+        return self.reservation.payload_at
+
+    @property
+    def length(self) -> int:
+        h = self.reservation.header
+        return h.record_len - h.payload_offset
 
     @property
     def path(self) -> str:
@@ -136,15 +149,6 @@ class WritePlan:
 
 
 class StoreWritePlans(StoreCore):
-    _write_plans: dict[str, WritePlan]
-
-    def _plans(self) -> dict[str, WritePlan]:
-        try:
-            return self._write_plans
-        except AttributeError:
-            self._write_plans = {}
-            return self._write_plans
-
     async def plan_writes(
         self,
         tenant: str,
@@ -203,7 +207,6 @@ class StoreWritePlans(StoreCore):
                     self._residency.filled()
                     raise
                 self._residency.space.wrote(total)
-                file = (t.name, t.created_ns)
                 for r in reserved:
                     h = r.header
                     sealing = None
@@ -213,21 +216,12 @@ class StoreWritePlans(StoreCore):
                         sealing = ClientSealing(
                             h.record_id, h.key_version, frame_key, t.compression, self.config.zstd_level
                         )
-                    plan.writes[h.key] = PlannedWrite(
-                        h.key,
-                        h.logical_size,
-                        h.frame_size,
-                        r.payload_at,
-                        h.record_len - h.payload_offset,
-                        (*file, r.segment.segment_id),
-                        r,
-                        sealing,
-                    )
+                    plan.writes[h.key] = PlannedWrite(h.key, r, sealing)
         except BaseException:
             await self._end_plan(plan)
             raise
         if plan.writes:
-            self._plans()[plan.id] = plan
+            self._write_plans[plan.id] = plan
             self.metrics.inc("kvstore_write_plans_total", result="planned")
         else:
             await self._end_plan(plan)
@@ -241,7 +235,7 @@ class StoreWritePlans(StoreCore):
     def write_plan(self, tenant: str, plan_id: str) -> WritePlan:
         """The open plan ``plan_id`` of ``tenant`` (WritePlanNotFound: ended,
         expired, another tenant's, or never given)."""
-        plan = self._plans().get(plan_id)
+        plan = self._write_plans.get(plan_id)
         if plan is None or plan.tenant.name != tenant or plan.ended:
             raise WritePlanNotFound(
                 f"no open write plan {plan_id!r} of this tenant: committed, abandoned, expired or never given"
@@ -270,7 +264,7 @@ class StoreWritePlans(StoreCore):
         tables: dict[str, list[FrameEntry]] = {}
         for key, frames in written.items():
             tables[key] = _frame_table(plan.writes[key], frames)
-        del self._plans()[plan_id]
+        del self._write_plans[plan_id]
         plan.ended = True
         out: dict[str, Stored | KVStoreError] = {}
         try:
@@ -288,11 +282,9 @@ class StoreWritePlans(StoreCore):
                 meta = plan.metas.get(w.key)
                 ident = self._ident_blob(plan.tenant, w.key, meta) if meta is not None else None
                 commits.append((w.reservation, result, ident))
-            committed = set()
+            committed = {r.header.key for r, _, _ in commits}
             if commits:
-                done = [r for r, _, _ in commits]
                 entries = await app.commit(commits)
-                committed = {r.header.key for r in done}
                 stored_keys, sizes, metas = [], [], []
                 for (r, _, _), entry in zip(commits, entries, strict=True):
                     key = r.header.key
@@ -340,7 +332,7 @@ class StoreWritePlans(StoreCore):
         await self._abandon(plan, "abandoned")
 
     async def _abandon(self, plan: WritePlan, why: str) -> None:
-        self._plans().pop(plan.id, None)
+        self._write_plans.pop(plan.id, None)
         if plan.ended:
             return
         plan.ended = True
@@ -362,14 +354,14 @@ class StoreWritePlans(StoreCore):
     async def end_write_plans(self, plan_ids: Sequence[str]) -> None:
         """End these plans if still open (their connection closed)."""
         for pid in plan_ids:
-            plan = self._plans().get(pid)
+            plan = self._write_plans.get(pid)
             if plan is not None:
                 await self._abandon(plan, "abandoned")
 
     async def expire_write_plans(self) -> int:
         """End the plans whose lease ran out; returns how many."""
         now = time.monotonic()
-        late = [p for p in self._plans().values() if p.expires <= now]
+        late = [p for p in self._write_plans.values() if p.expires <= now]
         for plan in late:
             log.info("write plan %s of tenant %s expired uncommitted", plan.id, plan.tenant.name)
             await self._abandon(plan, "expired")
@@ -382,7 +374,7 @@ class StoreWritePlans(StoreCore):
 
     async def abandon_all_write_plans(self) -> None:
         """At close: every open plan ends."""
-        for plan in list(self._plans().values()):
+        for plan in list(self._write_plans.values()):
             await self._abandon(plan, "abandoned")
 
 
@@ -407,8 +399,8 @@ def _frame_table(w: PlannedWrite, given: Sequence[FrameEntry | int]) -> list[Fra
             frames.append(FrameEntry(reserved.frame_plain_len(i), CODEC_RAW, f))
     if len(frames) != len(reserved.frames):
         raise InvalidInput(f"block {w.key!r}: {len(reserved.frames)} frames are planned; {len(frames)} were given")
-    for i, (f, most) in enumerate(zip(frames, reserved.frames, strict=True)):
-        plain = reserved.frame_plain_len(i) if w.sealing is None else most.stored_len - GCM_TAG
+    for i, f in enumerate(frames):
+        plain = reserved.frame_plain_len(i)
         if w.sealing is None:
             ok = f.stored_len == plain and f.codec == CODEC_RAW
         else:
@@ -486,18 +478,13 @@ def _write_into(w: PlannedWrite, data: memoryview) -> None:
     """``data`` then zeros up to an ALIGN multiple, at ``w.offset`` of its
     segment: with O_DIRECT where the segment is written so."""
     seg = w.reservation.segment
-    pad = memoryview(bytes(-len(data) % 4096))
+    parts: list[Buffer] = [data, padding(len(data))]
     if not w.reservation.direct:
-        done = 0
-        for part in (data, pad):
-            pos = 0
-            while pos < len(part):
-                pos += os.pwrite(seg.fd, part[pos:], w.offset + done + pos)
-            done += len(part)
+        pwrite_all(seg.fd, parts, w.offset)
         return
     fd = os.open(seg.path, os.O_WRONLY | directio.O_DIRECT)
     try:
-        directio.pwrite_direct(fd, [data, pad], w.offset)
+        directio.pwrite_direct(fd, parts, w.offset)
     finally:
         os.close(fd)
 

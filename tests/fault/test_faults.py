@@ -230,7 +230,7 @@ async def test_partial_write_then_enospc_is_truncated_back(
     seg = segments(data_dir, "alice")[-1]
     before = seg.read_bytes()
 
-    faults.pwritev.extend([HALF, errno.ENOSPC])  # _pwrite_all retries the short write; that fails
+    faults.pwritev.extend([HALF, errno.ENOSPC])  # pwrite_all retries the short write; that fails
     data = block(3, 200_000)
     with pytest.raises(StorageFull, match="no space left") as ei:
         await store.put("alice", "torn", data)

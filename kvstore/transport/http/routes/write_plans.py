@@ -43,7 +43,7 @@ from kvstore.errors import InsecureTransport, InvalidInput, KVStoreError, StoreC
 from kvstore.events.model import BlockMeta
 from kvstore.transport.http.appkeys import config_of, store_of
 from kvstore.transport.http.auth import tenant_of
-from kvstore.transport.http.bodies import block_body, json_body
+from kvstore.transport.http.bodies import block_body, json_body, lease_field
 from kvstore.transport.http.forward import WRITER, writer_url
 from kvstore.transport.http.internal import on_private_socket
 from kvstore.transport.http.routes.plans import PLANS, answer_with_fds, on_unix, unix_transport
@@ -51,8 +51,6 @@ from kvstore.transport.http.routes.records import client_decode_allowed
 from kvstore.transport.statuses import http_status
 
 routes = web.RouteTableDef()
-LEASE_S = 30.0
-MAX_LEASE_S = 600.0
 
 
 def _blocks_field(body: dict[str, Any], limit: int) -> list[dict[str, Any]]:
@@ -69,13 +67,6 @@ def _blocks_field(body: dict[str, Any], limit: int) -> list[dict[str, Any]]:
     return blocks
 
 
-def _lease(body: dict[str, Any]) -> float:
-    value = body.get("lease_s", LEASE_S)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_LEASE_S:
-        raise InvalidInput(f"field 'lease_s' must be a number of seconds in (0, {MAX_LEASE_S:g}]; got {value!r}")
-    return float(value)
-
-
 @routes.post("/v1/write-plan")
 async def write_plan(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
@@ -83,13 +74,10 @@ async def write_plan(request: web.Request) -> web.StreamResponse:
     transport = None if private else on_unix(request)
     if not private and transport is None:
         return await _upload_plan(request, tenant)
-    if WRITER in request.app:  # a reader worker: the writer reserves
-        relayed = await _relay(request)
-        if isinstance(relayed, web.Response):
-            return relayed
-        doc = relayed
-    else:
-        doc = await _plan(request, tenant, await _plan_body(request), private)
+    reserved = await _reserve(request, tenant, await _plan_body(request))
+    if isinstance(reserved, web.Response):
+        return reserved
+    doc = reserved
     if private:
         return web.json_response(doc, dumps=_dumps)
     assert transport is not None
@@ -138,13 +126,10 @@ async def _upload_plan(request: web.Request, tenant: str) -> web.Response:
             "write plans of a direct tenant pass file descriptors, so they are served on the daemon's unix "
             "socket only; use POST /v1/batch/put here"
         )
-    if WRITER in request.app:
-        relayed = await _relay(request, json.dumps(body).encode())
-        if isinstance(relayed, web.Response):
-            return relayed
-        doc = relayed
-    else:
-        doc = await _plan(request, tenant, body, True)
+    reserved = await _reserve(request, tenant, body)
+    if isinstance(reserved, web.Response):
+        return reserved
+    doc = reserved
     doc.pop("paths", None)
     for b in doc["blocks"]:
         b.pop("file", None)
@@ -152,7 +137,15 @@ async def _upload_plan(request: web.Request, tenant: str) -> web.Response:
     return web.json_response(doc, headers={"Kvstore-Fds": "0"}, dumps=_dumps)
 
 
-async def _plan(request: web.Request, tenant: str, body: dict[str, Any], private: bool) -> dict[str, Any]:
+async def _reserve(request: web.Request, tenant: str, body: dict[str, Any]) -> dict[str, Any] | web.Response:
+    """The plan, with each file's path in ``paths``: reserved here (the
+    writer), or by the writer for a reader worker (its error answer passed on)."""
+    if WRITER in request.app:
+        return await _relay(request, json.dumps(body).encode())
+    return await _plan(request, tenant, body)
+
+
+async def _plan(request: web.Request, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
     """Reserve (the writer); the answer with each file's path in ``paths``."""
     blocks = _blocks_field(body, config_of(request).max_batch_keys)
     items: list[tuple[str, int]] = []
@@ -172,11 +165,8 @@ async def _plan(request: web.Request, tenant: str, body: dict[str, Any], private
                 metas[b["key"]] = BlockMeta.from_header(b["meta"])
             except InvalidInput as e:
                 raise InvalidInput(f"blocks[{i}].meta: {e}") from None
-    lease_s = _lease(body)
-    encode = body.get("encode", "server")
-    if encode not in ("server", "client"):
-        raise InvalidInput(f"field 'encode' must be 'server' or 'client'; got {encode!r}")
-    plan = await store_of(request).plan_writes(tenant, items, lease_s, metas, encode)
+    lease_s = lease_field(body)
+    plan = await store_of(request).plan_writes(tenant, items, lease_s, metas, body.get("encode", "server"))
     paths: list[str] = []
     out: list[dict[str, Any]] = []
     for key, _ in items:
@@ -203,7 +193,7 @@ async def _plan(request: web.Request, tenant: str, body: dict[str, Any], private
                 "tenant": tenant,
                 "record_id": sl.record_id.hex(),
                 "key_version": sl.key_version,
-                "frame_count": -(-w.size // w.frame_size),
+                "frame_count": len(w.reservation.header.frames),
                 "frame_key": base64.b64encode(sl.frame_key).decode(),
                 "compression": sl.compression,
                 "level": sl.level,
@@ -214,12 +204,9 @@ async def _plan(request: web.Request, tenant: str, body: dict[str, Any], private
     return {"plan": plan.id, "expires_in_s": lease_s, "direct": direct, "paths": paths, "blocks": out}
 
 
-async def _relay(request: web.Request, raw: bytes | None = None) -> dict[str, Any] | web.Response:
+async def _relay(request: web.Request, raw: bytes) -> dict[str, Any] | web.Response:
     """A reader worker: the writer reserves; its answer (with paths) comes
-    back, or its error answer, passed on as it is. ``raw``: the body, when
-    it was read already."""
-    if raw is None:
-        raw = await request.read()
+    back, or its error answer, passed on as it is."""
     headers = {"Authorization": request.headers.get("Authorization", ""), "Content-Type": "application/json"}
     try:
         async with request.app[WRITER].post(
