@@ -453,9 +453,7 @@ class Appender:
             self._life.appended(self.tenant, seg.segment_id, ops, seg.size, self._tail.synced_upto, idents)
         except Exception as e:  # noqa: BLE001 - any failure (OSError, LMDB) must undo the batch
             self._undo(seg, start)
-            if isinstance(e, OSError):
-                raise _io_error(e, f"writing a batch of {len(todo)} records to {seg.name}") from None
-            raise StorageIOError(f"index commit failed for a batch on {seg.name}: {e}") from None
+            raise _batch_error(e, f"writing a batch of {len(todo)} records to {seg.name}") from None
         self._tail.footer.extend(footer)
         self._dirty = not fsync
         self._metrics.observe("kvstore_batch_records", len(todo))
@@ -551,9 +549,7 @@ class Appender:
             self._life.appended(self.tenant, seg.segment_id, [], seg.size, self._tail.synced_upto)
         except Exception as e:  # noqa: BLE001 - undo the reservation whatever failed
             self._undo(seg, start)
-            if isinstance(e, OSError):
-                raise _io_error(e, f"reserving {total} bytes in {seg.name}") from None
-            raise StorageIOError(f"index update failed reserving space in {seg.name}: {e}") from None
+            raise _batch_error(e, f"reserving {total} bytes in {seg.name}") from None
         self._dirty = True  # the pads: synced with the next batch or commit
         self._pending[seg.segment_id] = self._pending.get(seg.segment_id, 0) + len(out)
         self._reserved.update(h.key for h in headers)
@@ -609,9 +605,7 @@ class Appender:
                 for (r, _, _), at in zip(group, written, strict=False):
                     with contextlib.suppress(OSError):
                         _write_page(seg, pad(self.tenant, r.header.record_len), at)
-                if isinstance(e, OSError):
-                    raise _io_error(e, f"committing {len(group)} planned records in {seg.name}") from None
-                raise StorageIOError(f"index commit failed for planned records in {seg.name}: {e}") from None
+                raise _batch_error(e, f"committing {len(group)} planned records in {seg.name}") from None
             footer.extend(fes)
             if not fsync and tail:
                 self._dirty = True
@@ -658,3 +652,14 @@ def _io_error(e: OSError, doing: str) -> KVStoreError:
     if e.errno == errno.ENOSPC:
         return StorageFull(f"no space left on device while {doing}")
     return StorageIOError(f"I/O error while {doing}: {e.strerror or e}")
+
+
+def _batch_error(e: Exception, doing: str) -> KVStoreError:
+    """A batch's failure (its writes already undone): a full disk or index
+    stays :class:`StorageFull`, so a removal retries with the space reserve
+    released (reserve.py); anything else is an I/O error."""
+    if isinstance(e, OSError):
+        return _io_error(e, doing)
+    if isinstance(e, StorageFull):
+        return e
+    return StorageIOError(f"index commit failed while {doing}: {e}")

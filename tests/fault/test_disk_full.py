@@ -25,7 +25,7 @@ from kvstore.engine.crypto import MasterKey
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.reserve import RESERVE_FILE
 from kvstore.engine.store import Store
-from kvstore.errors import StorageFull
+from kvstore.errors import NotFound, StorageFull
 from tests.fault.smallfs import MiB, fill, free_bytes, mount_tmpfs, unmount
 
 Blocks = dict[tuple[str, str], bytes]
@@ -271,5 +271,43 @@ async def test_mirrored_copies_go_before_anyone_is_refused(small_fs: Path, tmp_p
         assert store.metrics.counter("kvstore_evictions_total", kind="mirrored") > 0
         for k, v in acked.items():
             assert await store.get("p", k) == v, k
+    finally:
+        await store.close()
+
+
+async def test_a_tombstone_whose_index_commit_finds_the_disk_full_uses_the_reserve(
+    small_fs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index commit of a delete's tombstone failing with ENOSPC (LMDB
+    needs free pages on a full disk) is retried with part of the reserve
+    released, as a failed segment write is; it was reported as a 503
+    io_error ("index commit failed ... no space left") instead.
+
+    Regression: CI's daemon disk-full run answered DELETE 503 that way."""
+    master = MasterKey(os.urandom(32))
+    store = await Store.open(config(small_fs), master)
+    try:
+        await store.create_tenant("direct", "direct")
+        await store.put("direct", "k", b"v" * 100_000)
+        reserve = store.reserve
+        assert reserve is not None and reserve.whole
+        apply, failures = Index.apply, [StorageFull("no space left on device while committing; nothing was committed")]
+
+        def full_once(self: Index, *args: object, **kwargs: object) -> None:
+            if failures:
+                raise failures.pop()
+            apply(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Index, "apply", full_once)
+        assert await store.delete("direct", "k")
+        assert not failures and reserve.releases == 1 and not reserve.whole
+        with pytest.raises(NotFound):
+            await store.head("direct", "k")
+    finally:
+        await store.close()
+    store = await Store.open(config(small_fs), master)
+    try:
+        with pytest.raises(NotFound):  # the tombstone was committed, not left half-done
+            await store.head("direct", "k")
     finally:
         await store.close()
