@@ -7,7 +7,8 @@ master key from KVSTORE_MASTER_KEY_FILE (a 0600 file of 32 random bytes) or
 KVSTORE_MASTER_KEY. Every setting is also a TOML key and a KVSTORE_* variable
 (see deploy/kvstore.toml). SIGTERM drains in-flight requests and queued writes,
 then exits; under systemd (Type=notify) it reports READY, STOPPING, WATCHDOG.
-With --workers N, N processes share the port (see :func:`supervise`).
+With --workers N, N processes share the port (see :func:`supervise`); the
+default, "auto", is one per CPU, bounded by memory (kvstore/workers.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import ssl
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -32,10 +34,10 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from kvstore import redaction, sdnotify
+from kvstore import redaction, sdnotify, workers
 from kvstore.engine.api import MasterKey, load_master_key
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.server_config import SETTINGS, UNIX, ServerConfig, load
+from kvstore.server_config import AUTO, SETTINGS, UNIX, ServerConfig, load
 from kvstore.tasks import Background
 from kvstore.transport.http.app import make_app
 from kvstore.transport.http.appkeys import METRICS, STATE, STORE
@@ -96,7 +98,7 @@ async def serve(
     own_socks: list[UnixListener] = []
     try:
         for host, port in cfg.tcp_addresses:
-            tcp += bind_tcp("listen", host, port, reuse_port=cfg.workers > 1)
+            tcp += bind_tcp("listen", host, port, reuse_port=cfg.worker_count > 1)
         gw_tcp = bind_tcp("s3_gateway_listen", *gateway, reuse_port=False) if gateway is not None else []
         if unix_socks is None:
             own_socks = unix_sockets(cfg)
@@ -134,7 +136,7 @@ async def _serve_on(
         if role == "writer" and writer_socket:
             # Every reader may open up to max_concurrency + 1 relay connections
             # at once; a full accept queue refuses the next one at once (EAGAIN).
-            queue = (cfg.workers - 1) * (cfg.max_concurrency + 1) + 64
+            queue = (cfg.worker_count - 1) * (cfg.max_concurrency + 1) + 64
             await web.UnixSite(runner, writer_socket, backlog=queue).start()
         for sock in tcp:
             await web.SockSite(runner, sock, ssl_context=tls, backlog=BACKLOG).start()
@@ -263,7 +265,7 @@ def _worker(
 
 
 def supervise(cfg: ServerConfig, master: MasterKey) -> int:
-    """Run ``cfg.workers`` processes sharing the port (SO_REUSEPORT): one writer
+    """Run ``cfg.worker_count`` processes sharing the port (SO_REUSEPORT): one writer
     that owns the store's writes, and readers that serve reads from the same
     files and forward writes to the writer over a unix socket. Readers stop
     before the writer, so forwarded writes in flight still land; if any worker
@@ -304,13 +306,13 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
 
     rc = 0
     try:
-        ok = start("writer") and all(start("reader") for _ in range(cfg.workers - 1))
+        ok = start("writer") and all(start("reader") for _ in range(cfg.worker_count - 1))
         if not ok:
             rc = 0 if stopping else 1
         else:
             where = serving_on(cfg)
-            print(f"kvstore serving on {where} with {cfg.workers} workers", flush=True)
-            sdnotify.notify("READY=1", f"STATUS=serving on {where} with {cfg.workers} workers")
+            print(f"kvstore serving on {where} with {cfg.worker_count} workers", flush=True)
+            sdnotify.notify("READY=1", f"STATUS=serving on {where} with {cfg.worker_count} workers")
             interval = sdnotify.watchdog_interval()
             while not stopping:
                 wait([p.sentinel for _, p in procs], timeout=min(interval or 1.0, 1.0))
@@ -354,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         master = load_master_key(cfg.master_key_file, cfg.master_key)
         scrubber.add_key(master.secret)
         check_data_dir(cfg.store.data_dir)
-        if cfg.workers > 1:
+        if cfg.workers == AUTO:  # resolved once, here, before any fork
+            auto = workers.machine_workers(cfg)
+            log.info("%s", auto)
+            cfg = replace(cfg, workers=auto.count)
+        if cfg.worker_count > 1:
             return supervise(cfg, master)
         uvloop.run(serve(cfg, master))
         return 0

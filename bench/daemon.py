@@ -36,7 +36,9 @@ def daemon(
     settings: Mapping[str, str], flags: list[str] | None = None, policy: str = "direct", pass_env: str = "UCX_"
 ) -> Iterator[Daemon]:
     """``settings`` as KVSTORE_<NAME> variables; ``flags`` for server.py;
-    the caller's variables starting with ``pass_env`` are passed on."""
+    the caller's variables starting with ``pass_env`` are passed on. One
+    worker unless ``settings`` or ``flags`` say otherwise (not the default,
+    "auto": figures from machines with different CPU counts would differ)."""
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir="/var/tmp"))
     admin = secrets.token_hex(16)
     key_file = root / "master.key"
@@ -44,7 +46,7 @@ def daemon(
     key_file.chmod(0o600)
     port = _port()
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "KVSTORE_ADMIN_TOKEN": admin}
-    env |= {"KVSTORE_MASTER_KEY_FILE": str(key_file)}
+    env |= {"KVSTORE_MASTER_KEY_FILE": str(key_file), "KVSTORE_WORKERS": "1"}
     env |= {k: v for k, v in os.environ.items() if pass_env and k.startswith(pass_env)}
     env |= {"KVSTORE_" + k.upper(): v for k, v in settings.items()}
     cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(root / "data"), "--compact-interval-s", "0"]

@@ -2,9 +2,9 @@
 target: >= 0.8x, page cache warm and cold), with HTTP GET over the same unix
 socket for context.
 
-Starts ``server.py`` on a fresh data directory with a unix socket, loads
-``--blocks`` direct blocks of ``--block-size`` (real KV bytes, repeated),
-then, on one thread, in ``--batch``-key plans:
+Starts ``server.py`` (one worker) on a fresh data directory with a unix
+socket, loads ``--blocks`` direct blocks of ``--block-size`` (real KV bytes,
+repeated), then, on one thread, in ``--batch``-key plans:
 
 * ``plan``: POST /v1/read-plan, preadv of each block into one buffer, each
   frame's xxh3 checked, DELETE of the lease (what ``get_into`` does, batched);
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "KVSTORE_ADMIN_TOKEN": admin}
     env["KVSTORE_MASTER_KEY_FILE"] = str(key_file)
     cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(root / "data"), "--compact-interval-s", "0"]
-    cmd += ["--listen", f"127.0.0.1:{port}", "--listen", f"unix:{sock}"]
+    cmd += ["--listen", f"127.0.0.1:{port}", "--listen", f"unix:{sock}", "--workers", "1"]
     with (root / "kvstore.log").open("ab") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

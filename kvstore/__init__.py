@@ -22,7 +22,8 @@ The tree shows the architecture:
   rebuilt from them (``catalog``, ``records``, ``recovery``, ``objects``).
 - At the top: what every part shares (``errors``, ``config``, ``metrics``,
   ``names``, ``redaction``), the daemon's own (``server_config``,
-  ``sdnotify``, ``tuning``) and the offline checker (``fsck``).
+  ``sdnotify``, ``tuning``, ``workers``: how many processes ``auto`` starts)
+  and the offline checker (``fsck``).
 """
 
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal
 
 from kvstore.config import (
     ENV_PREFIX,
@@ -107,6 +107,19 @@ def _positive(name: str, value: object) -> int:
     return n
 
 
+AUTO: Final = "auto"
+
+
+def _workers(name: str, value: object) -> int | Literal["auto"]:
+    """A positive number of processes, or "auto" (kvstore/workers.py)."""
+    if value == AUTO:
+        return AUTO
+    try:
+        return _positive(name, value)
+    except ConfigError:
+        raise ConfigError(f"{name}={value!r}: expected a positive integer or {AUTO!r}") from None
+
+
 def _zmq_endpoint(name: str, value: object) -> str:
     text = _str(name, value)
     if not text.startswith(("tcp://", "ipc://", "inproc://")):
@@ -124,7 +137,9 @@ class ServerConfig:
 
     store: StoreConfig
     listen: str = f"127.0.0.1:{DEFAULT_PORT}"
-    workers: int = 1
+    # Processes sharing the port; "auto" is resolved at start-up (kvstore/workers.py),
+    # after which ``worker_count`` is the number.
+    workers: int | Literal["auto"] = AUTO
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
     master_key_file: str | None = None
@@ -142,6 +157,9 @@ class ServerConfig:
     unix_socket_mode: int = 0o660
     unix_socket_group: str | None = None
     sendfile: bool = True
+    # GET/HEAD of a block answered from the connection's bytes, without the
+    # framework, where the request allows (kvstore/transport/http/fastlane.py).
+    fast_lane: bool = True
     plan_paths: bool = False
     nixl: bool = False
     nixl_backend: str = "UCX"
@@ -158,6 +176,14 @@ class ServerConfig:
     s3_gateway_listen: str | None = None  # HOST:PORT of the S3-compatible gateway; off unless set
     s3_gateway_region: str = "us-east-1"  # the region SigV4 scopes must name
     s3_gateway_domain: str | None = None  # virtual-host-style addressing: BUCKET.<domain>
+
+    @property
+    def worker_count(self) -> int:
+        """``workers`` as a number. "auto" must have been resolved first
+        (server.py does, before anything counts processes)."""
+        if isinstance(self.workers, str):
+            raise RuntimeError('workers="auto" was not resolved (kvstore.workers.auto_workers)')
+        return self.workers
 
     @property
     def s3_gateway_address(self) -> tuple[str, int] | None:
@@ -198,7 +224,7 @@ class ServerConfig:
 
 _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "listen": _listen,
-    "workers": _positive,
+    "workers": _workers,
     "admin_token": _str,
     "admin_token_file": _str,
     "master_key_file": _str,
@@ -216,6 +242,7 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "unix_socket_mode": _mode,
     "unix_socket_group": _str,
     "sendfile": parse_bool,
+    "fast_lane": parse_bool,
     "plan_paths": parse_bool,
     "nixl": parse_bool,
     "nixl_backend": _str,

@@ -44,6 +44,7 @@ class Daemon:
             "KVSTORE_SEGMENT_SIZE": "4MiB",
             "KVSTORE_FRAME_SIZE": "64KiB",
             "KVSTORE_DURABILITY": "interval",
+            "KVSTORE_WORKERS": "1",  # not the default "auto" (one per CPU): the same daemon on every machine
             **{f"KVSTORE_{k.upper()}": v for k, v in settings.items()},
         }
         self.proc: subprocess.Popen[bytes] | None = None

@@ -144,7 +144,12 @@ class Daemon:
 
 def daemon_env(workdir: Path, **settings: str) -> dict[str, str]:
     """The environment of a test daemon: a fresh master key file (mode 0600) in
-    ``workdir``, the admin token, and ``settings`` as KVSTORE_<NAME> variables."""
+    ``workdir``, the admin token, one worker, and ``settings`` as
+    KVSTORE_<NAME> variables.
+
+    One worker unless ``settings`` or a ``--workers`` flag (which beats the
+    environment) asks for more: the daemon's default, "auto", would start one
+    per CPU, and the tests would differ from machine to machine."""
     key = workdir / "master.key"
     key.write_bytes(os.urandom(32))
     key.chmod(0o600)
@@ -152,6 +157,7 @@ def daemon_env(workdir: Path, **settings: str) -> dict[str, str]:
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "KVSTORE_ADMIN_TOKEN": ADMIN,
         "KVSTORE_MASTER_KEY_FILE": str(key),
+        "KVSTORE_WORKERS": "1",
         "PYTHONPATH": str(ROOT),
     }
     return env | {"KVSTORE_" + name.upper(): value for name, value in settings.items()}
