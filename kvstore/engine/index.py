@@ -236,6 +236,12 @@ class Index:
             raw = txn.get(b"epoch")
         return EPOCH.unpack(raw)[0] if raw else 0
 
+    def bump_epoch(self) -> None:
+        """Move the epoch with no segment change: reader workers then look at
+        their open files again (a scrub found damage: verified.py)."""
+        with self._writing() as txn:
+            self._bump_epoch(txn)
+
     def _bump_epoch(self, txn: lmdb.Transaction) -> None:
         raw = txn.get(b"epoch", db=self._meta)
         txn.put(b"epoch", EPOCH.pack((EPOCH.unpack(raw)[0] if raw else 0) + 1), db=self._meta)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvstore.engine import verified
 from kvstore.engine.crypto import RecordCipher, derive_frame_key
 from kvstore.engine.format import CODEC_RAW, KIND_BLOCK, REC_FLAG_DIRECT, RecordHeader, checksum, decode_record_header
 from kvstore.engine.index import IndexEntry
@@ -147,12 +148,20 @@ def direct_view(seg: SegmentFile, entry: IndexEntry, tenant: str, key: str, star
     segment file (what sendfile sends from)."""
     base = entry.offset + entry.payload_offset
     view = seg.mapped(base + entry.logical_size)
-    header = decode_record_header(view[entry.offset : base], seg.name, entry.offset)
-    _check_identity(header, entry, tenant, key, seg.name)
-    fs = header.frame_size
-    first, last = start // fs, (end - 1) // fs
-    lo, hi = first * fs, min(entry.logical_size, (last + 1) * fs)
-    _verify_raw_frames(header, view[base:], key, seg.name, entry.offset, first, last, lo, hi)
+    header = verified.header_of(seg, entry.offset)
+    try:
+        if header is None:
+            header = decode_record_header(view[entry.offset : base], seg.name, entry.offset)
+        _check_identity(header, entry, tenant, key, seg.name)
+        fs = header.frame_size
+        first, last = start // fs, (end - 1) // fs
+        if verified.unverified(seg, entry.offset, first, last):
+            lo, hi = first * fs, min(entry.logical_size, (last + 1) * fs)
+            _verify_raw_frames(header, view[base:], key, seg.name, entry.offset, first, last, lo, hi)
+            verified.mark(seg, entry.offset, header, first, last)
+    except CorruptionError:
+        verified.forget(seg)
+        raise
     return view[base + start : base + end]
 
 

@@ -13,6 +13,7 @@ import contextlib
 import threading
 from pathlib import Path
 
+from kvstore.engine import verified
 from kvstore.engine.segment import SegmentFile, segment_name
 
 SegmentKey = tuple[str, int]
@@ -72,6 +73,15 @@ class SegmentCache:
         with self._lock:
             for key in [k for k in self._segs if k[0] == tenant]:
                 self._segs.pop(key).retire()
+
+    def forget_verified(self, names: set[str] | None = None) -> None:
+        """Drop the verified-frames cache (verified.py) of the open segments
+        named (``tenant/file.seg``), or of all of them."""
+        with self._lock:
+            segs = list(self._segs.values())
+        for seg in segs:
+            if names is None or seg.name in names:
+                verified.forget(seg)
 
     def close(self) -> None:
         with self._lock:

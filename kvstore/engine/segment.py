@@ -85,6 +85,11 @@ class SegmentFile:
         self._map_lock = threading.Lock()
         self._users = 0  # reads in progress (acquire/release)
         self._retired = False
+        # The verified-frames cache of this open file (verified.py): record
+        # offset -> (its header, a bit per frame whose checksum was checked).
+        # It lives and dies with this object: compaction, eviction and
+        # rehydration replace or close it, so nothing here outlives the bytes.
+        self.verified: dict[int, tuple[RecordHeader, int]] = {}
 
     @property
     def segment_id(self) -> int:

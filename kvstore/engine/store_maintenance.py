@@ -57,4 +57,10 @@ class StoreMaintenance(StoreCore):
         """Scrub every segment: headers, footers, frame checksums; ``deep`` also
         opens every live frame (GCM tags, decompression)."""
         self._check_open()
-        return await self._run(verify_segments, self._seg_root, self._registry, self._index, deep)
+        report = await self._run(verify_segments, self._seg_root, self._registry, self._index, deep)
+        if report.errors:
+            # The damage found is read again, and reported, by the next read
+            # of it here and in every reader worker (verified.py).
+            self._cache.forget_verified({segment for segment, _, _ in report.errors})
+            await self._run(self._index.bump_epoch)
+        return report

@@ -243,21 +243,36 @@ async def test_get_buffer_of_direct_blocks_is_a_verified_view(store: Store) -> N
     assert await store.get_buffer("direct", "b") == b
     await store.put("alice", "a", a)
     assert isinstance(await store.get_buffer("alice", "a"), bytearray)  # sealed: decoded, not mapped
-    # A flipped byte in the file (patched in place, as a disk would) is a
-    # corruption error, never wrong data.
+    c = block("vc", 150_000)
+    await store.put("direct", "c", c)
     seg = next((store.config.data_dir / "segments" / "direct").glob("*.seg"))
-    at = seg.read_bytes().index(b[:64]) + 1000
-    with seg.open("r+b") as f:
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x01]))
-    with pytest.raises(CorruptionError, match="checksum"):
-        await store.get_buffer("direct", "b")
+
+    def damage(data: bytes) -> None:  # a flipped byte, patched in place as a disk would
+        at = seg.read_bytes().index(data[:64]) + 1000
+        with seg.open("r+b") as f:
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 0x01]))
+
+    # b's frames were verified in this open file before the damage
+    # (verified.py): a view of them is served until a scrub, which reads the
+    # disk, finds it; from then on reads check again and fail. A copy
+    # (get) checks every frame, always.
+    damage(b)
+    assert await store.get_buffer("direct", "b", 990, 1010) != b[990:1010]
     with pytest.raises(CorruptionError, match="checksum"):
         await store.get("direct", "b")
+    report = await store.verify()
+    assert not report.ok and len(report.errors) == 1, report.errors
     with pytest.raises(CorruptionError, match="checksum"):
         await store.get_buffer("direct", "b", 990, 1010)  # a range inside the damaged frame
-    assert await store.get_buffer("direct", "b", 2 * FS, 2 * FS + 10) == b[2 * FS : 2 * FS + 10]  # another frame
+    with pytest.raises(CorruptionError, match="checksum"):
+        await store.get_buffer("direct", "b")
+    # Frames not verified yet: a corruption error at the first read, never wrong data.
+    damage(c)
+    with pytest.raises(CorruptionError, match="checksum"):
+        await store.get_buffer("direct", "c", 990, 1010)
+    assert await store.get_buffer("direct", "c", 2 * FS, 2 * FS + 10) == c[2 * FS : 2 * FS + 10]  # another frame
     assert await store.get_buffer("direct", "a") == a
-    assert store.metrics.counter("kvstore_corruption_total") == 3
+    assert store.metrics.counter("kvstore_corruption_total") == 4
