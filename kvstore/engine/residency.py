@@ -244,6 +244,22 @@ class Residency:
             raise SegmentMoved(f"key {key!r} moved or went while it was read")
         raise CorruptionError("segment file is missing", f"{tenant}/{entry.segment_id:016x}.seg", 0)
 
+    def local_now(self, tenant: str, entry: IndexEntry) -> SegmentFile | None:
+        """:meth:`local` when the segment is open in this process already (no
+        I/O, nothing awaited); None otherwise (then ask :meth:`local`)."""
+        k = (tenant, entry.segment_id)
+        if self.writer:
+            if k in self._remote_only:
+                return None
+        else:
+            ts = self._index.tier_state(*k)
+            if ts is not None and not ts.local:
+                return None
+        seg = self._cache.acquire_cached(k)
+        if seg is not None:
+            self.space.touch(k)
+        return seg
+
     async def fetch(self, tenant: str, key: str, entry: IndexEntry) -> FetchedRecord:
         """The record of ``key`` from the object tier (one ranged GET)."""
         k = (tenant, entry.segment_id)
@@ -539,10 +555,13 @@ class Residency:
 
     def sweep(self) -> int:
         """Close this process's files of segments that are no longer local and
-        alive (dropped, retired, deleted); returns how many."""
+        alive (dropped, retired, deleted); returns how many. The files kept
+        check their frames again (the epoch also moves when a scrub found
+        damage: verified.py)."""
         gone = [k for k in self._cache.segment_keys() if not self._life.phase(*k).local]
         for k in gone:
             self._cache.forget(k)
+        self._cache.forget_verified()
         return len(gone)
 
     async def refresh_gauges(self) -> None:

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
 from typing import TypeVar
 
-from kvstore.engine import reader
+from kvstore.engine import reader, verified
 from kvstore.engine.access import now_ms
 from kvstore.engine.index import IndexEntry
 from kvstore.engine.lifecycle import Lease, SegmentKey
@@ -59,6 +59,51 @@ class StoreReads(StoreCore):
         self.metrics.inc("kvstore_lookups_total", result="hit")
         self.access.touch(tenant, key)
         return entry
+
+    def peek(self, tenant: str, key: str) -> BlockInfo | None:
+        """:meth:`head` of a present, unexpired block, on the calling thread,
+        counting nothing: a fast path's first look (it counts the hit with
+        :meth:`count_hit` once it answers; a miss is the route's)."""
+        t = self._tenant(tenant)
+        entry = self._index.get(tenant, key)
+        if entry is None or (t.ttl_s and self._retention.expired(t, key, entry)):
+            return None
+        return BlockInfo.of(key, entry)
+
+    def count_hit(self, tenant: str, key: str) -> None:
+        """A read found the block (:meth:`peek`): counted and touched as :meth:`head` does."""
+        self.metrics.inc("kvstore_lookups_total", result="hit")
+        self.access.touch(tenant, key)
+
+    def direct_extent_now(self, tenant: str, info: BlockInfo, start: int, end: int) -> DirectExtent | None:
+        """:meth:`get_sendable` of a direct block (``info`` from :meth:`peek`)
+        without awaiting anything: its segment already open here, its covering
+        frames verified (verified.py) or cheap to verify here. None, with
+        nothing held or counted, when the block needs more (a sealed block,
+        one in the object tier, a segment not open yet: the route's path)."""
+        entry, key = info.entry, info.key
+        if entry is None or not entry.flags & reader.REC_FLAG_DIRECT:
+            return None
+        seg = self._residency.local_now(tenant, entry)
+        if seg is None:
+            return None
+        try:
+            if end - start > INLINE_VERIFY_BYTES:  # only if verified already: hashing it would hold the loop
+                h = verified.header_of(seg, entry.offset)
+                if h is None or verified.unverified(
+                    seg, entry.offset, start // h.frame_size, (end - 1) // h.frame_size
+                ):
+                    seg.release()
+                    return None
+            view = reader.direct_view(seg, entry, tenant, key, start, end)
+        except CorruptionError:
+            seg.release()
+            return None  # reported by the route's read
+        except BaseException:
+            seg.release()
+            raise
+        self.metrics.inc("kvstore_bytes_out_total", end - start)
+        return DirectExtent(seg, entry.offset + entry.payload_offset + start, view)
 
     async def get(self, tenant: str, key: str) -> bytearray:
         entry = await self._entry(tenant, key)

@@ -67,6 +67,7 @@ from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvstore.transport.http.appkeys import CONFIG, EXPECT, METRICS
+from kvstore.transport.http.fastlane import FastLane
 
 log = logging.getLogger("kvstore.http")
 
@@ -153,9 +154,13 @@ def _json_error(status: int, code: str, message: str) -> web.Response:
 class KVRequestHandler(RequestHandler):
     """aiohttp's protocol with kvstore's answers to what bypasses the app."""
 
-    def __init__(self, *args: Any, kv_app: web.Application | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, kv_app: web.Application | None = None, fast_lane: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._kv_app = kv_app
+        # GET/HEAD of a block answered without the framework (fastlane.py).
+        self._lane = FastLane(self, kv_app) if fast_lane and kv_app is not None else None
         self._receiving: StreamReader | None = None
         self._headers_timer: asyncio.TimerHandle | None = None
         config = kv_app.get(CONFIG) if kv_app is not None else None
@@ -196,6 +201,11 @@ class KVRequestHandler(RequestHandler):
         return _json_error(500, "internal", "internal error")
 
     def data_received(self, data: bytes) -> None:
+        if data and self._lane is not None and not (self._force_close or self._close):
+            # (aiohttp calls this with no bytes to resume its parser: passed on as it is.)
+            data = self._lane.feed(data)
+            if not data:
+                return
         before = len(self._messages)
         super().data_received(data)
         # What the parser added (nothing else takes from the queue meanwhile):
@@ -208,6 +218,18 @@ class KVRequestHandler(RequestHandler):
         if self._messages:
             self._receiving = self._messages[-1][1]  # the body of the latest request parsed
         self._time_headers(bool(data), len(self._messages) > before)
+
+    def headers_started(self) -> None:
+        """The fast lane holds the start of a request: its headers are timed as aiohttp's are."""
+        self._time_headers(True, False)
+
+    def answered(self) -> None:
+        """The fast lane answered a request: the headers' timer stops, and the
+        keep-alive timer starts over, as after any answer."""
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
+        self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
 
     def _time_headers(self, got_bytes: bool, got_request: bool) -> None:
         """Bound the time a request's line and headers may take to arrive,
@@ -259,9 +281,10 @@ class KVServer(web.Server):
     """``web.Server`` whose connections are :class:`KVRequestHandler`."""
 
     kv_app: web.Application | None = None
+    fast_lane = False
 
     def __call__(self) -> RequestHandler:
-        return KVRequestHandler(self, loop=self._loop, kv_app=self.kv_app, **self._kwargs)
+        return KVRequestHandler(self, loop=self._loop, kv_app=self.kv_app, fast_lane=self.fast_lane, **self._kwargs)
 
 
 def _without_expect(message: RawRequestMessage) -> RawRequestMessage:
@@ -292,6 +315,9 @@ class KVAppRunner(web.AppRunner):
         # class swap keeps every argument aiohttp gave it (see the module doc).
         server.__class__ = KVServer
         cast(KVServer, server).kv_app = self.app
+        # The kvstore API (not the S3 gateway): its hot reads may take the fast lane.
+        config = self.app.get(CONFIG)
+        cast(KVServer, server).fast_lane = self._gate_expect and config is not None and config.fast_lane
         if self._gate_expect:
             factory = server.request_factory
 
