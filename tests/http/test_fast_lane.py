@@ -265,3 +265,48 @@ async def test_reads_under_compaction_and_deletes_never_send_wrong_bytes(lane: L
     assert lane.answered("GET") > 30
     async with api.session.get(api.url("/metrics"), headers=api.auth(ADMIN)) as r:
         assert "kvstore_http_fast_lane_total" in await r.text()
+
+
+async def test_the_daemon_answers_on_the_lane_under_uvloop(tmp_path: Path) -> None:
+    """server.py (uvloop, whose transports are not asyncio.Transport
+    subclasses) takes the lane, and ``fast_lane = false`` turns it off."""
+    from tests.http.conftest import Daemon, daemon_env
+
+    for on in ("true", "false"):
+        (tmp_path / on).mkdir()
+        env = {**daemon_env(tmp_path / on), "KVSTORE_FAST_LANE": on}
+        daemon = Daemon(tmp_path / on / "data", free_port(), env, log_dir=tmp_path / on)
+        daemon.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                api = Api(daemon.base, session, server_config(tmp_path))
+                for _ in range(200):
+                    try:
+                        async with session.get(daemon.base + "/readyz") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    await asyncio.sleep(0.05)
+                token = await api.tenant("direct", "direct")
+                data = os.urandom(1 << 20)
+                await _put(api, token, "k", data)
+                conn = await Conn.open("127.0.0.1", daemon.port)
+                try:
+                    for i in range(20):
+                        r = await conn.request(
+                            "GET", "/v1/blocks/k", {**api.auth(token), "Range": f"bytes={i}-{i + 9999}"}
+                        )
+                        assert r.status == 206 and r.body == data[i : i + 10_000]
+                finally:
+                    await conn.close()
+                async with session.get(daemon.base + "/metrics") as r:
+                    text = await r.text()
+            answered = [ln for ln in text.splitlines() if ln.startswith('kvstore_http_fast_lane_total{method="GET"}')]
+            if on == "true":
+                assert answered and float(answered[0].split()[-1]) == 20, answered
+            else:
+                assert not answered, answered
+            assert 'kvstore_http_requests_total{method="GET",route="/v1/blocks/{key}",status="206"} 20' in text
+        finally:
+            assert daemon.stop() == 0

@@ -202,10 +202,13 @@ class KVRequestHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         if data and self._lane is not None and not (self._force_close or self._close):
-            # (aiohttp calls this with no bytes to resume its parser: passed on as it is.)
-            data = self._lane.feed(data)
-            if not data:
-                return
+            self._lane.feed(data)  # (aiohttp calls this with no bytes to resume its parser: that is its own)
+        else:
+            self.to_aiohttp(data)
+
+    def to_aiohttp(self, data: bytes) -> None:
+        """Bytes for aiohttp's parser (from the fast lane: whole requests, or
+        the rest of a body)."""
         before = len(self._messages)
         super().data_received(data)
         # What the parser added (nothing else takes from the queue meanwhile):
@@ -218,6 +221,31 @@ class KVRequestHandler(RequestHandler):
         if self._messages:
             self._receiving = self._messages[-1][1]  # the body of the latest request parsed
         self._time_headers(bool(data), len(self._messages) > before)
+
+    async def _handle_request(self, request: BaseRequest, start_time: float | None, request_handler: Any) -> Any:
+        """aiohttp's; the fast lane learns when an answer of aiohttp's is out
+        (its requests after it may then be answered), or that the connection
+        closes after it (nothing more is answered there)."""
+        lane = self._lane
+        try:
+            resp, reset = await super()._handle_request(request, start_time, request_handler)
+        except BaseException:
+            if lane is not None:
+                lane.off = True
+            raise
+        if lane is not None:
+            if reset or not resp.keep_alive or self._force_close or self._close:
+                lane.off = True
+            else:
+                lane.outstanding -= 1
+                if lane.outstanding <= 0:
+                    self._loop.call_soon(lane.resume)
+        return resp, reset
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._lane is not None:
+            self._loop.call_soon(self._lane.resume)
 
     def headers_started(self) -> None:
         """The fast lane holds the start of a request: its headers are timed as aiohttp's are."""
@@ -267,6 +295,8 @@ class KVRequestHandler(RequestHandler):
         progress. Instead the body being received ends here (a short body
         becomes ``400 invalid_input``), the answer is sent, then the
         connection closes. An idle connection closes at once, as before."""
+        if self._lane is not None:
+            self._lane.flush()  # requests held for their turn are aiohttp's to answer now
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             return False  # idle: waiting for a request that cannot come now

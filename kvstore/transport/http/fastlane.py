@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from kvstore.transport.http.connection import KVRequestHandler
 
 MAX_HEAD = 4096  # a hot request's line and headers are far shorter; longer ones are aiohttp's
+MAX_WAITING = 64 << 10  # requests held for their turn; past it they go to aiohttp as they come
 ROUTE = "/v1/blocks/{key}"
 _PREFIX = b"/v1/blocks/"
 _SERVER = f"Python/3.11 aiohttp/{aiohttp.__version__}"
@@ -92,28 +93,38 @@ class _Date:
 class FastLane:
     """One connection's framing, and the requests it answers itself."""
 
-    __slots__ = ("_app", "_body_left", "_buf", "_proto", "off")
+    __slots__ = ("_app", "_body_left", "_buf", "_proto", "off", "outstanding")
 
     def __init__(self, proto: KVRequestHandler, app: web.Application) -> None:
         self._proto = proto
         self._app = app
         self._buf = b""
         self._body_left = 0  # bytes of a forwarded request's body still to pass on
+        self.outstanding = 0  # requests handed to aiohttp and not yet answered
         self.off = False  # the rest of the connection is aiohttp's
 
-    def feed(self, data: bytes) -> bytes:
-        """Take the connection's new bytes; return those aiohttp must parse
-        (whole requests, or the rest of a body; everything once ``off``)."""
+    def feed(self, data: bytes) -> None:
+        """The connection's new bytes: answered here, or handed to aiohttp
+        (``proto.to_aiohttp``) as whole requests or the rest of a body."""
         if self.off:
-            return data
-        out: list[bytes] = []
+            self._proto.to_aiohttp(data)
+            return
         if self._body_left:
             n = min(self._body_left, len(data))
-            out.append(data[:n])
             self._body_left -= n
+            self._proto.to_aiohttp(data[:n])
             data = data[n:]
-        buf = self._buf + data if self._buf else data
-        while buf and not self._body_left:
+        if data:
+            self._buf = self._buf + data if self._buf else data
+        self.pump()
+
+    def pump(self, hot: bool = True) -> None:
+        """Work through the buffered requests in order: answer hot ones while
+        aiohttp has nothing outstanding and the client reads; hand the others
+        to aiohttp; stop at a hot one that must wait (:meth:`resume` goes on).
+        ``hot=False``: hand everything complete to aiohttp (too much waiting)."""
+        buf, out = self._buf, []
+        while buf and not self._body_left and not self.off:
             end = buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
             if end < 0:
                 if len(buf) > MAX_HEAD or not _plausible(buf):
@@ -121,36 +132,48 @@ class FastLane:
                     out.append(buf)
                     buf = b""
                 break
-            head = buf[: end + 4]
-            framed = _frame(head)
+            framed = _frame(buf[: end + 4])
             if framed is None:
                 self.off = True
                 out.append(buf)
                 buf = b""
                 break
-            body_len, hot = framed
-            if hot is not None and not out and self._idle() and self._answer(hot):
-                buf = buf[end + 4 :]
-                continue
+            body_len, req = framed
+            if req is not None and hot:
+                if out or not self._idle():
+                    if len(buf) <= MAX_WAITING:
+                        break  # after what aiohttp answers first (resume)
+                    hot = False  # a client pipelining without reading: aiohttp's pace from here
+                elif self._answer(req):
+                    buf = buf[end + 4 :]
+                    continue
             take = end + 4 + body_len
             out.append(buf[:take])
+            self.outstanding += 1
             self._body_left = max(0, take - len(buf))
             buf = buf[take:]
         self._buf = buf
+        if out:
+            self._proto.to_aiohttp(b"".join(out))
+        if buf and buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4) < 0 and not self._body_left:
+            self._proto.headers_started()  # a request still arriving: timed as aiohttp's are
+
+    def resume(self) -> None:
+        """aiohttp answered what it had, or the client read: go on."""
+        if self._buf and not self.off:
+            self.pump()
+
+    def flush(self) -> None:
+        """The client sent its last bytes: aiohttp answers what is buffered."""
+        self.off = True
+        buf, self._buf = self._buf, b""
         if buf:
-            self._proto.headers_started()
-        return b"".join(out)
+            self._proto.to_aiohttp(buf)
 
     def _idle(self) -> bool:
         p = self._proto
-        waiter = p._waiter
         return (
-            waiter is not None
-            and not waiter.done()
-            and not p._messages
-            and not p._force_close
-            and not p._close
-            and not p.writing_paused
+            self.outstanding <= 0 and not p._messages and not p._force_close and not p._close and not p.writing_paused
         )
 
     def _answer(self, req: _Hot) -> bool:
@@ -159,8 +182,8 @@ class FastLane:
         state = app[STATE]
         if not state["ready"] or state["inflight"] >= app[CONFIG].max_concurrency:
             return False
-        transport = self._proto.transport
-        if not isinstance(transport, asyncio.Transport) or transport.is_closing() or not req.token:
+        transport = self._proto.transport  # (uvloop's are not asyncio.Transport subclasses: never isinstance)
+        if transport is None or transport.is_closing() or not req.token:
             return False
         t0 = time.perf_counter()
         store = app[STORE]
