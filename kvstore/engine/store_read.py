@@ -349,17 +349,26 @@ class StoreReads(StoreCore):
         """Which of a chain of keys are present, and how many from the start
         (``tokens_per_block``: the engine's, for the hit rate in tokens)."""
         t = self._tenant(tenant)
-        for i, k in enumerate(keys):
-            try:
-                validate_key(k)
-            except InvalidKey as e:
-                raise InvalidKey(f"keys[{i}]: {e}") from None
+        _validate_keys(keys)
         if t.ttl_s:
             present = await self._run(self._present_unexpired, t, list(keys))
         elif len(keys) <= INLINE_LOOKUP_KEYS:
             present = self._index.contains(tenant, list(keys))
         else:
             present = await self._run(self._index.contains, tenant, list(keys))
+        return self._looked_up(present, tokens_per_block)
+
+    def lookup_now(self, tenant: str, keys: Sequence[str], tokens_per_block: int = 0) -> LookupResult | None:
+        """:meth:`lookup` on the calling thread when it needs nothing more
+        than the index (no TTL to check, at most INLINE_LOOKUP_KEYS keys);
+        None, counting nothing, otherwise. Raises as :meth:`lookup`."""
+        t = self._tenant(tenant)
+        if t.ttl_s or len(keys) > INLINE_LOOKUP_KEYS:
+            return None
+        _validate_keys(keys)
+        return self._looked_up(self._index.contains(tenant, list(keys)), tokens_per_block)
+
+    def _looked_up(self, present: list[bool], tokens_per_block: int) -> LookupResult:
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
         # The engines' hit rate, in blocks: of the chain asked for, how much is here from its start.
         self.metrics.inc("kvstore_prefix_lookups_total")
@@ -474,6 +483,14 @@ class StoreReads(StoreCore):
         self._tenant(tenant)
         s = self._index.stats(tenant)
         return TenantStats(s.blocks, s.stored_bytes, s.logical_bytes)
+
+
+def _validate_keys(keys: Sequence[str]) -> None:
+    for i, k in enumerate(keys):
+        try:
+            validate_key(k)
+        except InvalidKey as e:
+            raise InvalidKey(f"keys[{i}]: {e}") from None
 
 
 def _owned(data: bytearray | memoryview) -> bytearray:

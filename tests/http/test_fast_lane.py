@@ -310,3 +310,46 @@ async def test_the_daemon_answers_on_the_lane_under_uvloop(tmp_path: Path) -> No
             assert 'kvstore_http_requests_total{method="GET",route="/v1/blocks/{key}",status="206"} 20' in text
         finally:
             assert daemon.stop() == 0
+
+
+async def test_lookups_get_the_routes_answer(lane: Lane) -> None:
+    api = lane.api
+    token = await api.tenant("direct", "direct")
+    for k in ("a", "b", "d"):
+        await _put(api, token, k, b"v" * 100)
+    port = int(api.base.rsplit(":", 1)[1])
+    ok = b'{"keys": ["a", "b", "c", "d"]}'
+    bodies: list[tuple[bytes, dict[str, str]]] = [
+        (ok, {}),
+        (ok, {"Content-Type": "application/json"}),
+        (b'{"keys": ["a"], "tokens_per_block": 16}', {}),
+        (b'{"keys": ["a"], "tokens_per_block": 0}', {}),
+        (b'{"keys": ["a"], "tokens_per_block": true}', {}),
+        (b'{"keys": "a"}', {}),
+        (b'{"keys": ["a", "bad key"]}', {}),
+        (b'{"keys": [' + b",".join(b'"k%d"' % i for i in range(300)) + b"]}", {}),
+        (b'{"keys": ["a"]', {}),
+        (b"[1]", {}),
+        (b'{"keys": ["a"], "lease_s": 5}', {}),
+        (ok, {"Content-Type": "application/json; charset=latin-1"}),
+        (ok, {"Authorization": "Bearer kvs_nobody"}),
+    ]
+    answers: dict[bool, list[tuple[int, dict[str, str], bytes]]] = {}
+    for on in (False, True):
+        lane.on(on)
+        answers[on] = []
+        for body, extra in bodies:
+            conn = await Conn.open("127.0.0.1", port)
+            try:
+                r = await conn.request("POST", "/v1/lookup", {**api.auth(token), **extra}, body)
+            finally:
+                await conn.close()
+            answers[on].append(_comparable(r))
+    for (body, extra), off, on in zip(bodies, answers[False], answers[True], strict=True):
+        if b"lease_s" in body:  # a new lease id each time
+            assert off[0] == on[0] == 200 and off[1] == on[1], (body, extra)
+            continue
+        assert off == on, (body[:60], extra)
+    assert answers[True][0][0] == 200 and b'"prefix": 2' in answers[True][0][2]
+    assert {a[0] for a in answers[True]} >= {200, 400, 401}
+    assert lane.answered("POST") == 3  # the three valid ones

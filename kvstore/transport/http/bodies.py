@@ -300,6 +300,18 @@ def lease_field(body: dict[str, Any], default: float = LEASE_S) -> float:
     return float(value)
 
 
+def tokens_per_block_field(body: dict[str, Any]) -> int:
+    """A lookup's ``tokens_per_block``: 1 to 2**20, or 0 when absent."""
+    tpb = body.get("tokens_per_block", 0)
+    if (
+        isinstance(tpb, bool)
+        or not isinstance(tpb, int)
+        or not ((tpb == 0 and "tokens_per_block" not in body) or 1 <= tpb <= 1 << 20)
+    ):
+        raise InvalidInput(f"field 'tokens_per_block' must be an integer from 1 to {1 << 20}; got {tpb!r}")
+    return tpb
+
+
 def keys_field(body: dict[str, Any], limit: int, validate: bool = True) -> list[str]:
     """The request's ``keys``: a list of at most ``limit`` keys, each checked
     unless ``validate`` is False (the store checks them itself)."""

@@ -67,7 +67,7 @@ from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvstore.transport.http.appkeys import CONFIG, EXPECT, METRICS
-from kvstore.transport.http.fastlane import FastLane
+from kvstore.transport.http.fastlane import BulkQueue, FastLane
 
 log = logging.getLogger("kvstore.http")
 
@@ -155,12 +155,12 @@ class KVRequestHandler(RequestHandler):
     """aiohttp's protocol with kvstore's answers to what bypasses the app."""
 
     def __init__(
-        self, *args: Any, kv_app: web.Application | None = None, fast_lane: bool = False, **kwargs: Any
+        self, *args: Any, kv_app: web.Application | None = None, bulk: BulkQueue | None = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
         self._kv_app = kv_app
         # GET/HEAD of a block answered without the framework (fastlane.py).
-        self._lane = FastLane(self, kv_app) if fast_lane and kv_app is not None else None
+        self._lane = FastLane(self, kv_app, bulk) if bulk is not None and kv_app is not None else None
         self._receiving: StreamReader | None = None
         self._headers_timer: asyncio.TimerHandle | None = None
         config = kv_app.get(CONFIG) if kv_app is not None else None
@@ -312,9 +312,11 @@ class KVServer(web.Server):
 
     kv_app: web.Application | None = None
     fast_lane = False
+    bulk: BulkQueue | None = None  # the fast lanes' GETs, in turns (one per server: its event loop)
 
     def __call__(self) -> RequestHandler:
-        return KVRequestHandler(self, loop=self._loop, kv_app=self.kv_app, fast_lane=self.fast_lane, **self._kwargs)
+        bulk = self.bulk if self.fast_lane else None
+        return KVRequestHandler(self, loop=self._loop, kv_app=self.kv_app, bulk=bulk, **self._kwargs)
 
 
 def _without_expect(message: RawRequestMessage) -> RawRequestMessage:
@@ -348,6 +350,7 @@ class KVAppRunner(web.AppRunner):
         # The kvstore API (not the S3 gateway): its hot reads may take the fast lane.
         config = self.app.get(CONFIG)
         cast(KVServer, server).fast_lane = self._gate_expect and config is not None and config.fast_lane
+        cast(KVServer, server).bulk = BulkQueue()
         if self._gate_expect:
             factory = server.request_factory
 

@@ -50,7 +50,10 @@ after its own, so a busy connection is not closed as idle).
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
+from collections import deque
 from email.utils import formatdate
 from typing import TYPE_CHECKING
 
@@ -59,6 +62,7 @@ import aiohttp
 from kvstore.errors import KVStoreError
 from kvstore.names import validate_key
 from kvstore.transport.http.appkeys import CONFIG, METRICS, STATE, STORE
+from kvstore.transport.http.bodies import keys_field, parse_json, tokens_per_block_field
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.sendfile import sendfile_now
 
@@ -67,9 +71,15 @@ if TYPE_CHECKING:
 
     from kvstore.transport.http.connection import KVRequestHandler
 
+log = logging.getLogger("kvstore.http")
 MAX_HEAD = 4096  # a hot request's line and headers are far shorter; longer ones are aiohttp's
 MAX_WAITING = 64 << 10  # requests held for their turn; past it they go to aiohttp as they come
+MAX_LOOKUP_BODY = 64 << 10  # a lookup's JSON (max_lookup_keys keys); bigger ones are the route's
+BULK_SLICE_S = 0.0005  # bulk answers made per turn of the event loop, at most about this long
+_JSON = b"application/json"
+_JSON_TYPES = frozenset({_JSON, b"application/json; charset=utf-8", b"application/json;charset=utf-8"})
 ROUTE = "/v1/blocks/{key}"
+LOOKUP = "/v1/lookup"
 _PREFIX = b"/v1/blocks/"
 _SERVER = f"Python/3.11 aiohttp/{aiohttp.__version__}"
 _OCTETS = "Content-Type: application/octet-stream\r\n"
@@ -93,13 +103,15 @@ class _Date:
 class FastLane:
     """One connection's framing, and the requests it answers itself."""
 
-    __slots__ = ("_app", "_body_left", "_buf", "_proto", "off", "outstanding")
+    __slots__ = ("_app", "_body_left", "_buf", "_bulk", "_proto", "_queued", "off", "outstanding")
 
-    def __init__(self, proto: KVRequestHandler, app: web.Application) -> None:
+    def __init__(self, proto: KVRequestHandler, app: web.Application, bulk: BulkQueue) -> None:
         self._proto = proto
         self._app = app
+        self._bulk = bulk
         self._buf = b""
         self._body_left = 0  # bytes of a forwarded request's body still to pass on
+        self._queued = False  # a GET of this connection waits in the bulk queue
         self.outstanding = 0  # requests handed to aiohttp and not yet answered
         self.off = False  # the rest of the connection is aiohttp's
 
@@ -118,13 +130,13 @@ class FastLane:
             self._buf = self._buf + data if self._buf else data
         self.pump()
 
-    def pump(self, hot: bool = True) -> None:
-        """Work through the buffered requests in order: answer hot ones while
-        aiohttp has nothing outstanding and the client reads; hand the others
-        to aiohttp; stop at a hot one that must wait (:meth:`resume` goes on).
-        ``hot=False``: hand everything complete to aiohttp (too much waiting)."""
-        buf, out = self._buf, []
-        while buf and not self._body_left and not self.off:
+    def pump(self) -> None:
+        """Work through the buffered requests in order: answer control calls
+        (HEAD, 304s, lookups) at once and queue GETs for the bulk queue, while
+        aiohttp has nothing outstanding and the client reads; hand the
+        others to aiohttp; stop at a request that must wait its turn."""
+        buf, out, hot = self._buf, [], True
+        while buf and not self._body_left and not self.off and not self._queued:
             end = buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
             if end < 0:
                 if len(buf) > MAX_HEAD or not _plausible(buf):
@@ -139,15 +151,26 @@ class FastLane:
                 buf = b""
                 break
             body_len, req = framed
+            take = end + 4 + body_len
+            if req is not None and req.method == "POST":
+                if len(buf) < take:
+                    req = None  # its body is still coming: the route reads it
+                else:
+                    req.body = buf[end + 4 : take]
             if req is not None and hot:
                 if out or not self._idle():
                     if len(buf) <= MAX_WAITING:
                         break  # after what aiohttp answers first (resume)
                     hot = False  # a client pipelining without reading: aiohttp's pace from here
+                elif req.method == "GET" and (req.if_none_match is None or req.range is not None):
+                    req.raw = buf[:take]
+                    buf = buf[take:]
+                    self._queued = True
+                    self._bulk.add(self, req)
+                    break
                 elif self._answer(req):
-                    buf = buf[end + 4 :]
+                    buf = buf[take:]
                     continue
-            take = end + 4 + body_len
             out.append(buf[:take])
             self.outstanding += 1
             self._body_left = max(0, take - len(buf))
@@ -155,25 +178,45 @@ class FastLane:
         self._buf = buf
         if out:
             self._proto.to_aiohttp(b"".join(out))
-        if buf and buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4) < 0 and not self._body_left:
+        if buf and not self._queued and buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4) < 0 and not self._body_left:
             self._proto.headers_started()  # a request still arriving: timed as aiohttp's are
+
+    def answer_queued(self, req: _Hot) -> None:
+        """The bulk queue's turn for this connection's GET."""
+        self._queued = False
+        if self.off:
+            return  # the connection closed meanwhile
+        if not self._answer(req):
+            self.outstanding += 1
+            self._proto.to_aiohttp(req.raw)
+        self.pump()
 
     def resume(self) -> None:
         """aiohttp answered what it had, or the client read: go on."""
-        if self._buf and not self.off:
+        if self._buf and not self.off and not self._queued:
             self.pump()
 
     def flush(self) -> None:
-        """The client sent its last bytes: aiohttp answers what is buffered."""
-        self.off = True
+        """The client sent its last bytes: aiohttp answers what is buffered
+        (after the GET in the bulk queue, if any: it is answered, or
+        handed on, in its turn)."""
         buf, self._buf = self._buf, b""
+        if self._queued:
+            self._buf = buf
+            return
+        self.off = True
         if buf:
             self._proto.to_aiohttp(buf)
 
     def _idle(self) -> bool:
         p = self._proto
         return (
-            self.outstanding <= 0 and not p._messages and not p._force_close and not p._close and not p.writing_paused
+            self.outstanding <= 0
+            and not self._queued
+            and not p._messages
+            and not p._force_close
+            and not p._close
+            and not p.writing_paused
         )
 
     def _answer(self, req: _Hot) -> bool:
@@ -187,6 +230,8 @@ class FastLane:
             return False
         t0 = time.perf_counter()
         store = app[STORE]
+        if req.method == "POST":
+            return self._answer_lookup(req, transport, t0)
         try:
             tenant = store.authenticate(req.token)
             info = None if tenant is None else store.peek(tenant, req.key)
@@ -248,14 +293,72 @@ class FastLane:
         self._finish(None, "", "GET", status[:3], t0)
         return True
 
-    def _finish(self, transport: asyncio.Transport | None, head: str, method: str, status: str, t0: float) -> None:
+    def _answer_lookup(self, req: _Hot, transport: asyncio.Transport, t0: float) -> bool:
+        """``POST /v1/lookup`` without ``lease_s``: the route's checks and answer."""
+        app, store = self._app, self._app[STORE]
+        try:
+            tenant = store.authenticate(req.token) if req.token else None
+            if tenant is None:
+                return False
+            body = parse_json(req.body)
+            if "lease_s" in body:
+                return False  # locks: the route's (and the writer's)
+            keys = keys_field(body, app[CONFIG].max_lookup_keys, validate=False)
+            r = store.lookup_now(tenant, keys, tokens_per_block_field(body))
+        except KVStoreError:
+            return False  # the route's 400s, with its messages
+        if r is None:
+            return False
+        doc = json.dumps({"prefix": r.prefix, "present": r.present}).encode()
+        head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: {len(doc)}\r\n"
+        transport.write(_close_head(head) + doc)
+        self._finish(None, "", "POST", "200", t0, LOOKUP)
+        return True
+
+    def _finish(
+        self, transport: asyncio.Transport | None, head: str, method: str, status: str, t0: float, route: str = ROUTE
+    ) -> None:
         if transport is not None:
             transport.write(_close_head(head))
         metrics = self._app[METRICS]
-        metrics.inc("kvstore_http_requests_total", route=ROUTE, method=method, status=status)
-        metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=ROUTE, method=method)
+        metrics.inc("kvstore_http_requests_total", route=route, method=method, status=status)
+        metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=method)
         metrics.inc("kvstore_http_fast_lane_total", method=method)
         self._proto.answered()
+
+
+class BulkQueue:
+    """The GETs the fast lanes of one worker answer, in arrival order, for
+    about BULK_SLICE_S per turn of the event loop. Between turns the loop
+    reads its sockets, and control calls (lookups, HEAD, 304s) are answered
+    as they are read: a lookup waits behind at most one slice of bulk
+    transfers, not behind every GET that arrived before it."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[tuple[FastLane, _Hot]] = deque()
+        self._scheduled = False
+
+    def add(self, lane: FastLane, req: _Hot) -> None:
+        self._waiting.append((lane, req))
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._turn)
+
+    def _turn(self) -> None:
+        self._scheduled = False
+        deadline = time.perf_counter() + BULK_SLICE_S
+        while self._waiting:
+            lane, req = self._waiting.popleft()
+            try:
+                lane.answer_queued(req)
+            except Exception:
+                log.exception("a fast-lane answer failed")
+                lane.off = True
+            if time.perf_counter() > deadline:
+                break
+        if self._waiting and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._turn)
 
 
 def _close_head(head: str) -> bytes:
@@ -263,7 +366,9 @@ def _close_head(head: str) -> bytes:
 
 
 class _Hot:
-    __slots__ = ("if_none_match", "key", "method", "range", "token")
+    """A request the lane may answer: GET or HEAD of ``key``, or a lookup (POST, its ``body``)."""
+
+    __slots__ = ("body", "if_none_match", "key", "method", "range", "raw", "token")
 
     def __init__(self, method: str, key: str) -> None:
         self.method = method
@@ -271,6 +376,8 @@ class _Hot:
         self.token = ""
         self.range: str | None = None
         self.if_none_match: str | None = None
+        self.body = b""
+        self.raw = b""  # the whole request, for aiohttp should the lane not answer it after all
 
 
 def _plausible(buf: bytes) -> bool:
@@ -318,13 +425,18 @@ def _frame(head: bytes) -> tuple[int, _Hot | None] | None:
     body = length or 0
     if (
         not plain
-        or body
-        or method not in (b"GET", b"HEAD")
-        or not target.startswith(_PREFIX)
         or b"host" not in fields
         or b"expect" in fields
         or fields.get(b"connection", b"keep-alive").lower() != b"keep-alive"
     ):
+        return body, None
+    if method == b"POST" and target == b"/v1/lookup":
+        if not 0 < body <= MAX_LOOKUP_BODY or fields.get(b"content-type", _JSON).lower() not in _JSON_TYPES:
+            return body, None
+        hot = _Hot("POST", "")
+        hot.token = _bearer(fields)
+        return body, hot
+    if body or method not in (b"GET", b"HEAD") or not target.startswith(_PREFIX):
         return body, None
     raw_key = target[len(_PREFIX) :]
     if not raw_key or any(c in b"%?#/" for c in raw_key) or raw_key in (b".", b".."):
@@ -335,14 +447,19 @@ def _frame(head: bytes) -> tuple[int, _Hot | None] | None:
     except KVStoreError:
         return body, None
     hot = _Hot(method.decode(), key)
-    auth = fields.get(b"authorization")
-    if auth is not None:
-        scheme, _, token = auth.decode("latin-1").partition(" ")
-        token = token.strip(" \t")
-        if scheme.lower() == "bearer" and token and " " not in token:
-            hot.token = token
+    hot.token = _bearer(fields)
     rng = fields.get(b"range")
     hot.range = None if rng is None else rng.decode("latin-1")
     inm = fields.get(b"if-none-match")
     hot.if_none_match = None if inm is None else inm.decode("latin-1")
     return body, hot
+
+
+def _bearer(fields: dict[bytes, bytes]) -> str:
+    """The bearer token of the Authorization field ("" when there is none)."""
+    auth = fields.get(b"authorization")
+    if auth is None:
+        return ""
+    scheme, _, token = auth.decode("latin-1").partition(" ")
+    token = token.strip(" \t")
+    return token if scheme.lower() == "bearer" and token and " " not in token else ""

@@ -18,7 +18,7 @@ from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_client_key, validate_key
 from kvstore.transport.http.appkeys import METRICS, config_of, store_of
 from kvstore.transport.http.auth import tenant_of
-from kvstore.transport.http.bodies import block_body, json_body, keys_field, lease_field
+from kvstore.transport.http.bodies import block_body, json_body, keys_field, lease_field, tokens_per_block_field
 from kvstore.transport.http.forward import WRITER
 from kvstore.transport.http.internal import share_lease
 from kvstore.transport.http.query import query_int, query_value
@@ -128,13 +128,7 @@ async def lookup(request: web.Request) -> web.Response:
     tenant = tenant_of(request)
     body = await json_body(request)
     keys = keys_field(body, config_of(request).max_lookup_keys, validate=False)
-    tpb = body.get("tokens_per_block", 0)
-    if (
-        isinstance(tpb, bool)
-        or not isinstance(tpb, int)
-        or not ((tpb == 0 and "tokens_per_block" not in body) or 1 <= tpb <= 1 << 20)
-    ):
-        raise InvalidInput(f"field 'tokens_per_block' must be an integer from 1 to {1 << 20}; got {tpb!r}")
+    tpb = tokens_per_block_field(body)
     if "lease_s" not in body:
         r = await store_of(request).lookup(tenant, keys, tpb)
         return web.json_response({"prefix": r.prefix, "present": r.present})
