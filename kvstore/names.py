@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from kvstore_client.wire.keys import all_keys_valid as all_keys_valid
 from kvstore_client.wire.keys import key_problem
 
 from kvstore.errors import InvalidInput, InvalidKey, InvalidTenant

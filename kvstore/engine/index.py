@@ -254,8 +254,10 @@ class Index:
         return IndexEntry.unpack(raw) if raw is not None else None
 
     def contains(self, tenant: str, keys: Sequence[str]) -> list[bool]:
+        prefix = tenant.encode() + _SEP
         with self.env.begin(db=self._blocks, buffers=True) as txn:
-            return [txn.get(_bkey(tenant, k)) is not None for k in keys]
+            get = txn.get
+            return [get(prefix + k.encode()) is not None for k in keys]
 
     def keys(self, tenant: str, start_after: str | None, limit: int) -> list[str]:
         return [k for k, _ in self.entries(tenant, start_after, limit)]

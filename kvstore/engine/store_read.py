@@ -33,7 +33,7 @@ from kvstore.errors import (
     SegmentMoved,
     TenantKeyDestroyed,
 )
-from kvstore.names import validate_key
+from kvstore.names import all_keys_valid, validate_key
 
 log = logging.getLogger("kvstore.engine.store")
 # Index reads run on the event loop: an LMDB read is a lookup in a memory map
@@ -486,6 +486,8 @@ class StoreReads(StoreCore):
 
 
 def _validate_keys(keys: Sequence[str]) -> None:
+    if all_keys_valid(keys):
+        return
     for i, k in enumerate(keys):
         try:
             validate_key(k)

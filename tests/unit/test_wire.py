@@ -722,3 +722,21 @@ def test_a_frame_that_does_not_decode_is_corrupt_on_both_sides(name: str, damage
     with pytest.raises(daemon_errors.CorruptionError) as e:
         engine_codec.decode_frame(codec_id, memoryview(bad), memoryview(bytearray(len(data))))
     assert e.value.code == "corruption"
+
+
+def test_all_keys_valid_agrees_with_key_problem_key_by_key() -> None:
+    """The one-pass check of a lookup's keys says exactly what checking
+    each key with key_problem says, on valid, empty, too long, non-string
+    and wrong-character keys, alone and among valid ones."""
+    import random
+
+    from kvstore_client.wire.keys import KEY_MAX_LEN, all_keys_valid, key_problem
+
+    rng = random.Random(5)
+    alphabet = "ABCxyz019._~:@=+-"
+    odd: list[object] = ["", "a" * (KEY_MAX_LEN + 1), "a b", "é", "a/b", "a\n", 7, None, b"bytes", "a" * KEY_MAX_LEN]
+    for _ in range(400):
+        keys: list[object] = ["".join(rng.choices(alphabet, k=rng.randint(1, 40))) for _ in range(rng.randint(0, 6))]
+        if rng.random() < 0.5:
+            keys.insert(rng.randint(0, len(keys)), rng.choice(odd))
+        assert all_keys_valid(keys) == all(key_problem(k) is None for k in keys), keys

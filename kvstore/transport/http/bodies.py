@@ -175,13 +175,16 @@ def _no_constant(name: str) -> Any:
     raise InvalidInput(f"request body is not valid JSON: {name} is not a JSON number")
 
 
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The JSON object in ``raw``, or a 400 naming what is wrong with it."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InvalidInput(f"request body is not UTF-8 (byte {e.start}); JSON bodies are UTF-8") from None
-    parse: Callable[[str], Any] = json.JSONDecoder(parse_constant=_no_constant).decode
+    parse: Callable[[str], Any] = _DECODER.decode
     too_deep = f"request body is not acceptable JSON: arrays or objects nested more than {jsonlimits.MAX_DEPTH} deep"
     try:
         body = parse(text)
@@ -192,7 +195,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except ValueError:
         # int(): over sys.get_int_max_str_digits() (4300) digits (CVE-2020-10735).
         raise InvalidInput("request body is not acceptable JSON: a number has too many digits") from None
-    if jsonlimits.deeper_than(body, jsonlimits.MAX_DEPTH):
+    # A body with fewer brackets than the limit cannot nest deeper (the walk
+    # costs a lookup of 128 keys a third of its parse).
+    shallow = raw.count(b"[") + raw.count(b"{") <= jsonlimits.MAX_DEPTH
+    if not shallow and jsonlimits.deeper_than(body, jsonlimits.MAX_DEPTH):
         raise InvalidInput(too_deep)
     if not isinstance(body, dict):
         raise InvalidInput(f"request body must be a JSON object, got {type(body).__name__}")
