@@ -134,6 +134,10 @@ class StoreConfig:
     compact_dead_percent: int = 50
     compact_interval_s: int = 60
     compact_rate: int = 64 * MiB
+    # Plaintext of sealed and compressed blocks read recently, kept in each
+    # worker process's memory (never on disk) so reads of hot blocks skip the
+    # codec (engine/decoded.py); 0 turns it off.
+    decoded_cache_bytes: int = 256 * MiB
 
     def __post_init__(self) -> None:
         self.validate()
@@ -265,6 +269,7 @@ STORE_PARSERS: dict[str, Parser] = {
             "space_reserve",
             "default_quota_bytes",
             "compact_rate",
+            "decoded_cache_bytes",
         ),
         parse_size,
     ),

@@ -21,6 +21,7 @@ from kvstore.engine.access import AccessLog
 from kvstore.engine.appender import Appender, OpenSegment
 from kvstore.engine.compactor import Compactor
 from kvstore.engine.crypto import MasterKey, open_small, seal_small, small_version
+from kvstore.engine.decoded import DecodedCache
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Leases, Lifecycle
 from kvstore.engine.object_tier import tier_from_config
@@ -83,6 +84,7 @@ class StoreCore:
         self.reserve: SpaceReserve | None = None  # the writer's (reserve.py)
         self.leases = Leases()
         self.access = AccessLog()
+        self.decoded = DecodedCache(config.decoded_cache_bytes, self.metrics)
         self._background = True
         self.events: EventBus | None = None  # set by the daemon where events are on (the writer)
 

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from kvstore.engine import reader, verified
 from kvstore.engine.access import now_ms
+from kvstore.engine.decoded import TENANT_SHARE as DECODED_SHARE
 from kvstore.engine.index import IndexEntry
 from kvstore.engine.lifecycle import Lease, SegmentKey
 from kvstore.engine.registry import Tenant
@@ -300,18 +301,65 @@ class StoreReads(StoreCore):
     async def _read_unchecked(
         self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool
     ) -> bytearray | memoryview:
-        seg = await self._residency.local(tenant, entry, key)
-        out: bytearray | memoryview
-        if seg is None:
-            source = await self._residency.fetch(tenant, key, entry)
-            out = await self._decode(source, tenant, key, entry, start, end)
+        generation = self._decodable(tenant, entry)
+        if generation is not None:  # the decoded-blocks cache (decoded.py): the whole block
+            cached = self.decoded.get(tenant, generation, entry.record_id)
+            if cached is not None:
+                self.metrics.inc("kvstore_bytes_out_total", end - start)
+                return memoryview(cached).toreadonly()[start:end]
+            lo, hi = 0, entry.logical_size
         else:
-            try:
-                out = await self._read_local(seg, tenant, key, entry, start, end, view_ok)
-            finally:
-                seg.release()
+            lo, hi = start, end
+        try:
+            out = await self._read_span(tenant, key, entry, lo, hi, view_ok)
+        except CorruptionError:
+            if generation is None:
+                raise
+            # A damaged frame outside [start, end) must not fail this read: only
+            # the range is decoded (and nothing cached), as without the cache.
+            generation = None
+            out = await self._read_span(tenant, key, entry, start, end, view_ok)
+        if generation is not None:
+            self.decoded.put(tenant, generation, entry.record_id, out)
+            out = memoryview(out).toreadonly()[start:end]  # never the cached buffer itself: a view or a copy
         self.metrics.inc("kvstore_bytes_out_total", end - start)
         return out
+
+    async def _read_span(
+        self, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool
+    ) -> bytearray | memoryview:
+        seg = await self._residency.local(tenant, entry, key)
+        if seg is None:
+            source = await self._residency.fetch(tenant, key, entry)
+            return await self._decode(source, tenant, key, entry, start, end)
+        try:
+            return await self._read_local(seg, tenant, key, entry, start, end, view_ok)
+        finally:
+            seg.release()
+
+    def _decodable(self, tenant: str, entry: IndexEntry) -> tuple[int, int] | None:
+        """The tenant's generation for the decoded-blocks cache if this
+        block's reads go through it (not direct, not too big), else None."""
+        if entry.flags & reader.REC_FLAG_DIRECT or not self.decoded.enabled:
+            return None
+        if entry.logical_size > self.decoded.capacity * DECODED_SHARE:
+            return None
+        t = self._tenant(tenant)
+        return (t.created_ns, t.key_version)
+
+    def cached_now(self, tenant: str, info: BlockInfo, start: int, end: int) -> memoryview | None:
+        """Bytes [start, end) of a sealed or compressed block (``info`` from
+        :meth:`peek`) from the decoded-blocks cache, on the calling thread;
+        None, counting nothing but the miss, when it is not there."""
+        entry = info.entry
+        generation = None if entry is None else self._decodable(tenant, entry)
+        if entry is None or generation is None:
+            return None
+        cached = self.decoded.get(tenant, generation, entry.record_id)
+        if cached is None:
+            return None
+        self.metrics.inc("kvstore_bytes_out_total", end - start)
+        return memoryview(cached).toreadonly()[start:end]
 
     async def _read_local(
         self, seg: SegmentFile, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool

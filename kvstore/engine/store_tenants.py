@@ -50,6 +50,7 @@ class StoreTenants(StoreCore):
             if after.get(name) != created:  # deleted, maybe created again: segment ids start over
                 self._cache.forget_tenant(name)
                 self.access.forget_tenant(name)
+                self.decoded.drop_tenant(name)
 
     async def create_tenant(
         self,
@@ -133,6 +134,7 @@ class StoreTenants(StoreCore):
         incarnation = self._tenant(name).created_ns
         topic = self._topic(name)  # for its last event, told once it is gone
         self._deleting.add(name)
+        self.decoded.drop_tenant(name)
         try:
             app = self._appenders.pop(name, None)
             if app is not None:
@@ -197,7 +199,9 @@ class StoreTenants(StoreCore):
     async def rotate_tenant_key(self, name: str) -> int:
         self._check_writable()
         self._tenant(name)
-        return await self._run(self._registry.rotate_data_key, name)
+        version = await self._run(self._registry.rotate_data_key, name)
+        self.decoded.drop_tenant(name)  # reader workers: at their next read of it (decoded.py)
+        return version
 
     async def rotate_master_key(self, new_master: MasterKey, key_file: str | None = None) -> None:
         """Rewrap every data key under ``new_master``; start with it from now on.

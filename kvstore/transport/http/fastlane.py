@@ -264,7 +264,16 @@ class FastLane:
                 head += f"Content-Range: {r.content_range(size)}\r\n"
         extent = store.direct_extent_now(tenant, info, start, end)
         if extent is None:
-            return False
+            cached = store.cached_now(tenant, info, start, end)
+            if cached is None:
+                return False  # decoded by the route (off the loop)
+            store.count_hit(tenant, req.key)
+            head += f"{_OCTETS}Content-Length: {len(cached)}\r\n"
+            transport.write(_close_head(f"HTTP/1.1 {status}\r\n{head}"))
+            transport.write(cached)  # a read-only view of the cached plaintext, which nothing changes
+            app[METRICS].inc("kvstore_http_bytes_out_total", len(cached))
+            self._finish(None, "", "GET", status[:3], t0)
+            return True
         store.count_hit(tenant, req.key)
         metrics = app[METRICS]
         count = len(extent.view)

@@ -31,7 +31,9 @@ from kvstore.transport.http.bodies import BUDGET
 
 SNAPSHOT_S = 0.5
 STALE_S = 5.0
-PER_PROCESS_GAUGES = frozenset({"kvstore_http_inflight", "kvstore_http_buffered_body_bytes"})
+PER_PROCESS_GAUGES = frozenset(
+    {"kvstore_http_inflight", "kvstore_http_buffered_body_bytes", "kvstore_decoded_cache_bytes"}
+)
 
 
 def _directory(app: web.Application) -> Path | None:
@@ -45,11 +47,20 @@ def _own_file(app: web.Application, directory: Path) -> Path:
     return directory / f"{rank}-{os.getpid()}.json"
 
 
+def _cache_gauges(app: web.Application) -> None:
+    """The decoded-blocks cache's bytes per tenant, this worker's (summed across workers)."""
+    if STORE in app:
+        m = app[METRICS]
+        for tenant, n in app[STORE].decoded.gauges().items():
+            m.set("kvstore_decoded_cache_bytes", n, tenant=tenant)
+
+
 def _write_snapshot(app: web.Application, directory: Path) -> None:
     path = _own_file(app, directory)
     # A temporary name of its own: the periodic snapshot and a /metrics
     # request may write at the same time, on two threads.
     tmp = path.with_name(f"{path.stem}.{threading.get_ident()}.tmp")
+    _cache_gauges(app)
     tmp.write_text(json.dumps(app[METRICS].snapshot()))
     tmp.replace(path)
 
@@ -100,6 +111,7 @@ async def metrics(request: web.Request) -> web.Response:
     m.set("kvstore_tenants", len(store.tenants()))
     m.set("kvstore_http_inflight", app[STATE]["inflight"])
     m.set("kvstore_http_buffered_body_bytes", app[BUDGET].used)
+    _cache_gauges(app)
     directory = _directory(app)
     if directory is None:
         m.set("kvstore_workers", 1)
