@@ -353,3 +353,25 @@ async def test_lookups_get_the_routes_answer(lane: Lane) -> None:
     assert answers[True][0][0] == 200 and b'"prefix": 2' in answers[True][0][2]
     assert {a[0] for a in answers[True]} >= {200, 400, 401}
     assert lane.answered("POST") == 3  # the three valid ones
+
+
+async def test_the_client_librarys_lookups_and_gets_take_the_lane(lane: Lane) -> None:
+    """What the engine adapters call: the vLLM connector's lookups
+    (``lookup_detail``, no lease) and block reads go through the lane."""
+    from kvstore_client import AsyncClient
+
+    api = lane.api
+    lane.on(True)
+    token = await api.tenant("direct", "direct")
+    data = {f"k{i}": os.urandom(50_000 + i) for i in range(4)}
+    for k, v in data.items():
+        await _put(api, token, k, v)
+    async with AsyncClient(api.base, token) as client:
+        assert await client.lookup_detail(["k0", "k1", "nope", "k3"], 16) == [True, True, False, True]
+        assert await client.lookup(["k0", "k1", "k2"]) == 3
+        for k, v in data.items():
+            assert await client.get(k) == v
+    assert lane.answered("POST") == 2
+    # The first get asks GET /v1/records/k0 (client-side decode, which a direct
+    # tenant answers with the route's refusal), then /v1/blocks/ for every key.
+    assert lane.answered("GET") == 3
