@@ -375,3 +375,52 @@ async def test_the_client_librarys_lookups_and_gets_take_the_lane(lane: Lane) ->
     # The first get asks GET /v1/records/k0 (client-side decode, which a direct
     # tenant answers with the route's refusal), then /v1/blocks/ for every key.
     assert lane.answered("GET") == 3
+
+
+async def test_a_scrub_makes_every_worker_check_a_damaged_segment_again(tmp_path: Path) -> None:
+    """Two workers have verified a direct block's frames (the verified-frames
+    cache); the file is damaged on disk; a scrub reports it, and from then on
+    both workers refuse the block (500 corruption) instead of sending it."""
+    from tests.http.conftest import Daemon, daemon_env
+    from tests.http.rawhttp import worker_connections
+    from tests.http.test_daemon import _ready
+
+    daemon = Daemon(tmp_path / "data", free_port(), daemon_env(tmp_path), extra=["--workers", "2"], log_dir=tmp_path)
+    daemon.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _ready(daemon.base, session)
+            api = Api(daemon.base, session, server_config(tmp_path))
+            token = await api.tenant("direct", "direct")
+            data = os.urandom(300_000)
+            await _put(api, token, "k", data)
+            await asyncio.sleep(SWEEP_WAIT_S)  # the reader's first sweep is over: only a scrub makes the next
+            conns = await worker_connections("127.0.0.1", daemon.port)
+            try:
+                for role, conn in conns.items():
+                    r = await conn.request("GET", "/v1/blocks/k", api.auth(token))
+                    assert r.status == 200 and r.body == data, role
+                seg = next((tmp_path / "data" / "segments" / "direct").glob("*.seg"))
+                raw = seg.read_bytes()
+                at = raw.index(data[:64]) + 100
+                with seg.open("r+b") as f:
+                    f.seek(at)
+                    f.write(bytes([raw[at] ^ 0xFF]))
+                for role, conn in conns.items():  # verified before the damage: served as it is on disk
+                    r = await conn.request("GET", "/v1/blocks/k", {**api.auth(token), "Range": "bytes=0-999"})
+                    assert r.status == 206 and r.body != data[:1000], role
+                async with session.post(daemon.base + "/v1/admin/verify", headers=api.auth(ADMIN)) as r:
+                    report = await r.json()
+                assert r.status == 200 and report["errors"], report
+                await asyncio.sleep(SWEEP_WAIT_S)  # a reader worker looks again when the epoch moves
+                for role, conn in conns.items():
+                    r = await conn.request("GET", "/v1/blocks/k", {**api.auth(token), "Range": "bytes=0-999"})
+                    assert r.status == 500 and r.code == "corruption", (role, r.status, r.body[:200])
+            finally:
+                for conn in conns.values():
+                    await conn.close()
+    finally:
+        daemon.stop()
+
+
+SWEEP_WAIT_S = 2.5  # SWEEP_INTERVAL_S (1 s) and some
