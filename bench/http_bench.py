@@ -1070,29 +1070,23 @@ def targets_of(res: dict[str, Any], connections: int) -> dict[str, dict[str, Any
         v = get.get(policy, {}).get("vs_nginx")
         out[f"{policy} GET / nginx"] = {"value": v, "target": f">= {lo}x", "met": None if v is None else v >= lo}
     rng = res.get("range", {})
-    v = rng.get("direct", {}).get("vs_nginx")
-    out["direct Range / nginx"] = {"value": v, "target": ">= 0.9x", "met": None if v is None else v >= 0.9}
     d, n = rng.get("direct", {}).get("server_cpu_ms_per_request"), rng.get("nginx", {}).get("server_cpu_ms_per_request")
-    v = None if not d or not n else d / n
-    out["direct Range CPU/req / nginx"] = {"value": v, "target": "<= 2.0x", "met": None if v is None else v <= 2.0}
-    v = get.get("sealed hot", {}).get("vs_direct")
-    out["sealed hot GET / direct"] = {"value": v, "target": ">= 0.8x", "met": None if v is None else v >= 0.8}
-    v = rng.get("sealed hot", {}).get("vs_nginx")
-    out["sealed hot Range / nginx"] = {"value": v, "target": ">= 0.5x", "met": None if v is None else v >= 0.5}
-    lk = res.get("lookup", {}).get("conns")
-    v = None if lk is None else lk["p99_ms"]
-    out[f"lookup p99 ({connections} conns)"] = {
-        "value": v,
-        "target": f"< {LOOKUP_P99_TARGET_MS:g} ms",
-        "met": None if v is None else v < LOOKUP_P99_TARGET_MS,
-    }
-    lb = res.get("lookup", {}).get("1conn_bulk")
-    v = None if lb is None else lb["p99_ms"]
-    out[f"lookup p99 (1 conn, {connections} conns of GETs)"] = {
-        "value": v,
-        "target": f"< {LOOKUP_P99_TARGET_MS:g} ms",
-        "met": None if v is None else v < LOOKUP_P99_TARGET_MS,
-    }
+    lookups = res.get("lookup", {})
+    for name, v, bound, at_least in (
+        ("direct Range / nginx", rng.get("direct", {}).get("vs_nginx"), 0.9, True),
+        ("direct Range CPU/req / nginx", None if not d or not n else d / n, 2.0, False),
+        ("sealed hot GET / direct", get.get("sealed hot", {}).get("vs_direct"), 0.8, True),
+        ("sealed hot Range / nginx", rng.get("sealed hot", {}).get("vs_nginx"), 0.5, True),
+    ):
+        met = None if v is None else (v >= bound if at_least else v <= bound)
+        out[name] = {"value": v, "target": f"{'>=' if at_least else '<='} {bound}x", "met": met}
+    for name, figs in (
+        (f"lookup p99 ({connections} conns)", lookups.get("conns")),
+        (f"lookup p99 (1 conn, {connections} conns of GETs)", lookups.get("1conn_bulk")),
+    ):
+        v = None if figs is None else figs["p99_ms"]
+        met = None if v is None else v < LOOKUP_P99_TARGET_MS
+        out[name] = {"value": v, "target": f"< {LOOKUP_P99_TARGET_MS:g} ms", "met": met}
     return out
 
 
