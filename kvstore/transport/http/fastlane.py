@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections import deque
 from email.utils import formatdate
@@ -84,6 +85,8 @@ _PREFIX = b"/v1/blocks/"
 _SERVER = f"Python/3.11 aiohttp/{aiohttp.__version__}"
 _OCTETS = "Content-Type: application/octet-stream\r\n"
 _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 tchar+, as _TOKEN
+_NOT_PLAIN_RE = re.compile(rb"[^\t\x20-\x7e]")  # a byte outside HTAB and visible ASCII + SP
 
 
 class _Date:
@@ -406,7 +409,7 @@ def _frame(head: bytes) -> tuple[int, _Hot | None] | None:
     cannot be framed with certainty from here (aiohttp's for good)."""
     lines = head[:-4].split(b"\r\n")
     parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[2] != b"HTTP/1.1" or not parts[0] or any(c not in _TOKEN for c in parts[0]):
+    if len(parts) != 3 or parts[2] != b"HTTP/1.1" or _TOKEN_RE.fullmatch(parts[0]) is None:
         return None
     method, target = parts[0], parts[1]
     if not target.startswith(b"/"):
@@ -416,7 +419,7 @@ def _frame(head: bytes) -> tuple[int, _Hot | None] | None:
     plain = True
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
-        if not colon or not name or any(c not in _TOKEN for c in name):
+        if not colon or _TOKEN_RE.fullmatch(name) is None:
             return None  # folding, whitespace before the colon, no colon: aiohttp's 400
         low = name.lower()
         value = value.strip(b" \t")
@@ -426,11 +429,9 @@ def _frame(head: bytes) -> tuple[int, _Hot | None] | None:
             length = int(value)
         elif low in (b"transfer-encoding", b"upgrade"):
             return None
-        if low in fields:
-            plain = False  # a repeated field: the route decides what it means
+        if low in fields or _NOT_PLAIN_RE.search(value) is not None:
+            plain = False  # a repeated field, a control or non-ASCII byte: the route decides what it means
         fields[low] = value
-        if plain and any((c < 0x20 and c != 0x09) or c > 0x7E for c in value):
-            plain = False
     body = length or 0
     if (
         not plain
