@@ -65,9 +65,10 @@ class DecodedCache:
             data = self._blocks.get((tenant, record_id))
             if data is not None:
                 self._blocks.move_to_end((tenant, record_id))
-        self._metrics.inc(
-            "kvstore_decoded_cache_hits_total" if data is not None else "kvstore_decoded_cache_misses_total"
-        )
+        if data is None:
+            self._metrics.inc("kvstore_decoded_cache_misses_total")
+        else:
+            self._metrics.inc("kvstore_decoded_cache_hits_total")
         return data
 
     def put(self, tenant: str, generation: Generation, record_id: bytes, data: bytes | bytearray | memoryview) -> None:
