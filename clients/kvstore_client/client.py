@@ -126,35 +126,11 @@ class AsyncClient:
         self.read_plans = read_plans
         self.write_plans = write_plans
         self.plan_paths = plan_paths
-        if decode not in ("server", "client", "auto"):
-            raise ValueError(f"decode must be 'server', 'client' or 'auto', got {decode!r}")
-        if decode == "client" and not decode_available():
-            raise ValueError(
-                "decode='client' needs pip install 'kvstore-client[decode]' (cryptography, zstandard, numpy)"
-            )
-        if decode == "client":
-            refused = [u for u in urls if not decode_allowed(u)]
-            if refused:
-                raise ValueError(
-                    f"decode='client' needs TLS, a unix socket or loopback; {refused[0]} is none of them"
-                    " (a record's own key would cross the network in clear): use decode='auto' or 'server'"
-                )
+        _check_codec_side("decode", decode, urls)
         if decode_threads is not None and decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
         self.decode = decode
-        if encode not in ("server", "client", "auto"):
-            raise ValueError(f"encode must be 'server', 'client' or 'auto', got {encode!r}")
-        if encode == "client" and not decode_available():
-            raise ValueError(
-                "encode='client' needs pip install 'kvstore-client[decode]' (cryptography, zstandard, numpy)"
-            )
-        if encode == "client":
-            refused = [u for u in urls if not decode_allowed(u)]
-            if refused:
-                raise ValueError(
-                    f"encode='client' needs TLS, a unix socket or loopback; {refused[0]} is none of them"
-                    " (a record's own key would cross the network in clear): use encode='auto' or 'server'"
-                )
+        _check_codec_side("encode", encode, urls)
         self.encode = encode
         self.decode_threads = decode_threads or min(8, os.cpu_count() or 1)
         if transport not in ("http", "nixl"):
@@ -520,3 +496,20 @@ class AsyncClient:
         self.stats["puts"] += len(items)
         self.stats["put_failures"] += result.count(None)
         return result
+
+
+def _check_codec_side(name: str, mode: str, urls: Sequence[str]) -> None:
+    """``decode`` or ``encode``: "server", "client" or "auto"; "client" needs
+    the codec installed and endpoints where a record's own key may go."""
+    if mode not in ("server", "client", "auto"):
+        raise ValueError(f"{name} must be 'server', 'client' or 'auto', got {mode!r}")
+    if mode != "client":
+        return
+    if not decode_available():
+        raise ValueError(f"{name}='client' needs pip install 'kvstore-client[decode]' (cryptography, zstandard, numpy)")
+    refused = [u for u in urls if not decode_allowed(u)]
+    if refused:
+        raise ValueError(
+            f"{name}='client' needs TLS, a unix socket or loopback; {refused[0]} is none of them"
+            f" (a record's own key would cross the network in clear): use {name}='auto' or 'server'"
+        )

@@ -223,14 +223,8 @@ class Residency:
         """The block's segment, acquired (the caller releases it), or None when
         the read must go to the object tier."""
         k = (tenant, entry.segment_id)
-        if self.writer:
-            if k in self._remote_only:
-                return None
-        else:  # another process owns the store: ask the index what it dropped
-            ts = self._index.tier_state(*k)
-            if ts is not None and not ts.local:
-                self._cache.forget(k)
-                return None
+        if self._remote_only_now(k):
+            return None
         seg = self._cache.acquire_cached(k)
         if seg is None:
             seg = await self._run(self._cache.acquire, k)
@@ -248,17 +242,23 @@ class Residency:
         """:meth:`local` when the segment is open in this process already (no
         I/O, nothing awaited); None otherwise (then ask :meth:`local`)."""
         k = (tenant, entry.segment_id)
-        if self.writer:
-            if k in self._remote_only:
-                return None
-        else:
-            ts = self._index.tier_state(*k)
-            if ts is not None and not ts.local:
-                return None
+        if self._remote_only_now(k):
+            return None
         seg = self._cache.acquire_cached(k)
         if seg is not None:
             self.space.touch(k)
         return seg
+
+    def _remote_only_now(self, k: SegmentKey) -> bool:
+        """Whether the segment's reads go to the object tier now (a reader
+        process asks the index what the writer dropped, and lets go of its file)."""
+        if self.writer:
+            return k in self._remote_only
+        ts = self._index.tier_state(*k)
+        if ts is not None and not ts.local:
+            self._cache.forget(k)
+            return True
+        return False
 
     async def fetch(self, tenant: str, key: str, entry: IndexEntry) -> FetchedRecord:
         """The record of ``key`` from the object tier (one ranged GET)."""

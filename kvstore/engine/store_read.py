@@ -350,12 +350,13 @@ class StoreReads(StoreCore):
     def cached_now(self, tenant: str, info: BlockInfo, start: int, end: int) -> memoryview | None:
         """Bytes [start, end) of a sealed or compressed block (``info`` from
         :meth:`peek`) from the decoded-blocks cache, on the calling thread;
-        None, counting nothing but the miss, when it is not there."""
+        None, counting nothing, when it is not there (the route's read
+        that follows counts the miss)."""
         entry = info.entry
         generation = None if entry is None else self._decodable(tenant, entry)
         if entry is None or generation is None:
             return None
-        cached = self.decoded.get(tenant, generation, entry.record_id)
+        cached = self.decoded.get(tenant, generation, entry.record_id, count_miss=False)
         if cached is None:
             return None
         self.metrics.inc("kvstore_bytes_out_total", end - start)

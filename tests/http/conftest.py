@@ -36,6 +36,7 @@ class Api:
     session: aiohttp.ClientSession
     config: ServerConfig
     tokens: dict[str, str] = field(default_factory=dict)
+    server: TestServer | None = None  # the in-process server (the ``api`` fixture's)
 
     def url(self, path: str) -> str:
         return self.base + path
@@ -87,7 +88,7 @@ async def api(tmp_path: Path) -> AsyncIterator[Api]:
     server = KVTestServer(make_app(cfg, MasterKey(os.urandom(32))), host="127.0.0.1", port=free_port())
     await server.start_server()
     async with aiohttp.ClientSession() as session:
-        yield Api(f"http://127.0.0.1:{server.port}", session, cfg)
+        yield Api(f"http://127.0.0.1:{server.port}", session, cfg, server=server)
     await server.close()
 
 

@@ -11,17 +11,14 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http.app import make_app
 from kvstore.transport.http.appkeys import METRICS, STORE
 from kvstore.transport.http.connection import KVServer
-from tests.http.conftest import ADMIN, Api, KVTestServer, free_port, server_config
+from tests.http.conftest import ADMIN, Api, free_port, server_config
 from tests.http.rawhttp import Conn, Reply
 
 BLOCK = 300_000  # several 64 KiB frames
@@ -46,10 +43,10 @@ SHAPES: list[tuple[str, dict[str, str]]] = [
 
 
 class Lane:
-    def __init__(self, api: Api, server: KVTestServer) -> None:
+    def __init__(self, api: Api) -> None:
         self.api = api
-        self.server = server
-        assert server.runner is not None
+        assert api.server is not None and api.server.runner is not None
+        server = self.server = api.server
         kv = server.runner.server
         assert isinstance(kv, KVServer)
         self.kv = kv
@@ -63,13 +60,8 @@ class Lane:
 
 
 @pytest.fixture
-async def lane(tmp_path: Path) -> AsyncIterator[Lane]:
-    cfg = server_config(tmp_path / "data")
-    server = KVTestServer(make_app(cfg, MasterKey(os.urandom(32))), host="127.0.0.1", port=free_port())
-    await server.start_server()
-    async with aiohttp.ClientSession() as session:
-        yield Lane(Api(f"http://127.0.0.1:{server.port}", session, cfg), server)
-    await server.close()
+def lane(api: Api) -> Lane:
+    return Lane(api)
 
 
 async def _raw(api: Api, method: str, path: str, headers: dict[str, str]) -> Reply:

@@ -58,14 +58,14 @@ from collections import deque
 from email.utils import formatdate
 from typing import TYPE_CHECKING
 
-import aiohttp
+from aiohttp.http import SERVER_SOFTWARE
 
 from kvstore.errors import KVStoreError
 from kvstore.names import validate_key
 from kvstore.transport.http.appkeys import CONFIG, METRICS, STATE, STORE
 from kvstore.transport.http.bodies import keys_field, parse_json, tokens_per_block_field
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
-from kvstore.transport.http.sendfile import sendfile_now
+from kvstore.transport.http.sendfile import sendfile_extent
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -82,10 +82,8 @@ _JSON_TYPES = frozenset({_JSON, b"application/json; charset=utf-8", b"applicatio
 ROUTE = "/v1/blocks/{key}"
 LOOKUP = "/v1/lookup"
 _PREFIX = b"/v1/blocks/"
-_SERVER = f"Python/3.11 aiohttp/{aiohttp.__version__}"
 _OCTETS = "Content-Type: application/octet-stream\r\n"
-_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-_TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 tchar+, as _TOKEN
+_TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 tchar+
 _NOT_PLAIN_RE = re.compile(rb"[^\t\x20-\x7e]")  # a byte outside HTAB and visible ASCII + SP
 
 
@@ -247,13 +245,15 @@ class FastLane:
         head = f"ETag: {etag}\r\nAccept-Ranges: bytes\r\n"
         if req.if_none_match is not None and etag_matches(req.if_none_match, etag):
             store.count_hit(tenant, req.key)
-            if req.method == "HEAD":
-                head += _OCTETS
-            self._finish(transport, f"HTTP/1.1 304 Not Modified\r\n{head}", req.method, "304", t0)
+            transport.write(
+                _close_head(f"HTTP/1.1 304 Not Modified\r\n{head}{_OCTETS if req.method == 'HEAD' else ''}")
+            )
+            self._finish(req.method, "304", t0)
             return True
         if req.method == "HEAD":
             store.count_hit(tenant, req.key)
-            self._finish(transport, f"HTTP/1.1 200 OK\r\n{head}{_OCTETS}Content-Length: {size}\r\n", "HEAD", "200", t0)
+            transport.write(_close_head(f"HTTP/1.1 200 OK\r\n{head}{_OCTETS}Content-Length: {size}\r\n"))
+            self._finish("HEAD", "200", t0)
             return True
         status, start, end = "200 OK", 0, size
         if req.range is not None:
@@ -265,44 +265,32 @@ class FastLane:
                 r = ranges[0]
                 status, start, end = "206 Partial Content", r.start, r.end
                 head += f"Content-Range: {r.content_range(size)}\r\n"
+        # A direct block's extent of its segment (sendfile), or a sealed one's
+        # plaintext from the decoded-blocks cache; else the route decodes it.
         extent = store.direct_extent_now(tenant, info, start, end)
-        if extent is None:
-            cached = store.cached_now(tenant, info, start, end)
-            if cached is None:
-                return False  # decoded by the route (off the loop)
-            store.count_hit(tenant, req.key)
-            head += f"{_OCTETS}Content-Length: {len(cached)}\r\n"
-            transport.write(_close_head(f"HTTP/1.1 {status}\r\n{head}"))
-            transport.write(cached)  # a read-only view of the cached plaintext, which nothing changes
-            app[METRICS].inc("kvstore_http_bytes_out_total", len(cached))
-            self._finish(None, "", "GET", status[:3], t0)
-            return True
+        body = extent.view if extent is not None else store.cached_now(tenant, info, start, end)
+        if body is None:
+            return False
         store.count_hit(tenant, req.key)
         metrics = app[METRICS]
-        count = len(extent.view)
+        count = len(body)
         try:
             transport.write(_close_head(f"HTTP/1.1 {status}\r\n{head}{_OCTETS}Content-Length: {count}\r\n"))
             sent = 0
-            sock = transport.get_extra_info("socket")
-            if (
-                app[CONFIG].sendfile
-                and sock is not None
-                and not transport.get_write_buffer_size()
-                and transport.get_extra_info("sslcontext") is None
-            ):
+            if extent is not None and app[CONFIG].sendfile:
                 try:
-                    sent = sendfile_now(sock.fileno(), extent.segment.fd, extent.offset, count)
+                    sent = sendfile_extent(transport, extent, metrics)
                 except ConnectionResetError:
                     transport.abort()
                     metrics.inc("kvstore_http_client_disconnects_total", route=ROUTE)
                     return True
-                metrics.inc("kvstore_http_sendfile_bytes_total", sent)
             if sent < count:
-                transport.write(extent.view[sent:])  # the mapping's bytes: kept alive by the transport
+                transport.write(body[sent:])  # a read-only view (the mapping, or the cached plaintext), kept alive
         finally:
-            extent.release()
+            if extent is not None:
+                extent.release()
         metrics.inc("kvstore_http_bytes_out_total", count)
-        self._finish(None, "", "GET", status[:3], t0)
+        self._finish("GET", status[:3], t0)
         return True
 
     def _answer_lookup(self, req: _Hot, transport: asyncio.Transport, t0: float) -> bool:
@@ -324,14 +312,11 @@ class FastLane:
         doc = json.dumps({"prefix": r.prefix, "present": r.present}).encode()
         head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: {len(doc)}\r\n"
         transport.write(_close_head(head) + doc)
-        self._finish(None, "", "POST", "200", t0, LOOKUP)
+        self._finish("POST", "200", t0, LOOKUP)
         return True
 
-    def _finish(
-        self, transport: asyncio.Transport | None, head: str, method: str, status: str, t0: float, route: str = ROUTE
-    ) -> None:
-        if transport is not None:
-            transport.write(_close_head(head))
+    def _finish(self, method: str, status: str, t0: float, route: str = ROUTE) -> None:
+        """An answer is out: counted as the route counts it, and the connection's timers told."""
         metrics = self._app[METRICS]
         metrics.inc("kvstore_http_requests_total", route=route, method=method, status=status)
         metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=method)
@@ -374,7 +359,7 @@ class BulkQueue:
 
 
 def _close_head(head: str) -> bytes:
-    return f"{head}Date: {_Date.now()}\r\nServer: {_SERVER}\r\n\r\n".encode("latin-1")
+    return f"{head}Date: {_Date.now()}\r\nServer: {SERVER_SOFTWARE}\r\n\r\n".encode("latin-1")
 
 
 class _Hot:
@@ -399,8 +384,8 @@ def _plausible(buf: bytes) -> bool:
         return False  # a bare LF: aiohttp's 400, now
     sp = buf.find(b" ", 0, 24)
     if sp < 0:
-        return len(buf) < 24 and all(c in _TOKEN for c in buf)
-    return sp > 0 and all(c in _TOKEN for c in buf[:sp]) and buf[sp + 1 : sp + 2] in (b"/", b"")
+        return len(buf) < 24 and _TOKEN_RE.fullmatch(buf) is not None
+    return _TOKEN_RE.fullmatch(buf[:sp]) is not None and buf[sp + 1 : sp + 2] in (b"/", b"")
 
 
 def _frame(head: bytes) -> tuple[int, _Hot | None] | None:

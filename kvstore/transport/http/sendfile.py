@@ -13,25 +13,27 @@ time limit. Under TLS (the transport encrypts) the mapping is sent instead.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
+from typing import cast
 
 from aiohttp import web
 
 from kvstore.engine.api import DirectExtent
+from kvstore.metrics import Metrics
 from kvstore.transport.http.appkeys import METRICS
 from kvstore.transport.http.respond import reset_connection, send
 
 _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN)
 
 
-def plain_socket_fd(request: web.Request) -> int | None:
+def plain_socket_fd(transport: asyncio.BaseTransport | None) -> int | None:
     """The connection's socket, when bytes may be written to it directly: not
     TLS, not closing, nothing buffered in the transport."""
-    transport = request.transport
     if transport is None or transport.is_closing() or transport.get_extra_info("sslcontext") is not None:
         return None
-    if transport.get_write_buffer_size():
+    if cast("asyncio.WriteTransport", transport).get_write_buffer_size():
         return None
     sock = transport.get_extra_info("socket")
     return None if sock is None else int(sock.fileno())
@@ -56,19 +58,28 @@ def sendfile_now(sock_fd: int, file_fd: int, offset: int, count: int) -> int:
     return sent
 
 
+def sendfile_extent(transport: asyncio.BaseTransport | None, extent: DirectExtent, metrics: Metrics) -> int:
+    """Send what the socket takes of ``extent`` at once with sendfile (0
+    where the transport allows no direct write); the bytes sent. Raises
+    ConnectionResetError when the client went. No await between looking
+    the socket up and using it: a transport closes on this thread, so its
+    descriptor cannot be closed (and its number reused) in between."""
+    fd = plain_socket_fd(transport)
+    if fd is None:
+        return 0
+    sent = sendfile_now(fd, extent.segment.fd, extent.offset, len(extent.view))
+    metrics.inc("kvstore_http_sendfile_bytes_total", sent)
+    return sent
+
+
 async def send_extent(request: web.Request, resp: web.StreamResponse, extent: DirectExtent, use_sendfile: bool) -> None:
     """Send the bytes of ``extent`` on a prepared response."""
     sent = 0
-    # No await between looking the socket up and using it: a transport closes
-    # on this thread, so its descriptor cannot be closed (and its number
-    # reused by another connection) in between.
-    fd = plain_socket_fd(request) if use_sendfile else None
-    if fd is not None:
+    if use_sendfile:
         try:
-            sent = sendfile_now(fd, extent.segment.fd, extent.offset, len(extent.view))
+            sent = sendfile_extent(request.transport, extent, request.app[METRICS])
         except ConnectionResetError:
             reset_connection(request)  # the kernel knew first: the transport learns it now
             raise
-        request.app[METRICS].inc("kvstore_http_sendfile_bytes_total", sent)
     if sent < len(extent.view):
         await send(request, resp, extent.view[sent:])
