@@ -22,7 +22,7 @@ import re
 import string
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from hypothesis import strategies as st
 from kvstore_client.wire import batchframe
@@ -249,7 +249,10 @@ def test_api_fuzz_from_openapi(target: Target) -> None:
             raise AssertionError(f"a query parameter of another type was taken: {where}")
         text = r.body.decode("latin-1")
         for name, value in call.headers.items():
-            if name != "Content-Type" and len(value.strip()) >= 8:
+            # (A value that is also in the request's path may be named as the path's: an
+            # error says which path parameter is invalid, e.g. Expect "0000000:" beside
+            # tenant "0000000%3A".)
+            if name != "Content-Type" and len(value.strip()) >= 8 and value.strip() not in unquote(call.target):
                 assert value.strip() not in text, (f"{name} echoed", where)
         if r.status == 200 and call.op.method == "GET" and call.op.path == "/v1/blocks/{key}":
             problems.extend(_foreign_block(target, call, r.body))
