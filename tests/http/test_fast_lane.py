@@ -9,16 +9,22 @@ deleted under the reads."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
+import json
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from kvstore.transport.http.appkeys import METRICS, STORE
+from kvstore.engine.crypto import MasterKey
+from kvstore.transport.http.app import make_app
+from kvstore.transport.http.appkeys import METRICS, STATE, STORE
+from kvstore.transport.http.bodies import BUDGET
 from kvstore.transport.http.connection import KVServer
-from tests.http.conftest import ADMIN, Api, free_port, server_config
+from tests.http.conftest import ADMIN, Api, KVTestServer, free_port, server_config
 from tests.http.rawhttp import Conn, Reply
 
 BLOCK = 300_000  # several 64 KiB frames
@@ -295,10 +301,12 @@ async def test_the_daemon_answers_on_the_lane_under_uvloop(tmp_path: Path) -> No
                 async with session.get(daemon.base + "/metrics") as r:
                     text = await r.text()
             answered = [ln for ln in text.splitlines() if ln.startswith('kvstore_http_fast_lane_total{method="GET"}')]
+            puts = [ln for ln in text.splitlines() if ln.startswith('kvstore_http_fast_lane_total{method="PUT"}')]
             if on == "true":
                 assert answered and float(answered[0].split()[-1]) == 20, answered
+                assert puts and float(puts[0].split()[-1]) == 1, puts  # its body read by uvloop into aligned memory
             else:
-                assert not answered, answered
+                assert not answered and not puts, (answered, puts)
             assert 'kvstore_http_requests_total{method="GET",route="/v1/blocks/{key}",status="206"} 20' in text
         finally:
             assert daemon.stop() == 0
@@ -416,3 +424,251 @@ async def test_a_scrub_makes_every_worker_check_a_damaged_segment_again(tmp_path
 
 
 SWEEP_WAIT_S = 2.5  # SWEEP_INTERVAL_S (1 s) and some
+
+
+# PUT /v1/blocks/{key} on the lane: the body received into aligned memory
+# (a buffered protocol), then stored.
+
+
+async def _tenant(api: Api, name: str, policy: str, **extra: object) -> str:
+    async with api.session.post(
+        api.url("/v1/admin/tenants"), json={"name": name, "policy": policy, **extra}, headers=api.auth(ADMIN)
+    ) as r:
+        assert r.status == 201, await r.text()
+        token: str = (await r.json())["token"]
+    return token
+
+
+def _put_comparable(r: Reply) -> tuple[int, dict[str, str], bytes]:
+    """A PUT's answer without what differs from store to store (the date, the ETag's record id)."""
+    headers = {k: ("ETAG" if k == "etag" else v) for k, v in r.headers.items() if k != "date"}
+    return r.status, headers, r.body
+
+
+async def test_puts_get_the_routes_answer(lane: Lane) -> None:
+    """Every shape of PUT gets the same answer with the lane on and off: a
+    new key, an existing one, a Kvstore-Block-Meta, errors the lane leaves to
+    the route (bad token, meta, key, length, Expect) and an error of the
+    store that the lane answers itself (507 quota_exceeded); what was stored
+    reads back."""
+    api = lane.api
+    port = int(api.base.rsplit(":", 1)[1])
+    data = os.urandom(BLOCK)
+    ident = {"block_hash": 7, "parent_block_hash": 6, "token_ids": [1, 2, 3], "block_size": 16}
+    meta = base64.urlsafe_b64encode(json.dumps(ident).encode()).decode().rstrip("=")
+    answers: dict[bool, list[tuple[int, dict[str, str], bytes]]] = {}
+    counted: dict[bool, float] = {}
+    tokens: dict[tuple[bool, str], str] = {}
+    for on in (False, True):
+        lane.on(on)
+        for p in ("direct", "sealed"):
+            tokens[on, p] = await _tenant(api, f"{p}-{int(on)}", p)
+        small = await _tenant(api, f"small-{int(on)}", "direct", quota_bytes=100_000)
+        cases: list[tuple[str, dict[str, str], bytes]] = []
+        for p in ("direct", "sealed"):
+            auth = api.auth(tokens[on, p])
+            cases += [
+                ("/v1/blocks/k", auth, data),
+                ("/v1/blocks/k", auth, data[:1000]),  # exists: 200, nothing written
+                ("/v1/blocks/m", {**auth, "Kvstore-Block-Meta": meta}, data[:5000]),
+                ("/v1/blocks/m2", {**auth, "Kvstore-Block-Meta": "not base64!"}, b"x"),
+                ("/v1/blocks/s3m~x", auth, b"x"),  # a reserved key
+                ("/v1/blocks/e", {**auth, "Expect": "100-continue"}, b"x"),
+            ]
+        cases += [
+            ("/v1/blocks/k", api.auth("kvs_unknown"), b"x"),
+            ("/v1/blocks/big", api.auth(small), data),  # larger than the whole quota: the store's 507
+            ("/v1/blocks/big", api.auth(tokens[on, "direct"]), bytes(4 << 20) + b"x"),  # 413 before the body
+        ]
+        before = lane.answered("PUT")
+        answers[on] = []
+        for path, headers, body in cases:
+            conn = await Conn.open("127.0.0.1", port)
+            try:
+                status, got, text = _put_comparable(await conn.request("PUT", path, headers, body))
+                answers[on].append((status, got, text.replace(f"-{int(on)}'".encode(), b"'")))  # tenant names
+            finally:
+                await conn.close()
+        counted[on] = lane.answered("PUT") - before
+    for off, on_ in zip(answers[False], answers[True], strict=True):
+        assert off == on_
+    assert [a[0] for a in answers[True]] == [201, 200, 201, 400, 400, 201] * 2 + [401, 507, 413]
+    assert counted[False] == 0 and counted[True] == 7, counted  # 2 x (new, exists, meta) and the 507
+    for (on, p), token in tokens.items():
+        async with api.session.get(api.url("/v1/blocks/k"), headers=api.auth(token)) as r:
+            assert r.status == 200 and await r.read() == data, (on, p)
+        async with api.session.get(api.url("/v1/blocks/m"), headers=api.auth(token)) as r:
+            assert r.status == 200 and await r.read() == data[:5000], (on, p)
+
+
+async def test_a_put_split_and_pipelined_is_stored_and_answered_in_order(lane: Lane) -> None:
+    """A PUT's headers and body split anywhere, with requests pipelined after
+    it: the body is taken to its last byte and no further, what follows is
+    answered after the put, in order."""
+    api = lane.api
+    lane.on(True)
+    token = await api.tenant("direct", "direct")
+    auth = f"Authorization: Bearer {token}\r\n"
+    port = int(api.base.rsplit(":", 1)[1])
+    for n, split in enumerate((None, 1, 7, 4096, 65_539)):
+        body = os.urandom(BLOCK + n)
+        key = f"p{n}"
+        raw = f"PUT /v1/blocks/{key} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {len(body)}\r\n\r\n".encode()
+        raw += body
+        raw += f"GET /v1/blocks/{key} HTTP/1.1\r\nHost: x\r\n{auth}Range: bytes=5-14\r\n\r\n".encode()
+        lookup = f'{{"keys": ["{key}", "nope"]}}'.encode()
+        raw += f"POST /v1/lookup HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {len(lookup)}\r\n\r\n".encode()
+        raw += lookup
+        before = lane.answered("PUT")
+        conn = await Conn.open("127.0.0.1", port)
+        try:
+            if split is None:
+                await conn.send(raw)
+            else:
+                head = raw.index(b"\r\n\r\n") + 4
+                # Single bytes for the headers and the body's start (1 and 7
+                # would take long over a whole block), then pieces of `split`.
+                cut = head + 100 if split < 100 else 0
+                for i in range(0, cut):
+                    await conn.send(raw[i : i + 1])
+                for i in range(cut, len(raw), split if split >= 100 else 4093):
+                    await conn.send(raw[i : i + (split if split >= 100 else 4093)])
+            r = [await conn.read_reply() for _ in range(3)]
+        finally:
+            await conn.close()
+        assert r[0].status == 201 and r[0].json() == {"key": key, "size": len(body), "created": True}, split
+        assert r[1].status == 206 and r[1].body == body[5:15], split
+        assert r[2].status == 200 and r[2].json()["present"] == [True, False], split
+        assert lane.answered("PUT") == before + 1, split
+        async with api.session.get(api.url(f"/v1/blocks/{key}"), headers=api.auth(token)) as g:
+            assert await g.read() == body
+
+
+def _budget(api: Api) -> tuple[int, int]:
+    """(body bytes held against max_buffered_body_bytes, requests in flight) of the server."""
+    assert api.server is not None
+    app = api.server.app
+    return app[BUDGET].used, app[STATE]["inflight"]
+
+
+@pytest.fixture
+async def slow_api(tmp_path: Path) -> AsyncIterator[Api]:
+    """A server whose bodies have 1 s to arrive (request_timeout_s)."""
+    cfg = server_config(tmp_path / "data", request_timeout_s="1")
+    server = KVTestServer(make_app(cfg, MasterKey(os.urandom(32))), host="127.0.0.1", port=free_port())
+    await server.start_server()
+    async with aiohttp.ClientSession() as session:
+        yield Api(f"http://127.0.0.1:{server.port}", session, cfg, server=server)
+    await server.close()
+
+
+async def test_a_put_body_that_stalls_ends_short_or_is_dropped_gives_everything_back(slow_api: Api) -> None:
+    """A body that stops arriving gets the route's 408 after request_timeout_s
+    and its connection closes; one ended by a half-close gets 400 naming the
+    bytes that came; one whose client goes away gets nothing. Each time the
+    body budget and the in-flight slot come back and nothing is stored. A
+    body that was whole before the half-close is stored and answered."""
+    api = slow_api
+    token = await api.tenant("direct", "direct")
+    port = int(api.base.rsplit(":", 1)[1])
+    assert api.server is not None and api.server.runner is not None
+    kv = api.server.runner.server
+    assert isinstance(kv, KVServer)
+    length = 1 << 20
+
+    def head(key: str, n: int = length) -> bytes:
+        auth = f"Authorization: Bearer {token}\r\n"
+        return f"PUT /v1/blocks/{key} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {n}\r\n\r\n".encode()
+
+    answers: dict[bool, list[tuple[int, str, str]]] = {}
+    for on in (False, True):
+        kv.fast_lane = on
+        answers[on] = []
+        conn = await Conn.open("127.0.0.1", port)  # stalls
+        try:
+            await conn.send(head(f"stall{int(on)}") + b"x" * 1000)
+            await asyncio.sleep(0.2)
+            assert _budget(api) == (length, 1)
+            r = await conn.read_reply(timeout=10)
+            answers[on].append((r.status, r.json()["error"]["code"], r.json()["error"]["message"]))
+            assert await conn.reader.read() == b""  # closed after the answer
+        finally:
+            await conn.close()
+        conn = await Conn.open("127.0.0.1", port)  # ends short
+        try:
+            await conn.send(head(f"short{int(on)}") + b"x" * 1000)
+            conn.writer.write_eof()
+            r = await conn.read_reply(timeout=10)
+            answers[on].append((r.status, r.json()["error"]["code"], r.json()["error"]["message"]))
+        finally:
+            await conn.close()
+        conn = await Conn.open("127.0.0.1", port)  # goes away
+        await conn.send(head(f"gone{int(on)}") + b"x" * 1000)
+        await asyncio.sleep(0.2)
+        await conn.close()
+        body = os.urandom(300_000)
+        conn = await Conn.open("127.0.0.1", port)  # whole, then a half-close
+        try:
+            await conn.send(head(f"whole{int(on)}", len(body)) + body)
+            conn.writer.write_eof()
+            r = await conn.read_reply(timeout=10)
+            assert r.status == 201, r.body
+            assert await conn.reader.read() == b""
+        finally:
+            await conn.close()
+        for _ in range(50):
+            if _budget(api) == (0, 0):
+                break
+            await asyncio.sleep(0.05)
+        assert _budget(api) == (0, 0), on
+        for key, status in (("stall", 404), ("short", 404), ("gone", 404), ("whole", 200)):
+            async with api.session.get(api.url(f"/v1/blocks/{key}{int(on)}"), headers=api.auth(token)) as g:
+                assert g.status == status, (on, key)
+                if status == 200:
+                    assert await g.read() == body
+    assert answers[False] == answers[True]
+    assert [a[:2] for a in answers[True]] == [(408, "request_timeout"), (400, "invalid_input")]
+    assert "1000 of 1048576" in answers[True][1][2]
+
+
+async def test_puts_on_two_workers_are_stored_once_and_read_back_everywhere(tmp_path: Path) -> None:
+    """With two workers, a PUT on the reader is relayed to the writer (whose
+    lane takes it from the relay's connection), a PUT on the writer is taken
+    by its lane; both read back on both workers, and a second PUT of a key
+    answers 200 wherever it lands."""
+    from tests.http.conftest import Daemon, daemon_env
+    from tests.http.rawhttp import worker_connections
+    from tests.http.test_daemon import _ready
+
+    daemon = Daemon(tmp_path / "data", free_port(), daemon_env(tmp_path), extra=["--workers", "2"], log_dir=tmp_path)
+    daemon.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _ready(daemon.base, session)
+            api = Api(daemon.base, session, server_config(tmp_path))
+            token = await api.tenant("direct", "direct")
+            blocks = {f"{role}{i}": os.urandom(200_000 + i) for role in ("writer", "reader") for i in range(4)}
+            conns = await worker_connections("127.0.0.1", daemon.port)
+            try:
+                for key, data in blocks.items():
+                    r = await conns[key[:6]].request("PUT", f"/v1/blocks/{key}", api.auth(token), data)
+                    assert r.status == 201, (key, r.body)
+                for role, conn in conns.items():
+                    r = await conn.request("PUT", "/v1/blocks/reader0", api.auth(token), b"other bytes")
+                    assert r.status == 200 and r.json()["created"] is False, role
+                    for key, data in blocks.items():
+                        r = await conn.request("GET", f"/v1/blocks/{key}", api.auth(token))
+                        assert r.status == 200 and r.body == data, (role, key)
+            finally:
+                for conn in conns.values():
+                    await conn.close()
+            for _ in range(50):  # a worker's /metrics merges the other's figures a moment later
+                async with session.get(daemon.base + "/metrics") as r:
+                    text = await r.text()
+                puts = [ln for ln in text.splitlines() if ln.startswith('kvstore_http_fast_lane_total{method="PUT"}')]
+                if puts and float(puts[0].split()[-1]) >= 10:
+                    break
+                await asyncio.sleep(0.1)
+            assert puts and float(puts[0].split()[-1]) >= 10, puts  # the writer's lane took every PUT
+    finally:
+        assert daemon.stop() == 0

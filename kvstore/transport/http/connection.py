@@ -242,6 +242,13 @@ class KVRequestHandler(RequestHandler):
                     self._loop.call_soon(lane.resume)
         return resp, reset
 
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        """aiohttp's, after the fast lane's PUT in progress (aiohttp sees no
+        request in progress then, and would close the connection under it)."""
+        if self._lane is not None:
+            await self._lane.drain(timeout)
+        await super().shutdown(timeout)
+
     def resume_writing(self) -> None:
         super().resume_writing()
         if self._lane is not None:
@@ -250,6 +257,15 @@ class KVRequestHandler(RequestHandler):
     def headers_started(self) -> None:
         """The fast lane holds the start of a request: its headers are timed as aiohttp's are."""
         self._time_headers(True, False)
+
+    def body_started(self) -> None:
+        """The fast lane receives a PUT's body (bounded by request_timeout_s
+        itself) and then stores it: the headers' timer stops, and aiohttp,
+        idle meanwhile, must not close the connection as idle."""
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
+        self._next_keepalive_close_time = self._loop.time() + 86400.0
 
     def answered(self) -> None:
         """The fast lane answered a request: the headers' timer stops, and the
@@ -287,6 +303,8 @@ class KVRequestHandler(RequestHandler):
         if self._headers_timer is not None:
             self._headers_timer.cancel()
             self._headers_timer = None
+        if self._lane is not None:
+            self._lane.lost()
         super().connection_lost(exc)
 
     def eof_received(self) -> bool:  # type: ignore[override]  # asyncio.Protocol's contract: bool | None
@@ -295,8 +313,8 @@ class KVRequestHandler(RequestHandler):
         progress. Instead the body being received ends here (a short body
         becomes ``400 invalid_input``), the answer is sent, then the
         connection closes. An idle connection closes at once, as before."""
-        if self._lane is not None:
-            self._lane.flush()  # requests held for their turn are aiohttp's to answer now
+        if self._lane is not None and self._lane.flush():
+            return True  # a PUT the lane answers first, then closes (or closed at once: its body ended short)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             return False  # idle: waiting for a request that cannot come now

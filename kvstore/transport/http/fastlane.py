@@ -56,16 +56,23 @@ import re
 import time
 from collections import deque
 from email.utils import formatdate
+from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from aiohttp.http import SERVER_SOFTWARE
 
-from kvstore.errors import KVStoreError
-from kvstore.names import validate_key
+from kvstore.buffers import POOL, AlignedBuffer
+from kvstore.errors import InvalidInput, KVStoreError, Overloaded, RequestTimeout
+from kvstore.events.model import BlockMeta
+from kvstore.names import validate_client_key, validate_key
 from kvstore.transport.http.appkeys import CONFIG, METRICS, STATE, STORE
-from kvstore.transport.http.bodies import keys_field, parse_json, tokens_per_block_field
+from kvstore.transport.http.bodies import BUDGET, keys_field, parse_json, tokens_per_block_field
+from kvstore.transport.http.forward import WRITER
+from kvstore.transport.http.middleware import error_answered
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
+from kvstore.transport.http.respond import error_body
 from kvstore.transport.http.sendfile import sendfile_extent
+from kvstore.transport.statuses import http_status
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -82,6 +89,9 @@ _JSON_TYPES = frozenset({_JSON, b"application/json; charset=utf-8", b"applicatio
 ROUTE = "/v1/blocks/{key}"
 LOOKUP = "/v1/lookup"
 _PREFIX = b"/v1/blocks/"
+_JSON_ANSWER = "Content-Type: application/json; charset=utf-8\r\n"
+_REASONS = {200: "OK", 201: "Created"}
+_PUTS: set[asyncio.Task[None]] = set()  # the lane's puts in progress (held: the loop keeps weak references)
 _OCTETS = "Content-Type: application/octet-stream\r\n"
 _TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 tchar+
 _NOT_PLAIN_RE = re.compile(rb"[^\t\x20-\x7e]")  # a byte outside HTAB and visible ASCII + SP
@@ -104,7 +114,7 @@ class _Date:
 class FastLane:
     """One connection's framing, and the requests it answers itself."""
 
-    __slots__ = ("_app", "_body_left", "_buf", "_bulk", "_proto", "_queued", "off", "outstanding")
+    __slots__ = ("_app", "_body_left", "_buf", "_bulk", "_eof", "_proto", "_queued", "_upload", "off", "outstanding")
 
     def __init__(self, proto: KVRequestHandler, app: web.Application, bulk: BulkQueue) -> None:
         self._proto = proto
@@ -113,14 +123,23 @@ class FastLane:
         self._buf = b""
         self._body_left = 0  # bytes of a forwarded request's body still to pass on
         self._queued = False  # a GET of this connection waits in the bulk queue
+        self._upload: _Upload | None = None  # a PUT the lane receives or stores
+        self._eof = False  # the client half-closed while a PUT was being stored
         self.outstanding = 0  # requests handed to aiohttp and not yet answered
         self.off = False  # the rest of the connection is aiohttp's
 
     def feed(self, data: bytes) -> None:
         """The connection's new bytes: answered here, or handed to aiohttp
         (``proto.to_aiohttp``) as whole requests or the rest of a body."""
+        up = self._upload
+        if up is not None and up.left and data:  # (the body reader takes a body's bytes itself)
+            n = up.take(data)
+            data = bytes(memoryview(data)[n:]) if n < len(data) else b""
+            if not up.left:
+                self._store(up)
         if self.off:
-            self._proto.to_aiohttp(data)
+            if data:
+                self._proto.to_aiohttp(data)
             return
         if self._body_left:
             n = min(self._body_left, len(data))
@@ -137,7 +156,7 @@ class FastLane:
         aiohttp has nothing outstanding and the client reads; hand the
         others to aiohttp; stop at a request that must wait its turn."""
         buf, out, hot = self._buf, [], True
-        while buf and not self._body_left and not self.off and not self._queued:
+        while buf and not self._body_left and not self.off and not self._holding():
             end = buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
             if end < 0:
                 if len(buf) > MAX_HEAD or not _plausible(buf):
@@ -169,6 +188,10 @@ class FastLane:
                     self._queued = True
                     self._bulk.add(self, req)
                     break
+                elif req.method == "PUT":
+                    if self._receive(req, buf[end + 4 : take]):
+                        buf = buf[take:]
+                        break
                 elif self._answer(req):
                     buf = buf[take:]
                     continue
@@ -179,7 +202,7 @@ class FastLane:
         self._buf = buf
         if out:
             self._proto.to_aiohttp(b"".join(out))
-        if buf and not self._queued and buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4) < 0 and not self._body_left:
+        if buf and not self._holding() and buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4) < 0 and not self._body_left:
             self._proto.headers_started()  # a request still arriving: timed as aiohttp's are
 
     def answer_queued(self, req: _Hot) -> None:
@@ -194,26 +217,60 @@ class FastLane:
 
     def resume(self) -> None:
         """aiohttp answered what it had, or the client read: go on."""
-        if self._buf and not self.off and not self._queued:
+        if self._buf and not self.off and not self._holding():
             self.pump()
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         """The client sent its last bytes: aiohttp answers what is buffered
         (after the GET in the bulk queue, if any: it is answered, or
-        handed on, in its turn)."""
+        handed on, in its turn). True when the lane answers a PUT first
+        and then closes the connection itself; a PUT whose body ended
+        short is answered 400 and the connection closed now."""
+        up = self._upload
+        if up is not None:
+            if up.left:
+                self._end_upload(up, reuse=True)
+                self._answer_error(InvalidInput(f"body ended after {up.pos} of {up.length} bytes (Content-Length)"), up)
+                self._proto.force_close()
+                return True
+            self._eof = True
+            return True
         buf, self._buf = self._buf, b""
         if self._queued:
             self._buf = buf
-            return
+            return False
         self.off = True
         if buf:
             self._proto.to_aiohttp(buf)
+        return False
+
+    def lost(self) -> None:
+        """The connection is gone: a body being received is dropped (a PUT
+        being stored goes on; its answer has nowhere to go)."""
+        self.off = True
+        up = self._upload
+        if up is not None and up.left:
+            self._end_upload(up, reuse=True)
+
+    async def drain(self, timeout: float | None) -> None:
+        """The server shuts down: take nothing more, and wait (up to
+        ``timeout``) for the PUT in progress to be received, stored and answered."""
+        self.off = True
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self._upload is not None and (deadline is None or loop.time() < deadline):
+            await asyncio.sleep(0.01)
+
+    def _holding(self) -> bool:
+        """A request of this connection is in the lane's hands (a GET in the
+        bulk queue, a PUT received or stored): what follows waits for it."""
+        return self._queued or self._upload is not None
 
     def _idle(self) -> bool:
         p = self._proto
         return (
             self.outstanding <= 0
-            and not self._queued
+            and not self._holding()
             and not p._messages
             and not p._force_close
             and not p._close
@@ -315,6 +372,153 @@ class FastLane:
         self._finish("POST", "200", t0, LOOKUP)
         return True
 
+    def _receive(self, req: _Hot, first: bytes) -> bool:
+        """Take ``PUT /v1/blocks/{key}``: its body is received into pooled
+        aligned memory as it arrives (no framework, no join), then stored.
+        False (nothing taken, nothing counted) to leave it to the route:
+        on a reader worker (writes are the writer's), an unknown token, a
+        bad length or Kvstore-Block-Meta, the body budget or the requests
+        in flight at their limits; those answers are the route's."""
+        app = self._app
+        state, config = app[STATE], app[CONFIG]
+        transport = self._proto.transport
+        if (
+            not state["ready"]
+            or state["inflight"] >= config.max_concurrency
+            or WRITER in app
+            or transport is None
+            or transport.is_closing()
+            or not req.token
+        ):
+            return False
+        t0 = time.perf_counter()
+        store = app[STORE]
+        if not 0 < req.length <= store.config.max_block_size:
+            return False
+        try:
+            tenant = store.authenticate(req.token)
+            meta = BlockMeta.from_header(req.meta) if req.meta is not None else None
+        except KVStoreError:
+            return False
+        if tenant is None:
+            return False
+        try:
+            app[BUDGET].reserve(req.length)
+        except Overloaded:
+            return False
+        state["inflight"] += 1
+        up = self._upload = _Upload(tenant, req.key, meta, req.length, t0)
+        up.take(first)
+        self._proto.body_started()
+        if up.left:
+            up.timer = asyncio.get_running_loop().call_later(config.request_timeout_s, self._body_late)
+            # The rest of the body is read by the kernel straight into the
+            # aligned memory (a buffered protocol: no bytes objects, no copy),
+            # never past its end; then the connection is aiohttp's protocol's again.
+            up.reader = _BodyReader(self, up)
+            transport.set_protocol(up.reader)
+        else:
+            self._store(up)
+        return True
+
+    def body_in(self, up: _Upload) -> None:
+        """The body reader filled the body."""
+        self._restore(up)
+        self._store(up)
+
+    def _restore(self, up: _Upload) -> None:
+        """The connection's protocol back from ``up``'s body reader."""
+        reader, up.reader = up.reader, None
+        transport = self._proto.transport
+        if reader is not None and transport is not None and transport.get_protocol() is reader:
+            transport.set_protocol(self._proto)
+
+    def _store(self, up: _Upload) -> None:
+        """The whole body is in: store it (a task: the put awaits its group commit)."""
+        self._restore(up)
+        if up.timer is not None:
+            up.timer.cancel()
+            up.timer = None
+        self._app[METRICS].inc("kvstore_http_bytes_in_total", up.length)
+        task = asyncio.get_running_loop().create_task(self._put(up))
+        _PUTS.add(task)
+        task.add_done_callback(_PUTS.discard)
+
+    async def _put(self, up: _Upload) -> None:
+        """Store ``up``'s block and answer as the route does."""
+        app = self._app
+        reuse = False
+        try:
+            stored = await app[STORE].put(up.tenant, up.key, up.buf.view, up.meta)
+            reuse = True  # the put ended normally: nothing still refers to the memory
+        except KVStoreError as e:
+            self._end_upload(up, reuse)
+            self._answer_error(e, up)
+        except Exception:  # the route's answer to the unexpected: a 500, logged
+            log.exception("PUT %s failed", ROUTE)
+            app[METRICS].inc("kvstore_errors_total", code="internal")
+            self._end_upload(up, reuse)
+            self._respond(500, "", json.dumps(error_body("internal", "internal error")).encode(), up.t0)
+        else:
+            self._end_upload(up, reuse)
+            doc = json.dumps({"key": up.key, "size": stored.info.size, "created": stored.created}).encode()
+            self._respond(201 if stored.created else 200, f'ETag: "{stored.info.etag}"\r\n', doc, up.t0)
+        finally:
+            if self._upload is up:  # cancelled (the loop is closing): nothing more to answer
+                self._end_upload(up, reuse)
+        if self._eof:
+            self.off = True
+            buf, self._buf = self._buf, b""
+            if buf:
+                self._proto.to_aiohttp(buf)  # what came before the half-close
+            if self._proto._messages:
+                self._proto.close()  # after aiohttp answers those
+            else:
+                self._proto.force_close()  # (the transport sends what it holds first)
+        elif not self.off:
+            self.pump()
+
+    def _body_late(self) -> None:
+        """The body did not arrive within request_timeout_s: 408, and the
+        connection closes (the rest of the body cannot be told from the next request)."""
+        up = self._upload
+        if up is None or not up.left:
+            return
+        up.timer = None
+        self._end_upload(up, reuse=True)
+        self._answer_error(RequestTimeout(f"body not received within {self._app[CONFIG].request_timeout_s} s"), up)
+        self.off = True
+        self._proto.force_close()
+
+    def _end_upload(self, up: _Upload, reuse: bool) -> None:
+        """The budget and the in-flight slot back; the memory back to the
+        pool only when nothing may still refer to it (``reuse``)."""
+        if self._upload is not up:
+            return
+        self._upload = None
+        self._restore(up)
+        if up.timer is not None:
+            up.timer.cancel()
+            up.timer = None
+        self._app[BUDGET].release(up.length)
+        self._app[STATE]["inflight"] -= 1
+        if reuse:
+            up.buf.release()
+
+    def _answer_error(self, e: KVStoreError, up: _Upload) -> None:
+        headers = error_answered(self._app, "PUT", ROUTE, e)
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self._respond(http_status(e), extra, json.dumps(error_body(e.code, str(e))).encode(), up.t0)
+
+    def _respond(self, status: int, head: str, doc: bytes, t0: float) -> None:
+        """A PUT's JSON answer, written if the connection is still there, and counted."""
+        transport = self._proto.transport
+        if transport is not None and not transport.is_closing():
+            reason = _REASONS.get(status) or HTTPStatus(status).phrase
+            line = f"HTTP/1.1 {status} {reason}\r\n{head}{_JSON_ANSWER}Content-Length: {len(doc)}\r\n"
+            transport.write(_close_head(line) + doc)
+        self._finish("PUT", str(status), t0)
+
     def _finish(self, method: str, status: str, t0: float, route: str = ROUTE) -> None:
         """An answer is out: counted as the route counts it, and the connection's timers told."""
         metrics = self._app[METRICS]
@@ -362,10 +566,69 @@ def _close_head(head: str) -> bytes:
     return f"{head}Date: {_Date.now()}\r\nServer: {SERVER_SOFTWARE}\r\n\r\n".encode("latin-1")
 
 
-class _Hot:
-    """A request the lane may answer: GET or HEAD of ``key``, or a lookup (POST, its ``body``)."""
+class _BodyReader(asyncio.BufferedProtocol):
+    """The connection's protocol while a PUT's body arrives: the transport
+    reads into the body's memory (at most what is left of it), and tells
+    the connection's own protocol of everything else (aiohttp's handler)."""
 
-    __slots__ = ("body", "if_none_match", "key", "method", "range", "raw", "token")
+    __slots__ = ("lane", "up")
+
+    def __init__(self, lane: FastLane, up: _Upload) -> None:
+        self.lane, self.up = lane, up
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        up = self.up
+        return up.buf.memory[up.pos : up.length]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        up = self.up
+        up.pos += nbytes
+        if up.pos >= up.length:
+            self.lane.body_in(up)
+
+    def eof_received(self) -> bool | None:
+        return self.lane._proto.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lane._proto.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.lane._proto.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.lane._proto.resume_writing()
+
+
+class _Upload:
+    """A PUT's body, received into pooled page-aligned memory as it arrives."""
+
+    __slots__ = ("buf", "key", "length", "meta", "pos", "reader", "t0", "tenant", "timer")
+
+    def __init__(self, tenant: str, key: str, meta: BlockMeta | None, length: int, t0: float) -> None:
+        self.tenant, self.key, self.meta, self.length, self.t0 = tenant, key, meta, length, t0
+        self.buf: AlignedBuffer = POOL.take(length)
+        self.pos = 0
+        self.timer: asyncio.TimerHandle | None = None
+        self.reader: _BodyReader | None = None
+
+    @property
+    def left(self) -> int:
+        return self.length - self.pos
+
+    def take(self, data: bytes) -> int:
+        """Copy what of ``data`` belongs to the body; how many bytes that was."""
+        n = min(self.length - self.pos, len(data))
+        if n:
+            self.buf.memory[self.pos : self.pos + n] = memoryview(data)[:n]
+            self.pos += n
+        return n
+
+
+class _Hot:
+    """A request the lane may answer: GET or HEAD of ``key``, a lookup (POST,
+    its ``body``), or a PUT of ``key`` (``length`` bytes of body, ``meta``)."""
+
+    __slots__ = ("body", "if_none_match", "key", "length", "meta", "method", "range", "raw", "token")
 
     def __init__(self, method: str, key: str) -> None:
         self.method = method
@@ -375,6 +638,8 @@ class _Hot:
         self.if_none_match: str | None = None
         self.body = b""
         self.raw = b""  # the whole request, for aiohttp should the lane not answer it after all
+        self.length = 0
+        self.meta: str | None = None
 
 
 def _plausible(buf: bytes) -> bool:
@@ -431,18 +696,24 @@ def _frame(head: bytes) -> tuple[int, _Hot | None] | None:
         hot = _Hot("POST", "")
         hot.token = _bearer(fields)
         return body, hot
-    if body or method not in (b"GET", b"HEAD") or not target.startswith(_PREFIX):
+    put = method == b"PUT"
+    if (bool(body) != put) or method not in (b"GET", b"HEAD", b"PUT") or not target.startswith(_PREFIX):
         return body, None
     raw_key = target[len(_PREFIX) :]
     if not raw_key or any(c in b"%?#/" for c in raw_key) or raw_key in (b".", b".."):
         return body, None
     key = raw_key.decode("latin-1")
     try:
-        validate_key(key)
+        (validate_client_key if put else validate_key)(key)
     except KVStoreError:
         return body, None
     hot = _Hot(method.decode(), key)
     hot.token = _bearer(fields)
+    if put:
+        hot.length = body
+        meta = fields.get(b"kvstore-block-meta")
+        hot.meta = None if meta is None else meta.decode("latin-1")
+        return body, hot
     rng = fields.get(b"range")
     hot.range = None if rng is None else rng.decode("latin-1")
     inm = fields.get(b"if-none-match")

@@ -90,20 +90,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except KVStoreError as e:
-        headers: dict[str, str] = {}
-        if isinstance(e, InvalidRange):
-            headers["Content-Range"] = f"bytes */{e.size}"
-        if isinstance(e, Unauthorized):
-            headers["WWW-Authenticate"] = 'Bearer realm="kvstore"'
-        if isinstance(e, Overloaded):
-            headers["Retry-After"] = "1"
-        if http_status(e) >= 500:
-            if isinstance(e, WriterTimeout):  # slow, not down: the writer may still complete it
-                log.warning("%s %s: %s", request.method, route_of(request), e)
-            elif not isinstance(e, Overloaded):  # counted, not logged: a flood must not flood the log
-                log.error("%s %s: %s", request.method, route_of(request), e)
-            request.app[METRICS].inc("kvstore_errors_total", code=e.code)
-        return error_response(e, headers)
+        return error_response(e, error_answered(request.app, request.method, route_of(request), e))
     except RequestPayloadError:
         # aiohttp could not decode the body (chunked framing, content coding);
         # its message quotes the bytes, so it is not passed on.
@@ -127,6 +114,25 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception:  # noqa: BLE001 - the one place an unexpected failure becomes a 500
         raise_internal(request)
         return web.json_response(error_body("internal", "internal error"), status=500)
+
+
+def error_answered(app: web.Application, method: str, route: str, e: KVStoreError) -> dict[str, str]:
+    """The headers an error's answer carries; a server error (5xx) is
+    counted and logged here. One place for the route's answers and the fast lane's."""
+    headers: dict[str, str] = {}
+    if isinstance(e, InvalidRange):
+        headers["Content-Range"] = f"bytes */{e.size}"
+    if isinstance(e, Unauthorized):
+        headers["WWW-Authenticate"] = 'Bearer realm="kvstore"'
+    if isinstance(e, Overloaded):
+        headers["Retry-After"] = "1"
+    if http_status(e) >= 500:
+        if isinstance(e, WriterTimeout):  # slow, not down: the writer may still complete it
+            log.warning("%s %s: %s", method, route, e)
+        elif not isinstance(e, Overloaded):  # counted, not logged: a flood must not flood the log
+            log.error("%s %s: %s", method, route, e)
+        app[METRICS].inc("kvstore_errors_total", code=e.code)
+    return headers
 
 
 def raise_internal(request: web.Request) -> None:
