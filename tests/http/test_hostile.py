@@ -415,7 +415,12 @@ async def test_buffered_request_bodies_unbounded(tmp_path: Path) -> None:
             assert r.status == 503 and r.headers.get("retry-after") == "1", (r.status, r.body)
             assert _json_error(r)["code"] == "overloaded"
         assert refused[1].json()["results"] == []
-        assert (await other.request("PUT", "/v1/blocks/small", _auth(token), b"s" * 1000)).status == 201
+        # The stalled body holds t1's whole share (max_block_size here): t1's own
+        # small PUT is refused saying so, another tenant's goes through.
+        r = await other.request("PUT", "/v1/blocks/small", _auth(token), b"s" * 1000)
+        assert r.status == 503 and "share" in _json_error(r)["message"], r.body
+        r = await other.request("POST", "/v1/admin/tenants", _auth(ADMIN), b'{"name": "t2"}')
+        assert (await other.request("PUT", "/v1/blocks/small", _auth(r.json()["token"]), b"s" * 1000)).status == 201
         metrics = (await other.request("GET", "/metrics")).body.decode()
         assert f"kvstore_http_buffered_body_bytes {len(big)}" in metrics
         await stalled.send(big[1000:])

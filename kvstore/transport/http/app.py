@@ -33,6 +33,7 @@ from kvstore.transport.http.middleware import (
 )
 from kvstore.transport.http.respond import error_body
 from kvstore.transport.http.routes import admin, batch, blocks, events, plans, records, write_plans, xfer
+from kvstore.transport.http.shares import SLOTS, TenantSlots
 
 log = logging.getLogger("kvstore.http")
 
@@ -82,7 +83,8 @@ def make_app(
         "writer_socket": writer_socket,
         "released_leases": [],
     }
-    app[BUDGET] = BodyBudget(config.max_buffered_body_bytes)
+    app[BUDGET] = BodyBudget(config.max_buffered_body_bytes, config.store.max_block_size)
+    app[SLOTS] = TenantSlots(config.max_concurrency)
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         store = await (Store.open_reader if reader else Store.open)(config.store, master)

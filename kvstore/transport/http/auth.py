@@ -39,6 +39,11 @@ def tenant_of(request: web.Request) -> str:
     return tenant
 
 
+def known_tenant(request: web.Request) -> str | None:
+    """The tenant the request's token named, once checked (None: not yet, or an admin call)."""
+    return request.get(_TENANT)
+
+
 def require_admin(request: web.Request) -> None:
     secret = config_of(request).admin_secret()
     token = _bearer(request)

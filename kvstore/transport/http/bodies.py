@@ -39,6 +39,8 @@ from kvstore.errors import (
 )
 from kvstore.names import validate_key
 from kvstore.transport.http.appkeys import METRICS, config_of
+from kvstore.transport.http.auth import known_tenant
+from kvstore.transport.http.shares import TENANT_SHARE, within_share
 
 JSON_MAX_BYTES = 4 << 20
 # The answer to a body aiohttp's parser could not decode (its message quotes the bytes).
@@ -48,22 +50,42 @@ _JSON_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})
 
 class BodyBudget:
     """Bytes of request bodies held in memory by this process, against a
-    limit. Used from the event loop only (no lock)."""
+    limit, and by each tenant, against its share of it (shares.py: half, or
+    one block's body at least, ``floor``; more while a quarter stays free for
+    the others). Used from the event loop only (no lock)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, floor: int = 0) -> None:
         self.limit = limit
         self.used = 0
+        self.per_tenant = max(int(limit * TENANT_SHARE), min(floor, limit))
+        self.held: dict[str, int] = {}
 
-    def reserve(self, n: int) -> None:
-        """Count ``n`` more bytes, or raise Overloaded if they do not fit."""
+    def reserve(self, n: int, tenant: str | None = None) -> None:
+        """Count ``n`` more bytes (``tenant``'s, when a tenant's request holds
+        them), or raise Overloaded if they do not fit."""
         if self.used + n > self.limit:
             raise Overloaded(
                 f"request bodies buffered in memory are at the limit (max_buffered_body_bytes={self.limit}); retry"
             )
+        if tenant is not None:
+            held = self.held.get(tenant, 0)
+            if not within_share(held, n, self.per_tenant, self.used, self.limit):
+                raise Overloaded(
+                    f"tenant {tenant!r} holds {held} bytes of request bodies in this worker; {n} more would pass"
+                    f" its share of max_buffered_body_bytes={self.limit} ({self.per_tenant}) while the rest is"
+                    " kept for other tenants; retry"
+                )
+            self.held[tenant] = held + n
         self.used += n
 
-    def release(self, n: int) -> None:
+    def release(self, n: int, tenant: str | None = None) -> None:
         self.used -= n
+        if tenant is not None and n:
+            left = self.held[tenant] - n
+            if left:
+                self.held[tenant] = left
+            else:
+                del self.held[tenant]
 
 
 BUDGET = web.AppKey("body_budget", BodyBudget)
@@ -137,15 +159,15 @@ async def block_body(request: web.Request, limit: int) -> AsyncIterator[memoryvi
     back to the pool only when the block ends without an exception: a put
     that was cancelled may still have its bytes queued for a write."""
     length = check_length(request, limit)
-    budget = budget_of(request)
-    budget.reserve(length)
+    budget, tenant = budget_of(request), known_tenant(request)
+    budget.reserve(length, tenant)
     try:
         buf = await _read_aligned(request, length)
         request.app[METRICS].inc("kvstore_http_bytes_in_total", length)
         yield buf.view
         buf.release()
     finally:
-        budget.release(length)
+        budget.release(length, tenant)
 
 
 def _check_charset(request: web.Request) -> None:
@@ -213,13 +235,13 @@ async def json_body(request: web.Request) -> dict[str, Any]:
     if length is not None and length > JSON_MAX_BYTES:
         raise BodyTooLarge(f"JSON body is {length} bytes; the maximum is {JSON_MAX_BYTES}")
     held = JSON_MAX_BYTES if length is None else length
-    budget = budget_of(request)
-    budget.reserve(held)
+    budget, tenant = budget_of(request), known_tenant(request)
+    budget.reserve(held, tenant)
     try:
         raw = await (_read_chunked(request, JSON_MAX_BYTES) if length is None else _read_exactly(request, length))
         return parse_json(raw)
     finally:
-        budget.release(held)
+        budget.release(held, tenant)
 
 
 ALIGNED_MIN = 64 << 10  # a batch item this big is received into aligned memory
@@ -246,15 +268,16 @@ class BatchBody:
         self._content = request.content
         self._seconds = config_of(request).request_timeout_s
         self._budget = budget_of(request)
+        self._tenant = known_tenant(request)
         self._unowned = Held()
 
     async def readexactly(self, n: int, /) -> bytes:
-        self._budget.reserve(n)
+        self._budget.reserve(n, self._tenant)
         try:
             async with asyncio.timeout(self._seconds):
                 data = await self._content.readexactly(n)
         except BaseException:
-            self._budget.release(n)
+            self._budget.release(n, self._tenant)
             raise
         self._unowned.nbytes += n
         return data
@@ -262,12 +285,12 @@ class BatchBody:
     async def readblock(self, n: int, /) -> bytes | memoryview:
         if n < ALIGNED_MIN:
             return await self.readexactly(n)
-        self._budget.reserve(n)
+        self._budget.reserve(n, self._tenant)
         try:
             async with asyncio.timeout(self._seconds):
                 buf = await _receive_into(self._content, n)
         except BaseException:
-            self._budget.release(n)
+            self._budget.release(n, self._tenant)
             raise
         self._unowned.nbytes += n
         self._unowned.buffers.append(buf)
@@ -282,7 +305,7 @@ class BatchBody:
         """Give ``held`` back: its bytes to the budget, its buffers to the pool
         (``reuse`` False: a put that was cancelled may still have its bytes
         queued for a write, so its memory is left to the collector)."""
-        self._budget.release(held.nbytes)
+        self._budget.release(held.nbytes, self._tenant)
         if reuse:
             for buf in held.buffers:
                 buf.release()

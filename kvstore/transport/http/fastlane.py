@@ -72,6 +72,7 @@ from kvstore.transport.http.middleware import error_answered
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.respond import error_body
 from kvstore.transport.http.sendfile import sendfile_extent
+from kvstore.transport.http.shares import SLOTS
 from kvstore.transport.statuses import http_status
 
 if TYPE_CHECKING:
@@ -403,8 +404,13 @@ class FastLane:
         if tenant is None:
             return False
         try:
-            app[BUDGET].reserve(req.length)
+            app[SLOTS].acquire(tenant)  # the tenant's shares of the worker (shares.py), as the route holds them
         except Overloaded:
+            return False
+        try:
+            app[BUDGET].reserve(req.length, tenant)
+        except Overloaded:
+            app[SLOTS].release(tenant)
             return False
         state["inflight"] += 1
         up = self._upload = _Upload(tenant, req.key, meta, req.length, t0)
@@ -500,7 +506,8 @@ class FastLane:
         if up.timer is not None:
             up.timer.cancel()
             up.timer = None
-        self._app[BUDGET].release(up.length)
+        self._app[BUDGET].release(up.length, up.tenant)
+        self._app[SLOTS].release(up.tenant)
         self._app[STATE]["inflight"] -= 1
         if reuse:
             up.buf.release()

@@ -23,6 +23,7 @@ from kvstore.transport.http.auth import is_admin, require_admin, tenant_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING
 from kvstore.transport.http.forward import forward, relayed
 from kvstore.transport.http.respond import error_body, error_response
+from kvstore.transport.http.shares import SLOTS
 from kvstore.transport.statuses import http_status
 
 log = logging.getLogger("kvstore.http")
@@ -148,23 +149,33 @@ ADMIN_OR_TENANT = frozenset({"/v1/events"})  # a tenant's token, or the admin's 
 async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The same checks, in the same order, on every worker, before a route is
     answered or relayed: the token (admin for /v1/admin, else a tenant's),
-    then every path parameter, then ``Expect`` (a ``100 Continue`` only for
-    a request that passed the rest). Unmatched paths pass through to their
-    404/405."""
-    if request.match_info.http_exception is None:
+    then every path parameter, the tenant's share of requests in flight
+    (shares.py), then ``Expect`` (a ``100 Continue`` only for a request that
+    passed the rest). Unmatched paths pass through to their 404/405."""
+    tenant = None
+    matched = request.match_info.http_exception is None
+    if matched:
         route = route_of(request)
         if route.startswith("/v1/admin/"):
             require_admin(request)
         elif route in ADMIN_OR_TENANT:
             if not is_admin(request):
-                tenant_of(request)
+                tenant = tenant_of(request)
         elif route.startswith("/v1/"):
-            tenant_of(request)
+            tenant = tenant_of(request)
         for name, value in request.match_info.items():
             PATH_PARAMS[name](value)
-        if EXPECT in request:
+        if tenant is not None:
+            # Its share of the worker's requests in flight (shares.py), held
+            # until the answer: no tenant can take every slot.
+            request.app[SLOTS].acquire(tenant)
+    try:
+        if matched and EXPECT in request:
             await _answer_expect(request)
-    return await handler(request)
+        return await handler(request)
+    finally:
+        if tenant is not None:
+            request.app[SLOTS].release(tenant)
 
 
 async def _answer_expect(request: web.Request) -> None:
