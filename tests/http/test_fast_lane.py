@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
@@ -24,7 +25,7 @@ from kvstore.transport.http.app import make_app
 from kvstore.transport.http.appkeys import METRICS, STATE, STORE
 from kvstore.transport.http.bodies import BUDGET
 from kvstore.transport.http.connection import KVServer
-from tests.http.conftest import ADMIN, Api, KVTestServer, free_port, server_config
+from tests.http.conftest import ADMIN, Api, Daemon, KVTestServer, daemon_env, free_port, server_config
 from tests.http.rawhttp import Conn, Reply
 
 BLOCK = 300_000  # several 64 KiB frames
@@ -381,46 +382,36 @@ async def test_a_scrub_makes_every_worker_check_a_damaged_segment_again(tmp_path
     """Two workers have verified a direct block's frames (the verified-frames
     cache); the file is damaged on disk; a scrub reports it, and from then on
     both workers refuse the block (500 corruption) instead of sending it."""
-    from tests.http.conftest import Daemon, daemon_env
     from tests.http.rawhttp import worker_connections
-    from tests.http.test_daemon import _ready
 
-    daemon = Daemon(tmp_path / "data", free_port(), daemon_env(tmp_path), extra=["--workers", "2"], log_dir=tmp_path)
-    daemon.start()
-    try:
-        async with aiohttp.ClientSession() as session:
-            await _ready(daemon.base, session)
-            api = Api(daemon.base, session, server_config(tmp_path))
-            token = await api.tenant("direct", "direct")
-            data = os.urandom(300_000)
-            await _put(api, token, "k", data)
-            await asyncio.sleep(SWEEP_WAIT_S)  # the reader's first sweep is over: only a scrub makes the next
-            conns = await worker_connections("127.0.0.1", daemon.port)
-            try:
-                for role, conn in conns.items():
-                    r = await conn.request("GET", "/v1/blocks/k", api.auth(token))
-                    assert r.status == 200 and r.body == data, role
-                seg = next((tmp_path / "data" / "segments" / "direct").glob("*.seg"))
-                raw = seg.read_bytes()
-                at = raw.index(data[:64]) + 100
-                with seg.open("r+b") as f:
-                    f.seek(at)
-                    f.write(bytes([raw[at] ^ 0xFF]))
-                for role, conn in conns.items():  # verified before the damage: served as it is on disk
-                    r = await conn.request("GET", "/v1/blocks/k", {**api.auth(token), "Range": "bytes=0-999"})
-                    assert r.status == 206 and r.body != data[:1000], role
-                async with session.post(daemon.base + "/v1/admin/verify", headers=api.auth(ADMIN)) as r:
-                    report = await r.json()
-                assert r.status == 200 and report["errors"], report
-                await asyncio.sleep(SWEEP_WAIT_S)  # a reader worker looks again when the epoch moves
-                for role, conn in conns.items():
-                    r = await conn.request("GET", "/v1/blocks/k", {**api.auth(token), "Range": "bytes=0-999"})
-                    assert r.status == 500 and r.code == "corruption", (role, r.status, r.body[:200])
-            finally:
-                for conn in conns.values():
-                    await conn.close()
-    finally:
-        daemon.stop()
+    async with _two_workers(tmp_path) as (daemon, session, api, token):
+        data = os.urandom(300_000)
+        await _put(api, token, "k", data)
+        await asyncio.sleep(SWEEP_WAIT_S)  # the reader's first sweep is over: only a scrub makes the next
+        conns = await worker_connections("127.0.0.1", daemon.port)
+        try:
+            for role, conn in conns.items():
+                r = await conn.request("GET", "/v1/blocks/k", api.auth(token))
+                assert r.status == 200 and r.body == data, role
+            seg = next((tmp_path / "data" / "segments" / "direct").glob("*.seg"))
+            raw = seg.read_bytes()
+            at = raw.index(data[:64]) + 100
+            with seg.open("r+b") as f:
+                f.seek(at)
+                f.write(bytes([raw[at] ^ 0xFF]))
+            for role, conn in conns.items():  # verified before the damage: served as it is on disk
+                r = await conn.request("GET", "/v1/blocks/k", {**api.auth(token), "Range": "bytes=0-999"})
+                assert r.status == 206 and r.body != data[:1000], role
+            async with session.post(daemon.base + "/v1/admin/verify", headers=api.auth(ADMIN)) as r:
+                report = await r.json()
+            assert r.status == 200 and report["errors"], report
+            await asyncio.sleep(SWEEP_WAIT_S)  # a reader worker looks again when the epoch moves
+            for role, conn in conns.items():
+                r = await conn.request("GET", "/v1/blocks/k", {**api.auth(token), "Range": "bytes=0-999"})
+                assert r.status == 500 and r.code == "corruption", (role, r.status, r.body[:200])
+        finally:
+            for conn in conns.values():
+                await conn.close()
 
 
 SWEEP_WAIT_S = 2.5  # SWEEP_INTERVAL_S (1 s) and some
@@ -636,8 +627,37 @@ async def test_puts_on_two_workers_are_stored_once_and_read_back_everywhere(tmp_
     lane takes it from the relay's connection), a PUT on the writer is taken
     by its lane; both read back on both workers, and a second PUT of a key
     answers 200 wherever it lands."""
-    from tests.http.conftest import Daemon, daemon_env
     from tests.http.rawhttp import worker_connections
+
+    async with _two_workers(tmp_path) as (daemon, session, api, token):
+        blocks = {f"{role}{i}": os.urandom(200_000 + i) for role in ("writer", "reader") for i in range(4)}
+        conns = await worker_connections("127.0.0.1", daemon.port)
+        try:
+            for key, data in blocks.items():
+                r = await conns[key[:6]].request("PUT", f"/v1/blocks/{key}", api.auth(token), data)
+                assert r.status == 201, (key, r.body)
+            for role, conn in conns.items():
+                r = await conn.request("PUT", "/v1/blocks/reader0", api.auth(token), b"other bytes")
+                assert r.status == 200 and r.json()["created"] is False, role
+                for key, data in blocks.items():
+                    r = await conn.request("GET", f"/v1/blocks/{key}", api.auth(token))
+                    assert r.status == 200 and r.body == data, (role, key)
+        finally:
+            for conn in conns.values():
+                await conn.close()
+        for _ in range(50):  # a worker's /metrics merges the other's figures a moment later
+            async with session.get(daemon.base + "/metrics") as r:
+                text = await r.text()
+            puts = [ln for ln in text.splitlines() if ln.startswith('kvstore_http_fast_lane_total{method="PUT"}')]
+            if puts and float(puts[0].split()[-1]) >= 10:
+                break
+            await asyncio.sleep(0.1)
+        assert puts and float(puts[0].split()[-1]) >= 10, puts  # the writer's lane took every PUT
+
+
+@contextlib.asynccontextmanager
+async def _two_workers(tmp_path: Path) -> AsyncIterator[tuple[Daemon, aiohttp.ClientSession, Api, str]]:
+    """A --workers 2 daemon, ready, a session, and a direct tenant's token."""
     from tests.http.test_daemon import _ready
 
     daemon = Daemon(tmp_path / "data", free_port(), daemon_env(tmp_path), extra=["--workers", "2"], log_dir=tmp_path)
@@ -646,29 +666,6 @@ async def test_puts_on_two_workers_are_stored_once_and_read_back_everywhere(tmp_
         async with aiohttp.ClientSession() as session:
             await _ready(daemon.base, session)
             api = Api(daemon.base, session, server_config(tmp_path))
-            token = await api.tenant("direct", "direct")
-            blocks = {f"{role}{i}": os.urandom(200_000 + i) for role in ("writer", "reader") for i in range(4)}
-            conns = await worker_connections("127.0.0.1", daemon.port)
-            try:
-                for key, data in blocks.items():
-                    r = await conns[key[:6]].request("PUT", f"/v1/blocks/{key}", api.auth(token), data)
-                    assert r.status == 201, (key, r.body)
-                for role, conn in conns.items():
-                    r = await conn.request("PUT", "/v1/blocks/reader0", api.auth(token), b"other bytes")
-                    assert r.status == 200 and r.json()["created"] is False, role
-                    for key, data in blocks.items():
-                        r = await conn.request("GET", f"/v1/blocks/{key}", api.auth(token))
-                        assert r.status == 200 and r.body == data, (role, key)
-            finally:
-                for conn in conns.values():
-                    await conn.close()
-            for _ in range(50):  # a worker's /metrics merges the other's figures a moment later
-                async with session.get(daemon.base + "/metrics") as r:
-                    text = await r.text()
-                puts = [ln for ln in text.splitlines() if ln.startswith('kvstore_http_fast_lane_total{method="PUT"}')]
-                if puts and float(puts[0].split()[-1]) >= 10:
-                    break
-                await asyncio.sleep(0.1)
-            assert puts and float(puts[0].split()[-1]) >= 10, puts  # the writer's lane took every PUT
+            yield daemon, session, api, await api.tenant("direct", "direct")
     finally:
         assert daemon.stop() == 0
