@@ -17,6 +17,7 @@ from kvstore_client.errors import ProtocolError, ServerError
 
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504, 507})
 BREAKER_STATUSES = frozenset({502, 503, 504})
+MAX_RETRY_AFTER_S = 3600  # a larger Retry-After is read as this (the call's deadline bounds it anyway)
 
 
 class Miss(Exception):
@@ -47,12 +48,23 @@ def error_from(status: int, body: bytes, r: aiohttp.ClientResponse | None = None
         if isinstance(err, dict):
             code = str(err.get("code", code))
             message = str(err.get("message", message))
-    return ServerError(
+    err = ServerError(
         message or f"HTTP {status}",
         status=status,
         code=code,
         retryable=status in RETRYABLE_STATUSES,
     )
+    if r is not None:
+        err.retry_after = retry_after(r.headers.get("Retry-After"))
+    return err
+
+
+def retry_after(value: str | None) -> float | None:
+    """A Retry-After header's delay in seconds (RFC 9110 §10.2.3: delta-seconds;
+    an HTTP-date or anything else is not used: None)."""
+    if value is None or not value.strip().isdigit():
+        return None
+    return float(min(int(value.strip()), MAX_RETRY_AFTER_S))
 
 
 async def check(r: aiohttp.ClientResponse, ok: tuple[int, ...]) -> None:
@@ -63,5 +75,7 @@ async def check(r: aiohttp.ClientResponse, ok: tuple[int, ...]) -> None:
         raise Miss
     body = await r.read() if r.method != "HEAD" else b""
     err = error_from(r.status, body, r)
-    err.breaker_failure = r.status in BREAKER_STATUSES
+    # A server that says when to come back (Retry-After: overloaded, rate
+    # limited) is pacing its clients, not failing: its breaker stays closed.
+    err.breaker_failure = r.status in BREAKER_STATUSES and err.retry_after is None
     raise err

@@ -14,6 +14,8 @@ class KVStoreClientError(Exception):
 
     code: str = "client_error"
     retryable: bool = False
+    #: seconds the server asked the client to wait before a retry (its Retry-After), if it said
+    retry_after: float | None = None
     #: whether this failure counts against the endpoint's circuit breaker
     breaker_failure: bool = False
 

@@ -2,9 +2,11 @@
 
 Contract: every call has a deadline (``timeout`` seconds, retries included).
 Retryable failures (connection errors, 429, 502, 503, 504, 507) are retried
-with exponential backoff and full jitter while the deadline allows. Each
+with exponential backoff and full jitter while the deadline allows, never
+sooner than an answer's ``Retry-After`` (and not at all when that is past
+the deadline: the error is raised at once). Each
 endpoint has a circuit breaker: after ``breaker_threshold`` consecutive
-failures (connection errors, timeouts, 502/503/504) it opens and calls to that
+failures (connection errors, timeouts, 502/503/504 without a Retry-After) it opens and calls to that
 endpoint return at once; after ``breaker_cooldown`` seconds one probe is let
 through, and its success closes the breaker again.
 """
@@ -179,6 +181,8 @@ class Exchange:
             if not err.retryable or attempt >= self.retries:
                 raise err
             delay = random.uniform(0, min(self.backoff_max, self.backoff * 2**attempt))
+            if err.retry_after is not None:  # the server's pace (429, 503 overloaded): never sooner
+                delay = max(delay, err.retry_after)
             if loop.time() + delay >= deadline:
                 raise err
             self.stats["retries"] += 1

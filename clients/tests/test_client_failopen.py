@@ -192,3 +192,42 @@ def test_json_error_body_parsing() -> None:
     e = _error_from(507, json.dumps({"error": {"code": "storage_full", "message": "disk"}}).encode())
     assert (e.status, e.code, e.message, e.retryable) == (507, "storage_full", "disk", True)
     assert _error_from(502, b"<html>").code == "http_502"
+
+
+async def test_retry_after_is_honoured_and_a_pacing_server_is_not_a_failure() -> None:
+    """A 429 (or 503 overloaded) with Retry-After is retried no sooner than
+    it says; one past the call's deadline is not waited for (a miss at once);
+    and such answers never open the endpoint's circuit breaker."""
+    answers: list[web.Response] = []
+
+    def handler(request: web.Request) -> web.StreamResponse:
+        if answers:
+            return answers.pop(0)
+        return web.json_response({"prefix": 1, "present": [True]})
+
+    def paced(status: int, code: str, seconds: int) -> web.Response:
+        r = _error(status, code)
+        r.headers["Retry-After"] = str(seconds)
+        return r
+
+    async for url, seen in _serve(handler):
+        async with AsyncClient(url, "t", timeout=3, retries=3, backoff=0.01, breaker_threshold=2) as c:
+            answers.append(paced(429, "rate_limited", 1))
+            t0 = time.monotonic()
+            assert await c.lookup(["a"]) == 1
+            assert time.monotonic() - t0 >= 1.0  # not after the 10 ms backoff
+            assert c.stats["retries"] == 1 and len(seen) == 2
+            answers.append(paced(429, "rate_limited", 10))  # past the 3 s deadline
+            t0 = time.monotonic()
+            assert await c.lookup(["a"]) == 0  # a miss, at once
+            assert time.monotonic() - t0 < 0.5 and len(seen) == 3  # not retried
+            answers.extend(paced(503, "overloaded", 10) for _ in range(3))
+            for _ in range(3):
+                assert await c.lookup(["a"]) == 0
+            assert c.breaker_state(url) == "closed" and c.stats["breaker_trips"] == 0
+            assert await c.lookup(["a"]) == 1
+        async with AsyncClient(url, "t", timeout=3, retries=0, strict=True) as c:
+            answers.append(paced(429, "rate_limited", 7))
+            with pytest.raises(ServerError) as e:
+                await c.lookup(["a"])
+            assert (e.value.status, e.value.code, e.value.retry_after) == (429, "rate_limited", 7.0)
