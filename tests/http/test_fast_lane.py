@@ -669,3 +669,35 @@ async def _two_workers(tmp_path: Path) -> AsyncIterator[tuple[Daemon, aiohttp.Cl
             yield daemon, session, api, await api.tenant("direct", "direct")
     finally:
         assert daemon.stop() == 0
+
+
+async def test_each_tenants_requests_and_bytes_are_counted_the_same_on_and_off_the_lane(lane: Lane) -> None:
+    """kvstore_tenant_requests_total and kvstore_tenant_bytes_total count a
+    tenant's requests and block bytes alike whether the lane or the route
+    answers (PUT, GET, ranged GET, HEAD, lookup, batch get), and never
+    another tenant's."""
+    api = lane.api
+    port = int(api.base.rsplit(":", 1)[1])
+    data = os.urandom(BLOCK)
+    for on in (False, True):
+        lane.on(on)
+        token = await _tenant(api, f"t-{int(on)}", "direct")
+        conn = await Conn.open("127.0.0.1", port)
+        try:
+            assert (await conn.request("PUT", "/v1/blocks/k", api.auth(token), data)).status == 201
+            assert (await conn.request("GET", "/v1/blocks/k", api.auth(token))).status == 200
+            r = await conn.request("GET", "/v1/blocks/k", {**api.auth(token), "Range": "bytes=10-109"})
+            assert r.status == 206
+            assert (await conn.request("HEAD", "/v1/blocks/k", api.auth(token))).status == 200
+            assert (await conn.request("POST", "/v1/lookup", api.auth(token), b'{"keys": ["k"]}')).status == 200
+            r = await conn.request("POST", "/v1/batch/get", api.auth(token), b'{"keys": ["k"]}')
+            assert r.status == 200
+        finally:
+            await conn.close()
+    metrics = lane.server.app[METRICS]
+    for on in (False, True):
+        t = f"t-{int(on)}"
+        assert metrics.counter("kvstore_tenant_requests_total", tenant=t) == 6, t
+        assert metrics.counter("kvstore_tenant_bytes_total", tenant=t, direction="in") == BLOCK, t
+        assert metrics.counter("kvstore_tenant_bytes_total", tenant=t, direction="out") == 2 * BLOCK + 100, t
+    assert lane.answered("PUT") >= 1 and lane.answered("POST") >= 1

@@ -40,6 +40,7 @@ from kvstore.errors import (
 from kvstore.names import validate_key
 from kvstore.transport.http.appkeys import METRICS, config_of
 from kvstore.transport.http.auth import known_tenant
+from kvstore.transport.http.counting import count_bytes
 from kvstore.transport.http.shares import TENANT_SHARE, within_share
 
 JSON_MAX_BYTES = 4 << 20
@@ -163,7 +164,7 @@ async def block_body(request: web.Request, limit: int) -> AsyncIterator[memoryvi
     budget.reserve(length, tenant)
     try:
         buf = await _read_aligned(request, length)
-        request.app[METRICS].inc("kvstore_http_bytes_in_total", length)
+        count_bytes(request.app[METRICS], "in", length, tenant)
         yield buf.view
         buf.release()
     finally:

@@ -67,6 +67,7 @@ from kvstore.events.model import BlockMeta
 from kvstore.names import validate_client_key, validate_key
 from kvstore.transport.http.appkeys import CONFIG, METRICS, STATE, STORE
 from kvstore.transport.http.bodies import BUDGET, keys_field, parse_json, tokens_per_block_field
+from kvstore.transport.http.counting import count_bytes, count_request
 from kvstore.transport.http.forward import WRITER
 from kvstore.transport.http.middleware import error_answered
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
@@ -306,12 +307,12 @@ class FastLane:
             transport.write(
                 _close_head(f"HTTP/1.1 304 Not Modified\r\n{head}{_OCTETS if req.method == 'HEAD' else ''}")
             )
-            self._finish(req.method, "304", t0)
+            self._finish(req.method, "304", t0, tenant)
             return True
         if req.method == "HEAD":
             store.count_hit(tenant, req.key)
             transport.write(_close_head(f"HTTP/1.1 200 OK\r\n{head}{_OCTETS}Content-Length: {size}\r\n"))
-            self._finish("HEAD", "200", t0)
+            self._finish("HEAD", "200", t0, tenant)
             return True
         status, start, end = "200 OK", 0, size
         if req.range is not None:
@@ -347,8 +348,8 @@ class FastLane:
         finally:
             if extent is not None:
                 extent.release()
-        metrics.inc("kvstore_http_bytes_out_total", count)
-        self._finish("GET", status[:3], t0)
+        count_bytes(metrics, "out", count, tenant)
+        self._finish("GET", status[:3], t0, tenant)
         return True
 
     def _answer_lookup(self, req: _Hot, transport: asyncio.Transport, t0: float) -> bool:
@@ -370,7 +371,7 @@ class FastLane:
         doc = json.dumps({"prefix": r.prefix, "present": r.present}).encode()
         head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: {len(doc)}\r\n"
         transport.write(_close_head(head) + doc)
-        self._finish("POST", "200", t0, LOOKUP)
+        self._finish("POST", "200", t0, tenant, LOOKUP)
         return True
 
     def _receive(self, req: _Hot, first: bytes) -> bool:
@@ -445,7 +446,7 @@ class FastLane:
         if up.timer is not None:
             up.timer.cancel()
             up.timer = None
-        self._app[METRICS].inc("kvstore_http_bytes_in_total", up.length)
+        count_bytes(self._app[METRICS], "in", up.length, up.tenant)
         task = asyncio.get_running_loop().create_task(self._put(up))
         _PUTS.add(task)
         task.add_done_callback(_PUTS.discard)
@@ -464,11 +465,11 @@ class FastLane:
             log.exception("PUT %s failed", ROUTE)
             app[METRICS].inc("kvstore_errors_total", code="internal")
             self._end_upload(up, reuse)
-            self._respond(500, "", json.dumps(error_body("internal", "internal error")).encode(), up.t0)
+            self._respond(500, "", json.dumps(error_body("internal", "internal error")).encode(), up)
         else:
             self._end_upload(up, reuse)
             doc = json.dumps({"key": up.key, "size": stored.info.size, "created": stored.created}).encode()
-            self._respond(201 if stored.created else 200, f'ETag: "{stored.info.etag}"\r\n', doc, up.t0)
+            self._respond(201 if stored.created else 200, f'ETag: "{stored.info.etag}"\r\n', doc, up)
         finally:
             if self._upload is up:  # cancelled (the loop is closing): nothing more to answer
                 self._end_upload(up, reuse)
@@ -515,20 +516,21 @@ class FastLane:
     def _answer_error(self, e: KVStoreError, up: _Upload) -> None:
         headers = error_answered(self._app, "PUT", ROUTE, e)
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        self._respond(http_status(e), extra, json.dumps(error_body(e.code, str(e))).encode(), up.t0)
+        self._respond(http_status(e), extra, json.dumps(error_body(e.code, str(e))).encode(), up)
 
-    def _respond(self, status: int, head: str, doc: bytes, t0: float) -> None:
+    def _respond(self, status: int, head: str, doc: bytes, up: _Upload) -> None:
         """A PUT's JSON answer, written if the connection is still there, and counted."""
         transport = self._proto.transport
         if transport is not None and not transport.is_closing():
             reason = _REASONS.get(status) or HTTPStatus(status).phrase
             line = f"HTTP/1.1 {status} {reason}\r\n{head}{_JSON_ANSWER}Content-Length: {len(doc)}\r\n"
             transport.write(_close_head(line) + doc)
-        self._finish("PUT", str(status), t0)
+        self._finish("PUT", str(status), up.t0, up.tenant)
 
-    def _finish(self, method: str, status: str, t0: float, route: str = ROUTE) -> None:
+    def _finish(self, method: str, status: str, t0: float, tenant: str, route: str = ROUTE) -> None:
         """An answer is out: counted as the route counts it, and the connection's timers told."""
         metrics = self._app[METRICS]
+        count_request(metrics, tenant)
         metrics.inc("kvstore_http_requests_total", route=route, method=method, status=status)
         metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=method)
         metrics.inc("kvstore_http_fast_lane_total", method=method)

@@ -21,6 +21,7 @@ from kvstore.names import PATH_PARAMS
 from kvstore.transport.http.appkeys import CONFIG, EXPECT, METRICS, STATE, client_gone, route_of
 from kvstore.transport.http.auth import is_admin, require_admin, tenant_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING
+from kvstore.transport.http.counting import count_request
 from kvstore.transport.http.forward import forward, relayed
 from kvstore.transport.http.respond import error_body, error_response
 from kvstore.transport.http.shares import SLOTS
@@ -166,6 +167,7 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
         for name, value in request.match_info.items():
             PATH_PARAMS[name](value)
         if tenant is not None:
+            count_request(request.app[METRICS], tenant)
             # Its share of the worker's requests in flight (shares.py), held
             # until the answer: no tenant can take every slot.
             request.app[SLOTS].acquire(tenant)

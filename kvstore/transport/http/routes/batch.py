@@ -23,6 +23,7 @@ from kvstore.transport import batchframe
 from kvstore.transport.http.appkeys import METRICS, config_of, store_of
 from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING, BatchBody, Held, json_body, keys_field
+from kvstore.transport.http.counting import count_bytes
 from kvstore.transport.http.respond import error_body, send
 from kvstore.transport.statuses import http_status
 
@@ -63,7 +64,7 @@ async def batch_put(request: web.Request) -> web.Response:
     try:
         items = batchframe.read_put_items_meta(body, store.config.max_block_size, cfg.max_batch_keys)
         async for key, data, raw_meta in items:
-            metrics.inc("kvstore_http_bytes_in_total", len(data))
+            count_bytes(metrics, "in", len(data), tenant)
             try:
                 meta = (
                     BlockMeta.from_json(raw_meta, f"item {len(pending) + len(results)} ({key}): meta")
@@ -136,7 +137,7 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
             await send(request, resp, batchframe.get_item_header(key, status, len(data)))
             await send(request, resp, data)
             if status == 200:
-                metrics.inc("kvstore_http_bytes_out_total", len(data))
+                count_bytes(metrics, "out", len(data), tenant)
         await resp.write(batchframe.END)
     finally:
         for t in window:

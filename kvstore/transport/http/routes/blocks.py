@@ -17,8 +17,9 @@ from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_client_key, validate_key
 from kvstore.transport.http.appkeys import METRICS, config_of, store_of
-from kvstore.transport.http.auth import tenant_of
+from kvstore.transport.http.auth import known_tenant, tenant_of
 from kvstore.transport.http.bodies import block_body, json_body, keys_field, lease_field, tokens_per_block_field
+from kvstore.transport.http.counting import count_bytes
 from kvstore.transport.http.forward import WRITER
 from kvstore.transport.http.internal import share_lease
 from kvstore.transport.http.query import query_int, query_value
@@ -87,7 +88,7 @@ async def send_bytes(
     the transport as it is (no copy into a payload object), or a local
     segment's extent with sendfile from its file."""
     size = len(head) + (len(data.view) if isinstance(data, DirectExtent) else len(data))
-    request.app[METRICS].inc("kvstore_http_bytes_out_total", size)
+    count_bytes(request.app[METRICS], "out", size, known_tenant(request))
     resp = web.StreamResponse(status=status, headers={**headers, "Content-Type": content_type})
     resp.content_length = size
     await resp.prepare(request)
