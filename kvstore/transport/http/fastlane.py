@@ -1,5 +1,5 @@
-"""The fast lane: GET and HEAD of a direct block answered from the connection's
-bytes, without the framework.
+"""The fast lane: GET, HEAD and PUT of a block, and lookups, answered from the
+connection's bytes, without the framework.
 
 A ranged GET of 256 KiB cost the daemon about 0.5 ms of CPU through aiohttp
 (nginx: 0.08), most of it the framework's request and response objects, the
@@ -16,7 +16,18 @@ the requests it can answer completely on the spot, on the event loop:
   inline budget; ``If-None-Match`` and ``Range`` as the route does;
 - the answer's status line and headers built in one buffer and written,
   then the bytes with sendfile (what the socket does not take at once goes
-  through the transport, in order).
+  through the transport, in order);
+- ``POST /v1/lookup`` without ``lease_s`` whose JSON arrived whole;
+- ``PUT /v1/blocks/{key}`` on the worker that writes, with a
+  ``Content-Length`` of 1 to ``max_block_size``, a known token and a valid
+  ``Kvstore-Block-Meta`` (if any), within the tenant's shares of the worker
+  (shares.py). From the blank line on, the connection's protocol is a
+  buffered protocol for the body's length (:class:`_BodyReader`): the
+  kernel reads the body straight into pooled page-aligned memory, never
+  past its end, and the segment write takes it from there with
+  ``O_DIRECT``; then the connection is aiohttp's protocol's again. Errors
+  after the body (the store's, ``408`` for a body that stalls, ``400`` for
+  one a half-close cut short) are the route's answers, written here.
 
 Everything else goes to aiohttp unchanged, as whole requests: errors (401,
 404, 416, ...) are the route's own answers, and the hostile-input defences
