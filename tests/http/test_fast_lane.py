@@ -421,15 +421,6 @@ SWEEP_WAIT_S = 2.5  # SWEEP_INTERVAL_S (1 s) and some
 # (a buffered protocol), then stored.
 
 
-async def _tenant(api: Api, name: str, policy: str, **extra: object) -> str:
-    async with api.session.post(
-        api.url("/v1/admin/tenants"), json={"name": name, "policy": policy, **extra}, headers=api.auth(ADMIN)
-    ) as r:
-        assert r.status == 201, await r.text()
-        token: str = (await r.json())["token"]
-    return token
-
-
 def _put_comparable(r: Reply) -> tuple[int, dict[str, str], bytes]:
     """A PUT's answer without what differs from store to store (the date, the ETag's record id)."""
     headers = {k: ("ETAG" if k == "etag" else v) for k, v in r.headers.items() if k != "date"}
@@ -453,8 +444,8 @@ async def test_puts_get_the_routes_answer(lane: Lane) -> None:
     for on in (False, True):
         lane.on(on)
         for p in ("direct", "sealed"):
-            tokens[on, p] = await _tenant(api, f"{p}-{int(on)}", p)
-        small = await _tenant(api, f"small-{int(on)}", "direct", quota_bytes=100_000)
+            tokens[on, p] = await api.tenant(f"{p}-{int(on)}", p)
+        small = await api.tenant(f"small-{int(on)}", "direct", quota_bytes=100_000)
         cases: list[tuple[str, dict[str, str], bytes]] = []
         for p in ("direct", "sealed"):
             auth = api.auth(tokens[on, p])
@@ -681,7 +672,7 @@ async def test_each_tenants_requests_and_bytes_are_counted_the_same_on_and_off_t
     data = os.urandom(BLOCK)
     for on in (False, True):
         lane.on(on)
-        token = await _tenant(api, f"t-{int(on)}", "direct")
+        token = await api.tenant(f"t-{int(on)}", "direct")
         conn = await Conn.open("127.0.0.1", port)
         try:
             assert (await conn.request("PUT", "/v1/blocks/k", api.auth(token), data)).status == 201

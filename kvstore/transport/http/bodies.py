@@ -41,7 +41,7 @@ from kvstore.names import validate_key
 from kvstore.transport.http.appkeys import METRICS, config_of
 from kvstore.transport.http.auth import known_tenant
 from kvstore.transport.http.counting import count_bytes
-from kvstore.transport.http.shares import TENANT_SHARE, within_share
+from kvstore.transport.http.shares import Shares
 
 JSON_MAX_BYTES = 4 << 20
 # The answer to a body aiohttp's parser could not decode (its message quotes the bytes).
@@ -49,17 +49,15 @@ BAD_BODY_FRAMING = "malformed request body: bad chunked framing or content codin
 _JSON_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})
 
 
-class BodyBudget:
+class BodyBudget(Shares):
     """Bytes of request bodies held in memory by this process, against a
     limit, and by each tenant, against its share of it (shares.py: half, or
     one block's body at least, ``floor``; more while a quarter stays free for
     the others). Used from the event loop only (no lock)."""
 
     def __init__(self, limit: int, floor: int = 0) -> None:
-        self.limit = limit
+        super().__init__(limit, floor)
         self.used = 0
-        self.per_tenant = max(int(limit * TENANT_SHARE), min(floor, limit))
-        self.held: dict[str, int] = {}
 
     def reserve(self, n: int, tenant: str | None = None) -> None:
         """Count ``n`` more bytes (``tenant``'s, when a tenant's request holds
@@ -68,25 +66,18 @@ class BodyBudget:
             raise Overloaded(
                 f"request bodies buffered in memory are at the limit (max_buffered_body_bytes={self.limit}); retry"
             )
-        if tenant is not None:
-            held = self.held.get(tenant, 0)
-            if not within_share(held, n, self.per_tenant, self.used, self.limit):
-                raise Overloaded(
-                    f"tenant {tenant!r} holds {held} bytes of request bodies in this worker; {n} more would pass"
-                    f" its share of max_buffered_body_bytes={self.limit} ({self.per_tenant}) while the rest is"
-                    " kept for other tenants; retry"
-                )
-            self.held[tenant] = held + n
+        if tenant is not None and not self.take(tenant, n, self.used):
+            raise Overloaded(
+                f"tenant {tenant!r} holds {self.held.get(tenant, 0)} bytes of request bodies in this worker; {n} more"
+                f" would pass its share of max_buffered_body_bytes={self.limit} ({self.per_tenant}) while the rest"
+                " is kept for other tenants; retry"
+            )
         self.used += n
 
     def release(self, n: int, tenant: str | None = None) -> None:
         self.used -= n
-        if tenant is not None and n:
-            left = self.held[tenant] - n
-            if left:
-                self.held[tenant] = left
-            else:
-                del self.held[tenant]
+        if tenant is not None:
+            self.give(tenant, n)
 
 
 BUDGET = web.AppKey("body_budget", BodyBudget)

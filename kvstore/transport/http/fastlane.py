@@ -103,7 +103,6 @@ ROUTE = "/v1/blocks/{key}"
 LOOKUP = "/v1/lookup"
 _PREFIX = b"/v1/blocks/"
 _JSON_ANSWER = "Content-Type: application/json; charset=utf-8\r\n"
-_REASONS = {200: "OK", 201: "Created"}
 _PUTS: set[asyncio.Task[None]] = set()  # the lane's puts in progress (held: the loop keeps weak references)
 _OCTETS = "Content-Type: application/octet-stream\r\n"
 _TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 tchar+
@@ -145,7 +144,9 @@ class FastLane:
         """The connection's new bytes: answered here, or handed to aiohttp
         (``proto.to_aiohttp``) as whole requests or the rest of a body."""
         up = self._upload
-        if up is not None and up.left and data:  # (the body reader takes a body's bytes itself)
+        # A body's bytes come through the body reader; any the transport had
+        # already read before it took over are the body's too, never a request.
+        if up is not None and up.left and data:
             n = up.take(data)
             data = bytes(memoryview(data)[n:]) if n < len(data) else b""
             if not up.left:
@@ -468,22 +469,19 @@ class FastLane:
         reuse = False
         try:
             stored = await app[STORE].put(up.tenant, up.key, up.buf.view, up.meta)
-            reuse = True  # the put ended normally: nothing still refers to the memory
         except KVStoreError as e:
-            self._end_upload(up, reuse)
-            self._answer_error(e, up)
+            status, head, doc = self._error_answer(e)
         except Exception:  # the route's answer to the unexpected: a 500, logged
             log.exception("PUT %s failed", ROUTE)
             app[METRICS].inc("kvstore_errors_total", code="internal")
-            self._end_upload(up, reuse)
-            self._respond(500, "", json.dumps(error_body("internal", "internal error")).encode(), up)
+            status, head, doc = 500, "", json.dumps(error_body("internal", "internal error")).encode()
         else:
-            self._end_upload(up, reuse)
+            reuse = True  # the put ended normally: nothing still refers to the memory
             doc = json.dumps({"key": up.key, "size": stored.info.size, "created": stored.created}).encode()
-            self._respond(201 if stored.created else 200, f'ETag: "{stored.info.etag}"\r\n', doc, up)
+            status, head = 201 if stored.created else 200, f'ETag: "{stored.info.etag}"\r\n'
         finally:
-            if self._upload is up:  # cancelled (the loop is closing): nothing more to answer
-                self._end_upload(up, reuse)
+            self._end_upload(up, reuse)  # (cancelled, the loop closing: nothing more is answered)
+        self._respond(status, head, doc, up)
         if self._eof:
             self.off = True
             buf, self._buf = self._buf, b""
@@ -525,15 +523,19 @@ class FastLane:
             up.buf.release()
 
     def _answer_error(self, e: KVStoreError, up: _Upload) -> None:
+        self._respond(*self._error_answer(e), up)
+
+    def _error_answer(self, e: KVStoreError) -> tuple[int, str, bytes]:
+        """A PUT's error answer as the route gives it: status, header lines, JSON body."""
         headers = error_answered(self._app, "PUT", ROUTE, e)
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        self._respond(http_status(e), extra, json.dumps(error_body(e.code, str(e))).encode(), up)
+        return http_status(e), extra, json.dumps(error_body(e.code, str(e))).encode()
 
     def _respond(self, status: int, head: str, doc: bytes, up: _Upload) -> None:
         """A PUT's JSON answer, written if the connection is still there, and counted."""
         transport = self._proto.transport
         if transport is not None and not transport.is_closing():
-            reason = _REASONS.get(status) or HTTPStatus(status).phrase
+            reason = HTTPStatus(status).phrase
             line = f"HTTP/1.1 {status} {reason}\r\n{head}{_JSON_ANSWER}Content-Length: {len(doc)}\r\n"
             transport.write(_close_head(line) + doc)
         self._finish("PUT", str(status), up.t0, up.tenant)

@@ -30,32 +30,53 @@ def within_share(held: int, n: int, share: int, total: int, limit: int) -> bool:
     return held + n <= share or total + n <= limit - int(limit * HEADROOM)
 
 
-class TenantSlots:
-    """Requests in flight per tenant, each tenant at most its share of ``limit``."""
+class Shares:
+    """What each tenant holds of a worker's ``limit`` (bytes, or requests),
+    each at most ``per_tenant`` (TENANT_SHARE of it, ``floor`` at least), or
+    more while HEADROOM of it stays free (:func:`within_share`)."""
+
+    def __init__(self, limit: int, floor: int) -> None:
+        self.limit = limit
+        self.per_tenant = max(int(limit * TENANT_SHARE), min(floor, limit))
+        self.held: dict[str, int] = {}
+
+    def take(self, tenant: str, n: int, total: int) -> bool:
+        """Count ``n`` more for ``tenant`` (``total`` in use by everyone), if its share allows."""
+        held = self.held.get(tenant, 0)
+        if not within_share(held, n, self.per_tenant, total, self.limit):
+            return False
+        self.held[tenant] = held + n
+        return True
+
+    def give(self, tenant: str, n: int) -> None:
+        """``n`` of what ``tenant`` holds back."""
+        if not n:
+            return
+        left = self.held[tenant] - n
+        if left:
+            self.held[tenant] = left
+        else:
+            del self.held[tenant]
+
+
+class TenantSlots(Shares):
+    """Requests in flight per tenant, each tenant within its share of ``limit``."""
 
     def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.per_tenant = max(1, int(limit * TENANT_SHARE))
-        self.held: dict[str, int] = {}
+        super().__init__(limit, floor=1)
         self.total = 0
 
     def acquire(self, tenant: str) -> None:
-        n = self.held.get(tenant, 0)
-        if not within_share(n, 1, self.per_tenant, self.total, self.limit):
+        if not self.take(tenant, 1, self.total):
             raise Overloaded(
-                f"tenant {tenant!r} has {n} requests in flight in this worker, past its share of"
+                f"tenant {tenant!r} has {self.held[tenant]} requests in flight in this worker, past its share of"
                 f" max_concurrency={self.limit} while the rest is kept for other tenants; retry"
             )
-        self.held[tenant] = n + 1
         self.total += 1
 
     def release(self, tenant: str) -> None:
         self.total -= 1
-        n = self.held[tenant] - 1
-        if n:
-            self.held[tenant] = n
-        else:
-            del self.held[tenant]
+        self.give(tenant, 1)
 
 
 SLOTS = web.AppKey("tenant_slots", TenantSlots)
