@@ -42,6 +42,7 @@ from kvstore.tasks import Background
 from kvstore.transport.http.app import make_app
 from kvstore.transport.http.appkeys import METRICS, STATE, STORE
 from kvstore.transport.http.connection import KVAppRunner
+from kvstore.transport.http.qos import QOS
 from kvstore.transport.http.unix import BACKLOG, UnixListener, bind_unix
 from kvstore.transport.s3.gateway import make_gateway_app
 from kvstore.tuning import die_with_parent, keep_freed_memory
@@ -144,7 +145,7 @@ async def _serve_on(
             await web.SockSite(runner, listener.sock, backlog=BACKLOG).start()
         if gw_tcp:  # the writer's: objects are written where the store's writes are owned
             gw_runner = KVAppRunner(
-                make_gateway_app(app[STORE], app[METRICS], cfg),
+                make_gateway_app(app[STORE], app[METRICS], cfg, app[QOS]),
                 gate_expect=False,  # the gateway answers Expect itself, after SigV4
                 keepalive_timeout=cfg.keepalive_timeout_s,
                 shutdown_timeout=cfg.shutdown_timeout_s,

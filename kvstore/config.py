@@ -124,6 +124,12 @@ class StoreConfig:
     # Tenants created without them get these (0: none); PATCH changes them.
     default_quota_bytes: int = 0
     default_ttl_s: int = 0
+    # QoS of tenants that do not set their own (kvstore/qos/policy.py): weight
+    # under contention, and node-wide limits (0: none).
+    default_qos_weight: int = 100
+    default_read_bytes_per_s: int = 0
+    default_write_bytes_per_s: int = 0
+    default_requests_per_s: int = 0
     # How often blocks past their TTL are removed (they are misses from the
     # moment they expire; this gives their space back).
     ttl_sweep_s: int = 30
@@ -217,6 +223,9 @@ class StoreConfig:
             self.default_ttl_s,
             "must be 0 (none) or seconds up to 10 years",
         )
+        need(1 <= self.default_qos_weight <= 1000, "default_qos_weight", self.default_qos_weight, "must be 1 to 1000")
+        for name in ("default_read_bytes_per_s", "default_write_bytes_per_s", "default_requests_per_s"):
+            need(0 <= getattr(self, name) <= 1 << 50, name, getattr(self, name), "must be 0 (no limit) or a rate")
         need(1 <= self.ttl_sweep_s <= 86_400, "ttl_sweep_s", self.ttl_sweep_s, "must be 1 to 86400")
         need(
             1 <= self.compact_dead_percent <= 100,
@@ -268,6 +277,8 @@ STORE_PARSERS: dict[str, Parser] = {
             "capacity",
             "space_reserve",
             "default_quota_bytes",
+            "default_read_bytes_per_s",
+            "default_write_bytes_per_s",
             "compact_rate",
             "decoded_cache_bytes",
         ),
@@ -285,6 +296,8 @@ STORE_PARSERS: dict[str, Parser] = {
             "s3_refresh_s",
             "rehydrate_reads",
             "default_ttl_s",
+            "default_qos_weight",
+            "default_requests_per_s",
             "ttl_sweep_s",
             "compact_dead_percent",
             "compact_interval_s",

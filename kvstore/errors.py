@@ -240,6 +240,17 @@ class Overloaded(KVStoreError):
     retryable = True
 
 
+class RateLimited(Overloaded):
+    """A tenant over one of its QoS limits (kvstore/qos/): retry after
+    ``retry_after`` seconds (HTTP 429 and ``Retry-After``; S3's ``SlowDown``)."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ExpectationFailed(KVStoreError):
     """An ``Expect`` header other than ``100-continue`` (RFC 9110 §10.1.1)."""
 

@@ -107,6 +107,13 @@ def _positive(name: str, value: object) -> int:
     return n
 
 
+def _wait_ms(name: str, value: object) -> int:
+    n = parse_int(name, value)
+    if not 0 <= n <= 600_000:
+        raise ConfigError(f"{name}={value!r}: expected milliseconds, 0 (never wait) to 600000")
+    return n
+
+
 AUTO: Final = "auto"
 
 
@@ -160,6 +167,12 @@ class ServerConfig:
     # GET/HEAD of a block answered from the connection's bytes, without the
     # framework, where the request allows (kvstore/transport/http/fastlane.py).
     fast_lane: bool = True
+    # QoS between tenants (kvstore/qos/): how long a request over its
+    # tenant's limit may wait before it is answered 429 rate_limited, and how
+    # many bulk transfers a worker moves at once (past them, tenants queue
+    # and take turns by weight).
+    qos_max_wait_ms: int = 1000
+    qos_transfers_per_worker: int = 8
     plan_paths: bool = False
     nixl: bool = False
     nixl_backend: str = "UCX"
@@ -243,6 +256,8 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "unix_socket_group": _str,
     "sendfile": parse_bool,
     "fast_lane": parse_bool,
+    "qos_max_wait_ms": _wait_ms,
+    "qos_transfers_per_worker": _positive,
     "plan_paths": parse_bool,
     "nixl": parse_bool,
     "nixl_backend": _str,

@@ -33,6 +33,7 @@ from kvstore.errors import (
 )
 from kvstore.fsutil import atomic_write
 from kvstore.names import validate_tenant
+from kvstore.qos.policy import apply_changes, stored_overrides
 
 Policy = Literal["sealed", "direct"]
 POLICIES: tuple[Policy, ...] = ("sealed", "direct")
@@ -82,6 +83,9 @@ class Tenant:
     # S3 gateway credentials: access key id -> {"secret": sealed under the
     # master key (SigV4 verification needs the secret itself), "created_ns"}
     s3_keys: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # QoS fields set on the tenant (kvstore/qos/policy.py); the others follow
+    # the store's defaults.
+    qos: dict[str, int] = field(default_factory=dict)
 
     @property
     def sealed(self) -> bool:
@@ -100,6 +104,7 @@ class Tenant:
             "ttl_s": self.ttl_s or None,
             "frame_size": self.frame_size or None,
             "events_topic": self.events_topic or None,
+            "qos": dict(self.qos),
             "tokens": [{"id": tid, "created_ns": t["created_ns"]} for tid, t in sorted(self.tokens.items())],
             "s3_keys": [{"access_key_id": k, "created_ns": v["created_ns"]} for k, v in sorted(self.s3_keys.items())],
         }
@@ -185,6 +190,7 @@ class Registry:
                 frame_size=int(t.get("frame_size") or 0),
                 events_topic=str(t.get("events_topic") or ""),
                 s3_keys=dict(t.get("s3_secrets", {})),
+                qos=stored_overrides(t.get("qos")),
             )
             self._tenants[name] = tenant
             for version, wrapped in tenant.wrapped_keys.items():
@@ -300,6 +306,7 @@ class Registry:
         ttl_s: int = 0,
         frame_size: int = 0,
         events_topic: str = "",
+        qos: dict[str, int] | None = None,
     ) -> Tenant:
         validate_tenant(name)
         if policy not in POLICIES:
@@ -324,6 +331,7 @@ class Registry:
                 ttl_s=ttl_s,
                 frame_size=frame_size,
                 events_topic=events_topic,
+                qos=dict(qos or {}),
             )
             self._deleted.pop(_name_digest(name), None)
             if policy == "sealed":
@@ -396,12 +404,15 @@ class Registry:
         ttl_s: int | None = None,
         frame_size: int | None = None,
         events_topic: str | None = None,
+        qos: dict[str, int | None] | None = None,
     ) -> Tenant:
-        """Change the tenant's quota, TTL, frame size of new records and
-        events topic (None: leave as is; 0 or "": none, the store's frame
-        size, the tenant's name)."""
+        """Change the tenant's quota, TTL, frame size of new records, events
+        topic and QoS fields (None: leave as is; 0 or "": none, the store's
+        frame size, the tenant's name; a QoS field None: the store's default)."""
         with self._lock:
             t = self.get(name)
+            if qos:
+                t.qos = apply_changes(t.qos, qos)
             if events_topic is not None:
                 t.events_topic = events_topic
             if quota_bytes is not None:

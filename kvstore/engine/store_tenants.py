@@ -17,6 +17,7 @@ from kvstore.engine.store_core import StoreCore, log
 from kvstore.errors import InvalidInput, MasterKeyError
 from kvstore.fsutil import atomic_write
 from kvstore.names import validate_tenant
+from kvstore.qos.policy import Qos, apply_changes
 
 MASTER_KEY_HINT = "master-key.path"  # where the last rotation's new key file is (a path, never a key)
 
@@ -62,6 +63,7 @@ class StoreTenants(StoreCore):
         ttl_s: int | None = None,
         frame_size: int | None = None,
         events_topic: str | None = None,
+        qos: dict[str, int | None] | None = None,
     ) -> dict[str, Any]:
         """``durability``: persistent (never dropped before it is in the object
         tier) or ephemeral (may be dropped when the disk is full); default the
@@ -70,7 +72,8 @@ class StoreTenants(StoreCore):
         per frame of its records (a ranged read of a sealed block decodes the
         frames it covers); None or 0 for the store's ``frame_size``.
         ``events_topic``: the ZMQ topic of its residency events (None or "":
-        its name)."""
+        its name). ``qos``: the QoS fields it sets (kvstore/qos/policy.py; the
+        others, and those None, follow the ``default_qos_*`` settings)."""
         self._check_writable()
         validate_tenant(name)
         if compression is None and policy == "sealed":
@@ -81,9 +84,10 @@ class StoreTenants(StoreCore):
         fs = _frame_size(frame_size or 0)
         topic = _topic(events_topic or "")
         await self._run(trash, self._seg_root, name)  # files of a deleted incarnation, if any are left
-        t = await self._run(self._registry.create, name, policy, compression, durability, quota, ttl, fs, topic)
+        own = apply_changes({}, qos or {})
+        await self._run(self._registry.create, name, policy, compression, durability, quota, ttl, fs, topic, own)
         self._tails[name] = OpenSegment(None)
-        return t.public()
+        return self.tenant(name)
 
     async def set_limits(
         self,
@@ -92,8 +96,9 @@ class StoreTenants(StoreCore):
         ttl_s: int | None = None,
         frame_size: int | None = None,
         events_topic: str | None = None,
+        qos: dict[str, int | None] | None = None,
     ) -> dict[str, Any]:
-        """Change a tenant's quota, TTL and frame size (None: unchanged; 0:
+        """Change a tenant's quota, TTL, frame size, events topic and QoS fields (None: unchanged; 0:
         none, or the store's frame size). A lower quota is enforced at once, a
         shorter TTL on the next read and sweep; a frame size applies to the
         records written from now on (each record keeps the one it has)."""
@@ -103,9 +108,9 @@ class StoreTenants(StoreCore):
         ttl = None if ttl_s is None else _limit("ttl_s", ttl_s)
         fs = None if frame_size is None else _frame_size(frame_size)
         topic = None if events_topic is None else _topic(events_topic)
-        t = await self._maintain(self._registry.set_limits, name, quota, ttl, fs, topic)  # it may free space
+        t = await self._maintain(self._registry.set_limits, name, quota, ttl, fs, topic, qos)  # it may free space
         await self._retention.enforce(t)
-        return t.public()
+        return self.tenant(name)
 
     def touches(self) -> Touches:
         """A reader process: the accesses it served since the last call, for
@@ -122,10 +127,21 @@ class StoreTenants(StoreCore):
 
     def tenants(self) -> list[dict[str, Any]]:
         self._check_open()
-        return [self._registry.get(n).public() for n in self._registry.names() if n not in self._deleting]
+        return [self.tenant(n) for n in self._registry.names() if n not in self._deleting]
 
     def tenant(self, name: str) -> dict[str, Any]:
-        return self._tenant(name).public()
+        """What an operator sees of a tenant; ``qos`` as it applies (the
+        store's defaults where the tenant sets nothing)."""
+        return {**self._tenant(name).public(), "qos": self.qos(name).public()}
+
+    def qos(self, name: str) -> Qos:
+        """The tenant's QoS: its own fields over the store's defaults."""
+        own = self._tenant(name).qos
+        c = self.config
+        base = Qos(
+            c.default_qos_weight, c.default_read_bytes_per_s, c.default_write_bytes_per_s, c.default_requests_per_s
+        )
+        return base.with_(own)
 
     async def delete_tenant(self, name: str) -> None:
         """Crypto-shred: destroy the tenant's keys, then drop its index and files.

@@ -31,6 +31,7 @@ from kvstore.transport.http.middleware import (
     gate_middleware,
     metrics_middleware,
 )
+from kvstore.transport.http.qos import qos_ctx
 from kvstore.transport.http.respond import error_body
 from kvstore.transport.http.routes import admin, batch, blocks, events, plans, records, write_plans, xfer
 from kvstore.transport.http.shares import SLOTS, TenantSlots
@@ -114,6 +115,7 @@ def make_app(
             await relay.close()
 
     app.cleanup_ctx.append(store_ctx)
+    app.cleanup_ctx.append(qos_ctx)
     app.cleanup_ctx.append(metrics.metrics_ctx)
     app.cleanup_ctx.append(plans.plans_ctx)
     if not reader:  # one NIXL agent and one event bus, the writer's: readers relay to them

@@ -38,9 +38,10 @@ from kvstore.errors import (
     UnsupportedMediaType,
 )
 from kvstore.names import validate_key
-from kvstore.transport.http.appkeys import METRICS, config_of
+from kvstore.transport.http.appkeys import config_of
 from kvstore.transport.http.auth import known_tenant
 from kvstore.transport.http.counting import count_bytes
+from kvstore.transport.http.qos import QOS
 from kvstore.transport.http.shares import Shares
 
 JSON_MAX_BYTES = 4 << 20
@@ -152,10 +153,13 @@ async def block_body(request: web.Request, limit: int) -> AsyncIterator[memoryvi
     that was cancelled may still have its bytes queued for a write."""
     length = check_length(request, limit)
     budget, tenant = budget_of(request), known_tenant(request)
+    qos = request.app.get(QOS)
+    if qos is not None and tenant is not None:  # its write limit, before the body is read (qos.py)
+        await qos.take(tenant, "write", length)
     budget.reserve(length, tenant)
     try:
         buf = await _read_aligned(request, length)
-        count_bytes(request.app[METRICS], "in", length, tenant)
+        count_bytes(request.app, "in", length, tenant)
         yield buf.view
         buf.release()
     finally:

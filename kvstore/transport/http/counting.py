@@ -12,13 +12,21 @@ from __future__ import annotations
 
 from typing import Literal
 
+from aiohttp import web
+
 from kvstore.metrics import Metrics
+from kvstore.transport.http.appkeys import METRICS
+from kvstore.transport.http.qos import QOS
 
 Direction = Literal["in", "out"]
 
 
-def count_bytes(metrics: Metrics, direction: Direction, n: int, tenant: str | None) -> None:
-    """``n`` bytes of blocks in or out: the worker's total, and its tenant's."""
+def count_bytes(app: web.Application, direction: Direction, n: int, tenant: str | None) -> None:
+    """``n`` bytes of blocks in or out: the worker's total, and its tenant's
+    (also what the tenant is served, for QoS: kvstore/transport/http/qos.py)."""
+    metrics = app[METRICS]
+    if tenant is not None and QOS in app:
+        app[QOS].served(tenant, "read" if direction == "out" else "write", n)
     if direction == "in":  # (each name written out: tests/unit/test_observability.py looks for them)
         metrics.inc("kvstore_http_bytes_in_total", n)
     else:
@@ -28,5 +36,5 @@ def count_bytes(metrics: Metrics, direction: Direction, n: int, tenant: str | No
 
 
 def count_request(metrics: Metrics, tenant: str) -> None:
-    """One request of ``tenant``'s."""
+    """One request of ``tenant``'s (its QoS count is taken with its token: qos.py)."""
     metrics.inc("kvstore_tenant_requests_total", tenant=tenant)

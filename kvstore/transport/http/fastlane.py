@@ -76,11 +76,13 @@ from kvstore.buffers import POOL, AlignedBuffer
 from kvstore.errors import InvalidInput, KVStoreError, Overloaded, RequestTimeout
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_client_key, validate_key
+from kvstore.qos.buckets import Kind
 from kvstore.transport.http.appkeys import CONFIG, METRICS, STATE, STORE
 from kvstore.transport.http.bodies import BUDGET, keys_field, parse_json, tokens_per_block_field
 from kvstore.transport.http.counting import count_bytes, count_request
 from kvstore.transport.http.forward import WRITER
 from kvstore.transport.http.middleware import error_answered
+from kvstore.transport.http.qos import QOS
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.respond import error_body
 from kvstore.transport.http.sendfile import sendfile_extent
@@ -315,6 +317,8 @@ class FastLane:
         etag = f'"{info.etag}"'
         head = f"ETag: {etag}\r\nAccept-Ranges: bytes\r\n"
         if req.if_none_match is not None and etag_matches(req.if_none_match, etag):
+            if not self._admit(tenant):
+                return False  # a limit to wait for: the route's (qos.py)
             store.count_hit(tenant, req.key)
             transport.write(
                 _close_head(f"HTTP/1.1 304 Not Modified\r\n{head}{_OCTETS if req.method == 'HEAD' else ''}")
@@ -322,6 +326,8 @@ class FastLane:
             self._finish(req.method, "304", t0, tenant)
             return True
         if req.method == "HEAD":
+            if not self._admit(tenant):
+                return False
             store.count_hit(tenant, req.key)
             transport.write(_close_head(f"HTTP/1.1 200 OK\r\n{head}{_OCTETS}Content-Length: {size}\r\n"))
             self._finish("HEAD", "200", t0, tenant)
@@ -340,7 +346,14 @@ class FastLane:
         # plaintext from the decoded-blocks cache; else the route decodes it.
         extent = store.direct_extent_now(tenant, info, start, end)
         body = extent.view if extent is not None else store.cached_now(tenant, info, start, end)
-        if body is None:
+        if body is None or not self._admit(tenant):
+            if extent is not None:
+                extent.release()
+            return False
+        if not self._admit_bulk(tenant, "read", end - start):
+            if extent is not None:
+                extent.release()
+            self._unadmit(tenant)
             return False
         store.count_hit(tenant, req.key)
         metrics = app[METRICS]
@@ -360,7 +373,9 @@ class FastLane:
         finally:
             if extent is not None:
                 extent.release()
-        count_bytes(metrics, "out", count, tenant)
+            if QOS in app:
+                app[QOS].gate.leave()
+        count_bytes(self._app, "out", count, tenant)
         self._finish("GET", status[:3], t0, tenant)
         return True
 
@@ -378,7 +393,7 @@ class FastLane:
             r = store.lookup_now(tenant, keys, tokens_per_block_field(body))
         except KVStoreError:
             return False  # the route's 400s, with its messages
-        if r is None:
+        if r is None or not self._admit(tenant):
             return False
         doc = json.dumps({"prefix": r.prefix, "present": r.present}).encode()
         head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: {len(doc)}\r\n"
@@ -414,16 +429,21 @@ class FastLane:
             meta = BlockMeta.from_header(req.meta) if req.meta is not None else None
         except KVStoreError:
             return False
-        if tenant is None:
+        if tenant is None or not self._admit(tenant):
+            return False
+        if not self._admit_bulk(tenant, "write", req.length):
+            self._unadmit(tenant)
             return False
         try:
             app[SLOTS].acquire(tenant)  # the tenant's shares of the worker (shares.py), as the route holds them
         except Overloaded:
+            self._unadmit(tenant, "write", req.length)
             return False
         try:
             app[BUDGET].reserve(req.length, tenant)
         except Overloaded:
             app[SLOTS].release(tenant)
+            self._unadmit(tenant, "write", req.length)
             return False
         state["inflight"] += 1
         up = self._upload = _Upload(tenant, req.key, meta, req.length, t0)
@@ -458,7 +478,7 @@ class FastLane:
         if up.timer is not None:
             up.timer.cancel()
             up.timer = None
-        count_bytes(self._app[METRICS], "in", up.length, up.tenant)
+        count_bytes(self._app, "in", up.length, up.tenant)
         task = asyncio.get_running_loop().create_task(self._put(up))
         _PUTS.add(task)
         task.add_done_callback(_PUTS.discard)
@@ -518,9 +538,41 @@ class FastLane:
             up.timer = None
         self._app[BUDGET].release(up.length, up.tenant)
         self._app[SLOTS].release(up.tenant)
+        if QOS in self._app:
+            self._app[QOS].gate.leave()
         self._app[STATE]["inflight"] -= 1
         if reuse:
             up.buf.release()
+
+    def _admit(self, tenant: str) -> bool:
+        """Take one of ``tenant``'s requests (qos.py), if that needs no wait."""
+        qos = self._app.get(QOS)
+        if qos is None:
+            return True
+        return qos.try_take(tenant, "request", 1)
+
+    def _admit_bulk(self, tenant: str, kind: Kind, n: int) -> bool:
+        """Take ``n`` bytes of ``tenant``'s ``kind`` and a slot of the fair
+        gate, if neither needs a wait (else nothing is taken)."""
+        qos = self._app.get(QOS)
+        if qos is None:
+            return True
+        if not qos.try_take(tenant, kind, n):
+            return False
+        if not qos.gate.try_enter(tenant, qos.policy(tenant).weight):
+            qos.give_back(tenant, kind, n)
+            return False
+        return True
+
+    def _unadmit(self, tenant: str, kind: Kind | None = None, n: int = 0) -> None:
+        """Give back what :meth:`_admit` (and :meth:`_admit_bulk`) took: the request goes to the route."""
+        qos = self._app.get(QOS)
+        if qos is None:
+            return
+        qos.give_back(tenant, "request", 1)
+        if kind is not None:
+            qos.give_back(tenant, kind, n)
+            qos.gate.leave()
 
     def _answer_error(self, e: KVStoreError, up: _Upload) -> None:
         self._respond(*self._error_answer(e), up)
@@ -544,6 +596,8 @@ class FastLane:
         """An answer is out: counted as the route counts it, and the connection's timers told."""
         metrics = self._app[METRICS]
         count_request(metrics, tenant)
+        if QOS in self._app:
+            self._app[QOS].served(tenant, "request", 1)
         metrics.inc("kvstore_http_requests_total", route=route, method=method, status=status)
         metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=method)
         metrics.inc("kvstore_http_fast_lane_total", method=method)

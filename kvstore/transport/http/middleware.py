@@ -9,6 +9,7 @@ and on a reader ``forward_middleware`` (writes relayed to the writer).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -16,13 +17,22 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvstore.errors import ExpectationFailed, InvalidRange, KVStoreError, Overloaded, Unauthorized, WriterTimeout
+from kvstore.errors import (
+    ExpectationFailed,
+    InvalidRange,
+    KVStoreError,
+    Overloaded,
+    RateLimited,
+    Unauthorized,
+    WriterTimeout,
+)
 from kvstore.names import PATH_PARAMS
 from kvstore.transport.http.appkeys import CONFIG, EXPECT, METRICS, STATE, client_gone, route_of
 from kvstore.transport.http.auth import is_admin, require_admin, tenant_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING
 from kvstore.transport.http.counting import count_request
-from kvstore.transport.http.forward import forward, relayed
+from kvstore.transport.http.forward import WRITER, forward, relayed
+from kvstore.transport.http.qos import BULK, QOS
 from kvstore.transport.http.respond import error_body, error_response
 from kvstore.transport.http.shares import SLOTS
 from kvstore.transport.statuses import http_status
@@ -126,7 +136,9 @@ def error_answered(app: web.Application, method: str, route: str, e: KVStoreErro
         headers["Content-Range"] = f"bytes */{e.size}"
     if isinstance(e, Unauthorized):
         headers["WWW-Authenticate"] = 'Bearer realm="kvstore"'
-    if isinstance(e, Overloaded):
+    if isinstance(e, RateLimited):
+        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
+    elif isinstance(e, Overloaded):
         headers["Retry-After"] = "1"
     if http_status(e) >= 500:
         if isinstance(e, WriterTimeout):  # slow, not down: the writer may still complete it
@@ -171,11 +183,23 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
             # Its share of the worker's requests in flight (shares.py), held
             # until the answer: no tenant can take every slot.
             request.app[SLOTS].acquire(tenant)
+    bulk = False
     try:
+        qos = request.app.get(QOS)
+        # Its QoS (qos.py): a request, then a slot of the fair gate for a
+        # bulk transfer; a relayed request is the writer's to limit.
+        if tenant is not None and qos is not None and not (WRITER in request.app and relayed(request)):
+            qos.served(tenant, "request", 1)
+            await qos.take(tenant, "request", 1)
+            if (request.method, route_of(request)) in BULK:
+                await qos.enter(tenant)
+                bulk = True
         if matched and EXPECT in request:
             await _answer_expect(request)
         return await handler(request)
     finally:
+        if bulk:
+            request.app[QOS].gate.leave()
         if tenant is not None:
             request.app[SLOTS].release(tenant)
 

@@ -35,6 +35,7 @@ from kvstore.errors import KVStoreError
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
 from kvstore.transport.http.appkeys import CONFIG, METRICS
+from kvstore.transport.http.qos import QOS, TenantQos
 from kvstore.transport.s3 import acl, bucket_ops, multipart_ops, object_ops
 from kvstore.transport.s3.call import Call, Settings, validate_object_key
 from kvstore.transport.s3.errors import S3Error, from_kvstore
@@ -224,7 +225,28 @@ async def _authenticate(request: web.Request, settings: Settings, store: Store) 
 async def handle(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     store = request.app[STORE]
-    call, _ = await _authenticate(request, settings, store)
+    call, tenant = await _authenticate(request, settings, store)
+    qos = request.app.get(QOS)
+    if qos is None:
+        return await _serve(request, call)
+    # The tenant's QoS (kvstore/transport/http/qos.py), as on /v1: a request;
+    # a PUT's bytes before its body is read; a transfer takes a slot of the
+    # fair gate. Over a limit: SlowDown (503), S3's way to say "slow down".
+    qos.served(tenant, "request", 1)
+    await qos.take(tenant, "request", 1)
+    if call.key is None or request.method not in ("GET", "PUT"):
+        return await _serve(request, call)
+    if request.method == "PUT" and request.content_length:
+        await qos.take(tenant, "write", request.content_length)
+        qos.served(tenant, "write", request.content_length)
+    await qos.enter(tenant)
+    try:
+        return await _serve(request, call)
+    finally:
+        qos.gate.leave()
+
+
+async def _serve(request: web.Request, call: Call) -> web.StreamResponse:
     if call.bucket_name is None:
         if request.method != "GET":
             raise S3Error("MethodNotAllowed", "The specified method is not allowed against this resource.")
@@ -352,15 +374,20 @@ def settings_of(cfg: ServerConfig) -> Settings:
     )
 
 
-def make_gateway_app(store: Store, metrics: Metrics, cfg: ServerConfig) -> web.Application:
+def make_gateway_app(
+    store: Store, metrics: Metrics, cfg: ServerConfig, qos: TenantQos | None = None
+) -> web.Application:
     """The gateway's application over an open store (the daemon's
-    configuration: its time limits and sendfile apply here too)."""
+    configuration: its time limits and sendfile apply here too; ``qos``: the
+    worker's, so a tenant's limits and weight hold on both APIs together)."""
     settings = settings_of(cfg)
     app = web.Application(middlewares=[s3_errors], client_max_size=1 << 20)
     app[STORE] = store
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[CONFIG] = cfg
+    if qos is not None:
+        app[QOS] = qos
 
     async def catalog_ctx(app: web.Application) -> AsyncIterator[None]:
         catalog = Catalog(store.config.data_dir / "s3" / "catalog.sqlite3")

@@ -12,10 +12,12 @@ from kvstore.config import DURABILITY_CLASSES
 from kvstore.engine.api import load_master_key
 from kvstore.errors import InvalidInput, MasterKeyError
 from kvstore.names import validate_tenant
+from kvstore.qos.policy import parse_qos
 from kvstore.redaction import SCRUBBER
 from kvstore.transport.http.appkeys import STATE, store_of
 from kvstore.transport.http.auth import require_admin
 from kvstore.transport.http.bodies import json_body
+from kvstore.transport.http.qos import QOS
 from kvstore.transport.http.query import query_bool, query_number, query_value
 from kvstore.transport.http.routes.xfer import XFER
 from kvstore.transport.nixl.devices import discover
@@ -39,10 +41,11 @@ async def create_tenant(request: web.Request) -> web.Response:
         raise InvalidInput("field 'compression' must be a string")
     if durability is not None and durability not in DURABILITY_CLASSES:
         raise InvalidInput(f"field 'durability' must be one of {', '.join(DURABILITY_CLASSES)}")
-    unknown = set(body) - {"name", "policy", "compression", "durability", "events_topic", *LIMITS}
+    unknown = set(body) - {"name", "policy", "compression", "durability", "events_topic", "qos", *LIMITS}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
     limits = _limits(body)
+    qos = parse_qos(body["qos"]) if "qos" in body else None
     store = store_of(request)
     tenant = await store.create_tenant(
         name,
@@ -53,12 +56,19 @@ async def create_tenant(request: web.Request) -> web.Response:
         limits.get("ttl_s"),
         limits.get("frame_size"),
         _topic(body),
+        qos,
     )
     token_id, token = await store.issue_token(name)
     # The tenant as it is now: its "tokens" list the one just issued (it was
     # read before, and answered "tokens": [] beside the token).
     tenant = store.tenant(name)
     return web.json_response({**tenant, "token": token, "token_id": token_id}, status=201)
+
+
+def _rates(request: web.Request, name: str) -> dict[str, float]:
+    """The tenant's node-wide rates over the last few seconds (qos.py)."""
+    qos = request.app.get(QOS)
+    return qos.rates(name) if qos is not None else {}
 
 
 @routes.get("/v1/admin/tenants")
@@ -100,7 +110,13 @@ def _topic(body: dict[str, Any]) -> str | None:
 async def _tenant_with_usage(request: web.Request, name: str) -> dict[str, Any]:
     store = store_of(request)
     s = await store.stats(name)
-    return {**store.tenant(name), "blocks": s.blocks, "bytes_stored": s.stored_bytes, "bytes_logical": s.logical_bytes}
+    return {
+        **store.tenant(name),
+        "rates": _rates(request, name),
+        "blocks": s.blocks,
+        "bytes_stored": s.stored_bytes,
+        "bytes_logical": s.logical_bytes,
+    }
 
 
 @routes.get("/v1/admin/tenants/{name}")
@@ -111,26 +127,29 @@ async def get_tenant(request: web.Request) -> web.Response:
 
 @routes.patch("/v1/admin/tenants/{name}")
 async def patch_tenant(request: web.Request) -> web.Response:
-    """Change a tenant's ``quota_bytes``, ``ttl_s``, ``frame_size`` and
+    """Change a tenant's ``quota_bytes``, ``ttl_s``, ``frame_size``,
     ``events_topic`` (null: none, the store's frame size, the tenant's name;
-    absent: unchanged). A lower quota is enforced before the answer."""
+    absent: unchanged) and ``qos`` fields (each named is changed; null: the
+    store's default). A lower quota is enforced before the answer; a QoS
+    change applies to the next request, on every worker."""
     require_admin(request)
     name = request.match_info["name"]
     body = await json_body(request)
-    unknown = set(body) - {*LIMITS, "events_topic"}
+    unknown = set(body) - {*LIMITS, "events_topic", "qos"}
     if unknown:
         raise InvalidInput(
             f"unknown field(s): {', '.join(sorted(unknown))}; "
-            "PATCH changes quota_bytes, ttl_s, frame_size and events_topic"
+            "PATCH changes quota_bytes, ttl_s, frame_size, events_topic and qos"
         )
     if not body:
         raise InvalidInput(
-            "the body names nothing to change: expected quota_bytes, ttl_s, frame_size and/or events_topic"
+            "the body names nothing to change: expected quota_bytes, ttl_s, frame_size, events_topic and/or qos"
         )
     limits = _limits(body)
     topic = _topic(body) if "events_topic" in body else None
+    qos = parse_qos(body["qos"]) if "qos" in body else None
     await store_of(request).set_limits(
-        name, limits.get("quota_bytes"), limits.get("ttl_s"), limits.get("frame_size"), topic
+        name, limits.get("quota_bytes"), limits.get("ttl_s"), limits.get("frame_size"), topic, qos
     )
     return web.json_response(await _tenant_with_usage(request, name))
 

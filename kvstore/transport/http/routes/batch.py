@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from kvstore.engine.api import Stored
-from kvstore.errors import InvalidInput, KVStoreError
+from kvstore.errors import InvalidInput, KVStoreError, RateLimited
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_client_key
 from kvstore.transport import batchframe
@@ -24,6 +24,7 @@ from kvstore.transport.http.appkeys import METRICS, config_of, store_of
 from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING, BatchBody, Held, json_body, keys_field
 from kvstore.transport.http.counting import count_bytes
+from kvstore.transport.http.qos import QOS
 from kvstore.transport.http.respond import error_body, send
 from kvstore.transport.statuses import http_status
 
@@ -48,6 +49,7 @@ async def batch_put(request: web.Request) -> web.Response:
     results: list[dict[str, Any]] = []
     pending: list[tuple[str, asyncio.Task[Stored]]] = []
     body = BatchBody(request)
+    qos = request.app.get(QOS)
 
     async def settle(upto: int) -> None:
         while len(pending) > upto:
@@ -64,7 +66,7 @@ async def batch_put(request: web.Request) -> web.Response:
     try:
         items = batchframe.read_put_items_meta(body, store.config.max_block_size, cfg.max_batch_keys)
         async for key, data, raw_meta in items:
-            count_bytes(metrics, "in", len(data), tenant)
+            count_bytes(request.app, "in", len(data), tenant)
             try:
                 meta = (
                     BlockMeta.from_json(raw_meta, f"item {len(pending) + len(results)} ({key}): meta")
@@ -78,7 +80,9 @@ async def batch_put(request: web.Request) -> web.Response:
                 continue
             try:
                 validate_client_key(key)
-            except InvalidInput as e:
+                if qos is not None:  # the item's bytes from its tenant's write limit (qos.py)
+                    await qos.take(tenant, "write", len(data))
+            except (InvalidInput, RateLimited) as e:
                 body.release(body.take())
                 await settle(0)
                 results.append(_result(key, http_status(e), e))
@@ -115,6 +119,7 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
     store = store_of(request)
     keys = keys_field(await json_body(request), config_of(request).max_batch_keys)
     metrics = request.app[METRICS]
+    qos = request.app.get(QOS)
     resp = web.StreamResponse(status=200, headers={"Content-Type": BATCH_TYPE})
     await resp.prepare(request)
     await resp.write(batchframe.MAGIC)
@@ -132,12 +137,14 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
             try:
                 data: bytes | bytearray | memoryview = await task
                 status = 200
+                if qos is not None:  # the item's bytes from its tenant's read limit (qos.py): else a 429 item
+                    await qos.take(tenant, "read", len(data))
             except KVStoreError as e:
                 data, status = batchframe.error_payload(e.code, str(e)), http_status(e)
             await send(request, resp, batchframe.get_item_header(key, status, len(data)))
             await send(request, resp, data)
             if status == 200:
-                count_bytes(metrics, "out", len(data), tenant)
+                count_bytes(request.app, "out", len(data), tenant)
         await resp.write(batchframe.END)
     finally:
         for t in window:

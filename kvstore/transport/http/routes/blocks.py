@@ -16,12 +16,13 @@ from kvstore.engine.api import DirectExtent
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_client_key, validate_key
-from kvstore.transport.http.appkeys import METRICS, config_of, store_of
+from kvstore.transport.http.appkeys import config_of, store_of
 from kvstore.transport.http.auth import known_tenant, tenant_of
 from kvstore.transport.http.bodies import block_body, json_body, keys_field, lease_field, tokens_per_block_field
 from kvstore.transport.http.counting import count_bytes
 from kvstore.transport.http.forward import WRITER
 from kvstore.transport.http.internal import share_lease
+from kvstore.transport.http.qos import QOS
 from kvstore.transport.http.query import query_int, query_value
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.respond import send
@@ -61,7 +62,9 @@ async def get_block(request: web.Request) -> web.StreamResponse:
         return web.Response(status=304, headers=headers)
     header = request.headers.get("Range")
     ranges = parse_range(header, info.size)  # 416 when none is satisfiable
-    if ranges is not None and range_spec_count(header) == 1:
+    one = ranges is not None and range_spec_count(header) == 1
+    await take_read(request, tenant, ranges[0].end - ranges[0].start if ranges is not None and one else info.size)
+    if ranges is not None and one:
         r = ranges[0]
         data = await store.get_sendable(tenant, key, r.start, r.end, info)  # one index lookup per GET
         headers["Content-Range"] = r.content_range(info.size)
@@ -76,6 +79,13 @@ async def get_block(request: web.Request) -> web.StreamResponse:
             data.release()  # its segment stays open until the answer is sent
 
 
+async def take_read(request: web.Request, tenant: str, n: int) -> None:
+    """``n`` bytes from the tenant's read limit before they are read (qos.py)."""
+    qos = request.app.get(QOS)
+    if qos is not None:
+        await qos.take(tenant, "read", n)
+
+
 async def send_bytes(
     request: web.Request,
     data: bytes | bytearray | memoryview | DirectExtent,
@@ -88,7 +98,7 @@ async def send_bytes(
     the transport as it is (no copy into a payload object), or a local
     segment's extent with sendfile from its file."""
     size = len(head) + (len(data.view) if isinstance(data, DirectExtent) else len(data))
-    count_bytes(request.app[METRICS], "out", size, known_tenant(request))
+    count_bytes(request.app, "out", size, known_tenant(request))
     resp = web.StreamResponse(status=status, headers={**headers, "Content-Type": content_type})
     resp.content_length = size
     await resp.prepare(request)

@@ -35,7 +35,7 @@ from kvstore.names import validate_key
 from kvstore.transport.http.appkeys import store_of
 from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
-from kvstore.transport.http.routes.blocks import etag, send_bytes
+from kvstore.transport.http.routes.blocks import etag, send_bytes, take_read
 
 routes = web.RouteTableDef()
 ENVELOPE_MAGIC = b"KVE1"
@@ -112,6 +112,7 @@ async def get_record(request: web.Request) -> web.StreamResponse:
     ranges = parse_range(header, info.size)
     one = ranges is not None and range_spec_count(header) == 1  # several range-specs: the whole block, as GET
     start, end = (ranges[0].start, ranges[0].end) if ranges is not None and one else (0, info.size)
+    await take_read(request, tenant, end - start)
     rec = await store.get_stored(tenant, key, start, end)
     try:
         headers["ETag"] = etag(rec.frames.header.record_id.hex())  # the record sent, written again or not

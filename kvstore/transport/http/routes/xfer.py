@@ -35,6 +35,7 @@ from kvstore.tasks import Background
 from kvstore.transport.http.appkeys import CONFIG, STORE, config_of
 from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import json_body, keys_field
+from kvstore.transport.http.qos import QOS
 from kvstore.transport.nixl.devices import discover
 from kvstore.transport.nixl.service import XferService
 
@@ -129,7 +130,13 @@ async def xfer_read(request: web.Request) -> web.Response:
     if not isinstance(checksums, bool):
         raise InvalidInput("field 'checksums' must be true or false")
     release = _leases(body, "release", limit) if "release" in body else []
-    return web.json_response(await service.read(tenant, agent, keys, checksums, release))
+    answer = await service.read(tenant, agent, keys, checksums, release)
+    qos = request.app.get(QOS)
+    if qos is not None:  # the peer pulls these bytes after the answer: charged now (qos.py)
+        n = sum(int(b.get("size", 0)) for b in answer["blocks"] if b.get("status") == 200)
+        qos.charge(tenant, "read", n)
+        qos.served(tenant, "read", n)
+    return web.json_response(answer)
 
 
 def _leases(body: dict[str, Any], field: str, limit: int) -> list[str]:
@@ -191,4 +198,9 @@ async def xfer_write(request: web.Request) -> web.Response:
                 _uint(b, "dev", i, (1 << 32) - 1),
             )
         )
+    qos = request.app.get(QOS)
+    if qos is not None:  # the bytes from the tenant's write limit before they are pulled (qos.py)
+        n = sum(b[2] for b in blocks)
+        await qos.take(tenant, "write", n)
+        qos.served(tenant, "write", n)
     return web.json_response({"results": await service.write(tenant, agent, metadata, blocks, metas)})

@@ -1,0 +1,149 @@
+"""The QoS core without a server: the node-wide token buckets (two tables on
+one file stand for two workers) and the weighted fair gate."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import InvalidInput
+from kvstore.qos.buckets import BURST_S, RateTable
+from kvstore.qos.fair import REQUEST_COST, FairGate
+from kvstore.qos.policy import Qos, apply_changes, parse_qos, stored_overrides
+
+
+def test_policy_parsing_and_defaults() -> None:
+    assert parse_qos({"weight": 5, "read_bytes_per_s": None}) == {"weight": 5, "read_bytes_per_s": None}
+    assert parse_qos(None) == dict.fromkeys(("weight", "read_bytes_per_s", "write_bytes_per_s", "requests_per_s"))
+    for bad in ({"weight": 0}, {"weight": 1001}, {"requests_per_s": -1}, {"x": 1}, [], {"weight": False}):
+        with pytest.raises(InvalidInput):
+            parse_qos(bad)
+    own = apply_changes({"weight": 5}, {"weight": None, "requests_per_s": 3})
+    assert own == {"requests_per_s": 3}
+    assert Qos(weight=7, read_bytes_per_s=9).with_(own) == Qos(7, 9, 0, 3)
+    assert stored_overrides({"weight": 3, "junk": 1, "read_bytes_per_s": "x"}) == {"weight": 3}
+    assert stored_overrides(None) == {}
+
+
+def test_a_bucket_passes_its_burst_then_makes_reservations_wait(tmp_path: Path) -> None:
+    table = RateTable(tmp_path / "rates")
+    rate = 1000.0
+    assert table.take("t", "read", rate * BURST_S, rate, 0.0) == 0.0  # the burst
+    wait = table.take("t", "read", 100, rate, 10.0)  # in debt: told to wait for it
+    assert 0.09 <= wait <= 0.11
+    again = table.take("t", "read", 100, rate, 10.0)  # queued behind the first
+    assert again >= wait + 0.09
+    refused = table.take("t", "read", 100, rate, 0.05)  # would wait too long: nothing taken
+    assert refused < 0 and -refused >= again
+    assert table.take("t", "write", 100, rate, 0.0) == 0.0  # another kind, another bucket
+    assert table.take("u", "read", 100, rate, 0.0) == 0.0  # another tenant
+    table.close()
+
+
+def test_a_block_larger_than_the_bucket_passes_when_it_is_full(tmp_path: Path) -> None:
+    table = RateTable(None)
+    assert table.take("t", "write", 10_000, 1000.0, 0.0) == 0.0  # ten seconds of the rate, at once
+    assert table.take("t", "write", 1, 1000.0, 1.0) < 0  # then ten seconds of debt
+
+
+def test_two_workers_share_one_tenant_bucket(tmp_path: Path) -> None:
+    a, b = RateTable(tmp_path / "rates"), RateTable(tmp_path / "rates")
+    rate = 1000.0
+    assert a.take("t", "read", rate * BURST_S, rate, 0.0) == 0.0
+    assert b.take("t", "read", 100, rate, 0.0) < 0  # the other worker sees it spent
+    b.give_back("t", "read", 100, rate)
+    a.add_served({"t": (5, 6, 7)})
+    b.add_served({"t": (1, 1, 1)})
+    assert a.served(["t"]) == {"t": (6, 7, 8)}
+    a.close()
+    b.close()
+
+
+def test_a_table_of_another_layout_starts_over(tmp_path: Path) -> None:
+    path = tmp_path / "rates"
+    path.write_bytes(b"not a table")
+    table = RateTable(path)
+    assert table.take("t", "request", 1, 1.0, 0.0) == 0.0
+    table.close()
+
+
+def test_over_a_window_a_tenant_gets_its_rate_plus_the_burst() -> None:
+    """Reservations as fast as they are allowed for a while: what passed is
+    at most rate * (elapsed + BURST_S) + one request."""
+    table = RateTable(None)
+    rate, n, passed = 200_000.0, 10_000, 0
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.5:
+        if table.take("t", "read", n, rate, 0.0) == 0.0:
+            passed += n
+    elapsed = time.monotonic() - t0
+    assert passed <= rate * (elapsed + BURST_S) + n
+    assert passed >= rate * BURST_S  # the burst at least
+
+
+async def test_the_fair_gate_shares_slots_by_weight() -> None:
+    gate = FairGate(slots=1)
+    assert gate.try_enter("x", 100)  # the one slot, held while the others queue
+    served: Counter[str] = Counter()
+    block = 1 << 20
+
+    async def transfer(tenant: str, weight: int) -> None:
+        assert await gate.enter(tenant, weight, timeout_s=30)
+        served[tenant] += 1
+        gate.charge(tenant, weight, block)
+        await asyncio.sleep(0)
+        gate.leave()
+
+    tasks = [asyncio.create_task(transfer("a", 300)) for _ in range(60)]
+    tasks += [asyncio.create_task(transfer("b", 100)) for _ in range(60)]
+    await asyncio.sleep(0)
+    assert not gate.try_enter("c", 100)  # nobody jumps the queue on the fast path
+    gate.leave()
+    while served["a"] < 60:
+        await asyncio.sleep(0)
+    # While both were waiting, a got three turns for each of b's.
+    assert 15 <= served["b"] <= 25, served
+    await asyncio.gather(*tasks)
+
+
+async def test_a_light_tenant_goes_before_a_backlog() -> None:
+    gate = FairGate(slots=1)
+    assert gate.try_enter("flood", 100)
+    order: list[str] = []
+
+    async def transfer(tenant: str) -> None:
+        assert await gate.enter(tenant, 100, timeout_s=30)
+        order.append(tenant)
+        gate.charge(tenant, 100, 1 << 20)
+        await asyncio.sleep(0)
+        gate.leave()
+
+    gate.charge("flood", 100, 64 << 20)  # what the flood has been served
+    flood = [asyncio.create_task(transfer("flood")) for _ in range(16)]
+    await asyncio.sleep(0)
+    light = asyncio.create_task(transfer("light"))
+    await asyncio.sleep(0)
+    gate.leave()
+    await asyncio.gather(*flood, light)
+    assert order.index("light") == 0
+
+
+async def test_a_wait_for_a_slot_times_out_and_a_cancelled_grant_passes_on() -> None:
+    gate = FairGate(slots=1)
+    assert gate.try_enter("a", 100)
+    assert not await gate.enter("b", 100, timeout_s=0.01)
+    assert gate.waiting("b") == 0
+    waiter = asyncio.create_task(gate.enter("b", 100, timeout_s=30))
+    other = asyncio.create_task(gate.enter("c", 100, timeout_s=30))
+    await asyncio.sleep(0)
+    gate.leave()  # granted to b (or c) ...
+    waiter.cancel()  # ... and b goes away: the slot passes to c
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert await other
+    assert gate.busy == 1
+    assert REQUEST_COST > 0
