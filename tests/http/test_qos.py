@@ -46,6 +46,13 @@ async def nowait(tmp_path: Path) -> AsyncIterator[Api]:
 
 
 @pytest.fixture
+async def tiered(tmp_path: Path) -> AsyncIterator[Api]:
+    """No waiting, and an object tier (a directory) that flush mirrors to."""
+    async for api in _api(tmp_path, qos_max_wait_ms="0", tier_dir=str(tmp_path / "tier")):
+        yield api
+
+
+@pytest.fixture
 async def waits(tmp_path: Path) -> AsyncIterator[Api]:
     """The default: over-limit requests wait up to a second."""
     async for api in _api(tmp_path):
@@ -289,3 +296,41 @@ async def test_limits_hold_across_two_workers(tmp_path: Path) -> None:
                 await c.close()
     finally:
         daemon.stop()
+
+
+async def test_maintenance_is_not_charged_to_tenants_and_limits_hold_while_it_runs(tiered: Api) -> None:
+    """Compaction and mirroring copy a tenant's records; they take none of its
+    tokens (maintenance has its own rate, compact_rate), and its limits keep
+    applying to its own requests while they run."""
+    api = tiered
+    token = await api.tenant("m", "direct", qos={"read_bytes_per_s": 1 * MiB})
+    data = os.urandom(256 * KiB)
+    for i in range(16):
+        async with api.session.put(api.url(f"/v1/blocks/k{i}"), data=data, headers=api.auth(token)) as r:
+            assert r.status == 201
+    for i in range(0, 16, 2):
+        async with api.session.delete(api.url(f"/v1/blocks/k{i}"), headers=api.auth(token)) as r:
+            assert r.status == 204
+    await asyncio.sleep(0.6)  # the bucket full: 512 KiB
+
+    async def reads() -> list[int]:
+        out = []
+        for i in range(1, 16, 2):
+            async with api.session.get(api.url(f"/v1/blocks/k{i}"), headers=api.auth(token)) as r:
+                body = await r.read()
+                assert r.status == 429 or body == data
+                out.append(r.status)
+        return out
+
+    compact = _admin(api, "POST", "/v1/admin/compact")
+    flush = _admin(api, "POST", "/v1/admin/flush")
+    (cs, report), (fs, _), statuses = await asyncio.gather(compact, flush, reads())
+    assert cs == 200 and report["segments_rewritten"] >= 1, report
+    assert fs == 200
+    # The burst (two blocks) passed, the rest waited for the rate: refused.
+    assert statuses[:2] == [200, 200] and 429 in statuses[2:], statuses
+    await asyncio.sleep(0.6)
+    # What compaction and the upload moved was not the tenant's: its bucket is full again.
+    for i in (1, 3):
+        async with api.session.get(api.url(f"/v1/blocks/k{i}"), headers=api.auth(token)) as r:
+            assert r.status == 200 and await r.read() == data

@@ -32,7 +32,12 @@ from kvstore.transport.http.bodies import BUDGET
 SNAPSHOT_S = 0.5
 STALE_S = 5.0
 PER_PROCESS_GAUGES = frozenset(
-    {"kvstore_http_inflight", "kvstore_http_buffered_body_bytes", "kvstore_decoded_cache_bytes"}
+    {
+        "kvstore_http_inflight",
+        "kvstore_http_buffered_body_bytes",
+        "kvstore_decoded_cache_bytes",
+        "kvstore_tenant_queue_depth",
+    }
 )
 
 

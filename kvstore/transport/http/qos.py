@@ -136,13 +136,15 @@ class TenantQos:
             raise Overloaded(f"no transfer slot of this worker came free within {timeout} s; retry")
 
     async def _waiting(self, tenant: str, aw: Awaitable[T]) -> T:
-        self.queued[tenant] = self.queued.get(tenant, 0) + 1
+        depth = self.queued[tenant] = self.queued.get(tenant, 0) + 1
+        self._metrics.set("kvstore_tenant_queue_depth", depth, tenant=tenant)
         t0 = time.monotonic()
         try:
             return await aw
         finally:
             self._metrics.inc("kvstore_tenant_throttled_seconds_total", time.monotonic() - t0, tenant=tenant)
             left = self.queued[tenant] - 1
+            self._metrics.set("kvstore_tenant_queue_depth", left, tenant=tenant)
             if left:
                 self.queued[tenant] = left
             else:
@@ -180,10 +182,6 @@ class TenantQos:
             name: round(((b - a) & 0xFFFF_FFFF_FFFF_FFFF) / (t1 - t0), 1)
             for name, a, b in zip(zero, old[tenant], new[tenant], strict=True)
         }
-
-    def gauges(self, m: Metrics) -> None:
-        for tenant, n in self.queued.items():
-            m.set("kvstore_tenant_queue_depth", n + self.gate.waiting(tenant), tenant=tenant)
 
 
 QOS = web.AppKey("qos", TenantQos)
