@@ -42,6 +42,7 @@ from kvstore.events.bus import EventBus
 from kvstore.events.model import BlockMeta, TierName
 from kvstore.metrics import Metrics
 from kvstore.names import validate_tenant
+from kvstore.qos.policy import Qos
 from kvstore.tier.base import Tier
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ class StoreCore:
         self._inflight: dict[tuple[str, str], asyncio.Future[None]] = {}
         self._cache = SegmentCache(self._seg_root)
         self._deleting: set[str] = set()
+        # tenant -> (the QoS fields it set, as the registry holds them; its QoS):
+        # asked on every request (store_tenants.qos), made again when they change
+        self._qos: dict[str, tuple[dict[str, int], Qos]] = {}
         self._write_plans: dict[str, WritePlan] = {}  # open write plans by id (store_write_plans.py)
         self.readonly = False
         self.adopted = config.s3_readonly  # serves a bucket another node writes

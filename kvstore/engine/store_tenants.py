@@ -137,11 +137,16 @@ class StoreTenants(StoreCore):
     def qos(self, name: str) -> Qos:
         """The tenant's QoS: its own fields over the store's defaults."""
         own = self._tenant(name).qos
+        hit = self._qos.get(name)
+        if hit is not None and hit[0] is own:  # (a change, or a reload, makes a new dict)
+            return hit[1]
         c = self.config
         base = Qos(
             c.default_qos_weight, c.default_read_bytes_per_s, c.default_write_bytes_per_s, c.default_requests_per_s
         )
-        return base.with_(own)
+        qos = base.with_(own)
+        self._qos[name] = (own, qos)
+        return qos
 
     async def delete_tenant(self, name: str) -> None:
         """Crypto-shred: destroy the tenant's keys, then drop its index and files.
