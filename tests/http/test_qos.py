@@ -334,3 +334,26 @@ async def test_maintenance_is_not_charged_to_tenants_and_limits_hold_while_it_ru
     for i in (1, 3):
         async with api.session.get(api.url(f"/v1/blocks/k{i}"), headers=api.auth(token)) as r:
             assert r.status == 200 and await r.read() == data
+
+
+async def test_the_client_takes_a_throttled_load_for_a_miss_and_strict_mode_sees_429(nowait: Api) -> None:
+    """What the engine adapters see: a load refused by the tenant's limit is
+    a miss in the default fail-open mode (counted as an error, not raised),
+    and a 429 rate_limited with its Retry-After in strict mode."""
+    from kvstore_client import AsyncClient
+    from kvstore_client.errors import ServerError
+
+    api = nowait
+    token = await api.tenant("c", "direct", qos={"read_bytes_per_s": 1 * MiB})
+    data = os.urandom(512 * KiB)
+    async with api.session.put(api.url("/v1/blocks/k"), data=data, headers=api.auth(token)) as r:
+        assert r.status == 201
+    async with AsyncClient(api.base, token, timeout=0.5, retries=0, read_plans=False) as kv:
+        assert await kv.get("k") == data
+        assert await kv.get("k") is None  # throttled: a miss, never an exception
+        assert kv.stats["errors"] >= 1
+    async with AsyncClient(api.base, token, timeout=0.5, retries=0, strict=True, read_plans=False) as kv:
+        with pytest.raises(ServerError) as err:
+            await kv.get("k")
+        assert (err.value.status, err.value.code) == (429, "rate_limited")
+        assert err.value.retry_after is not None and err.value.retry_after >= 1

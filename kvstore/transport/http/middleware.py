@@ -189,8 +189,8 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
         # Its QoS (qos.py): a request, then a slot of the fair gate for a
         # bulk transfer; a relayed request is the writer's to limit.
         if tenant is not None and qos is not None and not (WRITER in request.app and relayed(request)):
-            qos.served(tenant, "request", 1)
             await qos.take(tenant, "request", 1)
+            qos.served(tenant, "request", 1)
             if (request.method, route_of(request)) in BULK:
                 await qos.enter(tenant)
                 bulk = True

@@ -232,8 +232,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     # The tenant's QoS (kvstore/transport/http/qos.py), as on /v1: a request;
     # a PUT's bytes before its body is read; a transfer takes a slot of the
     # fair gate. Over a limit: SlowDown (503), S3's way to say "slow down".
-    qos.served(tenant, "request", 1)
     await qos.take(tenant, "request", 1)
+    qos.served(tenant, "request", 1)
     if call.key is None or request.method not in ("GET", "PUT"):
         return await _serve(request, call)
     if request.method == "PUT" and request.content_length:
