@@ -20,6 +20,9 @@ And one that measures (see ``bench.run``):
 * ``writes``: every write path (HTTP PUT direct and sealed, batch PUT, unix
   socket, S3 gateway) against a plain write+fdatasync loop, buffered and
   O_DIRECT, on the same disk (``bench.write_bench``).
+* ``qos``: what tenants' QoS holds under load: a read and a write limit, a
+  tenant's GET p99 alone and beside another's flood, two weights' shares of
+  the daemon (``bench.qos_bench``).
 
 Examples::
 
@@ -135,15 +138,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{size,ttft,run,codec,nixl,events,s3,writes}")
-    # codec, nixl, events, s3 and writes have their own parsers (bench/codec_bench.py, nixl_bench.py,
-    # events_bench.py, s3_bench.py, write_bench.py):
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{size,ttft,run,codec,nixl,events,s3,writes,qos}"
+    )
+    # codec, nixl, events, s3, writes and qos have their own parsers (bench/codec_bench.py, nixl_bench.py,
+    # events_bench.py, s3_bench.py, write_bench.py, qos_bench.py):
     # main() hands them the rest of argv.
     sub.add_parser("codec", help="encode/decode GB/s per core and ratio of each compression, on real KV caches")
     sub.add_parser("nixl", help="NIXL reads against HTTP GET and a plain socket copy (needs NIXL)")
     sub.add_parser("events", help="what residency events cost PUTs and GETs, and the rate one subscriber takes")
     sub.add_parser("s3", help="PUT and ranged GET through the S3 gateway against SeaweedFS and /v1, one client")
     sub.add_parser("writes", help="every write path's GB/s and daemon CPU against a write+fdatasync loop")
+    sub.add_parser("qos", help="tenant QoS under load: read/write limits, GET p99 beside a flood, weights")
 
     size = sub.add_parser("size", help="KV bytes per token, block, TP rank, session; fleet capacity")
     _add_model_args(size)
@@ -429,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import write_bench
 
         return write_bench.main(args_in[1:])
+    if args_in[:1] == ["qos"]:
+        from bench import qos_bench
+
+        return qos_bench.main(args_in[1:])
     parser, subparsers = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "size":

@@ -172,7 +172,7 @@ class ServerConfig:
     # many bulk transfers a worker moves at once (past them, tenants queue
     # and take turns by weight).
     qos_max_wait_ms: int = 1000
-    qos_transfers_per_worker: int = 8
+    qos_transfers_per_worker: int = 4
     plan_paths: bool = False
     nixl: bool = False
     nixl_backend: str = "UCX"

@@ -96,13 +96,13 @@ async def test_the_fair_gate_shares_slots_by_weight() -> None:
         served[tenant] += 1
         gate.charge(tenant, weight, block)
         await asyncio.sleep(0)
-        gate.leave()
+        gate.leave(tenant)
 
     tasks = [asyncio.create_task(transfer("a", 300)) for _ in range(60)]
     tasks += [asyncio.create_task(transfer("b", 100)) for _ in range(60)]
     await asyncio.sleep(0)
     assert not gate.try_enter("c", 100)  # nobody jumps the queue on the fast path
-    gate.leave()
+    gate.leave("x")
     while served["a"] < 60:
         await asyncio.sleep(0)
     # While both were waiting, a got three turns for each of b's.
@@ -120,14 +120,14 @@ async def test_a_light_tenant_goes_before_a_backlog() -> None:
         order.append(tenant)
         gate.charge(tenant, 100, 1 << 20)
         await asyncio.sleep(0)
-        gate.leave()
+        gate.leave(tenant)
 
     gate.charge("flood", 100, 64 << 20)  # what the flood has been served
     flood = [asyncio.create_task(transfer("flood")) for _ in range(16)]
     await asyncio.sleep(0)
     light = asyncio.create_task(transfer("light"))
     await asyncio.sleep(0)
-    gate.leave()
+    gate.leave("flood")
     await asyncio.gather(*flood, light)
     assert order.index("light") == 0
 
@@ -140,10 +140,31 @@ async def test_a_wait_for_a_slot_times_out_and_a_cancelled_grant_passes_on() -> 
     waiter = asyncio.create_task(gate.enter("b", 100, timeout_s=30))
     other = asyncio.create_task(gate.enter("c", 100, timeout_s=30))
     await asyncio.sleep(0)
-    gate.leave()  # granted to b (or c) ...
+    gate.leave("a")  # granted to b (or c) ...
     waiter.cancel()  # ... and b goes away: the slot passes to c
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert await other
     assert gate.busy == 1
     assert REQUEST_COST > 0
+
+
+async def test_no_tenant_takes_every_slot() -> None:
+    """A tenant alone takes up to its share and the headroom (6 of 8); the
+    last quarter is another tenant's at once, however many the first queued."""
+    gate = FairGate(slots=8)
+    taken = sum(gate.try_enter("flood", 100) for _ in range(10))
+    assert taken == 6
+    queued = [asyncio.create_task(gate.enter("flood", 100, timeout_s=30)) for _ in range(4)]
+    await asyncio.sleep(0)
+    assert gate.try_enter("light", 100)  # no wait, no turn to take
+    assert await gate.enter("light", 100, timeout_s=0.01)  # nor through the queue
+    assert not gate.try_enter("third", 100)  # every slot in use now
+    gate.leave("light")
+    gate.leave("light")
+    gate.leave("flood")  # the flood's own queue moves as its slots come back, within its share
+    await asyncio.sleep(0.01)
+    assert sum(t.done() for t in queued) == 1
+    for t in queued:
+        t.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)

@@ -373,8 +373,8 @@ class FastLane:
         finally:
             if extent is not None:
                 extent.release()
-            if QOS in app:
-                app[QOS].gate.leave()
+            if QOS in app:  # its slot is held until the transport has sent the bytes it holds
+                app[QOS].hold_until_sent(tenant, transport)
         count_bytes(self._app, "out", count, tenant)
         self._finish("GET", status[:3], t0, tenant)
         return True
@@ -539,7 +539,7 @@ class FastLane:
         self._app[BUDGET].release(up.length, up.tenant)
         self._app[SLOTS].release(up.tenant)
         if QOS in self._app:
-            self._app[QOS].gate.leave()
+            self._app[QOS].gate.leave(up.tenant)
         self._app[STATE]["inflight"] -= 1
         if reuse:
             up.buf.release()
@@ -572,7 +572,7 @@ class FastLane:
         qos.give_back(tenant, "request", 1)
         if kind is not None:
             qos.give_back(tenant, kind, n)
-            qos.gate.leave()
+            qos.gate.leave(tenant)
 
     def _answer_error(self, e: KVStoreError, up: _Upload) -> None:
         self._respond(*self._error_answer(e), up)

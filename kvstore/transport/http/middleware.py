@@ -183,7 +183,7 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
             # Its share of the worker's requests in flight (shares.py), held
             # until the answer: no tenant can take every slot.
             request.app[SLOTS].acquire(tenant)
-    bulk = False
+    bulk: str | None = None  # the tenant holding a slot of the fair gate
     try:
         qos = request.app.get(QOS)
         # Its QoS (qos.py): a request, then a slot of the fair gate for a
@@ -193,13 +193,13 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
             qos.served(tenant, "request", 1)
             if (request.method, route_of(request)) in BULK:
                 await qos.enter(tenant)
-                bulk = True
+                bulk = tenant
         if matched and EXPECT in request:
             await _answer_expect(request)
         return await handler(request)
     finally:
-        if bulk:
-            request.app[QOS].gate.leave()
+        if bulk is not None:
+            request.app[QOS].gate.leave(bulk)
         if tenant is not None:
             request.app[SLOTS].release(tenant)
 

@@ -68,6 +68,7 @@ BULK = frozenset(
     }
 )
 _RATE_FIELD = {"read": "read_bytes_per_s", "write": "write_bytes_per_s", "request": "requests_per_s"}
+SENT_POLL_S = 0.001  # how often the lane's buffered answers are checked for being sent
 FLUSH_S = 1.0  # how often a worker adds what it served to the node's counts
 RATE_WINDOW = 5  # the current rates: over the last this many flushes
 
@@ -85,6 +86,7 @@ class TenantQos:
         self._history: deque[tuple[float, dict[str, tuple[int, int, int]]]] = deque(maxlen=RATE_WINDOW + 1)
         self.queued: dict[str, int] = {}  # tenant -> its requests waiting on a limit or a slot
         self.slot_timeout_s = 60.0  # the most a transfer waits for a slot (request_timeout_s)
+        self._sending: list[tuple[str, asyncio.WriteTransport]] = []  # lane GETs whose bytes are still buffered
 
     def policy(self, tenant: str) -> Qos:
         return self._policy(tenant)
@@ -149,6 +151,29 @@ class TenantQos:
                 self.queued[tenant] = left
             else:
                 del self.queued[tenant]
+
+    def hold_until_sent(self, tenant: str, transport: asyncio.WriteTransport) -> None:
+        """A fast-lane GET answered on the spot: the bytes the socket did not
+        take at once are still the transfer's, in the transport's buffer. Its
+        slot is given back once that buffer is empty (or the connection gone),
+        so slots count transfers in progress, as the route's do."""
+        if transport.is_closing() or not transport.get_write_buffer_size():
+            self.gate.leave(tenant)
+            return
+        self._sending.append((tenant, transport))
+        if len(self._sending) == 1:
+            asyncio.get_running_loop().call_later(SENT_POLL_S, self._poll_sent)
+
+    def _poll_sent(self) -> None:
+        still = []
+        for tenant, transport in self._sending:
+            if transport.is_closing() or not transport.get_write_buffer_size():
+                self.gate.leave(tenant)
+            else:
+                still.append((tenant, transport))
+        self._sending = still
+        if still:
+            asyncio.get_running_loop().call_later(SENT_POLL_S, self._poll_sent)
 
     # -- what was served ------------------------------------------------------
 

@@ -19,15 +19,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvstore.errors import Overloaded
-
-TENANT_SHARE = 0.5  # of a worker's body budget and of its requests in flight, per tenant
-HEADROOM = 0.25  # of each, kept for the other tenants once a tenant is past its share
-
-
-def within_share(held: int, n: int, share: int, total: int, limit: int) -> bool:
-    """Whether a tenant that holds ``held`` of ``total`` in use may take ``n``
-    more: within its ``share``, or past it while HEADROOM of ``limit`` stays free."""
-    return held + n <= share or total + n <= limit - int(limit * HEADROOM)
+from kvstore.qos.shares import TENANT_SHARE, within_share
 
 
 class Shares:

@@ -243,7 +243,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     try:
         return await _serve(request, call)
     finally:
-        qos.gate.leave()
+        qos.gate.leave(tenant)
 
 
 async def _serve(request: web.Request, call: Call) -> web.StreamResponse:
