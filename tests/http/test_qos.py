@@ -10,6 +10,7 @@ take at least N/R less the burst) holds however slow the machine is."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import time
@@ -357,3 +358,29 @@ async def test_the_client_takes_a_throttled_load_for_a_miss_and_strict_mode_sees
             await kv.get("k")
         assert (err.value.status, err.value.code) == (429, "rate_limited")
         assert err.value.retry_after is not None and err.value.retry_after >= 1
+
+
+async def test_batch_puts_and_records_are_limited_too(nowait: Api) -> None:
+    """A batch PUT's items past the write limit are 429 items, the others
+    stored; a record (GET /v1/records, loopback) takes its bytes from the
+    read limit like a block GET."""
+    api = nowait
+    token = await api.tenant("b", "sealed", qos={"write_bytes_per_s": 1 * MiB, "read_bytes_per_s": 1 * MiB})
+    data = [os.urandom(512 * KiB) for _ in range(3)]
+    body = io.BytesIO(batchframe.encode_put_stream([(f"k{i}", d) for i, d in enumerate(data)]))
+    headers = {**api.auth(token), "Content-Type": "application/x-kvstore-batch"}
+    async with api.session.post(api.url("/v1/batch/put"), data=body, headers=headers) as r:
+        assert r.status == 200
+        results = (await r.json())["results"]
+    assert [x["status"] for x in results] == [201, 429, 429]
+    assert results[1]["error"]["code"] == "rate_limited"
+    for key, want in (("k0", 200), ("k1", 404), ("k2", 404)):
+        async with api.session.get(api.url(f"/v1/blocks/{key}"), headers=api.auth(token)) as r:
+            assert r.status == want
+    async with api.session.get(api.url("/v1/records/k0"), headers=api.auth(token)) as r:
+        assert r.status == 429 and r.headers["Retry-After"]  # the GET of k0 above took the burst
+    await asyncio.sleep(0.6)
+    async with api.session.get(api.url("/v1/records/k0"), headers=api.auth(token)) as r:
+        assert r.status == 200
+    async with api.session.get(api.url("/v1/records/k0"), headers=api.auth(token)) as r:
+        assert r.status == 429
