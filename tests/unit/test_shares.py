@@ -63,3 +63,23 @@ def test_body_budget_shares_and_floor() -> None:
     with pytest.raises(Overloaded):
         small.reserve(1000, "t")
     small.reserve(1000, "u")
+
+
+def test_shares_follow_weights() -> None:
+    """Between tenants holding some, each one's share is its weight's part:
+    300:100 of 100 slots is 75:25; alone, TENANT_SHARE (half) whatever its weight."""
+    slots = TenantSlots(100)
+    weights = {"heavy": 300, "light": 100}
+    slots.weight_of = weights.__getitem__
+    assert slots.share("heavy") == 50 and slots.share("light") == 50  # each alone
+    slots.acquire("light")
+    slots.acquire("heavy")
+    assert slots.share("heavy") == 75 and slots.share("light") == 25
+    for _ in range(73):
+        slots.acquire("heavy")
+    for _ in range(24):
+        slots.acquire("light")
+    with pytest.raises(Overloaded):
+        slots.acquire("light")  # past its 25 with less than a quarter free
+    slots.acquire("heavy")
+    assert slots.held == {"heavy": 75, "light": 25}

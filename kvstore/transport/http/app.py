@@ -31,7 +31,7 @@ from kvstore.transport.http.middleware import (
     gate_middleware,
     metrics_middleware,
 )
-from kvstore.transport.http.qos import qos_ctx
+from kvstore.transport.http.qos import QOS, qos_ctx
 from kvstore.transport.http.respond import error_body
 from kvstore.transport.http.routes import admin, batch, blocks, events, plans, records, write_plans, xfer
 from kvstore.transport.http.shares import SLOTS, TenantSlots
@@ -116,6 +116,13 @@ def make_app(
 
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(qos_ctx)
+
+    async def weights_ctx(app: web.Application) -> AsyncIterator[None]:
+        # Each tenant's share of the body budget and the requests in flight follows its QoS weight.
+        app[BUDGET].weight_of = app[SLOTS].weight_of = app[QOS].weight
+        yield
+
+    app.cleanup_ctx.append(weights_ctx)
     app.cleanup_ctx.append(metrics.metrics_ctx)
     app.cleanup_ctx.append(plans.plans_ctx)
     if not reader:  # one NIXL agent and one event bus, the writer's: readers relay to them

@@ -70,7 +70,7 @@ class BodyBudget(Shares):
         if tenant is not None and not self.take(tenant, n, self.used):
             raise Overloaded(
                 f"tenant {tenant!r} holds {self.held.get(tenant, 0)} bytes of request bodies in this worker; {n} more"
-                f" would pass its share of max_buffered_body_bytes={self.limit} ({self.per_tenant}) while the rest"
+                f" would pass its share of max_buffered_body_bytes={self.limit} ({self.share(tenant)}) while the rest"
                 " is kept for other tenants; retry"
             )
         self.used += n

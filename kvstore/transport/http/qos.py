@@ -43,11 +43,11 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from kvstore.errors import Overloaded, RateLimited
+from kvstore.errors import KVStoreError, Overloaded, RateLimited
 from kvstore.metrics import Metrics
 from kvstore.qos.buckets import FILE_NAME, KINDS, Kind, RateTable
 from kvstore.qos.fair import FairGate
-from kvstore.qos.policy import Qos
+from kvstore.qos.policy import DEFAULT_WEIGHT, Qos
 from kvstore.transport.http.appkeys import CONFIG, METRICS, STATE, STORE
 
 log = logging.getLogger("kvstore.qos")
@@ -90,6 +90,13 @@ class TenantQos:
 
     def policy(self, tenant: str) -> Qos:
         return self._policy(tenant)
+
+    def weight(self, tenant: str) -> int:
+        """The tenant's weight; the default for one unknown here (deleted meanwhile)."""
+        try:
+            return self._policy(tenant).weight
+        except KVStoreError:
+            return DEFAULT_WEIGHT
 
     # -- the limits -------------------------------------------------------------
 
