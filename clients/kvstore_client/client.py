@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
+import time
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -35,6 +36,7 @@ from kvstore_client.lookups import Locks, Lookups
 from kvstore_client.nixl import nixl_available
 from kvstore_client.nixl_link import NixlLink
 from kvstore_client.plans import Plan, PlanConnection, PlannedBlock
+from kvstore_client.prefix import Bandwidth, PrefixLoads
 from kvstore_client.reads.batch import BatchGet
 from kvstore_client.reads.http import HttpReader
 from kvstore_client.reads.nixl import NixlReader
@@ -176,6 +178,8 @@ class AsyncClient:
             self._path_plans,
             self._http,
         )
+        self._bandwidth = Bandwidth()
+        self._prefix = PrefixLoads(self._reads, self._shards, self._bandwidth)
         self._batch_get = BatchGet(self._x, self._shards, max_batch_keys=max_batch_keys, strict=strict)
         self._writes = Writes(
             self._x,
@@ -427,6 +431,45 @@ class AsyncClient:
             raise ValueError(f"{endpoint!r} is not one of this client's endpoints")
         return await self._lookups.list_keys(url, prefix, start_after, limit)
 
+    # -- loads against the clock -----------------------------------------------
+
+    async def get_prefix(self, keys: Sequence[str], bufs: Sequence[Any], deadline_s: float) -> int:
+        """Read the blocks of ``keys`` in order into ``bufs`` (as
+        ``get_many_into``) for at most ``deadline_s`` seconds, and return
+        ``n``: the number of leading keys whose blocks are complete in their
+        buffers (every transport's checks passed). It returns as soon as all
+        are in, at the first miss or failure, or at the deadline (within
+        kvstore_client.prefix.DEADLINE_SLACK_S on a loaded machine), and never
+        raises for a failed read, in strict mode too: what did not arrive is
+        what the caller recomputes. Nothing writes into ``bufs[:n]`` after it
+        returns; reads still running past the deadline may write into
+        ``bufs[n:]`` until ``await wait_loads()`` returns (kvstore_client/prefix.py)."""
+        keys = list(keys)
+        if len(bufs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
+        if not deadline_s >= 0:
+            raise ValueError(f"deadline_s must be >= 0, got {deadline_s}")
+        for k in keys:
+            check_key(k)
+        mvs = [writable_view(b) for b in bufs]
+        self.stats["calls"] += 1
+        n = await self._prefix.load(keys, mvs, deadline_s)
+        self.stats["hits"] += n
+        self.stats["misses"] += len(keys) - n
+        return n
+
+    async def wait_loads(self) -> None:
+        """Until every read that a ``get_prefix`` left running at its deadline
+        has ended: from then on nothing writes into the buffers it was given."""
+        await self._prefix.wait()
+
+    def bandwidth(self, endpoint: str | None = None, transport: str | None = None) -> float | None:
+        """Bytes per second measured from this client's loads (``get_prefix``,
+        ``get_many_into``) from ``endpoint`` over ``transport`` (nixl, unix,
+        paths, http; None: any, the slowest of those measured), or None before
+        a load has said (kvstore_client/prefix.py)."""
+        return self._bandwidth.get(_normalize(endpoint) if endpoint is not None else None, transport)
+
     # -- batches ---------------------------------------------------------------
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -463,7 +506,10 @@ class AsyncClient:
     async def _get_many_into(self, keys: list[str], mvs: list[memoryview]) -> list[int | None]:
         for k in keys:
             check_key(k)
-        outcomes = await self._reads.read(keys, mvs)
+        via = [""] * len(keys)
+        t0 = time.monotonic()
+        outcomes = await self._reads.read(keys, mvs, via)
+        self._prefix.measure(keys, outcomes, via, time.monotonic() - t0)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         for e in errors:
             if not isinstance(e, KVStoreClientError) or self.strict:

@@ -62,6 +62,17 @@ class Client:
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._run(self._async.get_many(keys))
 
+    def get_prefix(self, keys: Sequence[str], bufs: Sequence[Any], deadline_s: float) -> int:
+        """As :meth:`AsyncClient.get_prefix`: the leading keys complete in ``bufs`` by the deadline."""
+        return self._run(self._async.get_prefix(keys, bufs, deadline_s))
+
+    def wait_loads(self) -> None:
+        """As :meth:`AsyncClient.wait_loads`."""
+        self._run(self._async.wait_loads())
+
+    def bandwidth(self, endpoint: str | None = None, transport: str | None = None) -> float | None:
+        return self._async.bandwidth(endpoint, transport)
+
     def exists(self, key: str) -> bool:
         return self._run(self._async.exists(key))
 

@@ -33,16 +33,23 @@ class ReadPath:
     def __init__(
         self, nixl: NixlReader | None, unix_plans: UnixPlanReader, path_plans: PathPlanReader, http: HttpReader
     ) -> None:
-        self.readers: list[Reader] = [r for r in (nixl, unix_plans, path_plans, http) if r is not None]
+        named = (("nixl", nixl), ("unix", unix_plans), ("paths", path_plans), ("http", http))
+        self.readers: list[tuple[str, Reader]] = [(name, r) for name, r in named if r is not None]
 
-    async def read(self, keys: Sequence[str], bufs: Sequence[memoryview]) -> list[Outcome]:
-        """Each of ``keys`` into the buffer at the same place in ``bufs``: its outcome."""
+    async def read(
+        self, keys: Sequence[str], bufs: Sequence[memoryview], via: list[str] | None = None
+    ) -> list[Outcome]:
+        """Each of ``keys`` into the buffer at the same place in ``bufs``: its
+        outcome; ``via`` (as long as ``keys``), where given, gets the name of
+        the transport that served each (nixl, unix, paths, http)."""
         out: list[Outcome] = [None] * len(keys)
         todo = list(range(len(keys)))
-        for reader in self.readers:
+        for name, reader in self.readers:
             if not todo:
                 break
             served, todo = await reader.read(keys, bufs, todo)
             for i, outcome in served.items():
                 out[i] = outcome
+                if via is not None:
+                    via[i] = name
         return out
