@@ -36,7 +36,7 @@ from kvstore_client.lookups import Locks, Lookups
 from kvstore_client.nixl import nixl_available
 from kvstore_client.nixl_link import NixlLink
 from kvstore_client.plans import Plan, PlanConnection, PlannedBlock
-from kvstore_client.prefix import Bandwidth, PrefixLoads
+from kvstore_client.prefix import PROCESS, Bandwidth, PrefixLoads
 from kvstore_client.reads.batch import BatchGet
 from kvstore_client.reads.http import HttpReader
 from kvstore_client.reads.nixl import NixlReader
@@ -178,7 +178,7 @@ class AsyncClient:
             self._path_plans,
             self._http,
         )
-        self._bandwidth = Bandwidth()
+        self._bandwidth = Bandwidth(PROCESS)
         self._prefix = PrefixLoads(self._reads, self._shards, self._bandwidth)
         self._batch_get = BatchGet(self._x, self._shards, max_batch_keys=max_batch_keys, strict=strict)
         self._writes = Writes(
@@ -430,6 +430,23 @@ class AsyncClient:
         if url not in self._x.endpoints:
             raise ValueError(f"{endpoint!r} is not one of this client's endpoints")
         return await self._lookups.list_keys(url, prefix, start_after, limit)
+
+    async def read_limit(self) -> float | None:
+        """The tenant's QoS read limit (bytes per second; the daemon's ``qos``
+        in ``GET /v1/stats``), the lowest of its endpoints': a bound on any
+        load's bandwidth. None: no limit, or not known (fail-open)."""
+
+        async def one(url: str) -> float | None:
+            doc = await self._lookups.stats(url)
+            qos = doc.get("qos")
+            rate = qos.get("read_bytes_per_s") if isinstance(qos, dict) else None
+            return float(rate) if isinstance(rate, int | float) and rate > 0 else None
+
+        async def run() -> float | None:
+            found = [r for r in await asyncio.gather(*(one(u) for u in self.endpoints)) if r is not None]
+            return min(found) if found else None
+
+        return await self._guard("read_limit", None, run())
 
     # -- loads against the clock -----------------------------------------------
 

@@ -134,6 +134,19 @@ class Lookups:
         done = await asyncio.gather(*(one(u, lid) for u, lid in leases))
         return [ul for ul, ok in zip(leases, done, strict=True) if not ok]
 
+    async def stats(self, url: str) -> dict[str, Any]:
+        """``GET /v1/stats`` of ``url``: the tenant's usage there and its QoS."""
+
+        async def fn(s: aiohttp.ClientSession) -> dict[str, Any]:
+            async with s.get("/v1/stats") as r:
+                await check(r, ok=(200,))
+                doc = await json_answer(r)
+            if not isinstance(doc, dict):
+                raise ProtocolError("malformed stats: not an object")
+            return doc
+
+        return await self._x.attempts(self._x.endpoints[url], fn, self._x.deadline())
+
     async def list_keys(
         self, url: str, prefix: str, start_after: str | None, limit: int
     ) -> tuple[list[tuple[str, int]], str | None]:

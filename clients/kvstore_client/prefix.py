@@ -45,14 +45,18 @@ ALPHA = 0.3  # the weight of a new sample
 
 
 class Bandwidth:
-    """Bytes per second the client has measured, per (endpoint, transport)."""
+    """Bytes per second the client has measured, per (endpoint, transport);
+    every client's figures also go to the process's (:func:`process_bandwidth`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, process: Bandwidth | None = None) -> None:
         self._rates: dict[tuple[str, str], float] = {}
+        self._process = process
 
     def record(self, endpoint: str, transport: str, nbytes: int, seconds: float) -> None:
         if nbytes < MIN_SAMPLE_BYTES or seconds <= 0:
             return
+        if self._process is not None:
+            self._process.record(endpoint, transport, nbytes, seconds)
         sample = nbytes / seconds
         old = self._rates.get((endpoint, transport))
         self._rates[(endpoint, transport)] = sample if old is None else ALPHA * sample + (1 - ALPHA) * old
@@ -70,6 +74,16 @@ class Bandwidth:
 
     def all(self) -> dict[tuple[str, str], float]:
         return dict(self._rates)
+
+
+PROCESS = Bandwidth()  # what every client of this process measured
+
+
+def process_bandwidth(endpoint: str | None = None, transport: str | None = None) -> float | None:
+    """The lowest bandwidth any client of this process measured (to
+    ``endpoint`` over ``transport``; None: any). An engine's scheduler plans
+    with what its workers' clients measured, where they share its process."""
+    return PROCESS.get(endpoint, transport)
 
 
 class PrefixLoads:

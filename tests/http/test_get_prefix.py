@@ -157,3 +157,12 @@ async def test_unix_read_plans_serve_it(daemon: Daemon, sock_dir: Path) -> None:
         assert await kv.get_prefix(keys, bufs, deadline_s=0) == 0  # no time at all: nothing counted
         await kv.wait_loads()
     _ = asyncio  # (the tests' loop is pytest-asyncio's)
+
+
+async def test_the_client_reads_its_tenants_read_limit(api: Api) -> None:
+    limited = await api.tenant("lim", "direct", qos={"read_bytes_per_s": 5 * MiB})
+    free = await api.tenant("free", "direct")
+    async with AsyncClient(api.base, limited) as kv:
+        assert await kv.read_limit() == 5 * MiB
+    async with AsyncClient(api.base, free) as kv:
+        assert await kv.read_limit() is None

@@ -42,6 +42,15 @@ What it does:
   never waits for the network and the engine's blocks are free to reuse at
   once; at most ``max_pending_save_mb`` of saves wait for the network, beyond
   that saves are dropped (and counted).
+* **Load planning** (``prefill_tokens_per_s`` set: the engine's prefill
+  throughput): a hit prefix is loaded only when loading it is expected to
+  take at most ``1 / load_margin`` (1.1) of recomputing it, from the
+  bandwidth this process's loads measured (``AsyncClient.bandwidth``) and
+  the tenant's QoS read limit (``GET /v1/stats``), whichever is lower
+  (kvstore_client/adapters/planner.py); otherwise the engine recomputes it.
+  A planned load runs against a deadline, the time recomputing it would
+  take: blocks that did not arrive by then are load errors the engine
+  recomputes. Without ``prefill_tokens_per_s`` every hit is loaded.
 * **Fail-open.** A kvstore that is down, slow or erroring is a miss: lookups
   time out after ``lookup_timeout`` s, a request's loads after
   ``load_timeout`` s, and every block that did not load is reported through
@@ -76,8 +85,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore_client.adapters._common import CLIENT_SETTINGS, LoopThread, Settings
+from kvstore_client.adapters.planner import LoadPlan, LoadPlanner
 from kvstore_client.client import AsyncClient
 from kvstore_client.keys import block_keys, model_fingerprint
+from kvstore_client.prefix import process_bandwidth
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,10 +110,13 @@ SETTINGS = (
     "load_mode",
     "max_pending_save_mb",
     "load_concurrency",
+    "prefill_tokens_per_s",
+    "load_margin",
 )
 HEADER_MAGIC = b"kvsvllm1"  # 8 bytes, then 8 bytes of blake2b(layout description)
 HEADER_SIZE = 16
 IDLE_WAIT = 0.05  # s: the longest an idle engine step waits for an async load (see get_finished)
+READ_LIMIT_TTL_S = 10.0  # how long the scheduler plans with the tenant's read limit before asking again
 
 
 # -- metadata: scheduler -> workers (pickled between processes) -------------------
@@ -117,6 +131,7 @@ class BlockTransfer:
     keys: dict[str, list[str]]
     # The engine's identity of each block (saves), for kvstore's residency events.
     metas: list[dict[str, Any] | None] | None = None
+    deadline_s: float | None = None  # a planned load: the most it may take (planner.py)
 
 
 @dataclass
@@ -142,6 +157,7 @@ class _RequestState:
     load_start: int = 0  # pending load: blocks [load_start, load_end)
     load_end: int = 0
     load_queued: bool = False
+    load_deadline_s: float | None = None  # the planned load's deadline
     saved_upto: int = 0  # blocks below this are loaded, saved or were present
 
 
@@ -168,6 +184,10 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.load_async = s.choice("load_mode", "async", ("async", "sync")) == "async"
         self.max_pending_save_bytes = int(s.get_float("max_pending_save_mb", 1024.0) * (1 << 20))
         self.load_concurrency = s.get_int("load_concurrency", 16, minimum=1)
+        prefill = s.get_float("prefill_tokens_per_s", 1.0) if "prefill_tokens_per_s" in extra else 0.0
+        margin = s.get_float("load_margin", 1.1, minimum=0.999)  # (at least 1: never plan a slower load)
+        self.planner = LoadPlanner(prefill, margin=max(1.0, margin)) if prefill else None
+        self._read_limit: tuple[float, float | None] = (-math.inf, None)  # (when asked, the tenant's read limit)
         self._load_buffers: list[list[torch.Tensor]] = []  # host buffers of finished loads, for the next
         tc = self._kv_transfer_config
         self.do_load = bool(getattr(tc, "is_kv_consumer", True))
@@ -184,6 +204,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.disabled:
             log.warning("kvstore connector disabled: %s", self.disabled)
         self.layout = self._layout_description(kv_cache_config)
+        self._block_bytes = 0 if self.disabled else self._scheduler_block_bytes(kv_cache_config)
         self.stats: dict[str, int] = dict.fromkeys(
             (
                 "lookups",
@@ -193,6 +214,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "saved_blocks",
                 "save_failed_blocks",
                 "dropped_save_blocks",
+                "planned_recompute_blocks",
             ),
             0,
         )
@@ -237,6 +259,16 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"quant={getattr(sp, 'kv_quant_mode', '')}"
             )
         return ";".join(parts)
+
+    @staticmethod
+    def _scheduler_block_bytes(kv_cache_config: KVCacheConfig) -> int:
+        """One rank's kvstore block as the scheduler can tell (the KV cache
+        spec's page per layer, times the layers, and the header); 0 if it cannot."""
+        try:
+            g = kv_cache_config.kv_cache_groups[0]
+            return HEADER_SIZE + int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+        except (AttributeError, IndexError, TypeError, ValueError):
+            return 0
 
     def _fingerprint(self, tp_rank: int, pp_rank: int, salt: str) -> str:
         return model_fingerprint(
@@ -342,8 +374,40 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self.do_load or hit <= start:
             st.load_start = st.load_end = 0
             return 0, False
+        st.load_deadline_s = None
+        if self.planner is not None:
+            plan = self._plan(hit - start)
+            if plan.blocks < hit - start:
+                self.stats["planned_recompute_blocks"] += hit - start - plan.blocks
+                log.info(
+                    "kvstore: request %s: recomputing %d hit blocks (load %.3f s expected, recompute %.3f s)",
+                    request.request_id,
+                    hit - start - plan.blocks,
+                    plan.load_s or 0.0,
+                    plan.recompute_s or 0.0,
+                )
+            hit = start + plan.blocks
+            st.load_deadline_s = plan.deadline_s
+            if hit <= start:
+                st.load_start = st.load_end = 0
+                return 0, False
         st.load_start, st.load_end = start, hit
         return (hit - start) * self.block_size, self.load_async
+
+    def _plan(self, blocks: int) -> LoadPlan:
+        """The planner's choice for ``blocks`` hit blocks: this process's
+        measured bandwidth and the tenant's read limit (asked every
+        READ_LIMIT_TTL_S) against the engine's prefill throughput."""
+        assert self.planner is not None
+        asked, limit = self._read_limit
+        if time.monotonic() - asked > READ_LIMIT_TTL_S:
+            try:
+                limit = self._loop.run(self._lookup_client.read_limit(), timeout=self.lookup_timeout + 1.0)
+            except TimeoutError:
+                limit = None
+            self._read_limit = (time.monotonic(), limit)
+        ranks = self.tp_size * self.pp_size
+        return self.planner.plan(blocks, self.block_size, self._block_bytes * ranks, process_bandwidth(), limit)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -379,6 +443,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                         st_id,
                         st.block_ids[st.load_start : st.load_end],
                         {label: keys[st.load_start : st.load_end] for label, keys in st.keys.items()},
+                        deadline_s=st.load_deadline_s,
                     )
                 )
                 st.load_end = st.load_start  # queued once
@@ -543,13 +608,24 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return set(load.block_ids)
         done: set[int] = set()
         bufs = self._load_buffers.pop() if self._load_buffers else []
+        # A planned load stops at its deadline (get_prefix): what did not arrive is recomputed.
+        until = None if load.deadline_s is None else time.monotonic() + load.deadline_s
+        cut = False
 
         async def group(part: list[tuple[str, int]]) -> None:
             # One get_many_into per group: over NIXL one control call and one transfer,
             # into host buffers reused from load to load (registered once).
+            nonlocal cut
             while len(bufs) < len(part):
                 bufs.append(self._host_buffer())
-            got = await self._load_client.get_many_into([k for k, _ in part], [b.numpy() for b in bufs[: len(part)]])
+            part_keys, arrays = [k for k, _ in part], [b.numpy() for b in bufs[: len(part)]]
+            got: list[int | None]
+            if until is None:
+                got = await self._load_client.get_many_into(part_keys, arrays)
+            else:
+                arrived = await self._load_client.get_prefix(part_keys, arrays, max(0.0, until - time.monotonic()))
+                got = [self._block_nbytes] * arrived + [None] * (len(part) - arrived)  # (headers checked below)
+                cut = arrived < len(part)
             for (key, block_id), buf, n in zip(part, bufs, got, strict=False):
                 if n != self._block_nbytes:
                     if n is not None:
@@ -564,13 +640,16 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         async def all_groups() -> None:
             pairs = list(zip(keys, load.block_ids, strict=True))
             for at in range(0, len(pairs), self.load_concurrency):
+                if cut:
+                    break
                 await group(pairs[at : at + self.load_concurrency])
 
         t0 = time.monotonic()
         try:
             async with asyncio.timeout(self.load_timeout):
                 await all_groups()
-            self._load_buffers.append(bufs)  # not after a timeout: a READ may still land in them
+            if not cut:  # not after a timeout or a deadline: a READ may still land in them
+                self._load_buffers.append(bufs)
         except TimeoutError:
             log.warning("kvstore: loading request %s timed out after %s s", load.req_id, self.load_timeout)
         except Exception:

@@ -187,7 +187,14 @@ async def list_keys(request: web.Request) -> web.Response:
 @routes.get("/v1/stats")
 async def stats(request: web.Request) -> web.Response:
     tenant = tenant_of(request)
-    s = await store_of(request).stats(tenant)
+    store = store_of(request)
+    s = await store.stats(tenant)
     return web.json_response(
-        {"tenant": tenant, "blocks": s.blocks, "bytes_stored": s.stored_bytes, "bytes_logical": s.logical_bytes}
+        {
+            "tenant": tenant,
+            "blocks": s.blocks,
+            "bytes_stored": s.stored_bytes,
+            "bytes_logical": s.logical_bytes,
+            "qos": store.qos(tenant).public(),  # its own limits: what its clients plan loads with
+        }
     )

@@ -1,0 +1,78 @@
+"""Load planning: load a hit prefix only where loading it beats recomputing it.
+
+An adapter that loads every hit turns a slow disk, a busy node or a
+throttled tenant into a slower service than no cache at all. The planner
+weighs, for the ``blocks`` of a hit prefix:
+
+- loading them: ``overhead_s + blocks * bytes_per_block / bandwidth``, with
+  the bandwidth the client measured from its own loads (``AsyncClient.bandwidth``)
+  or, lower, what the tenant may read (its QoS ``read_bytes_per_s``);
+- recomputing them: ``blocks * tokens_per_block / prefill_tokens_per_s``,
+  the engine's prefill throughput (configured; measured where the adapter
+  can, :meth:`LoadPlanner.observe_prefill`).
+
+Both grow with the prefix, so a prefix is loaded whole or not at all: whole
+when loading it takes at most ``1 / margin`` of recomputing it. Without a
+prefill figure or a bandwidth figure there is nothing to weigh, and the
+whole hit is loaded (as before planning), so that the first loads measure
+the bandwidth. A planned load runs under a deadline: the time recomputing
+it would take (``get_prefix``), so a load that turns out slower than planned
+stops there and the engine recomputes what did not arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALPHA = 0.3  # the weight of a new prefill sample
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    blocks: int  # how many leading hit blocks to load (0: recompute them all)
+    deadline_s: float | None  # the most the load may take; None: the adapter's load timeout
+    load_s: float | None  # the expected load time (None: unknown)
+    recompute_s: float | None  # the expected recompute time (None: unknown)
+
+
+class LoadPlanner:
+    def __init__(self, prefill_tokens_per_s: float = 0.0, margin: float = 1.1, overhead_s: float = 0.002) -> None:
+        if prefill_tokens_per_s < 0 or margin < 1.0 or overhead_s < 0:
+            raise ValueError(
+                f"prefill_tokens_per_s >= 0, margin >= 1 and overhead_s >= 0 are needed; got "
+                f"{prefill_tokens_per_s}, {margin}, {overhead_s}"
+            )
+        self.prefill_tokens_per_s = prefill_tokens_per_s  # 0: unknown
+        self.margin = margin
+        self.overhead_s = overhead_s
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` prompt tokens in ``seconds``."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if old <= 0 else ALPHA * rate + (1 - ALPHA) * old
+
+    def plan(
+        self,
+        blocks: int,
+        tokens_per_block: int,
+        bytes_per_block: int,
+        bandwidth: float | None,
+        read_limit: float | None = None,
+    ) -> LoadPlan:
+        """How many of ``blocks`` hit blocks to load, and by when.
+        ``bandwidth``: bytes/s measured (None: not yet); ``read_limit``: the
+        tenant's QoS read limit in bytes/s (None or 0: none)."""
+        if blocks <= 0:
+            return LoadPlan(0, None, None, None)
+        rates = [r for r in (bandwidth, read_limit) if r]
+        if not rates or self.prefill_tokens_per_s <= 0:
+            return LoadPlan(blocks, None, None, None)
+        rate = min(rates)
+        load_s = self.overhead_s + blocks * bytes_per_block / rate
+        recompute_s = blocks * tokens_per_block / self.prefill_tokens_per_s
+        if load_s * self.margin <= recompute_s:
+            return LoadPlan(blocks, recompute_s, load_s, recompute_s)
+        return LoadPlan(0, None, load_s, recompute_s)

@@ -1,0 +1,53 @@
+"""The load planner's choice at fixed bandwidth and prefill figures."""
+
+from __future__ import annotations
+
+import pytest
+from kvstore_client.adapters.planner import LoadPlanner
+
+MB = 1_000_000
+BLOCK_BYTES = 2 * MB  # a 16-token block of a mid-size model, say
+TOKENS = 16
+
+
+def test_fast_storage_loads_the_whole_hit_under_a_deadline() -> None:
+    p = LoadPlanner(prefill_tokens_per_s=8000, margin=1.1)
+    plan = p.plan(100, TOKENS, BLOCK_BYTES, bandwidth=2000 * MB)
+    assert plan.blocks == 100
+    assert plan.load_s == pytest.approx(0.002 + 0.1)
+    assert plan.recompute_s == pytest.approx(0.2)
+    assert plan.deadline_s == plan.recompute_s  # past it, recomputing would have been sooner
+
+
+def test_slow_storage_or_a_throttled_tenant_recomputes() -> None:
+    p = LoadPlanner(prefill_tokens_per_s=8000, margin=1.1)
+    assert p.plan(100, TOKENS, BLOCK_BYTES, bandwidth=500 * MB).blocks == 0  # 0.4 s to load, 0.2 to compute
+    # The measured bandwidth is high, the tenant's read limit is not: the limit decides.
+    assert p.plan(100, TOKENS, BLOCK_BYTES, bandwidth=5000 * MB, read_limit=50 * MB).blocks == 0
+    assert p.plan(100, TOKENS, BLOCK_BYTES, bandwidth=5000 * MB, read_limit=0).blocks == 100
+
+
+def test_the_margin_and_the_fixed_cost() -> None:
+    p = LoadPlanner(prefill_tokens_per_s=8000, margin=1.0, overhead_s=0.0)
+    assert p.plan(100, TOKENS, BLOCK_BYTES, bandwidth=1000 * MB).blocks == 100  # 0.2 s either way: load
+    assert LoadPlanner(8000, margin=1.5, overhead_s=0.0).plan(100, TOKENS, BLOCK_BYTES, 1000 * MB).blocks == 0
+    # A single block: the fixed cost of a load outweighs its bytes.
+    assert LoadPlanner(8000, overhead_s=0.05).plan(1, TOKENS, BLOCK_BYTES, 10_000 * MB).blocks == 0
+
+
+def test_without_figures_everything_is_loaded_so_the_first_loads_measure() -> None:
+    assert LoadPlanner(0).plan(7, TOKENS, BLOCK_BYTES, bandwidth=1 * MB).blocks == 7
+    plan = LoadPlanner(8000).plan(7, TOKENS, BLOCK_BYTES, bandwidth=None)
+    assert (plan.blocks, plan.deadline_s) == (7, None)
+    assert LoadPlanner(8000).plan(0, TOKENS, BLOCK_BYTES, 1 * MB).blocks == 0
+
+
+def test_prefill_is_measured() -> None:
+    p = LoadPlanner()
+    p.observe_prefill(4000, 1.0)
+    assert p.prefill_tokens_per_s == 4000
+    p.observe_prefill(8000, 1.0)
+    assert 4000 < p.prefill_tokens_per_s < 8000
+    p.observe_prefill(0, 1.0)
+    with pytest.raises(ValueError):
+        LoadPlanner(margin=0.5)
