@@ -14,7 +14,6 @@ import io
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -22,22 +21,10 @@ import pytest
 from kvstore_client import AsyncClient, Client
 from kvstore_client.prefix import DEADLINE_SLACK_S
 
-from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http.app import make_app
-from tests.http.conftest import ADMIN, Api, Daemon, KVTestServer, free_port, server_config
+from tests.http.conftest import ADMIN, Api, Daemon
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK = 256 * KiB
-
-
-@pytest.fixture
-async def api(tmp_path: Path) -> AsyncIterator[Api]:
-    cfg = server_config(tmp_path / "data")
-    server = KVTestServer(make_app(cfg, MasterKey(os.urandom(32))), host="127.0.0.1", port=free_port())
-    await server.start_server()
-    async with aiohttp.ClientSession() as session:
-        yield Api(f"http://127.0.0.1:{server.port}", session, cfg, server=server)
-    await server.close()
 
 
 async def _fill(api: Api, token: str, n: int, prefix: str = "k") -> dict[str, bytes]:
