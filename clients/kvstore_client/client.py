@@ -37,6 +37,7 @@ from kvstore_client.nixl import nixl_available
 from kvstore_client.nixl_link import NixlLink
 from kvstore_client.plans import Plan, PlanConnection, PlannedBlock
 from kvstore_client.prefix import PROCESS, Bandwidth, PrefixLoads
+from kvstore_client.reads.base import Outcome
 from kvstore_client.reads.batch import BatchGet
 from kvstore_client.reads.http import HttpReader
 from kvstore_client.reads.nixl import NixlReader
@@ -501,7 +502,11 @@ class AsyncClient:
     async def _get_many(self, keys: list[str]) -> list[bytes | None]:
         for k in keys:
             check_key(k)
-        return await self._batch_get.get_many(keys)
+        t0 = time.monotonic()
+        blobs = await self._batch_get.get_many(keys)
+        sizes: list[Outcome] = [None if b is None else len(b) for b in blobs]
+        self._prefix.measure(keys, sizes, ["http"] * len(keys), time.monotonic() - t0)
+        return blobs
 
     async def get_many_into(self, keys: Sequence[str], bufs: Sequence[Any]) -> list[int | None]:
         """Read each of ``keys`` into the buffer at the same place in ``bufs``

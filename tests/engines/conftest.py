@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,6 +70,15 @@ class Kvstore:
         with urllib.request.urlopen(req, timeout=10) as r:
             self.token = str(json.loads(r.read())["token"])
         return self.token
+
+    def set_qos(self, qos: dict[str, Any], name: str = "engine") -> None:
+        """PATCH the tenant's QoS fields (None: back to the store's default)."""
+        req = urllib.request.Request(
+            self.url + f"/v1/admin/tenants/{name}", data=json.dumps({"qos": qos}).encode(), method="PATCH"
+        )
+        req.add_header("Authorization", f"Bearer {ADMIN}")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200
 
     def nixl_reads(self) -> int:
         """Read calls the daemon's NIXL agent answered (0 without one)."""

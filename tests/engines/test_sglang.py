@@ -179,3 +179,28 @@ def test_daemon_stopped_is_a_miss_never_none(backend: KVStoreHiCacheStorage, kvs
 def test_unknown_setting_is_refused(kvstore: Kvstore) -> None:
     with pytest.raises(ValueError, match=r"unknown setting.*\bendpoint\b"):
         StorageBackendFactory.create_backend("dynamic", storage_config(kvstore, endpoint="typo"), None)
+
+
+def test_load_planning_answers_what_is_worth_loading(kvstore: Kvstore) -> None:
+    """With ``prefill_tokens_per_s`` set, ``batch_exists`` answers the stored
+    pages only when loading them beats recomputing them: SGLang computes
+    the others instead of prefetching them. A tenant throttled to 1 kB/s
+    would take seconds for what a prefill at 1000 tokens/s computes in 12 ms."""
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(kvstore, prefill_tokens_per_s=1000), None)
+    assert isinstance(b, KVStoreHiCacheStorage)
+    try:
+        src = LayerFirstHostPool()
+        b.register_mem_pool_host(src)
+        keys = ["p0", "p1", "p2"]
+        assert b.batch_set_v1(keys, torch.arange(8, 20)) == [True] * 3
+        assert b.batch_exists(keys) == 3  # no figure yet (no limit, nothing measured): load, and measure
+        kvstore.set_qos({"read_bytes_per_s": 1000})
+        b._read_limit = (float("-inf"), None)  # (asked again at once, not after READ_LIMIT_TTL_S)
+        assert b.batch_exists(keys) == 0
+        assert b.planned_recompute_pages == 3
+        kvstore.set_qos({"read_bytes_per_s": 10**9})
+        b._read_limit = (float("-inf"), None)
+        assert b.batch_exists(keys) == 3  # 2 ms to load against 12 ms to recompute
+    finally:
+        kvstore.set_qos({"read_bytes_per_s": None})
+        b.close()

@@ -18,7 +18,7 @@ import pytest
 
 from bench.engine_ttft import build_llama
 from tests.engines.conftest import ENGINE_ENV, UCX_ENV, Kvstore, dead_endpoint, make_kvstore, nixl_installed
-from tests.http.conftest import ADMIN, free_port
+from tests.http.conftest import free_port
 
 # Engine starts take 20-90 s each; module fixtures start up to two before a test.
 pytestmark = pytest.mark.timeout(900)
@@ -235,15 +235,6 @@ def kv_blocks_expected(out: Any) -> int:
     return sum(o["prompt_tokens"] // BLOCK for o in out["outputs"])
 
 
-def _set_qos(kv: Kvstore, qos: dict[str, Any]) -> None:
-    req = urllib.request.Request(
-        kv.url + "/v1/admin/tenants/engine", data=json.dumps({"qos": qos}).encode(), method="PATCH"
-    )
-    req.add_header("Authorization", f"Bearer {ADMIN}")
-    with urllib.request.urlopen(req, timeout=10) as r:
-        assert r.status == 200
-
-
 def test_load_planning_recomputes_when_the_tenant_is_throttled_and_loads_when_not(
     stored: Any, model: Path, reference: list[list[int]], tmp_path: Path
 ) -> None:
@@ -254,20 +245,20 @@ def test_load_planning_recomputes_when_the_tenant_is_throttled_and_loads_when_no
     limit (a high one), and a prefill as slow as 1 token/s, the whole hit is
     loaded, under a deadline of the recompute time."""
     kv, _ = stored
-    _set_qos(kv, {"read_bytes_per_s": 1000})
+    kv.set_qos({"read_bytes_per_s": 1000})
     try:
         out = run_engine(tmp_path, "planned-slow", model, connector(kv, prefill_tokens_per_s=1000))
     finally:
-        _set_qos(kv, {"read_bytes_per_s": None})
+        kv.set_qos({"read_bytes_per_s": None})
     assert token_ids(out) == reference
     assert all(o["num_cached_tokens"] == 0 for o in out["outputs"])
     assert out["log"].count("hit blocks (load") == len(PROMPTS)  # the connector's account of each choice
     assert " tokens from kvstore" not in out["log"]
-    _set_qos(kv, {"read_bytes_per_s": 10**9})  # a limit far above what loading needs: the plan loads
+    kv.set_qos({"read_bytes_per_s": 10**9})  # a limit far above what loading needs: the plan loads
     try:
         out = run_engine(tmp_path, "planned-fast", model, connector(kv, prefill_tokens_per_s=1))
     finally:
-        _set_qos(kv, {"read_bytes_per_s": None})
+        kv.set_qos({"read_bytes_per_s": None})
     assert token_ids(out) == reference
     assert "hit blocks (load" not in out["log"]
     for o in out["outputs"]:

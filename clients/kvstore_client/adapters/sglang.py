@@ -19,6 +19,14 @@ kvstore and the host pool's page buffers), ``tp_lcm_size``,
 ``enable_metadata_cache`` and ``metadata_ttl`` are accepted; anything else is
 refused at start-up.
 
+Load planning (``prefill_tokens_per_s``: the engine's prefill throughput;
+``load_margin``, default 1.1): ``batch_exists`` answers the stored pages only
+when loading them is expected to take at most ``1 / load_margin`` of
+recomputing them, from the bandwidth the client measured from its loads and
+the tenant's QoS read limit (kvstore_client/adapters/planner.py); else 0,
+and SGLang computes those pages instead of prefetching them. The loads
+themselves run under SGLang's own prefetch policy (``prefetch_stop_policy``).
+
 Keys: SGLang's page keys are content hashes chained over the token prefix.
 kvstore stores page ``h`` under ``sgl.<fp>.<h>``, ``fp`` being the client
 library's model fingerprint of the model name, the host pool's dtype and
@@ -46,6 +54,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -54,6 +64,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvstore_client.adapters._common import CLIENT_SETTINGS, LoopThread, Settings
+from kvstore_client.adapters.planner import LoadPlanner
 from kvstore_client.client import AsyncClient
 from kvstore_client.keys import check_key, model_fingerprint
 
@@ -69,7 +80,10 @@ SGLANG_SETTINGS = (
     "enable_metadata_cache",
     "metadata_ttl",
 )
-SETTINGS = (*CLIENT_SETTINGS, *SGLANG_SETTINGS)
+# Load planning (kvstore_client/adapters/planner.py): the engine's prefill throughput, and the margin.
+PLAN_SETTINGS = ("prefill_tokens_per_s", "load_margin")
+SETTINGS = (*CLIENT_SETTINGS, *SGLANG_SETTINGS, *PLAN_SETTINGS)
+READ_LIMIT_TTL_S = 10.0  # how long batch_exists plans with the tenant's read limit before asking again
 
 
 def _bytes_view(t: torch.Tensor) -> np.ndarray[Any, Any]:
@@ -99,6 +113,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.mem_pool_host: Any = None
         self.writer = bool(getattr(storage_config, "is_storage_writer", True))
         self.fingerprint = self._fingerprint()
+        prefill = self.settings.get_float("prefill_tokens_per_s", 1.0) if "prefill_tokens_per_s" in extra else 0.0
+        margin = max(1.0, self.settings.get_float("load_margin", 1.1, minimum=0.999))
+        self.planner = LoadPlanner(prefill, margin=margin) if prefill else None
+        self._read_limit: tuple[float, float | None] = (-math.inf, None)  # (when asked, the tenant's read limit)
+        self.planned_recompute_pages = 0
 
     # -- keys ------------------------------------------------------------------------
 
@@ -204,9 +223,37 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return bool(self._call("exists", False, lambda: self.client.exists(self.key(key))))
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many keys from the start are stored: one lookup call."""
+        """How many keys from the start are stored (one lookup call), and
+        worth loading: with ``prefill_tokens_per_s`` set, 0 when loading them
+        is expected to be slower than recomputing them (SGLang then computes
+        those pages instead of prefetching them)."""
         ks = [self.key(k) for k in keys]
-        return int(self._call("batch_exists", 0, lambda: self.client.lookup(ks)))
+        n = int(self._call("batch_exists", 0, lambda: self.client.lookup(ks)))
+        if self.planner is None or n == 0 or self.mem_pool_host is None:
+            return n
+        try:
+            page_bytes = sum(self.mem_pool_host.get_page_buffer_meta(torch.arange(0, self.mem_pool_host.page_size))[1])
+            tokens = int(self.mem_pool_host.page_size)
+        except Exception:  # a pool that cannot say: no planning
+            log.exception("kvstore batch_exists: the host pool's page size is unknown; not planning")
+            return n
+        plan = self.planner.plan(n, tokens, page_bytes, self.client.bandwidth(), self._tenant_read_limit())
+        if plan.blocks < n:
+            self.planned_recompute_pages += n - plan.blocks
+            log.info(
+                "kvstore: recomputing %d stored pages (load %.3f s expected, recompute %.3f s)",
+                n - plan.blocks,
+                plan.load_s or 0.0,
+                plan.recompute_s or 0.0,
+            )
+        return plan.blocks
+
+    def _tenant_read_limit(self) -> float | None:
+        asked, limit = self._read_limit
+        if time.monotonic() - asked > READ_LIMIT_TTL_S:
+            limit = self._call("read_limit", None, self.client.read_limit)
+            self._read_limit = (time.monotonic(), limit)
+        return limit
 
     # -- v1 paths: pages straight between kvstore and the host pool ------------------
 
