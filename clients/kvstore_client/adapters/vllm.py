@@ -50,7 +50,10 @@ What it does:
   (kvstore_client/adapters/planner.py); otherwise the engine recomputes it.
   A planned load runs against a deadline, the time recomputing it would
   take: blocks that did not arrive by then are load errors the engine
-  recomputes. Without ``prefill_tokens_per_s`` every hit is loaded.
+  recomputes. The prefill throughput starts from the setting and follows
+  what the scheduler measures of steps of 256 tokens or more (their tokens
+  over the time to the next step). Without ``prefill_tokens_per_s`` every
+  hit is loaded.
 * **Fail-open.** A kvstore that is down, slow or erroring is a miss: lookups
   time out after ``lookup_timeout`` s, a request's loads after
   ``load_timeout`` s, and every block that did not load is reported through
@@ -117,6 +120,8 @@ HEADER_MAGIC = b"kvsvllm1"  # 8 bytes, then 8 bytes of blake2b(layout descriptio
 HEADER_SIZE = 16
 IDLE_WAIT = 0.05  # s: the longest an idle engine step waits for an async load (see get_finished)
 READ_LIMIT_TTL_S = 10.0  # how long the scheduler plans with the tenant's read limit before asking again
+PREFILL_MIN_TOKENS = 256  # a step with fewer scheduled tokens says little of prefill throughput
+STEP_MAX_S = 10.0  # a step "taking" longer was an idle engine, not computation
 
 
 # -- metadata: scheduler -> workers (pickled between processes) -------------------
@@ -188,6 +193,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         margin = s.get_float("load_margin", 1.1, minimum=0.999)  # (at least 1: never plan a slower load)
         self.planner = LoadPlanner(prefill, margin=max(1.0, margin)) if prefill else None
         self._read_limit: tuple[float, float | None] = (-math.inf, None)  # (when asked, the tenant's read limit)
+        self._last_step: tuple[float, int] | None = None  # (when, tokens scheduled): the last step's
         self._load_buffers: list[list[torch.Tensor]] = []  # host buffers of finished loads, for the next
         tc = self._kv_transfer_config
         self.do_load = bool(getattr(tc, "is_kv_consumer", True))
@@ -427,12 +433,26 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(async_loads=self.load_async)
+        if self.planner is not None:
+            self._time_steps(scheduler_output)
         try:
             self._build(scheduler_output, meta)
         except Exception:  # fail-open: a bookkeeping bug costs cache hits, not the engine
             log.exception("kvstore: building the step's transfers failed; no transfers this step")
             return KVStoreConnectorMetadata(async_loads=self.load_async)
         return meta
+
+    def _time_steps(self, so: SchedulerOutput) -> None:
+        """The engine's prefill throughput, measured: a step of at least
+        PREFILL_MIN_TOKENS scheduled tokens, and the time to the next step's
+        scheduling (its forward pass and the scheduler's turn), if that is
+        under STEP_MAX_S (longer: the engine was idle, not computing). It
+        starts from the configured ``prefill_tokens_per_s``."""
+        assert self.planner is not None
+        now = time.monotonic()
+        last, self._last_step = self._last_step, (now, int(getattr(so, "total_num_scheduled_tokens", 0) or 0))
+        if last is not None and last[1] >= PREFILL_MIN_TOKENS and 0 < now - last[0] < STEP_MAX_S:
+            self.planner.observe_prefill(last[1], now - last[0])
 
     def _build(self, so: SchedulerOutput, meta: KVStoreConnectorMetadata) -> None:
         bs = self.block_size
