@@ -431,19 +431,20 @@ class FastLane:
             return False
         if tenant is None or not self._admit(tenant):
             return False
-        if not self._admit_bulk(tenant, "write", req.length):
+        qos = app.get(QOS)
+        if qos is not None and not qos.try_take(tenant, "write", req.length):  # (writes pass no gate: qos.py)
             self._unadmit(tenant)
             return False
         try:
             app[SLOTS].acquire(tenant)  # the tenant's shares of the worker (shares.py), as the route holds them
         except Overloaded:
-            self._unadmit(tenant, "write", req.length)
+            self._unadmit(tenant, req.length)
             return False
         try:
             app[BUDGET].reserve(req.length, tenant)
         except Overloaded:
             app[SLOTS].release(tenant)
-            self._unadmit(tenant, "write", req.length)
+            self._unadmit(tenant, req.length)
             return False
         state["inflight"] += 1
         up = self._upload = _Upload(tenant, req.key, meta, req.length, t0)
@@ -538,8 +539,6 @@ class FastLane:
             up.timer = None
         self._app[BUDGET].release(up.length, up.tenant)
         self._app[SLOTS].release(up.tenant)
-        if QOS in self._app:
-            self._app[QOS].gate.leave(up.tenant)
         self._app[STATE]["inflight"] -= 1
         if reuse:
             up.buf.release()
@@ -564,15 +563,15 @@ class FastLane:
             return False
         return True
 
-    def _unadmit(self, tenant: str, kind: Kind | None = None, n: int = 0) -> None:
-        """Give back what :meth:`_admit` (and :meth:`_admit_bulk`) took: the request goes to the route."""
+    def _unadmit(self, tenant: str, write: int = 0) -> None:
+        """Give back what :meth:`_admit` took (and ``write`` bytes a PUT
+        took): the request goes to the route."""
         qos = self._app.get(QOS)
         if qos is None:
             return
         qos.give_back(tenant, "request", 1)
-        if kind is not None:
-            qos.give_back(tenant, kind, n)
-            qos.gate.leave(tenant)
+        if write:
+            qos.give_back(tenant, "write", write)
 
     def _answer_error(self, e: KVStoreError, up: _Upload) -> None:
         self._respond(*self._error_answer(e), up)

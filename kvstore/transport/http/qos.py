@@ -5,7 +5,7 @@ limits and its weight in a busy worker (kvstore/qos/).
 - Every request of a tenant takes one of its ``requests_per_s`` (in the
   gate, so lookups, HEADs and lease releases too: they wait for nothing
   else, never behind bulk bytes).
-- A bulk transfer (:data:`BULK`) takes a slot of the worker's fair gate
+- A bulk read (:data:`BULK`) takes a slot of the worker's fair gate
   (fair.py), waiting its turn by weight while they are all taken.
 - The bytes of a block read (known before it is sent) and of a block write
   (its Content-Length, before the body is read) are reserved from the
@@ -54,17 +54,17 @@ log = logging.getLogger("kvstore.qos")
 T = TypeVar("T")
 QosSource = Callable[[str], Qos]  # a tenant's QoS as it applies now (the store's)
 
-# Routes whose answers move blocks' bytes: they pass the fair gate.
+# Routes whose answers move blocks' bytes out: they pass the fair gate.
+# Writes do not: a slot held while a body trickles in would be the
+# stalled-body attack again (a client decides how long a body takes). A
+# tenant's writes are bounded by its write limit and its weighted shares of
+# the body budget and of the requests in flight (shares.py).
 BULK = frozenset(
     {
         ("GET", "/v1/blocks/{key}"),
-        ("PUT", "/v1/blocks/{key}"),
         ("GET", "/v1/records/{key}"),
         ("POST", "/v1/batch/get"),
-        ("POST", "/v1/batch/put"),
-        ("PUT", "/v1/write-plan/{plan}/blocks/{key}"),
         ("POST", "/v1/xfer/read"),
-        ("POST", "/v1/xfer/write"),
     }
 )
 _RATE_FIELD = {"read": "read_bytes_per_s", "write": "write_bytes_per_s", "request": "requests_per_s"}

@@ -230,15 +230,15 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if qos is None:
         return await _serve(request, call)
     # The tenant's QoS (kvstore/transport/http/qos.py), as on /v1: a request;
-    # a PUT's bytes before its body is read; a transfer takes a slot of the
-    # fair gate. Over a limit: SlowDown (503), S3's way to say "slow down".
+    # a PUT's bytes before its body is read; a GET takes a slot of the fair
+    # gate. Over a limit: SlowDown (503), S3's way to say "slow down".
     await qos.take(tenant, "request", 1)
     qos.served(tenant, "request", 1)
-    if call.key is None or request.method not in ("GET", "PUT"):
-        return await _serve(request, call)
-    if request.method == "PUT" and request.content_length:
+    if request.method == "PUT" and call.key is not None and request.content_length:
         await qos.take(tenant, "write", request.content_length)
         qos.served(tenant, "write", request.content_length)
+    if call.key is None or request.method != "GET":
+        return await _serve(request, call)
     await qos.enter(tenant)
     try:
         return await _serve(request, call)
