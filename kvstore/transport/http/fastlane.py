@@ -82,7 +82,7 @@ from kvstore.transport.http.bodies import BUDGET, keys_field, parse_json, tokens
 from kvstore.transport.http.counting import count_bytes, count_request
 from kvstore.transport.http.forward import WRITER
 from kvstore.transport.http.middleware import error_answered
-from kvstore.transport.http.qos import QOS
+from kvstore.transport.http.qos import QOS, storing
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.respond import error_body
 from kvstore.transport.http.sendfile import sendfile_extent
@@ -489,7 +489,8 @@ class FastLane:
         app = self._app
         reuse = False
         try:
-            stored = await app[STORE].put(up.tenant, up.key, up.buf.view, up.meta)
+            async with storing(app, up.tenant):  # (the body is in: a slot of the fair gate for its store)
+                stored = await app[STORE].put(up.tenant, up.key, up.buf.view, up.meta)
         except KVStoreError as e:
             status, head, doc = self._error_answer(e)
         except Exception:  # the route's answer to the unexpected: a 500, logged

@@ -219,6 +219,22 @@ class TenantQos:
 QOS = web.AppKey("qos", TenantQos)
 
 
+@contextlib.asynccontextmanager
+async def storing(app: web.Application, tenant: str | None) -> AsyncIterator[None]:
+    """A write's store, its body already in: a slot of the fair gate, held
+    while it is stored (never while a body arrives: a client decides how
+    long that takes, and would hold the slot from the other tenants)."""
+    qos = app.get(QOS)
+    if qos is None or tenant is None:
+        yield
+        return
+    await qos.enter(tenant)
+    try:
+        yield
+    finally:
+        qos.gate.leave(tenant)
+
+
 async def qos_ctx(app: web.Application) -> AsyncIterator[None]:
     """The worker's QoS: the node's buckets (a file every worker maps, in the
     data directory; one process keeps them in memory) and a flusher."""
