@@ -6,7 +6,8 @@ limits and its weight in a busy worker (kvstore/qos/).
   gate, so lookups, HEADs and lease releases too: they wait for nothing
   else, never behind bulk bytes).
 - A bulk read (:data:`BULK`) takes a slot of the worker's fair gate
-  (fair.py), waiting its turn by weight while they are all taken.
+  (fair.py), waiting its turn by weight while they are all taken; a block
+  write takes one for its store, once its body is in.
 - The bytes of a block read (known before it is sent) and of a block write
   (its Content-Length, before the body is read) are reserved from the
   tenant's ``read_bytes_per_s`` / ``write_bytes_per_s`` first. Bytes whose
@@ -54,11 +55,12 @@ log = logging.getLogger("kvstore.qos")
 T = TypeVar("T")
 QosSource = Callable[[str], Qos]  # a tenant's QoS as it applies now (the store's)
 
-# Routes whose answers move blocks' bytes out: they pass the fair gate.
-# Writes do not: a slot held while a body trickles in would be the
-# stalled-body attack again (a client decides how long a body takes). A
-# tenant's writes are bounded by its write limit and its weighted shares of
-# the body budget and of the requests in flight (shares.py).
+# Routes whose answers move blocks' bytes out: they pass the fair gate for
+# the whole request. A block write takes a slot for its store only, once its
+# body is in (:func:`storing`): a slot held while a body trickles in would be
+# the stalled-body attack again (a client decides how long a body takes).
+# While it arrives, a write is bounded by its tenant's write limit and its
+# weighted shares of the body budget and of the requests in flight (shares.py).
 BULK = frozenset(
     {
         ("GET", "/v1/blocks/{key}"),
