@@ -50,6 +50,11 @@ FILE_NAME = "qos-rates"
 assert _SLOT.size <= _SLOT_SIZE
 
 
+def _burst(rate: float) -> float:
+    """What a bucket of ``rate`` per second holds: BURST_S of it, one at least."""
+    return max(rate * BURST_S, 1.0)
+
+
 def _digest(tenant: str) -> bytes:
     return hashlib.blake2b(tenant.encode(), digest_size=16, person=b"kvstore-qos").digest()
 
@@ -121,7 +126,7 @@ class RateTable:
         ``max_wait_s``, minus the seconds after which a retry may pass, and
         nothing is taken."""
         i = _INDEX[kind]
-        burst = max(rate * BURST_S, 1.0)
+        burst = _burst(rate)
         with self._locked():
             off = self._slot(tenant)
             fields = list(_SLOT.unpack_from(self._map, off))
@@ -144,7 +149,7 @@ class RateTable:
         with self._locked():
             off = self._slot(tenant)
             fields = list(_SLOT.unpack_from(self._map, off))
-            fields[1 + i] = min(max(rate * BURST_S, 1.0), fields[1 + i] + n)
+            fields[1 + i] = min(_burst(rate), fields[1 + i] + n)
             _SLOT.pack_into(self._map, off, *fields)
 
     def add_served(self, served: dict[str, tuple[int, int, int]]) -> None:

@@ -1,7 +1,8 @@
 """The weighted fair gate a worker's bulk transfers pass.
 
-A worker moves at most ``slots`` bulk transfers at once (GET and PUT of
-blocks, batches, records, NIXL transfers). While a slot is free and nobody
+A worker moves at most ``slots`` bulk transfers at once (its bulk reads for
+their whole request, its block writes for their store once the body is in:
+kvstore/transport/http/qos.py). While a slot is free and nobody
 waits, a transfer passes at once; when they are all taken, transfers wait,
 and each slot that frees goes to the waiting tenant that has been served
 least for its weight: each tenant's virtual time advances by what it moves
@@ -93,7 +94,7 @@ class FairGate:
     def _enter(self, tenant: str, weight: int) -> None:
         self._activate(tenant)
         self._take(tenant)
-        self._finish[tenant] += REQUEST_COST / weight
+        self._charge_entry(tenant, weight)
 
     async def enter(self, tenant: str, weight: int, timeout_s: float) -> bool:
         """Take a slot, waiting for one at most ``timeout_s``; False if none came."""

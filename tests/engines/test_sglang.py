@@ -195,11 +195,11 @@ def test_load_planning_answers_what_is_worth_loading(kvstore: Kvstore) -> None:
         assert b.batch_set_v1(keys, torch.arange(8, 20)) == [True] * 3
         assert b.batch_exists(keys) == 3  # no figure yet (no limit, nothing measured): load, and measure
         kvstore.set_qos({"read_bytes_per_s": 1000})
-        b._read_limit = (float("-inf"), None)  # (asked again at once, not after READ_LIMIT_TTL_S)
+        b._read_limit.forget()  # (asked again at once, not after READ_LIMIT_TTL_S)
         assert b.batch_exists(keys) == 0
         assert b.planned_recompute_pages == 3
         kvstore.set_qos({"read_bytes_per_s": 10**9})
-        b._read_limit = (float("-inf"), None)
+        b._read_limit.forget()
         assert b.batch_exists(keys) == 3  # 2 ms to load against 12 ms to recompute
     finally:
         kvstore.set_qos({"read_bytes_per_s": None})

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
+from kvstore_client.adapters.planner import LoadPlanner
 from kvstore_client.client import AsyncClient
 
 T = TypeVar("T")
@@ -29,6 +30,19 @@ CLIENT_SETTINGS = (
     "transport",  # "http" (default) or "nixl": get_into/put_many over NIXL, falling back to HTTP
     "nixl_devices",  # UCX_NET_DEVICES for the client's NIXL agent (unset: UCX's choice)
 )
+
+
+# Load planning (kvstore_client/adapters/planner.py): the engine's prefill throughput, and the margin.
+PLAN_SETTINGS = ("prefill_tokens_per_s", "load_margin")
+
+
+def load_planner(s: Settings) -> LoadPlanner | None:
+    """The adapter's load planner: with ``prefill_tokens_per_s`` set, and
+    ``load_margin`` (1.1; at least 1: never plan a slower load); else None."""
+    margin = max(1.0, s.get_float("load_margin", 1.1, minimum=0.999))
+    return (
+        LoadPlanner(s.get_float("prefill_tokens_per_s", 1.0), margin=margin) if s.has("prefill_tokens_per_s") else None
+    )
 
 
 def escape(text: str, unsafe: re.Pattern[str]) -> str:

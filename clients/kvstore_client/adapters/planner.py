@@ -22,9 +22,13 @@ stops there and the engine recomputes what did not arrive.
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ALPHA = 0.3  # the weight of a new prefill sample
+READ_LIMIT_TTL_S = 10.0  # how long an adapter plans with the tenant's read limit before asking again
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,3 +80,24 @@ class LoadPlanner:
         if load_s * self.margin <= recompute_s:
             return LoadPlan(blocks, recompute_s, load_s, recompute_s)
         return LoadPlan(0, None, load_s, recompute_s)
+
+
+class ReadLimit:
+    """The tenant's QoS read limit as an adapter plans with it: asked with
+    ``ask`` (``AsyncClient.read_limit``, run the adapter's way) at most every
+    READ_LIMIT_TTL_S."""
+
+    def __init__(self, ask: Callable[[], float | None]) -> None:
+        self._ask = ask
+        self._asked = -math.inf
+        self._limit: float | None = None
+
+    def get(self) -> float | None:
+        if time.monotonic() - self._asked > READ_LIMIT_TTL_S:
+            self._limit = self._ask()
+            self._asked = time.monotonic()
+        return self._limit
+
+    def forget(self) -> None:
+        """Ask again at the next :meth:`get`."""
+        self._asked = -math.inf

@@ -54,8 +54,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import math
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -63,8 +61,8 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from kvstore_client.adapters._common import CLIENT_SETTINGS, LoopThread, Settings
-from kvstore_client.adapters.planner import LoadPlanner
+from kvstore_client.adapters._common import CLIENT_SETTINGS, PLAN_SETTINGS, LoopThread, Settings, load_planner
+from kvstore_client.adapters.planner import ReadLimit
 from kvstore_client.client import AsyncClient
 from kvstore_client.keys import check_key, model_fingerprint
 
@@ -80,10 +78,7 @@ SGLANG_SETTINGS = (
     "enable_metadata_cache",
     "metadata_ttl",
 )
-# Load planning (kvstore_client/adapters/planner.py): the engine's prefill throughput, and the margin.
-PLAN_SETTINGS = ("prefill_tokens_per_s", "load_margin")
 SETTINGS = (*CLIENT_SETTINGS, *SGLANG_SETTINGS, *PLAN_SETTINGS)
-READ_LIMIT_TTL_S = 10.0  # how long batch_exists plans with the tenant's read limit before asking again
 
 
 def _bytes_view(t: torch.Tensor) -> np.ndarray[Any, Any]:
@@ -113,10 +108,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.mem_pool_host: Any = None
         self.writer = bool(getattr(storage_config, "is_storage_writer", True))
         self.fingerprint = self._fingerprint()
-        prefill = self.settings.get_float("prefill_tokens_per_s", 1.0) if "prefill_tokens_per_s" in extra else 0.0
-        margin = max(1.0, self.settings.get_float("load_margin", 1.1, minimum=0.999))
-        self.planner = LoadPlanner(prefill, margin=margin) if prefill else None
-        self._read_limit: tuple[float, float | None] = (-math.inf, None)  # (when asked, the tenant's read limit)
+        self.planner = load_planner(self.settings)
+        self._read_limit = ReadLimit(lambda: self._call("read_limit", None, self.client.read_limit))
         self.planned_recompute_pages = 0
 
     # -- keys ------------------------------------------------------------------------
@@ -237,7 +230,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         except Exception:  # a pool that cannot say: no planning
             log.exception("kvstore batch_exists: the host pool's page size is unknown; not planning")
             return n
-        plan = self.planner.plan(n, tokens, page_bytes, self.client.bandwidth(), self._tenant_read_limit())
+        plan = self.planner.plan(n, tokens, page_bytes, self.client.bandwidth(), self._read_limit.get())
         if plan.blocks < n:
             self.planned_recompute_pages += n - plan.blocks
             log.info(
@@ -247,13 +240,6 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 plan.recompute_s or 0.0,
             )
         return plan.blocks
-
-    def _tenant_read_limit(self) -> float | None:
-        asked, limit = self._read_limit
-        if time.monotonic() - asked > READ_LIMIT_TTL_S:
-            limit = self._call("read_limit", None, self.client.read_limit)
-            self._read_limit = (time.monotonic(), limit)
-        return limit
 
     # -- v1 paths: pages straight between kvstore and the host pool ------------------
 

@@ -87,8 +87,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore_client.adapters._common import CLIENT_SETTINGS, LoopThread, Settings
-from kvstore_client.adapters.planner import LoadPlan, LoadPlanner
+from kvstore_client.adapters._common import CLIENT_SETTINGS, PLAN_SETTINGS, LoopThread, Settings, load_planner
+from kvstore_client.adapters.planner import LoadPlan, ReadLimit
 from kvstore_client.client import AsyncClient
 from kvstore_client.keys import block_keys, model_fingerprint
 from kvstore_client.prefix import process_bandwidth
@@ -113,13 +113,11 @@ SETTINGS = (
     "load_mode",
     "max_pending_save_mb",
     "load_concurrency",
-    "prefill_tokens_per_s",
-    "load_margin",
+    *PLAN_SETTINGS,
 )
 HEADER_MAGIC = b"kvsvllm1"  # 8 bytes, then 8 bytes of blake2b(layout description)
 HEADER_SIZE = 16
 IDLE_WAIT = 0.05  # s: the longest an idle engine step waits for an async load (see get_finished)
-READ_LIMIT_TTL_S = 10.0  # how long the scheduler plans with the tenant's read limit before asking again
 PREFILL_MIN_TOKENS = 256  # a step with fewer scheduled tokens says little of prefill throughput
 STEP_MAX_S = 10.0  # a step "taking" longer was an idle engine, not computation
 
@@ -189,10 +187,8 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.load_async = s.choice("load_mode", "async", ("async", "sync")) == "async"
         self.max_pending_save_bytes = int(s.get_float("max_pending_save_mb", 1024.0) * (1 << 20))
         self.load_concurrency = s.get_int("load_concurrency", 16, minimum=1)
-        prefill = s.get_float("prefill_tokens_per_s", 1.0) if "prefill_tokens_per_s" in extra else 0.0
-        margin = s.get_float("load_margin", 1.1, minimum=0.999)  # (at least 1: never plan a slower load)
-        self.planner = LoadPlanner(prefill, margin=max(1.0, margin)) if prefill else None
-        self._read_limit: tuple[float, float | None] = (-math.inf, None)  # (when asked, the tenant's read limit)
+        self.planner = load_planner(s)
+        self._read_limit = ReadLimit(self._ask_read_limit)
         self._last_step: tuple[float, int] | None = None  # (when, tokens scheduled): the last step's
         self._load_buffers: list[list[torch.Tensor]] = []  # host buffers of finished loads, for the next
         tc = self._kv_transfer_config
@@ -402,18 +398,19 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _plan(self, blocks: int) -> LoadPlan:
         """The planner's choice for ``blocks`` hit blocks: this process's
-        measured bandwidth and the tenant's read limit (asked every
-        READ_LIMIT_TTL_S) against the engine's prefill throughput."""
+        measured bandwidth and the tenant's read limit against the engine's
+        prefill throughput."""
         assert self.planner is not None
-        asked, limit = self._read_limit
-        if time.monotonic() - asked > READ_LIMIT_TTL_S:
-            try:
-                limit = self._loop.run(self._lookup_client.read_limit(), timeout=self.lookup_timeout + 1.0)
-            except TimeoutError:
-                limit = None
-            self._read_limit = (time.monotonic(), limit)
         ranks = self.tp_size * self.pp_size
-        return self.planner.plan(blocks, self.block_size, self._block_bytes * ranks, process_bandwidth(), limit)
+        return self.planner.plan(
+            blocks, self.block_size, self._block_bytes * ranks, process_bandwidth(), self._read_limit.get()
+        )
+
+    def _ask_read_limit(self) -> float | None:
+        try:
+            return self._loop.run(self._lookup_client.read_limit(), timeout=self.lookup_timeout + 1.0)
+        except TimeoutError:
+            return None
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)

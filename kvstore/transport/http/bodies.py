@@ -41,7 +41,7 @@ from kvstore.names import validate_key
 from kvstore.transport.http.appkeys import config_of
 from kvstore.transport.http.auth import known_tenant
 from kvstore.transport.http.counting import count_bytes
-from kvstore.transport.http.qos import QOS, storing
+from kvstore.transport.http.qos import QOS, transfer_slot
 from kvstore.transport.http.shares import Shares
 
 JSON_MAX_BYTES = 4 << 20
@@ -160,7 +160,7 @@ async def block_body(request: web.Request, limit: int) -> AsyncIterator[memoryvi
     try:
         buf = await _read_aligned(request, length)
         count_bytes(request.app, "in", length, tenant)
-        async with storing(request.app, tenant):
+        async with transfer_slot(request.app, tenant):  # (for its store: the body is in)
             yield buf.view
         buf.release()
     finally:

@@ -76,13 +76,12 @@ from kvstore.buffers import POOL, AlignedBuffer
 from kvstore.errors import InvalidInput, KVStoreError, Overloaded, RequestTimeout
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_client_key, validate_key
-from kvstore.qos.buckets import Kind
 from kvstore.transport.http.appkeys import CONFIG, METRICS, STATE, STORE
 from kvstore.transport.http.bodies import BUDGET, keys_field, parse_json, tokens_per_block_field
 from kvstore.transport.http.counting import count_bytes, count_request
 from kvstore.transport.http.forward import WRITER
 from kvstore.transport.http.middleware import error_answered
-from kvstore.transport.http.qos import QOS, storing
+from kvstore.transport.http.qos import QOS, transfer_slot
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.respond import error_body
 from kvstore.transport.http.sendfile import sendfile_extent
@@ -350,7 +349,7 @@ class FastLane:
             if extent is not None:
                 extent.release()
             return False
-        if not self._admit_bulk(tenant, "read", end - start):
+        if not self._admit_read(tenant, end - start):
             if extent is not None:
                 extent.release()
             self._unadmit(tenant)
@@ -489,7 +488,7 @@ class FastLane:
         app = self._app
         reuse = False
         try:
-            async with storing(app, up.tenant):  # (the body is in: a slot of the fair gate for its store)
+            async with transfer_slot(app, up.tenant):  # (the body is in: a slot of the fair gate for its store)
                 stored = await app[STORE].put(up.tenant, up.key, up.buf.view, up.meta)
         except KVStoreError as e:
             status, head, doc = self._error_answer(e)
@@ -551,16 +550,16 @@ class FastLane:
             return True
         return qos.try_take(tenant, "request", 1)
 
-    def _admit_bulk(self, tenant: str, kind: Kind, n: int) -> bool:
-        """Take ``n`` bytes of ``tenant``'s ``kind`` and a slot of the fair
+    def _admit_read(self, tenant: str, n: int) -> bool:
+        """Take ``n`` bytes of ``tenant``'s reads and a slot of the fair
         gate, if neither needs a wait (else nothing is taken)."""
         qos = self._app.get(QOS)
         if qos is None:
             return True
-        if not qos.try_take(tenant, kind, n):
+        if not qos.try_take(tenant, "read", n):
             return False
         if not qos.gate.try_enter(tenant, qos.policy(tenant).weight):
-            qos.give_back(tenant, kind, n)
+            qos.give_back(tenant, "read", n)
             return False
         return True
 

@@ -32,7 +32,7 @@ from kvstore.transport.http.auth import is_admin, require_admin, tenant_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING
 from kvstore.transport.http.counting import count_request
 from kvstore.transport.http.forward import WRITER, forward, relayed
-from kvstore.transport.http.qos import BULK, QOS
+from kvstore.transport.http.qos import BULK, QOS, transfer_slot
 from kvstore.transport.http.respond import error_body, error_response
 from kvstore.transport.http.shares import SLOTS
 from kvstore.transport.statuses import http_status
@@ -183,23 +183,21 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
             # Its share of the worker's requests in flight (shares.py), held
             # until the answer: no tenant can take every slot.
             request.app[SLOTS].acquire(tenant)
-    bulk: str | None = None  # the tenant holding a slot of the fair gate
     try:
         qos = request.app.get(QOS)
         # Its QoS (qos.py): a request, then a slot of the fair gate for a
-        # bulk transfer; a relayed request is the writer's to limit.
+        # bulk read; a relayed request is the writer's to limit.
+        bulk = None
         if tenant is not None and qos is not None and not (WRITER in request.app and relayed(request)):
             await qos.take(tenant, "request", 1)
             qos.served(tenant, "request", 1)
             if (request.method, route_of(request)) in BULK:
-                await qos.enter(tenant)
                 bulk = tenant
-        if matched and EXPECT in request:
-            await _answer_expect(request)
-        return await handler(request)
+        async with transfer_slot(request.app, bulk):
+            if matched and EXPECT in request:
+                await _answer_expect(request)
+            return await handler(request)
     finally:
-        if bulk is not None:
-            request.app[QOS].gate.leave(bulk)
         if tenant is not None:
             request.app[SLOTS].release(tenant)
 

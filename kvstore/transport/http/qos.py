@@ -57,7 +57,7 @@ QosSource = Callable[[str], Qos]  # a tenant's QoS as it applies now (the store'
 
 # Routes whose answers move blocks' bytes out: they pass the fair gate for
 # the whole request. A block write takes a slot for its store only, once its
-# body is in (:func:`storing`): a slot held while a body trickles in would be
+# body is in (:func:`transfer_slot`): a slot held while a body trickles in would be
 # the stalled-body attack again (a client decides how long a body takes).
 # While it arrives, a write is bounded by its tenant's write limit and its
 # weighted shares of the body budget and of the requests in flight (shares.py).
@@ -102,20 +102,25 @@ class TenantQos:
 
     # -- the limits -------------------------------------------------------------
 
+    def _rate(self, tenant: str, kind: Kind) -> int:
+        """The tenant's limit of ``kind`` per second (0: none)."""
+        rate: int = getattr(self.policy(tenant), _RATE_FIELD[kind])
+        return rate
+
     def try_take(self, tenant: str, kind: Kind, n: int) -> bool:
         """Take ``n`` of ``kind`` if that needs no wait (the fast lane, which never waits)."""
-        rate = getattr(self.policy(tenant), _RATE_FIELD[kind])
+        rate = self._rate(tenant, kind)
         return not rate or self.table.take(tenant, kind, n, rate, 0.0) == 0.0
 
     def give_back(self, tenant: str, kind: Kind, n: int) -> None:
-        rate = getattr(self.policy(tenant), _RATE_FIELD[kind])
+        rate = self._rate(tenant, kind)
         if rate:
             self.table.give_back(tenant, kind, n, rate)
 
     async def take(self, tenant: str, kind: Kind, n: int) -> None:
         """Take ``n`` of ``kind``, waiting for them up to ``qos_max_wait_ms``;
         past that, ``RateLimited`` (429) and nothing taken."""
-        rate = getattr(self.policy(tenant), _RATE_FIELD[kind])
+        rate = self._rate(tenant, kind)
         if not rate:
             return
         wait = self.table.take(tenant, kind, n, rate, self.max_wait_s)
@@ -131,7 +136,7 @@ class TenantQos:
     def charge(self, tenant: str, kind: Kind, n: int) -> None:
         """``n`` of ``kind`` moved without a reservation: taken now, in debt
         if need be (the tenant's next requests wait for it)."""
-        rate = getattr(self.policy(tenant), _RATE_FIELD[kind])
+        rate = self._rate(tenant, kind)
         if rate:
             self.table.take(tenant, kind, n, rate, math.inf)
 
@@ -222,10 +227,12 @@ QOS = web.AppKey("qos", TenantQos)
 
 
 @contextlib.asynccontextmanager
-async def storing(app: web.Application, tenant: str | None) -> AsyncIterator[None]:
-    """A write's store, its body already in: a slot of the fair gate, held
-    while it is stored (never while a body arrives: a client decides how
-    long that takes, and would hold the slot from the other tenants)."""
+async def transfer_slot(app: web.Application, tenant: str | None) -> AsyncIterator[None]:
+    """A slot of the worker's fair gate for ``tenant`` (None, or no QoS:
+    none), waited for by weight and held for the ``async with`` block: a
+    bulk read's whole request, a write's store once its body is in (never
+    while a body arrives: a client decides how long that takes, and would
+    hold the slot from the other tenants)."""
     qos = app.get(QOS)
     if qos is None or tenant is None:
         yield

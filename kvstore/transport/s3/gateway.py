@@ -35,7 +35,7 @@ from kvstore.errors import KVStoreError
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
 from kvstore.transport.http.appkeys import CONFIG, METRICS
-from kvstore.transport.http.qos import QOS, TenantQos
+from kvstore.transport.http.qos import QOS, TenantQos, transfer_slot
 from kvstore.transport.s3 import acl, bucket_ops, multipart_ops, object_ops
 from kvstore.transport.s3.call import Call, Settings, validate_object_key
 from kvstore.transport.s3.errors import S3Error, from_kvstore
@@ -237,13 +237,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if request.method == "PUT" and call.key is not None and request.content_length:
         await qos.take(tenant, "write", request.content_length)
         qos.served(tenant, "write", request.content_length)
-    if call.key is None or request.method != "GET":
+    async with transfer_slot(request.app, tenant if call.key is not None and request.method == "GET" else None):
         return await _serve(request, call)
-    await qos.enter(tenant)
-    try:
-        return await _serve(request, call)
-    finally:
-        qos.gate.leave(tenant)
 
 
 async def _serve(request: web.Request, call: Call) -> web.StreamResponse:
