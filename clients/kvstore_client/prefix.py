@@ -17,10 +17,14 @@ client.wait_loads()`` returns once they all have ended; a caller reusing
 those buffers waits for it first.
 
 :class:`Bandwidth`: per endpoint and transport, an exponentially weighted
-average of the bytes per second of the loads that moved enough bytes to
-say (:data:`MIN_SAMPLE_BYTES`): the bytes a load read from the endpoint
-over the load's wall time, so concurrent reads count as what they are
-together.
+average of the loads that moved enough bytes to say (:data:`MIN_SAMPLE_BYTES`):
+the bytes a load read from the endpoint over the load's wall time, so
+concurrent reads count as what they are together. The average is of
+seconds per byte (a harmonic mean of the rates): one slow load pulls the
+estimate down at once (a planner must not promise what the store no longer
+delivers), a fast one raises it gradually. An estimate expires
+:data:`STALE_S` after its last sample: a client that stopped loading
+because the store was slow learns again with its next load.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ WINDOW = 8
 DEADLINE_SLACK_S = 0.05  # what get_prefix may take past its deadline on a loaded machine (loop latency)
 MIN_SAMPLE_BYTES = 1 << 20  # a load moving less says more about latency than bandwidth
 ALPHA = 0.3  # the weight of a new sample
+STALE_S = 30.0  # an estimate without a new sample for this long is forgotten
 
 
 class Bandwidth:
@@ -49,7 +54,7 @@ class Bandwidth:
     every client's figures also go to the process's (:func:`process_bandwidth`)."""
 
     def __init__(self, process: Bandwidth | None = None) -> None:
-        self._rates: dict[tuple[str, str], float] = {}
+        self._cost: dict[tuple[str, str], tuple[float, float]] = {}  # -> (seconds per byte, when last sampled)
         self._process = process
 
     def record(self, endpoint: str, transport: str, nbytes: int, seconds: float) -> None:
@@ -57,23 +62,29 @@ class Bandwidth:
             return
         if self._process is not None:
             self._process.record(endpoint, transport, nbytes, seconds)
-        sample = nbytes / seconds
-        old = self._rates.get((endpoint, transport))
-        self._rates[(endpoint, transport)] = sample if old is None else ALPHA * sample + (1 - ALPHA) * old
+        sample = seconds / nbytes
+        now = time.monotonic()
+        old = self._cost.get((endpoint, transport))
+        fresh = old is not None and now - old[1] <= STALE_S
+        cost = ALPHA * sample + (1 - ALPHA) * old[0] if fresh and old is not None else sample
+        self._cost[(endpoint, transport)] = (cost, now)
 
     def get(self, endpoint: str | None = None, transport: str | None = None) -> float | None:
-        """The estimate for ``endpoint`` and ``transport`` (None: any): the
-        lowest of those that match (a plan must hold on the slowest), or
-        None before any load has said."""
+        """The estimate in bytes per second for ``endpoint`` and ``transport``
+        (None: any): the lowest of those that match (a plan must hold on the
+        slowest), or None before a load has said (or for STALE_S since)."""
+        rates = self.all()
         found = [
             rate
-            for (ep, tr), rate in self._rates.items()
+            for (ep, tr), rate in rates.items()
             if (endpoint is None or ep == endpoint) and (transport is None or tr == transport)
         ]
         return min(found) if found else None
 
     def all(self) -> dict[tuple[str, str], float]:
-        return dict(self._rates)
+        """Every estimate not yet stale, in bytes per second."""
+        now = time.monotonic()
+        return {where: 1.0 / cost for where, (cost, when) in self._cost.items() if now - when <= STALE_S}
 
 
 PROCESS = Bandwidth()  # what every client of this process measured

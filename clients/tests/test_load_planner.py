@@ -36,9 +36,16 @@ def test_the_margin_and_the_fixed_cost() -> None:
 
 
 def test_without_figures_everything_is_loaded_so_the_first_loads_measure() -> None:
-    assert LoadPlanner(0).plan(7, TOKENS, BLOCK_BYTES, bandwidth=1 * MB).blocks == 7
-    plan = LoadPlanner(8000).plan(7, TOKENS, BLOCK_BYTES, bandwidth=None)
+    # No prefill figure: nothing to weigh, everything loads with no deadline.
+    plan = LoadPlanner(0).plan(7, TOKENS, BLOCK_BYTES, bandwidth=1 * MB)
     assert (plan.blocks, plan.deadline_s) == (7, None)
+    # No bandwidth figure: a probe of the whole hit, bounded by the recompute time.
+    plan = LoadPlanner(8000).plan(7, TOKENS, BLOCK_BYTES, bandwidth=None)
+    assert (plan.blocks, plan.load_s) == (7, None)
+    assert plan.deadline_s == pytest.approx(7 * TOKENS / 8000)
+    assert LoadPlanner(8000).plan(7, TOKENS, BLOCK_BYTES, bandwidth=None, read_limit=0).deadline_s == plan.deadline_s
+    # Only the read limit is known: it is the best case, and it decides.
+    assert LoadPlanner(8000).plan(7, TOKENS, BLOCK_BYTES, bandwidth=None, read_limit=1 * MB).blocks == 0
     assert LoadPlanner(8000).plan(0, TOKENS, BLOCK_BYTES, 1 * MB).blocks == 0
 
 
@@ -51,3 +58,22 @@ def test_prefill_is_measured() -> None:
     p.observe_prefill(0, 1.0)
     with pytest.raises(ValueError):
         LoadPlanner(margin=0.5)
+
+
+def test_the_bandwidth_estimate_drops_at_once_rises_gradually_and_expires(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore_client import prefix
+
+    now = [1000.0]
+    monkeypatch.setattr(prefix.time, "monotonic", lambda: now[0])
+    bw = prefix.Bandwidth()
+    bw.record("http://a", "http", 500 * MB, 1.0)
+    assert bw.get() == pytest.approx(500 * MB)
+    bw.record("http://a", "http", 5 * MB, 1.0)  # the store became 100x slower
+    assert bw.get() < 20 * MB  # a plan no longer counts on the old speed
+    bw.record("http://a", "http", 500 * MB, 1.0)
+    assert 10 * MB < bw.get() < 100 * MB  # one fast load does not undo it
+    bw.record("http://a", "http", 100, 1.0)  # too few bytes to say
+    now[0] += prefix.STALE_S + 1
+    assert bw.get() is None and bw.all() == {}  # stale: the next plan probes again
+    bw.record("http://a", "http", 50 * MB, 1.0)
+    assert bw.get() == pytest.approx(50 * MB)  # a fresh start, not averaged with the stale figure

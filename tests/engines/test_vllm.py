@@ -145,6 +145,55 @@ def test_fresh_process_loads_from_kvstore(
     assert kv.blocks() == before  # the loaded blocks were not stored again
 
 
+@pytest.fixture(scope="module")
+def stored_layerwise(model: Path, reference: list[list[int]], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An engine with ``load_mode="layerwise"`` stores the prompts: each engine
+    block as one kvstore block per layer group (the tiny model's 2 layers: 2 groups)."""
+    tmp = tmp_path_factory.mktemp("stored-layerwise")
+    kv = make_kvstore(tmp / "kvstore")
+    out = run_engine(tmp, "store-layerwise", model, connector(kv, load_mode="layerwise"))
+    assert token_ids(out) == reference
+    assert kv.blocks() == 2 * sum(o["prompt_tokens"] // BLOCK for o in out["outputs"])
+    yield kv, out
+    kv.stop()
+
+
+def test_layerwise_loading_starts_the_forward_pass_before_the_prefix_is_in(
+    stored_layerwise: Any, model: Path, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """A fresh engine loads the prefix layer group by layer group while its
+    forward pass runs (``wait_for_layer_load`` waits for its layer's group):
+    the outputs are the reference's and every full block but the last token's
+    came from kvstore."""
+    kv, _ = stored_layerwise
+    before = kv.blocks()
+    out = run_engine(tmp_path, "load-layerwise", model, connector(kv, load_mode="layerwise"))
+    assert token_ids(out) == reference
+    for o in out["outputs"]:
+        assert o["num_cached_tokens"] == (o["prompt_tokens"] - 1) // BLOCK * BLOCK > 0
+    assert "2 group(s)" in out["log"]
+    loaded = sum((o["prompt_tokens"] - 1) // BLOCK for o in out["outputs"])
+    assert f"'loaded_blocks': {loaded}, 'load_failed_blocks': 0," in out["log"]  # the worker's account
+    assert kv.blocks() == before
+
+
+def test_a_layerwise_load_cut_after_its_first_group_recomputes(
+    stored_layerwise: Any, model: Path, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """The first layer group arrives whole, the second stops after one block
+    (as a deadline cuts it): the forward pass already ran on the first
+    group's layers, so every block past the first is a load error and the
+    engine recomputes them; the outputs stay the reference's."""
+    kv, _ = stored_layerwise
+    fault_log = tmp_path / "load-errors.txt"
+    kvc = connector(kv, name="LaterGroupsCut", load_mode="layerwise")
+    out = run_engine(tmp_path, "cut-layerwise", model, kvc, {"KVSTORE_TEST_FAULT_LOG": str(fault_log)})
+    assert token_ids(out) == reference
+    reported = sum(int(line) for line in fault_log.read_text().split())
+    assert reported == sum((o["prompt_tokens"] - 1) // BLOCK - 1 for o in out["outputs"])
+    assert f"'loaded_blocks': {len(PROMPTS)}, 'load_failed_blocks': {reported}," in out["log"]
+
+
 @pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (deploy/setup-engines.sh installs it)")
 def test_fresh_process_loads_over_nixl(stored: Any, model: Path, reference: list[list[int]], tmp_path: Path) -> None:
     """The connector with ``transport: "nixl"``: the blocks arrive by one-sided

@@ -12,12 +12,18 @@ weighs, for the ``blocks`` of a hit prefix:
   can, :meth:`LoadPlanner.observe_prefill`).
 
 Both grow with the prefix, so a prefix is loaded whole or not at all: whole
-when loading it takes at most ``1 / margin`` of recomputing it. Without a
-prefill figure or a bandwidth figure there is nothing to weigh, and the
-whole hit is loaded (as before planning), so that the first loads measure
-the bandwidth. A planned load runs under a deadline: the time recomputing
-it would take (``get_prefix``), so a load that turns out slower than planned
-stops there and the engine recomputes what did not arrive.
+when loading it takes at most ``1 / margin`` of recomputing it. A planned
+load runs under a deadline: the time recomputing it would take
+(``get_prefix``), so a load that turns out slower than planned stops there
+and the engine recomputes what did not arrive; a wrong plan costs at most
+that time again.
+
+Without a bandwidth figure (none measured yet, or the last one stale: the
+client forgets an estimate 30 s after its last load) the whole hit is
+loaded under that same deadline: a probe that measures the bandwidth and
+costs at most one recompute time more if the store is slow. Without a
+prefill figure there is nothing to weigh: the whole hit is loaded, with no
+deadline (as before planning).
 """
 
 from __future__ import annotations
@@ -71,12 +77,14 @@ class LoadPlanner:
         tenant's QoS read limit in bytes/s (None or 0: none)."""
         if blocks <= 0:
             return LoadPlan(0, None, None, None)
-        rates = [r for r in (bandwidth, read_limit) if r]
-        if not rates or self.prefill_tokens_per_s <= 0:
+        if self.prefill_tokens_per_s <= 0:
             return LoadPlan(blocks, None, None, None)
+        recompute_s = blocks * tokens_per_block / self.prefill_tokens_per_s
+        rates = [r for r in (bandwidth, read_limit) if r]
+        if not rates:
+            return LoadPlan(blocks, recompute_s, None, recompute_s)  # a probe, bounded by its deadline
         rate = min(rates)
         load_s = self.overhead_s + blocks * bytes_per_block / rate
-        recompute_s = blocks * tokens_per_block / self.prefill_tokens_per_s
         if load_s * self.margin <= recompute_s:
             return LoadPlan(blocks, recompute_s, load_s, recompute_s)
         return LoadPlan(0, None, load_s, recompute_s)

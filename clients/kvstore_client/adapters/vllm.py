@@ -113,6 +113,7 @@ SETTINGS = (
     "load_mode",
     "max_pending_save_mb",
     "load_concurrency",
+    "layer_groups",
     *PLAN_SETTINGS,
 )
 HEADER_MAGIC = b"kvsvllm1"  # 8 bytes, then 8 bytes of blake2b(layout description)
@@ -120,6 +121,7 @@ HEADER_SIZE = 16
 IDLE_WAIT = 0.05  # s: the longest an idle engine step waits for an async load (see get_finished)
 PREFILL_MIN_TOKENS = 256  # a step with fewer scheduled tokens says little of prefill throughput
 STEP_MAX_S = 10.0  # a step "taking" longer was an idle engine, not computation
+LAYERWISE_GROUPS = 4  # layer groups (kvstore blocks per engine block) when load_mode is "layerwise"
 
 
 # -- metadata: scheduler -> workers (pickled between processes) -------------------
@@ -148,6 +150,11 @@ def rank_label(tp_rank: int, pp_rank: int) -> str:
     return f"tp{tp_rank}pp{pp_rank}"
 
 
+def group_label(rank: str, group: int, groups: int) -> str:
+    """The keys' label of a rank's layer group (the rank's own with one group)."""
+    return rank if groups == 1 else f"{rank}:g{group}"
+
+
 @dataclass
 class _RequestState:
     """Scheduler-side bookkeeping of one request."""
@@ -171,6 +178,32 @@ class _Layer:
     block_dim: int
     block_shape: tuple[int, ...]
     nbytes: int
+    group: int = 0  # the layer group (kvstore block of an engine block) it is stored in
+    offset: int = 0  # where its slice starts in its group's kvstore block
+
+
+@dataclass
+class _Group:
+    """The layers stored in one kvstore block of an engine block."""
+
+    layers: list[_Layer]
+    header: bytes
+    nbytes: int  # header and the layers' slices
+
+
+@dataclass
+class _LayerwiseLoad:
+    """One request's layerwise load: per layer group, when its blocks have
+    arrived (how many leading blocks, in staging buffers) and which of its
+    layers have been copied into the paged cache."""
+
+    load: BlockTransfer
+    until: float  # monotonic: the load's deadline (or its load_timeout)
+    arrived: list[concurrent.futures.Future[int]]
+    bufs: list[list[torch.Tensor]]
+    task: concurrent.futures.Future[None] | None = None
+    copied: set[str] = field(default_factory=set)
+    upto: int | None = None  # the fewest blocks any group delivered to the layers that waited
 
 
 class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -184,13 +217,17 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.lookup_timeout = s.get_float("lookup_timeout", 0.5)
         self.load_timeout = s.get_float("load_timeout", 10.0)
         self.save_timeout = s.get_float("save_timeout", 30.0)
-        self.load_async = s.choice("load_mode", "async", ("async", "sync")) == "async"
+        mode = s.choice("load_mode", "async", ("async", "sync", "layerwise"))
+        self.load_async = mode == "async"
+        self.layerwise = mode == "layerwise"
+        self.layer_groups = s.get_int("layer_groups", LAYERWISE_GROUPS if self.layerwise else 1, minimum=1)
         self.max_pending_save_bytes = int(s.get_float("max_pending_save_mb", 1024.0) * (1 << 20))
         self.load_concurrency = s.get_int("load_concurrency", 16, minimum=1)
         self.planner = load_planner(s)
         self._read_limit = ReadLimit(self._ask_read_limit)
         self._last_step: tuple[float, int] | None = None  # (when, tokens scheduled): the last step's
-        self._load_buffers: list[list[torch.Tensor]] = []  # host buffers of finished loads, for the next
+        # Host buffers of finished loads, per layer group, for the next (over NIXL: registered once).
+        self._load_buffers: list[dict[int, list[torch.Tensor]]] = []
         tc = self._kv_transfer_config
         self.do_load = bool(getattr(tc, "is_kv_consumer", True))
         self.do_save = bool(getattr(tc, "is_kv_producer", True))
@@ -205,6 +242,8 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.disabled = self._unsupported(vllm_config, kv_cache_config)
         if self.disabled:
             log.warning("kvstore connector disabled: %s", self.disabled)
+        else:  # no more layer groups than layers
+            self.layer_groups = min(self.layer_groups, len(kv_cache_config.kv_cache_groups[0].layer_names) or 1)
         self.layout = self._layout_description(kv_cache_config)
         self._block_bytes = 0 if self.disabled else self._scheduler_block_bytes(kv_cache_config)
         self.stats: dict[str, int] = dict.fromkeys(
@@ -262,23 +301,32 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         return ";".join(parts)
 
-    @staticmethod
-    def _scheduler_block_bytes(kv_cache_config: KVCacheConfig) -> int:
-        """One rank's kvstore block as the scheduler can tell (the KV cache
-        spec's page per layer, times the layers, and the header); 0 if it cannot."""
+    def _scheduler_block_bytes(self, kv_cache_config: KVCacheConfig) -> int:
+        """One rank's kvstore blocks of an engine block as the scheduler can
+        tell (the KV cache spec's page per layer, times the layers, and the
+        headers); 0 if it cannot."""
         try:
             g = kv_cache_config.kv_cache_groups[0]
-            return HEADER_SIZE + int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+            groups = min(self.layer_groups, len(g.layer_names))
+            return HEADER_SIZE * groups + int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
         except (AttributeError, IndexError, TypeError, ValueError):
             return 0
 
-    def _fingerprint(self, tp_rank: int, pp_rank: int, salt: str) -> str:
+    def _fingerprint(self, tp_rank: int, pp_rank: int, salt: str, group: int = 0) -> str:
+        lg = "" if self.layer_groups == 1 else f"lg={group}/{self.layer_groups};"
         return model_fingerprint(
-            self.model_id, self.dtype, self.layout, tp_rank, self.tp_size, f"pp={pp_rank}/{self.pp_size};{salt}"
+            self.model_id, self.dtype, self.layout, tp_rank, self.tp_size, f"pp={pp_rank}/{self.pp_size};{lg}{salt}"
         )
 
-    def _labels(self) -> list[tuple[str, int, int]]:
-        return [(rank_label(t, p), t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
+    def _labels(self) -> list[tuple[str, int, int, int]]:
+        """(label, TP rank, PP rank, layer group) of every set of keys a request has."""
+        g = self.layer_groups
+        return [
+            (group_label(rank_label(t, p), i, g), t, p, i)
+            for p in range(self.pp_size)
+            for t in range(self.tp_size)
+            for i in range(g)
+        ]
 
     # ==============================================================================
     # Scheduler side
@@ -304,7 +352,8 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return None
         tokens = list(request.prompt_token_ids)
         keys = {
-            label: block_keys(self._fingerprint(t, p, salt), tokens, self.block_size) for label, t, p in self._labels()
+            label: block_keys(self._fingerprint(t, p, salt, g), tokens, self.block_size)
+            for label, t, p, g in self._labels()
         }
         n = len(tokens) // self.block_size
         st = _RequestState(tokens=tokens, keys=keys, present=[False] * n, idents=self._identities(request, tokens, n))
@@ -510,13 +559,14 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _init_worker(self) -> None:
         self._layers: list[_Layer] = []
-        self._header = b""
-        self._block_nbytes = 0
+        self._by_name: dict[str, _Layer] = {}
+        self._groups: list[_Group] = []
         self._label = ""
         self._load_client = self._client(self.load_timeout)
         self._save_client = self._client(self.save_timeout)
         self._lock = threading.Lock()
         self._inflight_loads: dict[str, concurrent.futures.Future[set[int]]] = {}
+        self._layerwise: list[_LayerwiseLoad] = []  # this step's layerwise loads (forward thread only)
         self._idle_step = False
         self._errors: set[int] = set()
         self._pending_save_bytes = 0
@@ -537,11 +587,13 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
         if self.disabled:
             return
-        self._label = rank_label(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
+        rank = rank_label(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
         num_blocks = int(self._kv_cache_config.num_blocks)
         order = [n for n in self._kv_cache_config.kv_cache_groups[0].layer_names if n in kv_caches]
         order += [n for n in kv_caches if n not in order]
-        desc = []
+        if len(order) < self.layer_groups:
+            raise ValueError(f"layer_groups is {self.layer_groups} but this worker has {len(order)} attention layers")
+        layers, desc = [], []
         for name in order:
             t = kv_caches[name]
             dims = [d for d, size in enumerate(t.shape) if size == num_blocks]
@@ -549,45 +601,70 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 raise ValueError(f"layer {name}: shape {tuple(t.shape)} has no single dimension of {num_blocks} blocks")
             d = dims[0]
             shape = tuple(int(x) for i, x in enumerate(t.shape) if i != d)
-            nbytes = math.prod(shape) * t.element_size()
-            self._layers.append(_Layer(name, t, d, shape, nbytes))
+            layers.append(_Layer(name, t, d, shape, math.prod(shape) * t.element_size()))
             desc.append(f"{name}:{shape}:{d}:{t.dtype}")
-        digest = hashlib.blake2b(";".join(desc).encode(), digest_size=8).digest()
-        self._header = HEADER_MAGIC + digest
-        self._block_nbytes = HEADER_SIZE + sum(layer.nbytes for layer in self._layers)
-        first = self._layers[0]
+        # Layer groups: contiguous runs of layers, as even in count as they divide.
+        g = self.layer_groups
+        bounds = [len(layers) * i // g for i in range(g + 1)]
+        for i in range(g):
+            members = layers[bounds[i] : bounds[i + 1]]
+            at = HEADER_SIZE
+            for layer in members:
+                layer.group, layer.offset = i, at
+                at += layer.nbytes
+            what = ";".join(desc) if g == 1 else ";".join(desc) + f";group={i}/{g}"
+            header = HEADER_MAGIC + hashlib.blake2b(what.encode(), digest_size=8).digest()
+            self._groups.append(_Group(members, header, at))
+        self._layers = layers
+        self._by_name = {layer.name: layer for layer in layers}
+        self._label = rank
+        first = layers[0]
         log.info(
-            "kvstore connector (%s): %d layers, layer block %s %s (block dim %d of %s), %d bytes per kvstore block",
-            self._label,
-            len(self._layers),
+            "kvstore connector (%s): %d layers in %d group(s), layer block %s %s (block dim %d of %s), "
+            "%d bytes per engine block",
+            rank,
+            len(layers),
+            g,
             first.block_shape,
             first.tensor.dtype,
             first.block_dim,
             tuple(first.tensor.shape),
-            self._block_nbytes,
+            sum(grp.nbytes for grp in self._groups),
         )
 
-    def _host_buffer(self) -> torch.Tensor:
+    def _glabel(self, group: int) -> str:
+        return group_label(self._label, group, self.layer_groups)
+
+    def _host_buffer(self, group: int) -> torch.Tensor:
         pin = any(layer.tensor.is_cuda for layer in self._layers)
-        return torch.empty(self._block_nbytes, dtype=torch.uint8, pin_memory=pin)
+        return torch.empty(self._groups[group].nbytes, dtype=torch.uint8, pin_memory=pin)
 
-    def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        views, at = [], HEADER_SIZE
-        for layer in self._layers:
-            views.append(buf[at : at + layer.nbytes].view(layer.tensor.dtype).view(layer.block_shape))
-            at += layer.nbytes
-        return views
+    @staticmethod
+    def _view(buf: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        return buf[layer.offset : layer.offset + layer.nbytes].view(layer.tensor.dtype).view(layer.block_shape)
 
-    def _copy_out(self, block_id: int) -> torch.Tensor:
-        buf = self._host_buffer()
-        buf[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(self._header), dtype=torch.uint8))
-        for layer, view in zip(self._layers, self._views(buf), strict=True):
-            view.copy_(layer.tensor.select(layer.block_dim, block_id))
+    def _copy_out(self, block_id: int, group: int) -> torch.Tensor:
+        buf = self._host_buffer(group)
+        grp = self._groups[group]
+        buf[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(grp.header), dtype=torch.uint8))
+        for layer in grp.layers:
+            self._view(buf, layer).copy_(layer.tensor.select(layer.block_dim, block_id))
         return buf
 
-    def _copy_in(self, buf: torch.Tensor, block_id: int) -> None:
-        for layer, view in zip(self._layers, self._views(buf), strict=True):
-            layer.tensor.select(layer.block_dim, block_id).copy_(view, non_blocking=False)
+    def _copy_layer_in(self, buf: torch.Tensor, block_id: int, layer: _Layer) -> None:
+        layer.tensor.select(layer.block_dim, block_id).copy_(self._view(buf, layer), non_blocking=False)
+
+    def _valid(self, key: str, buf: torch.Tensor, n: int | None, group: int) -> bool:
+        """Whether a read of ``n`` bytes into ``buf`` is a block of this layout's ``group``."""
+        grp = self._groups[group]
+        if n != grp.nbytes:
+            if n is not None:
+                log.warning("kvstore block %s is %d bytes, expected %d: not loaded", key, n, grp.nbytes)
+            return False
+        if bytes(buf[:HEADER_SIZE].numpy()) != grp.header:
+            log.warning("kvstore block %s was stored with another KV layout: not loaded", key)
+            return False
+        return True
 
     def _ready(self) -> bool:
         return not self.disabled and bool(self._layers) and self.has_connector_metadata()
@@ -604,7 +681,9 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
             return
         for load in meta.loads:
-            if meta.async_loads:
+            if self.layerwise:
+                self._start_layerwise(load)
+            elif meta.async_loads:
                 fut = self._loop.submit(self._load(load))
                 with self._lock:
                     self._inflight_loads[load.req_id] = fut
@@ -617,60 +696,59 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     self._errors |= failed
 
     async def _load(self, load: BlockTransfer) -> set[int]:
-        """Load one request's blocks into the paged cache; returns the block ids that failed."""
+        """Load one request's blocks into the paged cache, an engine block at
+        a time (all its layer groups); returns the block ids that failed."""
         import asyncio
 
-        keys = load.keys.get(self._label, [])
-        if len(keys) != len(load.block_ids):
+        keys = [load.keys.get(self._glabel(g), []) for g in range(len(self._groups))]
+        if any(len(k) != len(load.block_ids) for k in keys):
             return set(load.block_ids)
-        done: set[int] = set()
-        bufs = self._load_buffers.pop() if self._load_buffers else []
+        # (block index, group) in the prefix's order: a load cut by its deadline keeps a whole prefix.
+        items = [(i, g) for i in range(len(load.block_ids)) for g in range(len(self._groups))]
+        landed: dict[int, int] = {}  # block index -> groups copied in
+        pool = self._load_buffers.pop() if self._load_buffers else {}
         # A planned load stops at its deadline (get_prefix): what did not arrive is recomputed.
         until = None if load.deadline_s is None else time.monotonic() + load.deadline_s
         cut = False
 
-        async def group(part: list[tuple[str, int]]) -> None:
-            # One get_many_into per group: over NIXL one control call and one transfer,
-            # into host buffers reused from load to load (registered once).
+        async def part(chunk: list[tuple[int, int]]) -> None:
+            # One get_many_into per chunk: over NIXL one control call and one transfer.
             nonlocal cut
-            while len(bufs) < len(part):
-                bufs.append(self._host_buffer())
-            part_keys, arrays = [k for k, _ in part], [b.numpy() for b in bufs[: len(part)]]
+            bufs, used = [], dict.fromkeys(range(len(self._groups)), 0)
+            for _, g in chunk:
+                mine = pool.setdefault(g, [])
+                if used[g] == len(mine):
+                    mine.append(self._host_buffer(g))
+                bufs.append(mine[used[g]])
+                used[g] += 1
+            part_keys, arrays = [keys[g][i] for i, g in chunk], [b.numpy() for b in bufs]
             got: list[int | None]
             if until is None:
                 got = await self._load_client.get_many_into(part_keys, arrays)
             else:
                 arrived = await self._load_client.get_prefix(part_keys, arrays, max(0.0, until - time.monotonic()))
-                got = [self._block_nbytes] * arrived + [None] * (len(part) - arrived)  # (headers checked below)
-                cut = arrived < len(part)
-            for (key, block_id), buf, n in zip(part, bufs, got, strict=False):
-                if n != self._block_nbytes:
-                    if n is not None:
-                        log.warning("kvstore block %s is %d bytes, expected %d: not loaded", key, n, self._block_nbytes)
-                    continue
-                if bytes(buf[:HEADER_SIZE].numpy()) != self._header:
-                    log.warning("kvstore block %s was stored with another KV layout: not loaded", key)
-                    continue
-                self._copy_in(buf, block_id)
-                done.add(block_id)
-
-        async def all_groups() -> None:
-            pairs = list(zip(keys, load.block_ids, strict=True))
-            for at in range(0, len(pairs), self.load_concurrency):
-                if cut:
-                    break
-                await group(pairs[at : at + self.load_concurrency])
+                got = [len(a) for a in arrays[:arrived]] + [None] * (len(chunk) - arrived)  # (headers checked below)
+                cut = arrived < len(chunk)
+            for (i, g), key, buf, n in zip(chunk, part_keys, bufs, got, strict=True):
+                if self._valid(key, buf, n, g):
+                    for layer in self._groups[g].layers:
+                        self._copy_layer_in(buf, load.block_ids[i], layer)
+                    landed[i] = landed.get(i, 0) + 1
 
         t0 = time.monotonic()
         try:
             async with asyncio.timeout(self.load_timeout):
-                await all_groups()
-            if not cut:  # not after a timeout or a deadline: a READ may still land in them
-                self._load_buffers.append(bufs)
+                for at in range(0, len(items), self.load_concurrency):
+                    if cut:
+                        break
+                    await part(items[at : at + self.load_concurrency])
+            if not cut:  # not after a timeout or a deadline: a read may still land in them
+                self._load_buffers.append(pool)
         except TimeoutError:
             log.warning("kvstore: loading request %s timed out after %s s", load.req_id, self.load_timeout)
         except Exception:
             log.exception("kvstore: loading request %s failed", load.req_id)
+        done = {load.block_ids[i] for i, n in landed.items() if n == len(self._groups)}
         failed = set(load.block_ids) - done
         log.debug(
             "kvstore: request %s: %d blocks loaded, %d failed, in %.3f s",
@@ -683,12 +761,85 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.stats["load_failed_blocks"] += len(failed)
         return failed
 
+    # -- layerwise loads: the forward pass starts before the prefix is in ---------
+
+    def _start_layerwise(self, load: BlockTransfer) -> None:
+        """Start loading ``load`` a layer group after another (each group's
+        blocks in order, through get_prefix under the load's deadline), into
+        staging buffers; ``wait_for_layer_load`` copies a layer in once its
+        group has arrived."""
+        groups = len(self._groups)
+        budget = self.load_timeout if load.deadline_s is None else min(load.deadline_s, self.load_timeout)
+        lw = _LayerwiseLoad(
+            load,
+            time.monotonic() + budget,
+            [concurrent.futures.Future() for _ in range(groups)],
+            [[self._host_buffer(g) for _ in load.block_ids] for g in range(groups)],
+        )
+        lw.task = self._loop.submit(self._load_layerwise(lw))
+        self._layerwise.append(lw)
+
+    async def _load_layerwise(self, lw: _LayerwiseLoad) -> None:
+        load, upto = lw.load, len(lw.load.block_ids)
+        try:
+            for g, bufs in enumerate(lw.bufs):
+                keys = load.keys.get(self._glabel(g), [])
+                n = 0
+                if len(keys) == len(load.block_ids) and upto > 0:
+                    arrays = [b.numpy() for b in bufs[:upto]]
+                    n = await self._load_client.get_prefix(keys[:upto], arrays, max(0.0, lw.until - time.monotonic()))
+                    n = next((i for i in range(n) if not self._valid(keys[i], bufs[i], len(arrays[i]), g)), n)
+                upto = min(upto, n)  # a block counts only if every group of it arrived
+                lw.arrived[g].set_result(upto)
+        except BaseException:
+            log.exception("kvstore: layerwise load of request %s failed", load.req_id)
+            raise
+        finally:
+            for fut in lw.arrived:
+                if not fut.done():
+                    fut.set_result(0)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before the forward (sync) or before the request runs (async)
+        if not self._layerwise:
+            return  # whole blocks: loaded before the forward (sync) or before the request runs (async)
+        layer = self._by_name.get(layer_name)
+        if layer is None:
+            return
+        for lw in self._layerwise:
+            if layer_name in lw.copied:
+                continue
+            try:
+                n = lw.arrived[layer.group].result(timeout=max(0.0, lw.until - time.monotonic()) + 1.0)
+            except concurrent.futures.TimeoutError:
+                n = 0  # (the loading task sets every group's count when it ends; this is its safety net)
+            for i in range(n):
+                self._copy_layer_in(lw.bufs[layer.group][i], lw.load.block_ids[i], layer)
+            lw.copied.add(layer_name)
+            lw.upto = n if lw.upto is None else min(lw.upto, n)
+
+    def _finish_layerwise(self) -> None:
+        """After the forward pass: a layerwise load's blocks that some layer
+        did not get (cut by the deadline, missing, or a layer the forward
+        never waited for) are load errors; the load's task is stopped."""
+        if not self._layerwise:
+            return
+        loads, self._layerwise = self._layerwise, []
+        for lw in loads:
+            if lw.task is not None:
+                lw.task.cancel()  # staging buffers only: nothing more reaches the paged cache
+            every = len(lw.copied) == len(self._layers)
+            upto = (lw.upto or 0) if every else 0
+            failed = set(lw.load.block_ids[upto:])
+            with self._lock:
+                self._errors |= failed
+            self.stats["loaded_blocks"] += upto
+            self.stats["load_failed_blocks"] += len(failed)
+            log.debug("kvstore: request %s: %d blocks loaded layerwise, %d failed", lw.load.req_id, upto, len(failed))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.role != KVConnectorRole.WORKER or self.disabled:
             return None, None
+        self._finish_layerwise()
         done: set[str] = set()
         with self._lock:
             inflight = list(self._inflight_loads.values())
@@ -713,6 +864,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.role != KVConnectorRole.WORKER:
             return set()
+        self._finish_layerwise()
         with self._lock:
             errors, self._errors = self._errors, set()
         return errors
@@ -736,19 +888,23 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _save(self, saves: list[BlockTransfer]) -> None:
         items: list[tuple[str, torch.Tensor]] = []
         metas: list[dict[str, Any] | None] = []
+        block_nbytes = sum(grp.nbytes for grp in self._groups)
+        nbytes = 0
         for save in saves:
-            keys = save.keys.get(self._label, [])
-            idents = save.metas or [None] * len(keys)
-            for key, block_id, ident in zip(keys, save.block_ids, idents, strict=True):
-                if self._pending_save_bytes + self._block_nbytes > self.max_pending_save_bytes:
+            keys = [save.keys.get(self._glabel(g), []) for g in range(len(self._groups))]
+            idents = save.metas or [None] * len(save.block_ids)
+            for i, (block_id, ident) in enumerate(zip(save.block_ids, idents, strict=True)):
+                if self._pending_save_bytes + block_nbytes > self.max_pending_save_bytes:
                     self.stats["dropped_save_blocks"] += 1
                     continue
-                items.append((key, self._copy_out(block_id)))
-                metas.append(ident)
-                self._pending_save_bytes += self._block_nbytes
+                for g, group_keys in enumerate(keys):
+                    items.append((group_keys[i], self._copy_out(block_id, g)))
+                    metas.append(ident if g == 0 else None)  # the engine's identity: on the first group's block
+                self._pending_save_bytes += block_nbytes
+                nbytes += block_nbytes
         if not items:
             return
-        nbytes = len(items) * self._block_nbytes
+        blocks = len(items) // len(self._groups)
         ids = metas if any(m is not None for m in metas) else None
         fut = self._loop.submit(self._save_client.put_many([(k, b.numpy()) for k, b in items], ids))
         with self._lock:
@@ -759,8 +915,10 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._pending_saves.discard(f)
                 self._pending_save_bytes -= nbytes
             ok = f.result() if not f.cancelled() and f.exception() is None else [False] * len(items)
-            self.stats["saved_blocks"] += sum(ok)
-            self.stats["save_failed_blocks"] += len(ok) - sum(ok)
+            g = len(self._groups)
+            saved = sum(all(ok[i : i + g]) for i in range(0, len(ok), g))  # an engine block: all its groups
+            self.stats["saved_blocks"] += saved
+            self.stats["save_failed_blocks"] += blocks - saved
 
         fut.add_done_callback(finished)
 
