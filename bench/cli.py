@@ -6,6 +6,10 @@ Subcommands (no store, no GPU; arithmetic on the inputs):
   session, and fleet capacity (users x KV per user x retention);
 * ``ttft``: time to load a prefix's KV cache from the store vs. to recompute
   it, the speedup, and the break-even context length (see ``bench.ttft``).
+  With ``--engine vllm`` it measures instead: a real engine's TTFT against
+  the storage bandwidth, recomputing, loading everything, with the load
+  planner and with layerwise loading (``bench.ttft_sweep``; needs
+  deploy/setup-engines.sh).
 
 And one that measures (see ``bench.run``):
 
@@ -435,6 +439,17 @@ def main(argv: list[str] | None = None) -> int:
         from bench import write_bench
 
         return write_bench.main(args_in[1:])
+    if args_in[:1] == ["ttft"] and any(a == "--engine" or a.startswith("--engine=") for a in args_in):
+        from bench import ttft_sweep
+
+        rest = args_in[1:]
+        at = next(i for i, a in enumerate(rest) if a == "--engine" or a.startswith("--engine="))
+        engine = rest[at].partition("=")[2] if "=" in rest[at] else (rest[at + 1] if at + 1 < len(rest) else "")
+        if engine != "vllm":
+            sys.stderr.write(f"{PROG} ttft: argument --engine: only 'vllm' is measured here, got {engine!r}\n")
+            return 2
+        del rest[at : at + (1 if "=" in rest[at] else 2)]
+        return ttft_sweep.main(rest)
     if args_in[:1] == ["qos"]:
         from bench import qos_bench
 

@@ -27,6 +27,17 @@ def test_slow_storage_or_a_throttled_tenant_recomputes() -> None:
     assert p.plan(100, TOKENS, BLOCK_BYTES, bandwidth=5000 * MB, read_limit=0).blocks == 100
 
 
+def test_a_read_limit_lets_its_burst_through_at_once() -> None:
+    p = LoadPlanner(prefill_tokens_per_s=8000, margin=1.0, overhead_s=0.0)
+    # 40 MB at a 50 MB/s limit: 25 MB at once (0.5 s of the rate), then 15 MB at 50 MB/s.
+    plan = p.plan(20, TOKENS, BLOCK_BYTES, bandwidth=None, read_limit=50 * MB)
+    assert plan.load_s == pytest.approx(0.3)
+    # A load smaller than the burst: the measured bandwidth alone decides.
+    assert p.plan(5, TOKENS, BLOCK_BYTES, bandwidth=100 * MB, read_limit=50 * MB).load_s == pytest.approx(0.1)
+    # The measured bandwidth is lower than the limit allows: it decides.
+    assert p.plan(20, TOKENS, BLOCK_BYTES, bandwidth=40 * MB, read_limit=50 * MB).load_s == pytest.approx(1.0)
+
+
 def test_the_margin_and_the_fixed_cost() -> None:
     p = LoadPlanner(prefill_tokens_per_s=8000, margin=1.0, overhead_s=0.0)
     assert p.plan(100, TOKENS, BLOCK_BYTES, bandwidth=1000 * MB).blocks == 100  # 0.2 s either way: load

@@ -592,3 +592,45 @@ def test_lmcache_server_starts_with_the_adapter(kvstore_backend: Backend, tmp_pa
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def test_load_planning_reports_a_found_prefix_only_where_loading_beats_recompute(
+    kvstore_backend: Backend,
+) -> None:
+    """``prefill_tokens_per_s`` set: a lookup weighs the leading run of found
+    chunks (their bytes from the lookup's layouts, LMCache's chunk of
+    ``chunk_tokens``) against recomputing them. With the tenant's read limit
+    at 1 kB/s the chunks are found but not reported (LMCache recomputes them)
+    and their locks are released; with a high limit they are, and the load
+    runs under the recompute deadline (get_prefix) and fills every chunk."""
+    kv = kvstore_backend.kv
+    assert kv is not None
+    keys = [key(i) for i in range(4)]
+    objs = [chunk(MEDIUM, i) for i in range(4)]
+    plain = kvstore_backend.adapter()
+    assert store(plain, keys, objs).is_successful()
+    planned = kvstore_backend.adapter(prefill_tokens_per_s=2000, chunk_tokens=256)
+    kv.set_qos({"read_bytes_per_s": 1000})
+    try:
+        assert lookup(planned, keys, objs) == [False] * 4
+    finally:
+        kv.set_qos({"read_bytes_per_s": None})
+    assert planned.planned_recompute == 4
+    idle(planned)
+    assert not planned._held  # nothing reported, nothing kept locked
+    fresh = kvstore_backend.adapter(prefill_tokens_per_s=2000, chunk_tokens=256)
+    kv.set_qos({"read_bytes_per_s": 10**10})
+    try:
+        assert lookup(fresh, keys, objs) == [True] * 4  # 4 MiB at 10 GB/s beats 0.5 s of prefill
+        out = [empty_like(o) for o in objs]
+        assert load(fresh, keys, out) == [True] * 4
+        assert [raw(o) for o in out] == [raw(o) for o in objs]
+        assert fresh._deadline(4) == pytest.approx(4 * 256 / 2000)  # the load's deadline: recomputing it
+    finally:
+        kv.set_qos({"read_bytes_per_s": None})
+    fresh.submit_unlock(keys)
+    assert fresh.planned_recompute == 0
+    # Without layouts the chunk size is unknown: nothing to weigh, the hits are reported.
+    assert lookup(planned, keys) == [True] * 4
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        KVStoreL2AdapterConfig({"endpoints": kv.url, "chunk_tokens": 0})

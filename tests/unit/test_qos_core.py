@@ -168,3 +168,11 @@ async def test_no_tenant_takes_every_slot() -> None:
     for t in queued:
         t.cancel()
     await asyncio.gather(*queued, return_exceptions=True)
+
+
+def test_the_client_planners_burst_is_the_buckets() -> None:
+    """The engine adapters' load planner counts on the bucket's burst (a
+    load under a read limit gets BURST_S of the rate at once)."""
+    from kvstore_client.adapters import planner
+
+    assert planner.QOS_BURST_S == BURST_S

@@ -71,6 +71,7 @@ import collections
 import concurrent.futures
 import hashlib
 import logging
+import math
 import re
 import threading
 import time
@@ -84,13 +85,22 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kvstore_client.adapters._common import CLIENT_SETTINGS, LoopThread, Settings, escape, unescape
+from kvstore_client.adapters._common import (
+    CLIENT_SETTINGS,
+    PLAN_SETTINGS,
+    LoopThread,
+    Settings,
+    escape,
+    load_planner,
+    unescape,
+)
+from kvstore_client.adapters.planner import ReadLimit
 from kvstore_client.client import AsyncClient
 from kvstore_client.lookups import Locks
 
 log = logging.getLogger("kvstore_client.adapters.lmcache_mp")
 
-SETTINGS = (*CLIENT_SETTINGS, "lock_lease_s", "max_capacity_bytes")
+SETTINGS = (*CLIENT_SETTINGS, "lock_lease_s", "max_capacity_bytes", "chunk_tokens", *PLAN_SETTINGS)
 PREFIX = "lmp"
 SEP = "@"
 MAX_KEY = 256
@@ -139,6 +149,16 @@ def object_key(kv_key: str) -> ObjectKey | None:
         return None
 
 
+def _layout_bytes(layouts: Any, group: int) -> int:
+    """One object's bytes in ``group`` from the lookup's layouts
+    (``{object_group_id: MemoryLayoutDesc}``); 0 if they do not say."""
+    try:
+        desc = layouts[group]
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(desc.shapes, desc.dtypes, strict=True))
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        return 0
+
+
 # -- configuration -----------------------------------------------------------------------
 
 
@@ -158,6 +178,8 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             )
         self.max_capacity_bytes = self.settings.get_int("max_capacity_bytes", 0)
         self.timeout = self.settings.get_float("timeout", 10.0)
+        self.chunk_tokens = self.settings.get_int("chunk_tokens", 256, minimum=1)
+        self.load_planner = load_planner(self.settings)  # checked now; each adapter makes its own
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVStoreL2AdapterConfig:
@@ -171,7 +193,9 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "- token / token_file (str): the tenant's token (else $KVSTORE_TOKEN)\n"
             "- timeout (s, default 10), retries, replicas, ca_file, transport (http|nixl), nixl_devices\n"
             "- lock_lease_s (s, default 60, at most 600): a lookup's lock lasts at most this long\n"
-            "- max_capacity_bytes (int, default 0): >0 lets LMCache's L2 eviction delete here too"
+            "- max_capacity_bytes (int, default 0): >0 lets LMCache's L2 eviction delete here too\n"
+            "- prefill_tokens_per_s (tokens/s): plan lookups: report a hit prefix only where loading beats\n"
+            "  recomputing it; load_margin (default 1.1); chunk_tokens (LMCache's chunk_size, default 256)"
         )
 
 
@@ -217,6 +241,9 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._next_prune = time.monotonic() + PRUNE_S
         self._closed = False
         self.failures = collections.Counter[str]()
+        self.planner = load_planner(config.settings)
+        self._read_limit = ReadLimit()
+        self.planned_recompute = 0  # chunks found but not reported: recomputing them is sooner
         log.info(
             "kvstore L2 adapter on %s (lock_lease_s=%s, max_capacity_bytes=%s)",
             ", ".join(self.client.endpoints),
@@ -270,7 +297,7 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: Any = None) -> int:
         task_id = self._task_id()
-        if not self._spawn(self._lookup(task_id, list(keys))):
+        if not self._spawn(self._lookup(task_id, list(keys), group_layout_descs)):
             self._finish(self._lookups, self._lookup_efd, task_id, Bitmap(len(keys)))
         return task_id
 
@@ -342,21 +369,26 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         finally:
             self._finish_store(task_id, result)
 
-    async def _lookup(self, task_id: int, keys: list[ObjectKey]) -> None:
+    async def _lookup(self, task_id: int, keys: list[ObjectKey], layouts: Any = None) -> None:
         bitmap = Bitmap(len(keys))
         try:
             present, locks = await self.client.lookup_and_lock(
                 [kvstore_key(k) for k in keys], self._config.lock_lease_s
             )
             hits = [i for i, p in enumerate(present) if p]
+            if self.planner is not None and hits:
+                hits = await self._plan(keys, hits, layouts)
             now = time.monotonic()
+            held = None
             with self._lock:
                 if now >= self._next_prune:
                     self._prune(now)
-                if hits and locks:
+                if locks:
                     held = _Held(locks, len(hits), now + self._config.lock_lease_s)
                     for i in hits:
                         self._held.setdefault(keys[i], collections.deque()).append(held)
+            if held is not None and not hits:  # nothing reported: nothing to keep locked
+                self._spawn(self._release(held))
             for i in hits:
                 bitmap.set(i)
         except Exception:
@@ -364,6 +396,36 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             log.exception("kvstore L2 lookup task %d failed", task_id)
         finally:
             self._finish(self._lookups, self._lookup_efd, task_id, bitmap)
+
+    async def _plan(self, keys: list[ObjectKey], hits: list[int], layouts: Any) -> list[int]:
+        """The hits to report: LMCache loads the leading run of them, and
+        only that run is weighed (kvstore_client/adapters/planner.py): all of
+        it where loading beats recomputing its ``chunk_tokens`` per chunk,
+        else none. The chunk size comes from the lookup's layouts; without
+        them nothing is planned."""
+        assert self.planner is not None
+        run = 0
+        while run < len(hits) and hits[run] == run:
+            run += 1
+        sizes = [_layout_bytes(layouts, k.object_group_id) for k in keys[:run]]
+        if run == 0 or not all(sizes):
+            return hits[:run]
+        plan = self.planner.plan(
+            run,
+            self._config.chunk_tokens,
+            sum(sizes) // run,
+            self.client.bandwidth(),
+            await self._read_limit.aget(self.client.read_limit),
+        )
+        if plan.blocks < run:
+            self.planned_recompute += run - plan.blocks
+            log.info(
+                "kvstore L2: recomputing %d found chunks (load %.3f s expected, recompute %.3f s)",
+                run - plan.blocks,
+                plan.load_s or 0.0,
+                plan.recompute_s or 0.0,
+            )
+        return hits[: plan.blocks]
 
     def _prune(self, now: float) -> None:
         """Forget locks past their lease (LMCache never unlocked them: a
@@ -376,7 +438,14 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         bitmap = Bitmap(len(keys))
         try:
             views = [memoryview(o.byte_array) for o in objects]
-            got = await self.client.get_many_into([kvstore_key(k) for k in keys], views)
+            names = [kvstore_key(k) for k in keys]
+            got: list[int | None]
+            deadline = self._deadline(len(keys))
+            if deadline is None:
+                got = await self.client.get_many_into(names, views)
+            else:  # a planned load stops at its deadline: LMCache recomputes what did not arrive
+                arrived = await self.client.get_prefix(names, views, deadline)
+                got = [v.nbytes for v in views[:arrived]] + [None] * (len(keys) - arrived)
             loaded = []
             for i, (n, v) in enumerate(zip(got, views, strict=True)):
                 if n is not None and n == v.nbytes:
@@ -391,6 +460,12 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             log.exception("kvstore L2 load task %d failed", task_id)
         finally:
             self._finish(self._loads, self._load_efd, task_id, bitmap)
+
+    def _deadline(self, chunks: int) -> float | None:
+        """A planned load's deadline: recomputing its chunks (None: no planning)."""
+        if self.planner is None or self.planner.prefill_tokens_per_s <= 0:
+            return None
+        return chunks * self._config.chunk_tokens / self.planner.prefill_tokens_per_s
 
     async def _release(self, held: _Held) -> None:
         """Release ``held``'s leases until done or expired (an unlock must

@@ -4,9 +4,12 @@ An adapter that loads every hit turns a slow disk, a busy node or a
 throttled tenant into a slower service than no cache at all. The planner
 weighs, for the ``blocks`` of a hit prefix:
 
-- loading them: ``overhead_s + blocks * bytes_per_block / bandwidth``, with
-  the bandwidth the client measured from its own loads (``AsyncClient.bandwidth``)
-  or, lower, what the tenant may read (its QoS ``read_bytes_per_s``);
+- loading them: ``overhead_s`` plus the longer of ``bytes / bandwidth``, the
+  bandwidth the client measured from its own loads (``AsyncClient.bandwidth``),
+  and what the tenant's QoS read limit allows: the daemon's token bucket
+  lets :data:`QOS_BURST_S` of the rate through at once, then the rate, so
+  ``(bytes - QOS_BURST_S * limit) / limit`` (a tenant reading without pause
+  has an empty bucket, and its measured bandwidth says so);
 - recomputing them: ``blocks * tokens_per_block / prefill_tokens_per_s``,
   the engine's prefill throughput (configured; measured where the adapter
   can, :meth:`LoadPlanner.observe_prefill`).
@@ -30,10 +33,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 ALPHA = 0.3  # the weight of a new prefill sample
+QOS_BURST_S = 0.5  # what the daemon's buckets hold of a rate (kvstore/qos/buckets.py BURST_S)
 READ_LIMIT_TTL_S = 10.0  # how long an adapter plans with the tenant's read limit before asking again
 
 
@@ -80,11 +84,15 @@ class LoadPlanner:
         if self.prefill_tokens_per_s <= 0:
             return LoadPlan(blocks, None, None, None)
         recompute_s = blocks * tokens_per_block / self.prefill_tokens_per_s
-        rates = [r for r in (bandwidth, read_limit) if r]
-        if not rates:
+        nbytes = blocks * bytes_per_block
+        times = []
+        if bandwidth:
+            times.append(nbytes / bandwidth)
+        if read_limit:
+            times.append(max(0.0, nbytes - QOS_BURST_S * read_limit) / read_limit)
+        if not times:
             return LoadPlan(blocks, recompute_s, None, recompute_s)  # a probe, bounded by its deadline
-        rate = min(rates)
-        load_s = self.overhead_s + blocks * bytes_per_block / rate
+        load_s = self.overhead_s + max(times)
         if load_s * self.margin <= recompute_s:
             return LoadPlan(blocks, recompute_s, load_s, recompute_s)
         return LoadPlan(0, None, load_s, recompute_s)
@@ -93,16 +101,25 @@ class LoadPlanner:
 class ReadLimit:
     """The tenant's QoS read limit as an adapter plans with it: asked with
     ``ask`` (``AsyncClient.read_limit``, run the adapter's way) at most every
-    READ_LIMIT_TTL_S."""
+    READ_LIMIT_TTL_S; :meth:`aget` is the same from the client's own loop."""
 
-    def __init__(self, ask: Callable[[], float | None]) -> None:
+    def __init__(self, ask: Callable[[], float | None] | None = None) -> None:
         self._ask = ask
         self._asked = -math.inf
         self._limit: float | None = None
 
+    def _due(self) -> bool:
+        return time.monotonic() - self._asked > READ_LIMIT_TTL_S
+
     def get(self) -> float | None:
-        if time.monotonic() - self._asked > READ_LIMIT_TTL_S:
+        if self._ask is not None and self._due():
             self._limit = self._ask()
+            self._asked = time.monotonic()
+        return self._limit
+
+    async def aget(self, ask: Callable[[], Awaitable[float | None]]) -> float | None:
+        if self._due():
+            self._limit = await ask()
             self._asked = time.monotonic()
         return self._limit
 

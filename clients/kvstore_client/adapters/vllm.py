@@ -36,12 +36,22 @@ What it does:
   does not match this worker's layout is a load error, never wrong KV.
   Loads run on a background event loop (``load_mode="async"``, the default:
   the request waits in ``WAITING_FOR_REMOTE_KVS`` while other requests run, and
-  ``get_finished`` reports it done) or before the forward pass
-  (``load_mode="sync"``). Saves copy the blocks to host buffers in
+  ``get_finished`` reports it done), before the forward pass
+  (``load_mode="sync"``), or beside it (``load_mode="layerwise"``). Saves copy the blocks to host buffers in
   ``wait_for_save`` (a memcpy) and send them in the background, so the engine
   never waits for the network and the engine's blocks are free to reuse at
   once; at most ``max_pending_save_mb`` of saves wait for the network, beyond
   that saves are dropped (and counted).
+* **Layerwise loading** (``load_mode="layerwise"``). An engine block is
+  stored as ``layer_groups`` (4) kvstore blocks, one per contiguous group of
+  layers, each with its header; ``start_load_kv`` starts loading the groups
+  in order (each through ``get_prefix``, under the load's deadline) into
+  staging buffers and returns; ``wait_for_layer_load(layer)`` waits for that
+  layer's group and copies that layer in. The forward pass computes the new
+  tokens' first layers while the last ones load. A block some layer did not
+  get is a load error after the step (vLLM recomputes it); only the forward
+  thread writes into the paged cache. ``layer_groups`` is in the key
+  fingerprint, so blocks stored one way are not found the other way.
 * **Load planning** (``prefill_tokens_per_s`` set: the engine's prefill
   throughput): a hit prefix is loaded only when loading it is expected to
   take at most ``1 / load_margin`` (1.1) of recomputing it, from the
