@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--runs", type=int, default=3, help="prompts measured per point; figures are medians (default 3)")
     p.add_argument("--modes", default=",".join(MODES), help=f"which of {','.join(MODES)} (default all)")
+    p.add_argument("--layer-groups", type=int, default=4, help="the layerwise engine's layer_groups (default 4)")
     p.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
     p.add_argument("--heads", type=int, default=8, help="attention heads (default 8: head_dim 64)")
@@ -77,6 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"argument --prefix-tokens/--suffix-tokens: positive multiples of {BLOCK}")
     if a.runs < 1:
         p.error("argument --runs: at least 1")
+    if not 1 <= a.layer_groups <= a.layers:
+        p.error(f"argument --layer-groups: 1 to --layers ({a.layers})")
     try:
         a.limits = [None if b.strip() == "none" else float(b) for b in a.bandwidths.split(",") if b.strip()]
     except ValueError:
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 "suffix_tokens": a.suffix_tokens,
                 "limits": a.limits,
                 "runs": a.runs,
+                "layer_groups": a.layer_groups,
                 "prefill_tokens_per_s": 0.0,
             }
             results: dict[str, Any] = {}
@@ -234,6 +238,7 @@ def write_png(path: Path, doc: dict[str, Any]) -> None:
     for mode in doc["modes"]:
         ax.plot(xs, [r[mode] for r in doc["rows"]], marker="o", label=mode)
     ax.set_xscale("log")
+    ax.minorticks_off()
     ax.set_xticks(xs)
     ax.set_xticklabels(["none" if r["limit_mb_s"] is None else f"{r['limit_mb_s']:g}" for r in doc["rows"]])
     ax.set_xlabel("storage bandwidth: the tenant's read limit, MB/s")
@@ -302,6 +307,7 @@ def child(spec_path: Path, out_path: Path) -> int:
         extra["prefill_tokens_per_s"] = spec["prefill_tokens_per_s"]
     if mode == "layerwise":
         extra["load_mode"] = "layerwise"
+        extra["layer_groups"] = spec["layer_groups"]
     kvt = KVTransferConfig(
         kv_connector="KVStoreConnector",
         kv_connector_module_path="kvstore_client.adapters.vllm",
@@ -324,9 +330,7 @@ def child(spec_path: Path, out_path: Path) -> int:
     rng = random.Random(MODES.index(mode))
     vocab = 300
     prefix = [rng.randrange(2, vocab) for _ in range(prefix_n)]
-    groups = 1
-    if mode == "layerwise":
-        groups = min(4, m["layers"])  # the connector's default for load_mode "layerwise"
+    groups = spec["layer_groups"] if mode == "layerwise" else 1
 
     def ttft(tokens: list[int]) -> tuple[float, int]:
         before = blocks()
@@ -373,6 +377,7 @@ def child(spec_path: Path, out_path: Path) -> int:
         "engine": f"vllm {vllm.__version__} (CPU)",
         "model": {**m, "params_m": round(params / 1e6), "dtype": "float32", "kv_bytes_per_token": kv_per_token},
         "prefill_tokens_per_s": spec["prefill_tokens_per_s"] if planned else None,
+        "layer_groups": groups,
         "points": points,
     }
     out_path.write_text(json.dumps(doc, indent=2))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -144,6 +145,54 @@ async def test_unix_read_plans_serve_it(daemon: Daemon, sock_dir: Path) -> None:
         assert await kv.get_prefix(keys, bufs, deadline_s=0) == 0  # no time at all: nothing counted
         await kv.wait_loads()
     _ = asyncio  # (the tests' loop is pytest-asyncio's)
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+async def test_a_daemon_that_stalls_or_dies_mid_load_ends_the_prefix(daemon: Daemon, fault: str) -> None:
+    """A load throttled to 1 MiB/s (two blocks at once, then one each quarter
+    second) and, 0.3 s in, the daemon stopped (SIGSTOP: the deadline ends the
+    call) or killed (SIGKILL: the reads fail at once, long before the
+    deadline). ``n`` counts only what arrived, and nothing lands in
+    ``bufs[:n]`` after the return."""
+    daemon.start()
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    blocks = {f"k{i}": os.urandom(BLOCK - i) for i in range(12)}
+    async with aiohttp.ClientSession() as s:
+        doc = {"name": "t", "policy": "direct", "qos": {"read_bytes_per_s": MiB}}
+        async with s.post(daemon.base + "/v1/admin/tenants", json=doc, headers=admin) as r:
+            token = (await r.json())["token"]
+        for k, v in blocks.items():
+            url, auth = f"{daemon.base}/v1/blocks/{k}", {"Authorization": f"Bearer {token}"}
+            async with s.put(url, data=io.BytesIO(v), headers=auth) as r:
+                assert r.status == 201
+    keys = list(blocks)
+    bufs = [bytearray(BLOCK) for _ in keys]
+    deadline = 1.0 if fault == "SIGSTOP" else 30.0
+    try:
+        async with AsyncClient(daemon.base, token, timeout=5, retries=0) as kv:
+            t0 = time.monotonic()
+            task = asyncio.create_task(kv.get_prefix(keys, bufs, deadline_s=deadline))
+            await asyncio.sleep(0.3)
+            os.kill(pid, getattr(signal, fault))
+            n = await task
+            took = time.monotonic() - t0
+            at_return = [bytes(b) for b in bufs[:n]]
+            if fault == "SIGSTOP":
+                os.kill(pid, signal.SIGCONT)
+            await kv.wait_loads()
+    finally:
+        if fault == "SIGSTOP":
+            os.kill(pid, signal.SIGCONT)
+    assert 1 <= n < len(keys), n
+    if fault == "SIGSTOP":
+        assert deadline - 0.1 <= took <= deadline + DEADLINE_SLACK_S, took
+    else:
+        assert took < 3.0, took  # the failed reads end the prefix, not the deadline
+    for i in range(n):
+        assert at_return[i] == bytes(bufs[i])
+        assert at_return[i][: len(blocks[keys[i]])] == blocks[keys[i]]
 
 
 async def test_the_client_reads_its_tenants_read_limit(api: Api) -> None:

@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 from kvstore_client import AsyncClient
 from kvstore_client.nixl import MAX_REGISTERED, NixlAgent, NixlFallback, nixl_available
+from kvstore_client.prefix import DEADLINE_SLACK_S
 
 from ..conftest import kv_sample
 from .conftest import ADMIN, Daemon
@@ -362,6 +363,38 @@ async def test_get_many_into_takes_one_call_and_releases_on_the_next(
         assert status == 204 and (await _nixl_status(session, base))["leases"] == 0
     finally:
         agent.close()
+
+
+async def test_get_prefix_over_nixl_and_a_deadline_that_cuts_it(daemon: Daemon, session: aiohttp.ClientSession) -> None:
+    """``get_prefix`` reads over NIXL (one READ per key, eight at once) up to
+    a miss, and learns the NIXL bandwidth; with the tenant's read limit at
+    400 kB/s (a block at once, then one each half second) a deadline of
+    0.8 s cuts it, and nothing lands in ``bufs[:n]`` after it returns."""
+    _start(daemon)
+    base = daemon.base
+    token = await _tenant(session, base, "p", "direct")
+    blocks = _blocks("p", 12)
+    await _put(session, base, token, blocks)
+    keys = list(blocks)
+    async with AsyncClient(base, token, transport="nixl", timeout=10) as c:
+        bufs = [bytearray(BLOCK + 20) for _ in range(len(keys) + 2)]
+        assert await c.get_prefix([*keys, "absent", keys[0]], bufs, deadline_s=30) == len(keys)
+        assert [bytes(b[: len(v)]) for b, v in zip(bufs, blocks.values(), strict=False)] == list(blocks.values())
+        assert c.stats["nixl_reads"] >= len(keys) and c.stats["nixl_fallbacks"] == 0
+        assert c.bandwidth(base, "nixl") is not None and c.bandwidth(base, "http") is None
+    await _admin(session, base, "PATCH", "/v1/admin/tenants/p", {"qos": {"read_bytes_per_s": 400_000}})
+    async with AsyncClient(base, token, transport="nixl", timeout=10) as c:
+        bufs = [bytearray(BLOCK + 20) for _ in keys]
+        t0 = time.monotonic()
+        n = await c.get_prefix(keys, bufs, deadline_s=0.8)
+        took = time.monotonic() - t0
+        at_return = [bytes(b) for b in bufs[:n]]
+        await c.wait_loads()
+    assert took <= 0.8 + DEADLINE_SLACK_S, took
+    assert 1 <= n < len(keys), n
+    for i in range(n):
+        assert at_return[i] == bytes(bufs[i])  # nothing landed after the return
+        assert at_return[i][: len(blocks[keys[i]])] == blocks[keys[i]]
 
 
 async def test_a_slow_read_past_its_lease_fails_its_checksum_and_goes_over_http(

@@ -60,6 +60,13 @@ skips keys this adapter holds locked.
 **Listing** (``list_l2_keys``, LMCache's ``GET /cache/objects?tier=l2``):
 ``GET /v1/keys`` under ``lmp@<model>@``, each daemon in turn.
 
+**Load planning** (``prefill_tokens_per_s`` set, ``load_margin``,
+``chunk_tokens``): a lookup reports the leading run of found chunks only
+where loading it beats recomputing it (kvstore_client/adapters/planner.py;
+the chunks' bytes from the lookup's layouts), else none, and releases the
+locks of what it does not report; a load runs under the recompute time of
+its chunks, through ``get_prefix``.
+
 **Fail-open:** nothing raises into LMCache's controller threads; a failed
 call fails its task (stores) or leaves bits unset (lookups, loads).
 """

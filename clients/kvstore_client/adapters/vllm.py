@@ -489,24 +489,28 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(async_loads=self.load_async)
-        if self.planner is not None:
-            self._time_steps(scheduler_output)
         try:
             self._build(scheduler_output, meta)
         except Exception:  # fail-open: a bookkeeping bug costs cache hits, not the engine
             log.exception("kvstore: building the step's transfers failed; no transfers this step")
-            return KVStoreConnectorMetadata(async_loads=self.load_async)
+            meta = KVStoreConnectorMetadata(async_loads=self.load_async)
+        if self.planner is not None:
+            self._time_steps(scheduler_output, bool(meta.loads) and not self.load_async)
         return meta
 
-    def _time_steps(self, so: SchedulerOutput) -> None:
+    def _time_steps(self, so: SchedulerOutput, loads: bool) -> None:
         """The engine's prefill throughput, measured: a step of at least
         PREFILL_MIN_TOKENS scheduled tokens, and the time to the next step's
         scheduling (its forward pass and the scheduler's turn), if that is
-        under STEP_MAX_S (longer: the engine was idle, not computing). It
-        starts from the configured ``prefill_tokens_per_s``."""
+        under STEP_MAX_S (longer: the engine was idle, not computing). A step
+        that loads before or beside its forward pass (``loads``: sync and
+        layerwise modes) is not counted: its time is partly the load's, and
+        counting it would make slow loads look like slow prefill, which makes
+        loading look better. It starts from the configured ``prefill_tokens_per_s``."""
         assert self.planner is not None
         now = time.monotonic()
-        last, self._last_step = self._last_step, (now, int(getattr(so, "total_num_scheduled_tokens", 0) or 0))
+        tokens = 0 if loads else int(getattr(so, "total_num_scheduled_tokens", 0) or 0)
+        last, self._last_step = self._last_step, (now, tokens)
         if last is not None and last[1] >= PREFILL_MIN_TOKENS and 0 < now - last[0] < STEP_MAX_S:
             self.planner.observe_prefill(last[1], now - last[0])
 
