@@ -37,6 +37,7 @@ from aiohttp import web
 from kvstore import redaction, sdnotify, workers
 from kvstore.engine.api import MasterKey, load_master_key
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.fleet import identity as fleet_identity
 from kvstore.server_config import AUTO, SETTINGS, UNIX, ServerConfig, load
 from kvstore.tasks import Background
 from kvstore.transport.http.app import make_app
@@ -357,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         master = load_master_key(cfg.master_key_file, cfg.master_key)
         scrubber.add_key(master.secret)
         check_data_dir(cfg.store.data_dir)
+        cfg = fleet_identity.resolve(cfg)  # a fleet node's id and URL, once, before any fork
+        if cfg.store.fleet:
+            if cfg.workers not in (AUTO, 1):
+                raise ConfigError(f"workers={cfg.workers!r}: a fleet node (fleet = true) runs one worker for now")
+            cfg = replace(cfg, workers=1)
         if cfg.workers == AUTO:  # resolved once, here, before any fork
             auto = workers.machine_workers(cfg)
             log.info("%s", auto)

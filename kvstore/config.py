@@ -26,6 +26,7 @@ S3_ADDRESSING = ("auto", "path", "virtual")
 
 _SIZE_RE = re.compile(r"(\d+)\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": KiB, "m": MiB, "g": GiB, "t": GiB << 10}
+NODE_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
 
 def parse_size(name: str, value: object) -> int:
@@ -47,6 +48,17 @@ def parse_int(name: str, value: object) -> int:
     if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
         return int(value)
     raise ConfigError(f"{name}={value!r}: expected an integer")
+
+
+def parse_float(name: str, value: object) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise ConfigError(f"{name}={value!r}: expected a number")
 
 
 def parse_bool(name: str, value: object) -> bool:
@@ -118,6 +130,15 @@ class StoreConfig:
     s3_readonly: bool = False
     s3_refresh_s: int = 30
     rehydrate_reads: int = 3
+    # A fleet of nodes on one bucket (kvstore/fleet/): membership and the
+    # tenant registry are objects in the bucket, each node's segments under
+    # PREFIX/nodes/NODE_ID. node_id "": generated once, kept in DATA/node-id;
+    # advertise_url "": http://HOST:PORT of the first TCP listen address.
+    fleet: bool = False
+    node_id: str = ""
+    advertise_url: str = ""
+    fleet_heartbeat_s: float = 2.0
+    fleet_dead_after_s: float = 6.0
     # Start-up: delete the data of tenants the registry does not know, instead
     # of refusing to start (the registry was lost or replaced by an old copy).
     discard_unknown_tenants: bool = False
@@ -213,6 +234,29 @@ class StoreConfig:
             "must be 100 to 600000",
         )
         need(1 <= self.s3_refresh_s <= 86_400, "s3_refresh_s", self.s3_refresh_s, "must be 1 to 86400")
+        need(
+            bool(self.s3_bucket or self.tier_dir) or not self.fleet, "fleet", self.fleet, "needs s3_bucket or tier_dir"
+        )
+        need(not (self.fleet and self.s3_readonly), "fleet", self.fleet, "a fleet node writes: not with s3_readonly")
+        need(
+            not self.node_id or NODE_ID.fullmatch(self.node_id) is not None,
+            "node_id",
+            self.node_id,
+            "expected 1 to 64 characters of [a-z0-9-], starting with a letter or digit",
+        )
+        need(
+            not self.advertise_url or self.advertise_url.startswith(("http://", "https://")),
+            "advertise_url",
+            self.advertise_url,
+            "expected an http:// or https:// URL",
+        )
+        need(0.1 <= self.fleet_heartbeat_s <= 60, "fleet_heartbeat_s", self.fleet_heartbeat_s, "must be 0.1 to 60")
+        need(
+            2 * self.fleet_heartbeat_s <= self.fleet_dead_after_s <= 600,
+            "fleet_dead_after_s",
+            self.fleet_dead_after_s,
+            f"must be at least twice fleet_heartbeat_s ({self.fleet_heartbeat_s}) and at most 600",
+        )
         need(self.rehydrate_reads >= 0, "rehydrate_reads", self.rehydrate_reads, "must be 0 (never) or more")
         need(
             self.default_quota_bytes >= 0, "default_quota_bytes", self.default_quota_bytes, "must be 0 (none) or a size"
@@ -304,8 +348,11 @@ STORE_PARSERS: dict[str, Parser] = {
         ),
         parse_int,
     ),
-    **dict.fromkeys(("s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "tier_dir"), parse_text),
-    **dict.fromkeys(("s3_readonly", "discard_unknown_tenants"), parse_bool),
+    **dict.fromkeys(
+        ("s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "tier_dir", "node_id", "advertise_url"), parse_text
+    ),
+    **dict.fromkeys(("s3_readonly", "discard_unknown_tenants", "fleet"), parse_bool),
+    **dict.fromkeys(("fleet_heartbeat_s", "fleet_dead_after_s"), parse_float),
     "s3_addressing": _choice(S3_ADDRESSING),
     "default_durability": _choice(DURABILITY_CLASSES),
     "durability": _choice(("fsync", "interval")),

@@ -174,6 +174,22 @@ class ReadOnlyNode(KVStoreError):
     code = "read_only_node"
 
 
+class Fenced(KVStoreError):
+    """A fleet node that cannot prove it is alive (its heartbeat could not be
+    written for a while, or the fleet holds it dead) refuses writes until it
+    has rejoined, so a partitioned node never serves as if it were alone
+    (kvstore/fleet/node.py)."""
+
+    code = "fenced"
+    retryable = True
+
+
+class FleetOff(KVStoreError):
+    """``GET /v1/fleet`` on a node that is not in a fleet (``fleet`` is off)."""
+
+    code = "fleet_off"
+
+
 class FlushIncomplete(KVStoreError):
     """``POST /v1/admin/flush`` ran out of time before every sealed segment was
     in the object tier; the message says how many wait."""
@@ -312,6 +328,14 @@ class TierNotFound(TierError):
     """The object does not exist in the tier."""
 
     code = "tier_not_found"
+
+
+class TierConflict(TierError):
+    """A conditional write lost: the object changed (or appeared, or went)
+    since the etag the writer read (S3's 412 Precondition Failed). Read it
+    again and redo the change."""
+
+    code = "tier_conflict"
 
 
 class TierRangeError(TierError):

@@ -10,7 +10,9 @@ from kvstore.engine.compactor import CompactionReport
 from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.engine.format import CODEC_NAMES, FrameEntry
 from kvstore.engine.lifecycle import Lease, Leases
+from kvstore.engine.object_tier import tier_from_config
 from kvstore.engine.reader import StoredFrames
+from kvstore.engine.registry import adopt_registry_file
 from kvstore.engine.store import Store
 from kvstore.engine.types import BlockInfo, DirectExtent, LookupResult, PlannedBlock, Stored, StoredRecord, TenantStats
 from kvstore.engine.verify import VerifyReport
@@ -32,5 +34,7 @@ __all__ = [
     "StoredRecord",
     "TenantStats",
     "VerifyReport",
+    "adopt_registry_file",
     "load_master_key",
+    "tier_from_config",
 ]

@@ -31,7 +31,7 @@ from kvstore.errors import (
     TenantKeyDestroyed,
     TenantNotFound,
 )
-from kvstore.fsutil import atomic_write
+from kvstore.fsutil import atomic_write, fsync_dir
 from kvstore.names import validate_tenant
 from kvstore.qos.policy import apply_changes, stored_overrides
 
@@ -241,6 +241,31 @@ class Registry:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
+
+    def adopt(self, doc: bytes) -> bool:
+        """Make ``doc`` this registry: another node's document (the fleet's
+        registry, kvstore/fleet/registry.py), checked as at start-up (sealed
+        under this store's master key), then written and loaded. False if it
+        is what this registry already holds."""
+        if self._readonly:
+            raise ReadOnlyStore("this process serves reads only; changes go to the writer")
+        with self._lock:
+            if doc == self._doc(self._master):
+                return False
+            tmp = self._path.with_name(self._path.name + ".adopt")
+            atomic_write(tmp, doc)
+            try:
+                fresh = Registry(tmp, self._master, readonly=True)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            tmp.replace(self._path)
+            fsync_dir(self._path.parent)
+            self._tenants, self._keys, self._by_hash = fresh._tenants, fresh._keys, fresh._by_hash
+            self._by_akid, self._deleted = fresh._by_akid, fresh._deleted
+            self._stamp = self._file_stamp()
+        self._changed()
+        return True
 
     def document(self) -> bytes:
         """The registry as stored (data keys wrapped, tokens as hashes only)."""
@@ -464,3 +489,22 @@ class Registry:
             self._write(self._doc(new_master))
             self._master = new_master
         self._changed()
+
+
+def adopt_registry_file(path: Path, doc: bytes, master: MasterKey) -> bool:
+    """Before a store opens: make ``doc`` (another node's registry document,
+    kvstore/fleet/registry.py) the registry file at ``path``, checked first
+    (sealed under ``master``, a registry document); False if it already is."""
+    if path.exists() and path.read_bytes() == doc:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".adopt")
+    atomic_write(tmp, doc)
+    try:
+        Registry(tmp, master, readonly=True)  # a wrong master key or a bad document stops here
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(path)
+    fsync_dir(path.parent)
+    return True

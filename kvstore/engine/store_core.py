@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvstore.config import StoreConfig
 from kvstore.engine.access import AccessLog
@@ -50,6 +50,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.engine.store")
 T = TypeVar("T")
+
+
+class RegistryCoordinator(Protocol):
+    """Who else must agree to a registry change (kvstore/fleet/registry.py:
+    the fleet's registry in the bucket): ``change`` runs ``apply`` (a change
+    of this store's registry) so that it lands there too, redoing it if
+    needed; ``sync`` takes in what others changed."""
+
+    async def change(self, apply: Callable[[], Awaitable[T]]) -> T: ...
+
+    async def sync(self) -> bool: ...
 
 
 class StoreCore:
@@ -91,6 +102,10 @@ class StoreCore:
         self.decoded = DecodedCache(config.decoded_cache_bytes, self.metrics)
         self._background = True
         self.events: EventBus | None = None  # set by the daemon where events are on (the writer)
+        # A fleet node (kvstore/fleet/, set by the daemon): writes are refused
+        # while ``fence`` raises, and registry changes go through the fleet's.
+        self.fence: Callable[[], None] | None = None
+        self.fleet_registry: RegistryCoordinator | None = None
 
     # -- helpers --------------------------------------------------------------
 
@@ -114,6 +129,8 @@ class StoreCore:
             raise ReadOnlyNode("this node serves a bucket read-only (s3_readonly); write to the node that owns it")
         if self.readonly:
             raise ReadOnlyStore("this process serves reads only; writes go to the writer process")
+        if self.fence is not None:
+            self.fence()
 
     def _tenant(self, name: str) -> Tenant:
         self._check_open()

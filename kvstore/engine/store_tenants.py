@@ -4,21 +4,25 @@ process following the writer's registry."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from kvstore.config import FRAME_SIZE_RULE, valid_frame_size
 from kvstore.engine.access import Touches
 from kvstore.engine.appender import OpenSegment
 from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.engine.recovery import trash
+from kvstore.engine.registry import Tenant
 from kvstore.engine.store_core import StoreCore, log
-from kvstore.errors import InvalidInput, MasterKeyError
+from kvstore.errors import InvalidInput, MasterKeyError, TenantNotFound
 from kvstore.fsutil import atomic_write
 from kvstore.names import validate_tenant
 from kvstore.qos.policy import Qos, apply_changes
 
+T = TypeVar("T")
 MASTER_KEY_HINT = "master-key.path"  # where the last rotation's new key file is (a path, never a key)
 
 
@@ -85,7 +89,9 @@ class StoreTenants(StoreCore):
         topic = _topic(events_topic or "")
         await self._run(trash, self._seg_root, name)  # files of a deleted incarnation, if any are left
         own = apply_changes({}, qos or {})
-        await self._run(self._registry.create, name, policy, compression, durability, quota, ttl, fs, topic, own)
+        await self._change_registry(
+            False, self._registry.create, name, policy, compression, durability, quota, ttl, fs, topic, own
+        )
         self._tails[name] = OpenSegment(None)
         return self.tenant(name)
 
@@ -103,12 +109,12 @@ class StoreTenants(StoreCore):
         shorter TTL on the next read and sweep; a frame size applies to the
         records written from now on (each record keeps the one it has)."""
         self._check_writable()
-        self._tenant(name)
+        await self._known(name)
         quota = None if quota_bytes is None else _limit("quota_bytes", quota_bytes)
         ttl = None if ttl_s is None else _limit("ttl_s", ttl_s)
         fs = None if frame_size is None else _frame_size(frame_size)
         topic = None if events_topic is None else _topic(events_topic)
-        t = await self._maintain(self._registry.set_limits, name, quota, ttl, fs, topic, qos)  # it may free space
+        t = await self._change_registry(True, self._registry.set_limits, name, quota, ttl, fs, topic, qos)
         await self._retention.enforce(t)
         return self.tenant(name)
 
@@ -152,15 +158,25 @@ class StoreTenants(StoreCore):
         """Crypto-shred: destroy the tenant's keys, then drop its index and files.
         The files are moved aside in one rename, then removed in the background."""
         self._check_writable()
-        incarnation = self._tenant(name).created_ns
-        topic = self._topic(name)  # for its last event, told once it is gone
+        t = await self._known(name)
+        forget = functools.partial(self._change_registry, True, self._registry.delete, name)
+        await self._drop_tenant(name, t.created_ns, t.events_topic, forget)
+
+    async def _drop_tenant(
+        self, name: str, incarnation: int, topic: str, forget: Callable[[], Awaitable[Any]] | None
+    ) -> None:
+        """Drop what this node holds of incarnation ``incarnation`` of tenant
+        ``name`` (``topic``: for its last event) once ``forget`` has taken it
+        out of the registry (a delete here; None: the fleet's registry, which
+        no longer has it, is this node's already)."""
         self._deleting.add(name)
         self.decoded.drop_tenant(name)
         try:
             app = self._appenders.pop(name, None)
             if app is not None:
                 await app.close()
-            await self._maintain(self._registry.delete, name)
+            if forget is not None:
+                await forget()
             await self._maintain(self._life.tenant_deleted, name)
             self._cache.forget_tenant(name)  # closed once the reads in progress end
             self.access.forget_tenant(name)
@@ -174,6 +190,52 @@ class StoreTenants(StoreCore):
         if moved is not None:
             self._residency.spawn(self._run(shutil.rmtree, moved, True), f"remove:{name}")
 
+    async def _change_registry(self, maintain: bool, fn: Callable[..., T], *args: Any) -> T:
+        """A registry change, run as :meth:`_maintain` (``maintain``: it must
+        work on a full disk) or :meth:`_run`; on a fleet node, a change of the
+        fleet's registry (kvstore/fleet/registry.py)."""
+
+        async def apply() -> T:
+            return await (self._maintain(fn, *args) if maintain else self._run(fn, *args))
+
+        if self.fleet_registry is None:
+            return await apply()
+        return await self.fleet_registry.change(apply)
+
+    async def _known(self, name: str) -> Tenant:
+        """The tenant, for a change of it; a fleet node that does not know it
+        yet takes the fleet's registry first (it may have been created on
+        another node since the last refresh)."""
+        try:
+            return self._tenant(name)
+        except TenantNotFound:
+            if self.fleet_registry is None or name in self._deleting:
+                raise
+        await self.fleet_registry.sync()
+        return self._tenant(name)
+
+    def registry_document(self) -> bytes:
+        """The tenant registry's document (data keys wrapped, tokens hashed)."""
+        return self._registry.document()
+
+    async def adopt_registry(self, doc: bytes) -> bool:
+        """A fleet node: make the fleet's registry document this node's, and
+        drop what this node holds of the tenants it no longer has (deleted on
+        another node, maybe created again: a new incarnation). True if it
+        changed anything."""
+        before = {n: self._registry.get(n) for n in self._registry.names()}
+        changed = await self._run(self._registry.adopt, doc)
+        if not changed:
+            return False
+        after = self._registry.incarnations()
+        for name, t in before.items():
+            if after.get(name) != t.created_ns:
+                log.info("tenant %s was deleted on another node of the fleet; dropping it here", name)
+                await self._drop_tenant(name, t.created_ns, t.events_topic, None)
+        for name in set(after) - set(before):
+            log.info("tenant %s was created on another node of the fleet", name)
+        return True
+
     def authenticate(self, token: str) -> str | None:
         """The tenant a bearer token names, or None (unknown, revoked, deleted)."""
         self._check_open()
@@ -184,24 +246,24 @@ class StoreTenants(StoreCore):
     async def issue_token(self, name: str) -> tuple[str, str]:
         """A new bearer token for the tenant: (token id, token), shown once."""
         self._check_writable()
-        self._tenant(name)
-        return await self._run(self._registry.issue_token, name)
+        await self._known(name)
+        return await self._change_registry(False, self._registry.issue_token, name)
 
     async def revoke_token(self, name: str, token_id: str) -> None:
         self._check_writable()
-        self._tenant(name)
-        await self._maintain(self._registry.revoke_token, name, token_id)  # works on a full disk
+        await self._known(name)
+        await self._change_registry(True, self._registry.revoke_token, name, token_id)  # works on a full disk
 
     async def issue_s3_key(self, name: str) -> tuple[str, str]:
         """A new S3 access key for the tenant: (access key id, secret), shown once."""
         self._check_writable()
-        self._tenant(name)
-        return await self._run(self._registry.issue_s3_key, name)
+        await self._known(name)
+        return await self._change_registry(False, self._registry.issue_s3_key, name)
 
     async def revoke_s3_key(self, name: str, access_key_id: str) -> None:
         self._check_writable()
-        self._tenant(name)
-        await self._maintain(self._registry.revoke_s3_key, name, access_key_id)  # works on a full disk
+        await self._known(name)
+        await self._change_registry(True, self._registry.revoke_s3_key, name, access_key_id)  # works on a full disk
 
     def s3_credentials(self, access_key_id: str) -> tuple[str, str, int] | None:
         """(tenant, secret access key, the tenant's incarnation) of an S3
@@ -219,8 +281,8 @@ class StoreTenants(StoreCore):
 
     async def rotate_tenant_key(self, name: str) -> int:
         self._check_writable()
-        self._tenant(name)
-        version = await self._run(self._registry.rotate_data_key, name)
+        await self._known(name)
+        version = await self._change_registry(False, self._registry.rotate_data_key, name)
         self.decoded.drop_tenant(name)  # reader workers: at their next read of it (decoded.py)
         return version
 
@@ -229,6 +291,11 @@ class StoreTenants(StoreCore):
         ``key_file``, the new key's path, is recorded (the path, never the key)
         for reader processes of this store to follow."""
         self._check_writable()
+        if self.fleet_registry is not None:
+            raise InvalidInput(
+                "the master key of a fleet node cannot be rotated through its API: every node of the fleet "
+                "shares it (stop the fleet, rotate it on one node, give every node the new key)"
+            )
         if key_file:  # first: a reader that sees the rewrapped registry must find the key it needs
             await self._run(atomic_write, self._root / MASTER_KEY_HINT, os.path.abspath(key_file).encode())
         await self._run(self._registry.rotate_master, new_master)

@@ -5,6 +5,7 @@ registry) under validated names. Every method is async; backends run their
 blocking I/O off the event loop. Every failure is a :class:`~kvstore.errors.TierError`:
 :class:`~kvstore.errors.TierUnavailable` (retryable: unreachable, 5xx, throttled),
 :class:`~kvstore.errors.TierNotFound` (the object is missing),
+:class:`~kvstore.errors.TierConflict` (a conditional write's condition failed),
 :class:`~kvstore.errors.TierRangeError` (a read past the end) or a plain
 ``TierError`` (anything retrying will not fix).
 """
@@ -49,6 +50,20 @@ class Tier(Protocol):
 
     async def put_bytes(self, name: str, data: bytes) -> None:
         """Store ``data`` as ``name``, replacing any object of that name."""
+        ...
+
+    async def put_if(self, name: str, data: bytes, etag: str | None) -> str:
+        """Store ``data`` as ``name`` only if the object is still what the
+        writer read: ``etag`` None, only if there is no such object (S3's
+        ``If-None-Match: *``); else only if its etag is ``etag`` (``If-Match``).
+        Returns the new object's etag; :class:`TierConflict` if the condition
+        failed (nothing was written). The building block of shared state in
+        a bucket (kvstore/fleet/): read, change, ``put_if``, redo on conflict."""
+        ...
+
+    async def get(self, name: str) -> tuple[bytes, str] | None:
+        """The whole (small) object ``name`` and its etag, read together; None
+        if there is no such object."""
         ...
 
     async def read_range(self, name: str, start: int, length: int) -> bytes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import errno
+import fcntl
 import os
 import secrets
 import shutil
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from kvstore.errors import TierError, TierNotFound, TierRangeError, TierUnavailable
+from kvstore.errors import TierConflict, TierError, TierNotFound, TierRangeError, TierUnavailable
 from kvstore.fsutil import fsync_dir
 from kvstore.tier.base import ObjectInfo, check_range, source_size, validate_object_name, validate_prefix
 
@@ -31,6 +32,7 @@ _TRANSIENT = frozenset(
     {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.ENOLCK}
 )
 _FILE_MODE = 0o600
+LOCK_FILE = "~conditional-writes.lock"  # "~": no object name contains it, and list() skips it
 
 
 class LocalTier:
@@ -72,6 +74,51 @@ class LocalTier:
                     os.unlink(tmp)
                 raise
             fsync_dir(target.parent)
+
+    async def put_if(self, name: str, data: bytes, etag: str | None) -> str:
+        validate_object_name(name)
+        return await asyncio.to_thread(self._put_if, name, data, etag)
+
+    def _put_if(self, name: str, data: bytes, etag: str | None) -> str:
+        # One writer at a time per tier directory (an flock on a lock file, which
+        # NFS v4 honours too): read the etag, compare, rename the new file in.
+        with _map_os_error(name):
+            fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, _FILE_MODE)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                current = self._head(name)
+                if (current is None) != (etag is None) or (current is not None and current.etag != etag):
+                    want = "no object" if etag is None else f"etag {etag}"
+                    have = "none" if current is None else f"etag {current.etag}"
+                    raise TierConflict(f"conditional write of {name!r}: expected {want}, found {have}")
+                self._put(name, lambda out: _write_all(out, data))
+                after = self._head(name)
+                assert after is not None
+                return after.etag
+            finally:
+                os.close(fd)  # (releases the lock)
+
+    async def get(self, name: str) -> tuple[bytes, str] | None:
+        validate_object_name(name)
+        return await asyncio.to_thread(self._get, name)
+
+    def _get(self, name: str) -> tuple[bytes, str] | None:
+        with _map_os_error(name):
+            try:
+                fd = os.open(self.root / name, os.O_RDONLY)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            try:
+                st = os.fstat(fd)  # the etag of the file read (a put renames a new one in)
+                if not stat.S_ISREG(st.st_mode):
+                    return None
+                chunks, at = [], 0
+                while chunk := os.pread(fd, 1 << 20, at):
+                    chunks.append(chunk)
+                    at += len(chunk)
+                return b"".join(chunks), _etag(st)
+            finally:
+                os.close(fd)
 
     async def delete(self, name: str) -> None:
         validate_object_name(name)

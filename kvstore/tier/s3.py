@@ -35,7 +35,7 @@ from botocore.exceptions import (
     IncompleteReadError,
 )
 
-from kvstore.errors import TierError, TierNotFound, TierRangeError, TierUnavailable
+from kvstore.errors import TierConflict, TierError, TierNotFound, TierRangeError, TierUnavailable
 from kvstore.tier.base import ObjectInfo, check_range, source_size, validate_object_name, validate_prefix
 
 MiB = 1 << 20
@@ -183,6 +183,42 @@ class S3Tier:
 
         await self._run(put)
 
+    async def put_if(self, name: str, data: bytes, etag: str | None) -> str:
+        key = self._key(name)
+        cond = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": f'"{etag}"'}
+
+        def put() -> str:
+            with _map_error(name):
+                try:
+                    resp = self._client.put_object(Bucket=self.bucket, Key=key, Body=data, **cond)
+                except ClientError as e:
+                    if _error_code(e) in _NOT_FOUND_CODES or _status(e) == 404:  # If-Match, and the object went
+                        raise TierConflict(f"conditional write of {name!r}: the object is gone") from e
+                    raise
+                return str(resp.get("ETag", "")).strip('"')
+
+        return await self._run(put)
+
+    async def get(self, name: str) -> tuple[bytes, str] | None:
+        key = self._key(name)
+
+        def get() -> tuple[bytes, str] | None:
+            with _map_error(name):
+                try:
+                    resp = self._client.get_object(Bucket=self.bucket, Key=key)
+                except ClientError as e:
+                    if _error_code(e) in _NOT_FOUND_CODES or _status(e) == 404:
+                        return None
+                    raise
+                body = resp["Body"]
+                try:
+                    data: bytes = body.read()
+                finally:
+                    body.close()
+                return data, str(resp.get("ETag", "")).strip('"')
+
+        return await self._run(get)
+
     async def delete(self, name: str) -> None:
         key = self._key(name)
 
@@ -320,6 +356,9 @@ def _map_error(name: str) -> Iterator[None]:
             what = f"S3 {e.operation_name} of {name!r}: {code or status}"
             if code == "NoSuchBucket":
                 raise TierError(f"{what}: the bucket does not exist") from raised
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                # (S3 answers 409 when another conditional write of the key is in flight)
+                raise TierConflict(f"{what}: the object changed since it was read") from raised
             if code in _NOT_FOUND_CODES or status == 404:
                 raise TierNotFound(f"{what}: no such object") from raised
             if code in _THROTTLE_CODES or status == 429 or status >= 500:

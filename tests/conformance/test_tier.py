@@ -18,7 +18,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvstore.errors import InvalidObjectName, TierError, TierNotFound, TierRangeError, TierUnavailable
+from kvstore.errors import (
+    InvalidObjectName,
+    TierConflict,
+    TierError,
+    TierNotFound,
+    TierRangeError,
+    TierUnavailable,
+)
 from kvstore.tier import LocalTier, ObjectInfo, Tier
 from kvstore.tier.s3 import S3Tier
 
@@ -249,6 +256,49 @@ async def test_concurrent_writes_and_reads(tier: Tier) -> None:
 
 
 # -- local directory only ------------------------------------------------------------
+
+
+async def test_conditional_writes_create_once_and_compare_etags(tier: Tier) -> None:
+    assert await tier.get("state.json") is None
+    first = await tier.put_if("state.json", b"v1", None)  # create only
+    assert await tier.get("state.json") == (b"v1", first)
+    with pytest.raises(TierConflict):
+        await tier.put_if("state.json", b"v1 again", None)  # it exists now
+    second = await tier.put_if("state.json", b"v2", first)
+    assert second != first and await tier.get("state.json") == (b"v2", second)
+    with pytest.raises(TierConflict):
+        await tier.put_if("state.json", b"stale", first)  # written since
+    assert (await tier.get("state.json") or (b"", ""))[0] == b"v2"
+    await tier.delete("state.json")
+    with pytest.raises(TierConflict):
+        await tier.put_if("state.json", b"gone", second)  # deleted since
+    info = await tier.head("state.json")
+    assert info is None
+
+
+async def test_racing_read_modify_writes_lose_nothing(tier: Tier) -> None:
+    """Eight writers each add themselves to one object, reading it, changing
+    it and writing it back conditionally, redoing on conflict: every one of
+    them is in the result (the pattern of the fleet's registry and members)."""
+
+    async def add(me: str) -> int:
+        tries = 0
+        while True:
+            tries += 1
+            got = await tier.get("members")
+            body, etag = got if got is not None else (b"", None)
+            names = [n for n in body.decode().split(",") if n]
+            try:
+                await tier.put_if("members", ",".join([*names, me]).encode(), etag)
+                return tries
+            except TierConflict:
+                await asyncio.sleep(0.001 * tries)
+
+    tries = await asyncio.gather(*(add(f"w{i}") for i in range(8)))
+    got = await tier.get("members")
+    assert got is not None
+    assert sorted(got[0].decode().split(",")) == sorted(f"w{i}" for i in range(8))
+    assert max(tries) >= 1
 
 
 async def test_local_writes_leave_no_temp_files_and_skip_in_flight_ones(tmp_path: Path) -> None:

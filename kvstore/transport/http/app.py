@@ -33,7 +33,7 @@ from kvstore.transport.http.middleware import (
 )
 from kvstore.transport.http.qos import QOS, qos_ctx
 from kvstore.transport.http.respond import error_body
-from kvstore.transport.http.routes import admin, batch, blocks, events, plans, records, write_plans, xfer
+from kvstore.transport.http.routes import admin, batch, blocks, events, fleet, plans, records, write_plans, xfer
 from kvstore.transport.http.shares import SLOTS, TenantSlots
 
 log = logging.getLogger("kvstore.http")
@@ -48,6 +48,9 @@ async def readyz(request: web.Request) -> web.Response:
     which names tenants and segments, only with the admin token."""
     if not request.app[STATE]["ready"]:
         return web.json_response(error_body("not_ready", "the store is not open"), status=503)
+    why = fleet.fenced(request.app)
+    if why:
+        return web.json_response(error_body("fenced", f"this node refuses writes: {why}"), status=503)
     if is_admin(request):
         return web.json_response({"status": "ready", "recovery": request.app[STORE].recovery.as_dict()})
     return web.json_response({"status": "ready"})
@@ -114,7 +117,11 @@ def make_app(
             yield
             await relay.close()
 
+    if not reader:
+        app.cleanup_ctx.append(fleet.fleet_open_ctx(master))
     app.cleanup_ctx.append(store_ctx)
+    if not reader:
+        app.cleanup_ctx.append(fleet.fleet_join_ctx)
     app.cleanup_ctx.append(qos_ctx)
 
     async def weights_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -145,6 +152,7 @@ def make_app(
     app.router.add_routes(records.routes)
     app.router.add_routes(xfer.routes)
     app.router.add_routes(events.routes)
+    app.router.add_routes(fleet.routes)
     if role == "writer":
         app.router.add_routes(internal.routes)
     return app

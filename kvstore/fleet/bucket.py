@@ -1,0 +1,214 @@
+"""Membership as objects in the bucket, changed only by conditional writes.
+
+Two kinds of objects, under the fleet's prefix:
+
+- ``fleet/members.json``: ``{"version": N, "nodes": {id: {"url",
+  "incarnation", "state", "changed_ns"}}}``, the one document every node
+  agrees on. A join, a rejoin and a death each read it, change it and write
+  it back with ``If-Match`` (``If-None-Match: *`` for the first), redoing the
+  change on a conflict: two nodes changing it at once both land, in turn,
+  and ``version`` grows by one per change.
+- ``nodes/ID/heartbeat.json``: written by its node only (under its own
+  prefix), every ``fleet_heartbeat_s``, with ``If-Match`` on the etag of its
+  own last write: a conflict means another process wrote it, a newer
+  incarnation of the same id, and this one is superseded.
+
+A node is declared dead by whichever observer first sees its heartbeat
+object unchanged for ``dead_after_s`` of the observer's own clock (etags
+compared, never timestamps: no clock needs to agree with another). A node
+that comes back and finds itself dead rejoins as a new incarnation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.errors import TierConflict, TierError
+from kvstore.fleet.membership import Superseded
+from kvstore.fleet.view import ALIVE, DEAD, FleetView, Member
+from kvstore.tier.base import Tier
+
+log = logging.getLogger("kvstore.fleet")
+
+MEMBERS = "fleet/members.json"
+MAX_TRIES = 50  # conditional writes of one change before giving up (each conflict means another node's change landed)
+
+
+def heartbeat_object(node_id: str) -> str:
+    return f"nodes/{node_id}/heartbeat.json"
+
+
+def _dump(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+
+def _load(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise TierError(f"{what} in the bucket is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise TierError(f"{what} in the bucket is not a JSON object")
+    return doc
+
+
+async def change_object(
+    tier: Tier, name: str, change: Callable[[dict[str, Any] | None], dict[str, Any] | None]
+) -> dict[str, Any] | None:
+    """Read ``name`` (None if absent), let ``change`` return the new document
+    (None: nothing to change), write it back conditionally; on a conflict,
+    read again and redo. Returns the document as it is afterwards."""
+    for attempt in range(MAX_TRIES):
+        got = await tier.get(name)
+        doc, etag = (_load(got[0], name), got[1]) if got is not None else (None, None)
+        new = change(doc)
+        if new is None:
+            return doc
+        try:
+            await tier.put_if(name, _dump(new), etag)
+            return new
+        except TierConflict:
+            await asyncio.sleep(random.uniform(0, 0.01 * (attempt + 1)))  # another node's change landed first
+    raise TierError(f"{name}: {MAX_TRIES} conditional writes in a row lost to other nodes' changes")
+
+
+class BucketMembership:
+    """:class:`~kvstore.fleet.membership.Membership` on a tier (the fleet's
+    prefix of the bucket). ``clock``: monotonic seconds (tests pass their own)."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        node_id: str,
+        url: str,
+        dead_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tier = tier
+        self.node_id = node_id
+        self.url = url
+        self.dead_after_s = dead_after_s
+        self.incarnation = 0
+        self._clock = clock
+        self._seq = 0
+        self._beat_etag: str | None = None
+        # Per node: its heartbeat object's etag as last seen, and when (this clock, wall time) it changed.
+        self._seen: dict[str, tuple[str | None, float, float]] = {}
+
+    # -- this node ---------------------------------------------------------------
+
+    async def join(self) -> int:
+        got = await self.tier.get(heartbeat_object(self.node_id))
+        previous = _load(got[0], "a heartbeat").get("incarnation", 0) if got is not None else 0
+        members = (await self.tier.get(MEMBERS)) or None
+        listed = 0
+        if members is not None:
+            entry = _load(members[0], MEMBERS).get("nodes", {}).get(self.node_id, {})
+            listed = int(entry.get("incarnation", 0))
+        self.incarnation = max(int(previous), listed) + 1
+        try:
+            self._beat_etag = await self.tier.put_if(
+                heartbeat_object(self.node_id), self._beat(), got[1] if got is not None else None
+            )
+        except TierConflict:
+            raise Superseded(f"another process is joining the fleet as node {self.node_id!r}") from None
+        await self._set_self_alive()
+        log.info("joined the fleet as node %s, incarnation %d, at %s", self.node_id, self.incarnation, self.url)
+        return self.incarnation
+
+    def _beat(self) -> bytes:
+        self._seq += 1
+        return _dump({"id": self.node_id, "url": self.url, "incarnation": self.incarnation, "seq": self._seq})
+
+    async def heartbeat(self) -> None:
+        try:
+            self._beat_etag = await self.tier.put_if(heartbeat_object(self.node_id), self._beat(), self._beat_etag)
+        except TierConflict:
+            raise Superseded(
+                f"node {self.node_id!r}'s heartbeat was written by another process (a newer incarnation)"
+            ) from None
+
+    async def _set_self_alive(self) -> None:
+        me, inc, url = self.node_id, self.incarnation, self.url
+
+        def change(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+            doc = doc or {"version": 0, "nodes": {}}
+            entry = doc["nodes"].get(me)
+            if entry is not None and (entry["state"], entry["incarnation"], entry["url"]) == (ALIVE, inc, url):
+                return None
+            doc["nodes"][me] = {"url": url, "incarnation": inc, "state": ALIVE, "changed_ns": time.time_ns()}
+            doc["version"] = int(doc["version"]) + 1
+            return doc
+
+        await change_object(self.tier, MEMBERS, change)
+
+    # -- the others ----------------------------------------------------------------
+
+    async def observe(self) -> FleetView:
+        got = await self.tier.get(MEMBERS)
+        doc: dict[str, Any] = _load(got[0], MEMBERS) if got is not None else {"version": 0, "nodes": {}}
+        nodes: dict[str, Any] = doc.get("nodes", {})
+        ids = sorted(nodes)
+        heads = await asyncio.gather(*(self.tier.head(heartbeat_object(i)) for i in ids))
+        now = self._clock()
+        for node_id, info in zip(ids, heads, strict=True):
+            etag = info.etag if info is not None else None
+            seen = self._seen.get(node_id)
+            if seen is None or seen[0] != etag:
+                self._seen[node_id] = (etag, now, time.time())
+        silent = {
+            i: int(nodes[i]["incarnation"])
+            for i in ids
+            if i != self.node_id and nodes[i]["state"] == ALIVE and now - self._seen[i][1] > self.dead_after_s
+        }
+        mine = nodes.get(self.node_id)
+        if mine is not None and self.incarnation and int(mine["incarnation"]) > self.incarnation:
+            raise Superseded(f"node {self.node_id!r} joined again as incarnation {mine['incarnation']} elsewhere")
+        away = mine is not None and mine["state"] != ALIVE
+        if mine is not None and away and self.incarnation:
+            # The others declared this node dead while it could not write: a new incarnation.
+            self.incarnation = max(self.incarnation, int(mine["incarnation"])) + 1
+            await self.heartbeat()
+            await self._set_self_alive()
+            log.warning("node %s was declared dead; rejoined as incarnation %d", self.node_id, self.incarnation)
+        if silent:
+            await self._declare_dead(silent)
+        if away or silent:
+            got = await self.tier.get(MEMBERS)
+            doc = _load(got[0], MEMBERS) if got is not None else doc
+        return self._view(doc)
+
+    async def _declare_dead(self, silent: dict[str, int]) -> None:
+        def change(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+            if doc is None:
+                return None
+            hit = [
+                i
+                for i, inc in silent.items()
+                if (e := doc["nodes"].get(i)) is not None and e["state"] == ALIVE and int(e["incarnation"]) == inc
+            ]
+            if not hit:
+                return None  # another observer did it, or the node came back as a new incarnation
+            for i in hit:
+                doc["nodes"][i] = {**doc["nodes"][i], "state": DEAD, "changed_ns": time.time_ns()}
+            doc["version"] = int(doc["version"]) + 1
+            return doc
+
+        await change_object(self.tier, MEMBERS, change)
+        for i in silent:
+            log.warning("node %s: no heartbeat for %.1f s; declared dead", i, self.dead_after_s)
+
+    def _view(self, doc: dict[str, Any]) -> FleetView:
+        members = []
+        for node_id, e in sorted(doc.get("nodes", {}).items()):
+            seen = self._seen.get(node_id)
+            state = ALIVE if e.get("state") == ALIVE else DEAD
+            last = seen[2] if seen is not None else 0.0
+            members.append(Member(node_id, str(e.get("url", "")), state, int(e.get("incarnation", 0)), last))
+        return FleetView(int(doc.get("version", 0)), tuple(members))

@@ -1,0 +1,137 @@
+"""A daemon's part in the fleet: join, heartbeat, watch the others, fence.
+
+:class:`FleetNode` runs one loop: every ``heartbeat_s`` it writes its
+heartbeat, then observes the membership (declaring silent nodes dead,
+rejoining if it was declared dead itself) and tells its listeners when the
+view changed (the takeover of a dead node's blocks listens).
+
+**Fencing.** The others declare a node dead ``dead_after_s`` after they last
+saw its heartbeat change, and their observation lags by up to a heartbeat.
+So a node that has not written a heartbeat for ``dead_after_s -
+heartbeat_s`` (a partition, a stopped process, a bucket it cannot reach)
+refuses writes, and ``/readyz`` says why, before anyone can have declared it
+dead: a partitioned node never serves writes as if it were alone. The check
+reads the monotonic clock at each write (it runs on while a process is
+stopped), so a process resumed after SIGSTOP refuses writes at once, until
+its loop has written a heartbeat and rejoined.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+
+from kvstore.errors import Fenced, TierError
+from kvstore.fleet.membership import Membership, Superseded
+from kvstore.fleet.view import ALIVE, FleetView
+from kvstore.tasks import Background
+
+log = logging.getLogger("kvstore.fleet")
+
+Listener = Callable[[FleetView, FleetView], Awaitable[None]]
+
+
+class FleetNode:
+    def __init__(self, membership: Membership, heartbeat_s: float, dead_after_s: float) -> None:
+        self.membership = membership
+        self.node_id = membership.node_id
+        self.heartbeat_s = heartbeat_s
+        self.fence_after_s = dead_after_s - heartbeat_s
+        self.view = FleetView(0, ())
+        self.listeners: list[Listener] = []
+        self._last_beat = -math.inf  # monotonic: the last heartbeat written
+        self._superseded = ""
+        self._rejoining = False  # silent past fence_after_s: fenced until a heartbeat and a look at the members
+        self._tasks = Background()
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        """Join (a new incarnation), read the members, start the loop."""
+        await self.membership.join()
+        self._last_beat = time.monotonic()
+        self.view = await self.membership.observe()
+        self._tasks.spawn(self._loop(), "fleet-heartbeat")
+
+    async def close(self) -> None:
+        await self._tasks.close()
+
+    # -- the loop ------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while not self._superseded:
+            await asyncio.sleep(self.heartbeat_s)
+            await self.step()
+
+    async def step(self) -> None:
+        """One heartbeat and one observation (the loop's body)."""
+        silent = time.monotonic() - self._last_beat
+        if silent > self.fence_after_s and not self._rejoining:
+            self._rejoining = True
+            log.warning(
+                "node %s: no heartbeat written for %.1f s: refusing writes until it has rejoined the fleet",
+                self.node_id,
+                silent,
+            )
+        try:
+            await self.membership.heartbeat()
+            self._last_beat = time.monotonic()
+        except Superseded as e:
+            self._supersede(str(e))
+            return
+        except TierError as e:
+            log.warning("fleet heartbeat of node %s failed: %s", self.node_id, e)
+        try:
+            view = await self.membership.observe()
+        except Superseded as e:
+            self._supersede(str(e))
+            return
+        except TierError as e:
+            log.warning("node %s cannot read the fleet's membership: %s", self.node_id, e)
+            return
+        if self._rejoining and time.monotonic() - self._last_beat <= self.fence_after_s:
+            self._rejoining = False
+            log.warning("node %s is back in the fleet (incarnation %d)", self.node_id, self.membership.incarnation)
+        if view != self.view:
+            old, self.view = self.view, view
+            self._changed.set()
+            self._changed = asyncio.Event()
+            for listener in list(self.listeners):
+                try:
+                    await listener(old, view)
+                except Exception:
+                    log.exception("a fleet listener failed on the change to version %d", view.version)
+
+    def _supersede(self, why: str) -> None:
+        self._superseded = why
+        log.error("node %s stops writing: %s", self.node_id, why)
+
+    async def changed(self) -> None:
+        """Until the view changes next."""
+        await self._changed.wait()
+
+    # -- fencing -------------------------------------------------------------------
+
+    def fenced(self) -> str:
+        """Why this node may not write now ("" when it may)."""
+        if self._superseded:
+            return self._superseded
+        silent = time.monotonic() - self._last_beat
+        if self._rejoining and silent <= self.fence_after_s:
+            return f"node {self.node_id} is rejoining the fleet after a silence"
+        if silent > self.fence_after_s:
+            return (
+                f"node {self.node_id} has not written its heartbeat for {silent:.1f} s "
+                f"(more than fleet_dead_after_s - fleet_heartbeat_s = {self.fence_after_s:g} s)"
+            )
+        me = self.view.member(self.node_id)
+        if me is None or me.state != ALIVE:
+            return f"node {self.node_id} is not alive in the fleet's membership (yet)"
+        return ""
+
+    def check_writable(self) -> None:
+        why = self.fenced()
+        if why:
+            raise Fenced(f"this node refuses writes: {why}")

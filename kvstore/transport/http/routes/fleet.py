@@ -1,0 +1,89 @@
+"""The fleet on the HTTP side: joining at start-up, ``GET /v1/fleet``, and
+what ``/readyz`` says of a fenced node (kvstore/fleet/)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from kvstore.engine.api import MasterKey, tier_from_config
+from kvstore.errors import FleetOff
+from kvstore.fleet.bucket import BucketMembership
+from kvstore.fleet.node import FleetNode
+from kvstore.fleet.registry import FleetRegistry, adopt_at_start
+from kvstore.tasks import Background
+from kvstore.tier.base import Tier
+from kvstore.transport.http.appkeys import CONFIG, STORE
+from kvstore.transport.http.auth import is_admin, tenant_of
+
+log = logging.getLogger("kvstore.fleet")
+
+FLEET = web.AppKey("fleet", FleetNode)
+FLEET_TIER = web.AppKey("fleet_tier", Tier)
+routes = web.RouteTableDef()
+
+
+def fleet_open_ctx(master: MasterKey) -> Callable[[web.Application], AsyncIterator[None]]:
+    """Before the store opens: the fleet's prefix of the bucket, and the
+    fleet's registry as this node's (so the store opens with the fleet's tenants)."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        cfg = app[CONFIG].store
+        if not cfg.fleet:
+            yield
+            return
+        tier = tier_from_config(cfg, fleet=True)
+        assert tier is not None  # (the settings' check: fleet needs a tier)
+        app[FLEET_TIER] = tier
+        try:
+            if await adopt_at_start(tier, cfg.data_dir / "registry.json", master):
+                log.info("took the fleet's tenant registry from the bucket")
+            yield
+        finally:
+            await tier.close()
+
+    return ctx
+
+
+async def fleet_join_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Once the store is open: the registry kept in step with the fleet's,
+    then join (heartbeats, membership), and writes fenced by it."""
+    cfg = app[CONFIG].store
+    if not cfg.fleet:
+        yield
+        return
+    store, tier = app[STORE], app[FLEET_TIER]
+    registry = FleetRegistry(tier, store.registry_document, store.adopt_registry)
+    await registry.pull()  # (this node's registry becomes the fleet's where the bucket has none)
+    store.fleet_registry = registry
+    membership = BucketMembership(tier, cfg.node_id, cfg.advertise_url, cfg.fleet_dead_after_s)
+    node = FleetNode(membership, cfg.fleet_heartbeat_s, cfg.fleet_dead_after_s)
+    await node.start()
+    store.fence = node.check_writable
+    app[FLEET] = node
+    tasks = Background()
+    tasks.spawn(registry.run(cfg.s3_refresh_s), "fleet-registry")
+    try:
+        yield
+    finally:
+        await tasks.close()
+        await node.close()
+
+
+def fenced(app: web.Application) -> str:
+    """Why this fleet node refuses writes ("" if it does not, or is not in a fleet)."""
+    node = app.get(FLEET)
+    return node.fenced() if node is not None else ""
+
+
+@routes.get("/v1/fleet")
+async def fleet(request: web.Request) -> web.Response:
+    """The fleet's members as this node sees them: the admin token or any tenant's."""
+    if not is_admin(request):
+        tenant_of(request)
+    node = request.app.get(FLEET)
+    if node is None:
+        raise FleetOff("this node is not in a fleet (the fleet setting is off)")
+    return web.json_response(node.view.as_dict())
