@@ -155,7 +155,7 @@ def raise_internal(request: web.Request) -> None:
     request.app[METRICS].inc("kvstore_errors_total", code="internal")
 
 
-ADMIN_OR_TENANT = frozenset({"/v1/events"})  # a tenant's token, or the admin's for every tenant
+ADMIN_OR_TENANT = frozenset({"/v1/events", "/v1/fleet"})  # a tenant's token, or the admin's
 
 
 @web.middleware

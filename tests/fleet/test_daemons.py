@@ -1,0 +1,272 @@
+"""Three daemons on 127.0.0.1 with one S3 endpoint (moto's server) as a
+fleet: they join, a node killed with SIGKILL is declared dead and comes back
+as a new incarnation, a node cut from the bucket refuses writes by itself
+and rejoins when it can reach it again, a node stopped with SIGSTOP rejoins
+after SIGCONT, and tenants are the fleet's: created, changed and revoked on
+any node, on every node within one refresh, racing admin calls all landing."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..http.conftest import ADMIN, ROOT, Daemon, daemon_env, free_port
+from ..moto_s3 import REGION, S3Env
+from .proxy import CuttableProxy
+
+HEARTBEAT_S = 0.5
+DEAD_AFTER_S = 2.5
+REFRESH_S = 1
+
+
+@dataclass
+class Reply:
+    status: int
+    body: Any
+
+
+def call(base: str, method: str, path: str, token: str = ADMIN, doc: Any = None, data: bytes | None = None) -> Reply:
+    body = json.dumps(doc).encode() if doc is not None else data
+    req = urllib.request.Request(base + path, data=body, method=method)
+    req.add_header("Authorization", f"Bearer {token}")
+    if doc is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    try:
+        return Reply(status, json.loads(raw) if raw else None)
+    except ValueError:
+        return Reply(status, raw)
+
+
+def until(what: str, check: Callable[[], bool], timeout: float) -> float:
+    """Seconds until ``check()`` holds (fails the test after ``timeout``)."""
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+class Fleet:
+    def __init__(self, tmp: Path, s3: S3Env, n: int) -> None:
+        key = tmp / "master.key"  # every node of a fleet has the same master key
+        key.write_bytes(os.urandom(32))
+        key.chmod(0o600)
+        self.prefix = f"fleet-{uuid.uuid4().hex[:8]}"
+        self.s3 = s3
+        self.nodes: list[Daemon] = []
+        self.proxies: list[CuttableProxy] = []
+        for i in range(n):
+            proxy = CuttableProxy(s3.endpoint.port)
+            self.proxies.append(proxy)
+            port = free_port()
+            env = {
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "PYTHONPATH": str(ROOT),
+                "KVSTORE_ADMIN_TOKEN": ADMIN,
+                "KVSTORE_MASTER_KEY_FILE": str(key),
+                "KVSTORE_WORKERS": "1",
+                "KVSTORE_SEGMENT_SIZE": "1MiB",
+                "KVSTORE_S3_ENDPOINT": proxy.url,
+                "KVSTORE_S3_BUCKET": s3.bucket,
+                "KVSTORE_S3_PREFIX": self.prefix,
+                "KVSTORE_S3_REFRESH_S": str(REFRESH_S),
+                "KVSTORE_FLEET": "1",
+                "KVSTORE_NODE_ID": f"node-{i}",
+                "KVSTORE_ADVERTISE_URL": f"http://127.0.0.1:{port}",
+                "KVSTORE_FLEET_HEARTBEAT_S": str(HEARTBEAT_S),
+                "KVSTORE_FLEET_DEAD_AFTER_S": str(DEAD_AFTER_S),
+                "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": REGION,
+                "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_CONFIG_FILE": "/dev/null",
+                "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+            }
+            (tmp / f"n{i}").mkdir()
+            self.nodes.append(Daemon(tmp / f"n{i}" / "data", port, env))
+
+    def start(self) -> None:
+        for d in self.nodes:
+            d.start()
+        for d in self.nodes:
+            until(f"{d.base} ready", lambda d=d: call(d.base, "GET", "/readyz").status == 200, 20)  # type: ignore[misc]
+        until(
+            "every node sees every node alive",
+            lambda: all(len(self.alive(d)) == len(self.nodes) for d in self.nodes),
+            20,
+        )
+
+    def view(self, d: Daemon) -> dict[str, Any]:
+        r = call(d.base, "GET", "/v1/fleet")
+        assert r.status == 200, r
+        assert isinstance(r.body, dict)
+        return r.body
+
+    def alive(self, d: Daemon) -> list[str]:
+        return [n["id"] for n in self.view(d)["nodes"] if n["state"] == "alive"]
+
+    def member(self, d: Daemon, node_id: str) -> dict[str, Any]:
+        return next(n for n in self.view(d)["nodes"] if n["id"] == node_id)
+
+    def stop(self) -> None:
+        for d in self.nodes:
+            if d.proc is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(d.proc.pid, signal.SIGCONT)
+                d.stop(signal.SIGKILL)
+        for p in self.proxies:
+            p.close()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, s3: S3Env) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, s3, 3)
+    f.start()
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+def test_nodes_join_a_killed_node_is_declared_dead_and_comes_back(fleet: Fleet) -> None:
+    n0, n1, _ = fleet.nodes
+    view = fleet.view(n0)
+    assert view["version"] >= 3
+    assert {(m["id"], m["state"], m["incarnation"], m["url"]) for m in view["nodes"]} == {
+        (f"node-{i}", "alive", 1, d.base) for i, d in enumerate(fleet.nodes)
+    }
+    assert all(fleet.view(d)["version"] == view["version"] for d in fleet.nodes)
+    n1.stop(signal.SIGKILL)
+    took = until("node-1 declared dead", lambda: fleet.member(n0, "node-1")["state"] == "dead", 4 * DEAD_AFTER_S)
+    assert took >= DEAD_AFTER_S - 2 * HEARTBEAT_S, f"declared dead after {took:.1f} s"
+    assert sorted(fleet.alive(n0)) == ["node-0", "node-2"]
+    n1.start()
+    until("node-1 back", lambda: fleet.member(n0, "node-1")["state"] == "alive", 20)
+    assert fleet.member(n0, "node-1")["incarnation"] == 2  # a restarted node is a new incarnation of its id
+    assert (n1.data_dir / "node-id").read_text().strip() == "node-1"
+
+
+def test_a_node_cut_from_the_bucket_refuses_writes_by_itself_and_rejoins(fleet: Fleet) -> None:
+    n0, _, n2 = fleet.nodes
+    t = call(n0.base, "POST", "/v1/admin/tenants", doc={"name": "w", "policy": "direct"})
+    assert t.status == 201, t
+    token = t.body["token"]
+    until("the tenant on node-2", lambda: call(n2.base, "GET", "/v1/stats", token).status == 200, 3 * REFRESH_S + 2)
+    assert call(n2.base, "PUT", "/v1/blocks/before", token, data=b"x" * 1000).status == 201
+    fleet.proxies[2].cut()
+    keys = iter(range(10**6))  # a new key each time: a PUT of a key already stored writes nothing
+    until(
+        "node-2 fences itself",
+        lambda: call(n2.base, "PUT", f"/v1/blocks/during{next(keys)}", token, data=b"y" * 1000).status == 503,
+        DEAD_AFTER_S + 2,
+    )
+    r = call(n2.base, "PUT", "/v1/blocks/fenced", token, data=b"y" * 1000)
+    assert r.status == 503 and r.body["error"]["code"] == "fenced", r
+    ready = call(n2.base, "GET", "/readyz")
+    assert ready.status == 503 and ready.body["error"]["code"] == "fenced", ready
+    assert call(n2.base, "GET", "/v1/blocks/before", token).status == 200  # reads go on
+    until("node-2 declared dead", lambda: fleet.member(n0, "node-2")["state"] == "dead", 4 * DEAD_AFTER_S)
+    fleet.proxies[2].heal()
+    until(
+        "node-2 writes again",
+        lambda: call(n2.base, "PUT", f"/v1/blocks/after{next(keys)}", token, data=b"z" * 1000).status == 201,
+        4 * DEAD_AFTER_S,
+    )
+    assert call(n2.base, "GET", "/readyz").status == 200
+    until("node-2 alive again", lambda: fleet.member(n0, "node-2")["state"] == "alive", 4 * DEAD_AFTER_S)
+    assert fleet.member(n0, "node-2")["incarnation"] == 2
+
+
+def test_a_stopped_node_rejoins_after_sigcont(fleet: Fleet) -> None:
+    n0, n1, _ = fleet.nodes
+    assert n1.proc is not None
+    os.kill(n1.proc.pid, signal.SIGSTOP)
+    try:
+        until("node-1 declared dead", lambda: fleet.member(n0, "node-1")["state"] == "dead", 4 * DEAD_AFTER_S)
+    finally:
+        os.kill(n1.proc.pid, signal.SIGCONT)
+    until("node-1 alive again", lambda: fleet.member(n0, "node-1")["state"] == "alive", 4 * DEAD_AFTER_S)
+    assert fleet.member(n0, "node-1")["incarnation"] == 2
+    assert call(n1.base, "GET", "/readyz").status == 200
+    log = n1.log.read_text()
+    assert "refusing writes until it has rejoined the fleet" in log and "is back in the fleet" in log
+
+
+def test_tenants_are_the_fleets(fleet: Fleet) -> None:
+    n0, n1, n2 = fleet.nodes
+    made = call(n0.base, "POST", "/v1/admin/tenants", doc={"name": "shared", "policy": "sealed"})
+    assert made.status == 201, made
+    token = made.body["token"]
+    for d in fleet.nodes:
+        until(
+            f"the token on {d.base}", lambda d=d: call(d.base, "GET", "/v1/stats", token).status == 200, REFRESH_S + 3
+        )  # type: ignore[misc]
+    # Admin calls racing on two nodes: every one lands.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futs = [
+            pool.submit(
+                call, (n0, n1)[i % 2].base, "POST", "/v1/admin/tenants", ADMIN, {"name": f"r{i}", "policy": "direct"}
+            )
+            for i in range(8)
+        ]
+        replies = [f.result() for f in futs]
+    assert [r.status for r in replies] == [201] * 8, replies
+    for d in fleet.nodes:
+        until(
+            f"every tenant on {d.base}",
+            lambda d=d: (
+                {t["name"] for t in call(d.base, "GET", "/v1/admin/tenants").body["tenants"]}  # type: ignore[misc]
+                >= {"shared", *(f"r{i}" for i in range(8))}
+            ),
+            REFRESH_S + 3,
+        )
+    # A block written through node-0 (sealed) is read back there; the token is revoked on node-2:
+    # every node refuses it within one refresh.
+    assert call(n0.base, "PUT", "/v1/blocks/k", token, data=b"sealed" * 100).status == 201
+    tokens = call(n2.base, "GET", "/v1/admin/tenants/shared").body["tokens"]
+    assert call(n2.base, "DELETE", f"/v1/admin/tenants/shared/tokens/{tokens[0]['id']}").status == 204
+    for d in fleet.nodes:
+        took = until(
+            f"revoked on {d.base}", lambda d=d: call(d.base, "GET", "/v1/stats", token).status == 401, REFRESH_S + 3
+        )  # type: ignore[misc]
+        assert took <= REFRESH_S + 3
+    # Deleted on node-1: gone everywhere.
+    assert call(n1.base, "DELETE", "/v1/admin/tenants/r0").status == 204
+    for d in fleet.nodes:
+        until(
+            f"r0 gone on {d.base}", lambda d=d: call(d.base, "GET", "/v1/admin/tenants/r0").status == 404, REFRESH_S + 3
+        )  # type: ignore[misc]
+
+
+def test_the_fleet_route(fleet: Fleet, tmp_path: Path) -> None:
+    n0 = fleet.nodes[0]
+    assert call(n0.base, "GET", "/v1/fleet", token="kvs_nobody").status == 401
+    t = call(n0.base, "POST", "/v1/admin/tenants", doc={"name": "reader", "policy": "direct"})
+    assert call(n0.base, "GET", "/v1/fleet", token=t.body["token"]).status == 200  # any tenant's token
+    (tmp_path / "alone").mkdir()
+    alone = Daemon(tmp_path / "alone" / "data", free_port(), daemon_env(tmp_path / "alone"))  # not in a fleet
+    alone.start()
+    try:
+        r = call(alone.base, "GET", "/v1/fleet")
+        assert r.status == 404 and r.body["error"]["code"] == "fleet_off", r
+    finally:
+        alone.stop()
