@@ -31,6 +31,7 @@ from kvstore_client.breaker import CircuitBreaker
 from kvstore_client.decoding import Decode, DecodePool, decode_allowed, decode_available
 from kvstore_client.errors import KVStoreClientError
 from kvstore_client.exchange import Endpoint, Exchange
+from kvstore_client.fleet import FleetMembers
 from kvstore_client.keys import check_key
 from kvstore_client.lookups import Locks, Lookups
 from kvstore_client.nixl import nixl_available
@@ -101,6 +102,8 @@ class AsyncClient:
         transport: Literal["http", "nixl"] = "http",
         nixl_name: str | None = None,
         nixl_devices: str | None = None,
+        fleet: bool = False,
+        fleet_refresh_s: float = 5.0,
     ) -> None:
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not eps:
@@ -143,15 +146,16 @@ class AsyncClient:
         self.transport = transport
 
         decodes = decode != "server" and decode_available()
-        endpoints_ = {
-            u: Endpoint(
+
+        def endpoint(u: str) -> Endpoint:
+            return Endpoint(
                 u,
                 CircuitBreaker(breaker_threshold, breaker_cooldown),
                 tokens.get(u, self.token),
                 client_decode=decodes and decode_allowed(u),
             )
-            for u in urls
-        }
+
+        endpoints_ = {u: endpoint(u) for u in urls}
         self._x = Exchange(
             endpoints_,
             timeout=timeout,
@@ -198,6 +202,8 @@ class AsyncClient:
             strict=strict,
         )
         self._lookups = Lookups(self._x, self._shards, max_lookup_keys=max_lookup_keys)
+        # fleet: the endpoints are seeds; the members come from GET /v1/fleet (kvstore_client/fleet.py).
+        self._fleet = FleetMembers(self._x, self._shards, urls, fleet_refresh_s, endpoint) if fleet else None
 
     @staticmethod
     def _read_token(token_file: str | None) -> str | None:
@@ -238,9 +244,26 @@ class AsyncClient:
 
     # -- fail-open -------------------------------------------------------------
 
+    async def members(self) -> None:
+        """A fleet client: read the fleet's membership now if it is due (every
+        ``fleet_refresh_s``, or sooner while a member looks down). Every call
+        does it first; it never raises (the endpoints stay as they were)."""
+        if self._fleet is None:
+            return
+        try:
+            await self._fleet.ensure()
+        except Exception as e:  # noqa: BLE001 - fail-open: the last membership stands
+            self._x.log.warning("kvstore: reading the fleet's membership failed: %r", e)
+
+    @property
+    def fleet_version(self) -> int | None:
+        """The fleet membership's version this client places keys by (None: not a fleet client)."""
+        return self._fleet.version if self._fleet is not None else None
+
     async def _guard(self, op: str, default: T, call: Awaitable[T]) -> T:
         """Fail-open: a failure is ``default`` plus a counter and a log line, unless strict."""
         self.stats["calls"] += 1
+        await self.members()
         try:
             return await call
         except KVStoreClientError as e:
@@ -471,6 +494,7 @@ class AsyncClient:
             check_key(k)
         mvs = [writable_view(b) for b in bufs]
         self.stats["calls"] += 1
+        await self.members()
         n = await self._prefix.load(keys, mvs, deadline_s)
         self.stats["hits"] += n
         self.stats["misses"] += len(keys) - n

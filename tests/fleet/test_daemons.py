@@ -7,6 +7,7 @@ any node, on every node within one refresh, racing admin calls all landing."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
@@ -270,3 +271,41 @@ def test_the_fleet_route(fleet: Fleet, tmp_path: Path) -> None:
         assert r.status == 404 and r.body["error"]["code"] == "fleet_off", r
     finally:
         alone.stop()
+
+
+async def test_a_fleet_client_finds_the_members_and_places_keys_as_the_daemons(fleet: Fleet) -> None:
+    """``AsyncClient(seed, token, fleet=True)``: one seed, every member
+    learned from ``GET /v1/fleet``; each key lands on the node the fleet's
+    rendezvous hashing names; a node killed leaves the client's placement
+    once the fleet declares it dead, and new keys go to the survivors."""
+    from kvstore_client import AsyncClient
+    from kvstore_client.sharding import rank_endpoints
+
+    n0, n1, _ = fleet.nodes
+    made = call(n0.base, "POST", "/v1/admin/tenants", doc={"name": "c", "policy": "direct"})
+    token = made.body["token"]
+    for d in fleet.nodes:
+        until(
+            f"the token on {d.base}", lambda d=d: call(d.base, "GET", "/v1/stats", token).status == 200, REFRESH_S + 3
+        )  # type: ignore[misc]
+    urls = sorted(d.base for d in fleet.nodes)
+    async with AsyncClient(n0.base, token, fleet=True, fleet_refresh_s=0.5, timeout=2, retries=0) as kv:
+        assert await kv.put("first", b"0" * 100)
+        assert kv.endpoints == urls and kv.fleet_version == fleet.view(n0)["version"]
+        keys = [f"key-{i}" for i in range(30)]
+        assert all(await kv.put_many((k, k.encode() * 50) for k in keys))
+        for k in keys:
+            owner = rank_endpoints(urls, k)[0]
+            for d in fleet.nodes:
+                want = 200 if d.base == owner else 404
+                assert call(d.base, "GET", f"/v1/blocks/{k}", token).status == want, (k, d.base)
+        n1.stop(signal.SIGKILL)
+        until("node-1 declared dead", lambda: fleet.member(n0, "node-1")["state"] == "dead", 4 * DEAD_AFTER_S)
+        survivors = sorted(d.base for d in fleet.nodes if d is not n1)
+        t0 = time.monotonic()
+        while kv.endpoints != survivors:
+            assert time.monotonic() - t0 < 10, kv.endpoints
+            await kv.exists("anything")  # every call reads the membership when due
+            await asyncio.sleep(0.1)
+        later = [f"later-{i}" for i in range(20)]
+        assert all(await kv.put_many((k, b"x" * 10) for k in later))  # none is placed on the dead node

@@ -29,6 +29,7 @@ CLIENT_SETTINGS = (
     "ca_file",
     "transport",  # "http" (default) or "nixl": get_into/put_many over NIXL, falling back to HTTP
     "nixl_devices",  # UCX_NET_DEVICES for the client's NIXL agent (unset: UCX's choice)
+    "fleet",  # true: endpoints are seeds of a fleet; its members come from GET /v1/fleet
 )
 
 
@@ -157,6 +158,7 @@ class Settings:
             "ca_file": self.get_str("ca_file"),
             "transport": self.choice("transport", "http", ("http", "nixl")),
             "nixl_devices": self.get_str("nixl_devices"),
+            "fleet": self.get_bool("fleet", False),
         }
         kwargs.update(overrides)
         return AsyncClient(self.endpoints(), **kwargs)
