@@ -103,6 +103,10 @@ async def test_answers_match_the_description(api: Api) -> None:
         ("GET", "/v1/events", "/v1/events?since=x", t, b"", 400),
         ("GET", "/v1/events", "/v1/events", {}, b"", 401),
         ("HEAD", "/v1/stats", "/v1/stats", t, b"", 200),
+        # Not in a fleet here (tests/fleet/test_daemons.py runs one).
+        ("GET", "/v1/fleet", "/v1/fleet", t, b"", 404),
+        ("GET", "/v1/fleet", "/v1/fleet", {}, b"", 401),
+        ("HEAD", "/v1/fleet", "/v1/fleet", admin, b"", 404),
         ("POST", "/v1/batch/put", "/v1/batch/put", t, batch, 200),
         ("POST", "/v1/batch/put", "/v1/batch/put", t, b"NOPE", 400),
         ("POST", "/v1/batch/get", "/v1/batch/get", t, b'{"keys": ["b1", "zz"]}', 200),
