@@ -10,7 +10,7 @@ from kvstore.engine.compactor import CompactionReport
 from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.engine.format import CODEC_NAMES, FrameEntry
 from kvstore.engine.lifecycle import Lease, Leases
-from kvstore.engine.object_tier import tier_from_config
+from kvstore.engine.object_tier import node_prefix, tier_from_config
 from kvstore.engine.reader import StoredFrames
 from kvstore.engine.registry import adopt_registry_file
 from kvstore.engine.store import Store
@@ -36,5 +36,6 @@ __all__ = [
     "VerifyReport",
     "adopt_registry_file",
     "load_master_key",
+    "node_prefix",
     "tier_from_config",
 ]

@@ -214,6 +214,15 @@ class StoreTenants(StoreCore):
         await self.fleet_registry.sync()
         return self._tenant(name)
 
+    def tenant_names(self) -> list[str]:
+        """The tenants, by name (those being deleted left out)."""
+        self._check_open()
+        return [n for n in self._registry.names() if n not in self._deleting]
+
+    def events_topic(self, tenant: str) -> str:
+        """The ZMQ topic of the tenant's residency events ("" for its name)."""
+        return self._topic(tenant)
+
     def registry_document(self) -> bytes:
         """The tenant registry's document (data keys wrapped, tokens hashed)."""
         return self._registry.document()

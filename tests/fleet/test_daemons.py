@@ -116,6 +116,13 @@ class Fleet:
             20,
         )
 
+    def wait_token(self, token: str) -> None:
+        """Until every node knows the tenant ``token`` names (within a refresh of the fleet's registry)."""
+        for d in self.nodes:
+            if d.proc is not None:
+                ok = lambda d=d: call(d.base, "GET", "/v1/stats", token).status == 200  # noqa: E731
+                until(f"the token on {d.base}", ok, REFRESH_S + 3)
+
     def view(self, d: Daemon) -> dict[str, Any]:
         r = call(d.base, "GET", "/v1/fleet")
         assert r.status == 200, r
@@ -217,10 +224,7 @@ def test_tenants_are_the_fleets(fleet: Fleet) -> None:
     made = call(n0.base, "POST", "/v1/admin/tenants", doc={"name": "shared", "policy": "sealed"})
     assert made.status == 201, made
     token = made.body["token"]
-    for d in fleet.nodes:
-        until(
-            f"the token on {d.base}", lambda d=d: call(d.base, "GET", "/v1/stats", token).status == 200, REFRESH_S + 3
-        )  # type: ignore[misc]
+    fleet.wait_token(token)
     # Admin calls racing on two nodes: every one lands.
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futs = [
@@ -284,10 +288,7 @@ async def test_a_fleet_client_finds_the_members_and_places_keys_as_the_daemons(f
     n0, n1, _ = fleet.nodes
     made = call(n0.base, "POST", "/v1/admin/tenants", doc={"name": "c", "policy": "direct"})
     token = made.body["token"]
-    for d in fleet.nodes:
-        until(
-            f"the token on {d.base}", lambda d=d: call(d.base, "GET", "/v1/stats", token).status == 200, REFRESH_S + 3
-        )  # type: ignore[misc]
+    fleet.wait_token(token)
     urls = sorted(d.base for d in fleet.nodes)
     async with AsyncClient(n0.base, token, fleet=True, fleet_refresh_s=0.5, timeout=2, retries=0) as kv:
         assert await kv.put("first", b"0" * 100)
@@ -309,3 +310,61 @@ async def test_a_fleet_client_finds_the_members_and_places_keys_as_the_daemons(f
             await asyncio.sleep(0.1)
         later = [f"later-{i}" for i in range(20)]
         assert all(await kv.put_many((k, b"x" * 10) for k in later))  # none is placed on the dead node
+
+
+async def test_survivors_serve_a_dead_nodes_flushed_blocks_and_let_go_when_it_returns(fleet: Fleet) -> None:
+    """Blocks written through a fleet client and flushed to the bucket; the
+    node holding a third of them killed with SIGKILL. Once the fleet has
+    declared it dead, every one of its blocks is read back byte-exact
+    through the client from the survivors (single reads, batch reads) and
+    lookups find them; when it restarts, the survivors let go and the fleet
+    is back to the first placement."""
+    from kvstore_client import AsyncClient
+    from kvstore_client.sharding import rank_endpoints
+
+    n0, n1, n2 = fleet.nodes
+    made = call(n0.base, "POST", "/v1/admin/tenants", doc={"name": "t", "policy": "sealed"})
+    token = made.body["token"]
+    fleet.wait_token(token)
+    urls = sorted(d.base for d in fleet.nodes)
+    blocks = {f"blk-{i:03d}": os.urandom(3000 + i) for i in range(60)}
+    async with AsyncClient(n0.base, token, fleet=True, fleet_refresh_s=0.5, timeout=5, retries=1) as kv:
+        assert all(await kv.put_many(blocks.items()))
+        for d in fleet.nodes:
+            r = call(d.base, "POST", "/v1/admin/flush")
+            assert r.status == 200 and r.body["tier"] == "mirrored", r
+        theirs = [k for k in blocks if rank_endpoints(urls, k)[0] == n1.base]
+        assert len(theirs) >= 5
+        n1.stop(signal.SIGKILL)
+        until("node-1 declared dead", lambda: fleet.member(n0, "node-1")["state"] == "dead", 4 * DEAD_AFTER_S)
+        t0 = time.monotonic()
+        while kv.endpoints != sorted([n0.base, n2.base]):
+            assert time.monotonic() - t0 < 10
+            await kv.exists("probe")
+            await asyncio.sleep(0.1)
+
+        async def all_back() -> bool:
+            got = await kv.get_many(theirs)
+            return got == [blocks[k] for k in theirs]
+
+        t0 = time.monotonic()
+        while not await all_back():
+            assert time.monotonic() - t0 < 20, "the survivors did not serve node-1's blocks"
+            await asyncio.sleep(0.2)
+        for k in theirs:
+            assert await kv.get(k) == blocks[k]
+        assert await kv.lookup_detail(theirs) == [True] * len(theirs)
+        assert await kv.lookup([*theirs, "never-written"]) == len(theirs)
+        survivor_logs = n0.log.read_text() + n2.log.read_text()
+        assert survivor_logs.count("took over node node-1's blocks") == 2
+        n1.start()
+        until("node-1 alive again", lambda: fleet.member(n0, "node-1")["state"] == "alive", 20)
+        t0 = time.monotonic()
+        while kv.endpoints != urls:
+            assert time.monotonic() - t0 < 10
+            await kv.exists("probe")
+            await asyncio.sleep(0.1)
+        until(
+            "the survivors let go", lambda: (n0.log.read_text() + n2.log.read_text()).count("node-1 is back") == 2, 10
+        )
+        assert await kv.get_many(list(blocks)) == list(blocks.values())  # the first placement, node-1's own data

@@ -120,8 +120,6 @@ def make_app(
     if not reader:
         app.cleanup_ctx.append(fleet.fleet_open_ctx(master))
     app.cleanup_ctx.append(store_ctx)
-    if not reader:
-        app.cleanup_ctx.append(fleet.fleet_join_ctx)
     app.cleanup_ctx.append(qos_ctx)
 
     async def weights_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -135,6 +133,8 @@ def make_app(
     if not reader:  # one NIXL agent and one event bus, the writer's: readers relay to them
         app.cleanup_ctx.append(events.events_ctx)
         app.cleanup_ctx.append(xfer.xfer_ctx)
+        # Joins once the store and its event bus are up (a takeover tells its blocks).
+        app.cleanup_ctx.append(fleet.fleet_join_ctx(master))
     if reader:
         app.cleanup_ctx.append(writer_ctx)
     app.on_shutdown.append(not_ready_on_shutdown)

@@ -84,6 +84,7 @@ from kvstore.transport.http.middleware import error_answered
 from kvstore.transport.http.qos import QOS, transfer_slot
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.respond import error_body
+from kvstore.transport.http.routes.fleet import with_adopted
 from kvstore.transport.http.sendfile import sendfile_extent
 from kvstore.transport.http.shares import SLOTS
 from kvstore.transport.statuses import http_status
@@ -394,7 +395,9 @@ class FastLane:
             return False  # the route's 400s, with its messages
         if r is None or not self._admit(tenant):
             return False
-        doc = json.dumps({"prefix": r.prefix, "present": r.present}).encode()
+        present = with_adopted(app, tenant, list(keys), r.present)  # a dead node's blocks this node took over
+        prefix = next((i for i, p in enumerate(present) if not p), len(present))
+        doc = json.dumps({"prefix": prefix, "present": present}).encode()
         head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: {len(doc)}\r\n"
         transport.write(_close_head(head) + doc)
         self._finish("POST", "200", t0, tenant, LOOKUP)

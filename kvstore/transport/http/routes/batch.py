@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from kvstore.engine.api import Stored
-from kvstore.errors import InvalidInput, KVStoreError, RateLimited
+from kvstore.errors import InvalidInput, KVStoreError, NotFound, RateLimited, TenantNotFound
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_client_key
 from kvstore.transport import batchframe
@@ -26,6 +26,7 @@ from kvstore.transport.http.bodies import BAD_BODY_FRAMING, BatchBody, Held, jso
 from kvstore.transport.http.counting import count_bytes
 from kvstore.transport.http.qos import QOS
 from kvstore.transport.http.respond import error_body, send
+from kvstore.transport.http.routes.fleet import adopted_store
 from kvstore.transport.statuses import http_status
 
 BATCH_TYPE = "application/x-kvstore-batch"  # docs/batch-framing.md
@@ -124,8 +125,19 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     await resp.write(batchframe.MAGIC)
 
+    async def get(key: str) -> bytearray | memoryview:
+        try:
+            return await store.get_buffer(tenant, key)
+        except TenantNotFound:
+            raise
+        except NotFound:
+            other = adopted_store(request.app, tenant, key)  # a dead node's block this node took over
+            if other is None:
+                raise
+            return await other.get_buffer(tenant, key)
+
     def fetch(key: str) -> asyncio.Task[bytearray | memoryview]:
-        coro: Awaitable[bytearray | memoryview] = store.get_buffer(tenant, key)
+        coro: Awaitable[bytearray | memoryview] = get(key)
         return asyncio.ensure_future(coro)
 
     window = [fetch(k) for k in keys[:_WINDOW]]

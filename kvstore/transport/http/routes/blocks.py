@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvstore.engine.api import DirectExtent
-from kvstore.errors import InvalidInput, NotFound
+from kvstore.engine.api import BlockInfo, DirectExtent, Store
+from kvstore.errors import InvalidInput, NotFound, TenantNotFound
 from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_client_key, validate_key
 from kvstore.transport.http.appkeys import config_of, store_of
@@ -26,6 +26,7 @@ from kvstore.transport.http.qos import QOS
 from kvstore.transport.http.query import query_int, query_value
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.respond import send
+from kvstore.transport.http.routes.fleet import adopted_store, with_adopted
 from kvstore.transport.http.sendfile import send_extent
 
 routes = web.RouteTableDef()
@@ -55,8 +56,7 @@ async def put_block(request: web.Request) -> web.Response:
 async def get_block(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
     key = validate_key(request.match_info["key"])
-    store = store_of(request)
-    info = await store.head(tenant, key)
+    store, info = await head_anywhere(request, tenant, key)
     headers = {"ETag": etag(info.etag), "Accept-Ranges": "bytes"}
     if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
         return web.Response(status=304, headers=headers)
@@ -77,6 +77,22 @@ async def get_block(request: web.Request) -> web.StreamResponse:
     finally:
         if isinstance(data, DirectExtent):
             data.release()  # its segment stays open until the answer is sent
+
+
+async def head_anywhere(request: web.Request, tenant: str, key: str) -> tuple[Store, BlockInfo]:
+    """The store that holds the block and its head: this node's, or on a
+    fleet node, a dead node's it took over (routes/fleet.py). Raises the
+    local store's NotFound where neither has it."""
+    store = store_of(request)
+    try:
+        return store, await store.head(tenant, key)
+    except TenantNotFound:
+        raise
+    except NotFound:
+        other = adopted_store(request.app, tenant, key)
+        if other is None:
+            raise
+        return other, await other.head(tenant, key)
 
 
 async def take_read(request: web.Request, tenant: str, n: int) -> None:
@@ -116,7 +132,7 @@ async def send_bytes(
 async def head_block(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
     key = validate_key(request.match_info["key"])
-    info = await store_of(request).head(tenant, key)
+    _, info = await head_anywhere(request, tenant, key)
     headers = {"ETag": etag(info.etag), "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
     if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
         return web.Response(status=304, headers=headers)
@@ -142,7 +158,9 @@ async def lookup(request: web.Request) -> web.Response:
     tpb = tokens_per_block_field(body)
     if "lease_s" not in body:
         r = await store_of(request).lookup(tenant, keys, tpb)
-        return web.json_response({"prefix": r.prefix, "present": r.present})
+        present = with_adopted(request.app, tenant, list(keys), r.present)
+        prefix = next((i for i, p in enumerate(present) if not p), len(present))
+        return web.json_response({"prefix": prefix, "present": present})
     lease_s = lease_field(body)
     store = store_of(request)
     r, lease = await store.lookup_locked(tenant, keys, lease_s, tpb)

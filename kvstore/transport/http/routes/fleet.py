@@ -7,12 +7,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
+from kvstore_client.sharding import normalize
 
-from kvstore.engine.api import MasterKey, tier_from_config
+from kvstore.engine.api import MasterKey, Store, tier_from_config
 from kvstore.errors import FleetOff
 from kvstore.fleet.bucket import BucketMembership
 from kvstore.fleet.node import FleetNode
 from kvstore.fleet.registry import FleetRegistry, adopt_at_start
+from kvstore.fleet.takeover import Takeover
 from kvstore.tasks import Background
 from kvstore.tier.base import Tier
 from kvstore.transport.http.appkeys import CONFIG, STORE
@@ -22,6 +24,7 @@ log = logging.getLogger("kvstore.fleet")
 
 FLEET = web.AppKey("fleet", FleetNode)
 FLEET_TIER = web.AppKey("fleet_tier", Tier)
+TAKEOVER = web.AppKey("takeover", Takeover)
 routes = web.RouteTableDef()
 
 
@@ -47,13 +50,24 @@ def fleet_open_ctx(master: MasterKey) -> Callable[[web.Application], AsyncIterat
     return ctx
 
 
-async def fleet_join_ctx(app: web.Application) -> AsyncIterator[None]:
+def fleet_join_ctx(master: MasterKey) -> Callable[[web.Application], AsyncIterator[None]]:
     """Once the store is open: the registry kept in step with the fleet's,
-    then join (heartbeats, membership), and writes fenced by it."""
+    then join (heartbeats, membership), writes fenced by it, and dead nodes'
+    blocks taken over."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        cfg = app[CONFIG].store
+        if not cfg.fleet:
+            yield
+            return
+        async for _ in _join(app, master):
+            yield
+
+    return ctx
+
+
+async def _join(app: web.Application, master: MasterKey) -> AsyncIterator[None]:
     cfg = app[CONFIG].store
-    if not cfg.fleet:
-        yield
-        return
     store, tier = app[STORE], app[FLEET_TIER]
     registry = FleetRegistry(tier, store.registry_document, store.adopt_registry)
     await registry.pull()  # (this node's registry becomes the fleet's where the bucket has none)
@@ -63,6 +77,10 @@ async def fleet_join_ctx(app: web.Application) -> AsyncIterator[None]:
     await node.start()
     store.fence = node.check_writable
     app[FLEET] = node
+    takeover = Takeover(store, cfg, master, normalize(cfg.advertise_url))
+    await takeover.start(node.view)
+    node.listeners.append(takeover.on_view)
+    app[TAKEOVER] = takeover
     tasks = Background()
     tasks.spawn(registry.run(cfg.s3_refresh_s), "fleet-registry")
     try:
@@ -70,6 +88,19 @@ async def fleet_join_ctx(app: web.Application) -> AsyncIterator[None]:
     finally:
         await tasks.close()
         await node.close()
+        await takeover.close()
+
+
+def adopted_store(app: web.Application, tenant: str, key: str) -> Store | None:
+    """A dead node's store that holds ``key`` (takeover.py); None: none does, or not in a fleet."""
+    takeover = app.get(TAKEOVER)
+    return takeover.store_for(tenant, key) if takeover is not None else None
+
+
+def with_adopted(app: web.Application, tenant: str, keys: list[str], present: list[bool]) -> list[bool]:
+    """A lookup's ``present`` with the keys taken over from dead nodes."""
+    takeover = app.get(TAKEOVER)
+    return takeover.present(tenant, keys, present) if takeover is not None else present
 
 
 def fenced(app: web.Application) -> str:

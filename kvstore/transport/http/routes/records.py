@@ -32,10 +32,9 @@ from aiohttp import web
 from kvstore.engine.api import CODEC_NAMES, StoredFrames
 from kvstore.errors import InsecureTransport
 from kvstore.names import validate_key
-from kvstore.transport.http.appkeys import store_of
 from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
-from kvstore.transport.http.routes.blocks import etag, send_bytes, take_read
+from kvstore.transport.http.routes.blocks import etag, head_anywhere, send_bytes, take_read
 
 routes = web.RouteTableDef()
 ENVELOPE_MAGIC = b"KVE1"
@@ -103,8 +102,7 @@ async def get_record(request: web.Request) -> web.StreamResponse:
             "a record is sent with its own key only over TLS, a unix socket or loopback; "
             "use GET /v1/blocks/{key} (the daemon decodes) on this connection"
         )
-    store = store_of(request)
-    info = await store.head(tenant, key)
+    store, info = await head_anywhere(request, tenant, key)  # (a dead node's block this node took over too)
     headers = {"ETag": etag(info.etag), "Accept-Ranges": "bytes", "Cache-Control": "no-store"}
     if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
         return web.Response(status=304, headers=headers)

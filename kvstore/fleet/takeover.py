@@ -1,0 +1,179 @@
+"""Takeover: the survivors serve a dead node's sealed and mirrored blocks.
+
+When the fleet declares a node dead, every survivor opens that node's part of
+the bucket (``PREFIX/nodes/ID``) as a read-only follower store of its own
+(``DATA/adopted/ID``): the dead node's mirrored registry copy (the fleet's
+tenants, sealed under the fleet's master key) and its segments' footers,
+indexed; the blocks are then read with ranged GETs from the bucket. A
+request for a block this node does not hold is answered from the adopted
+stores (the block routes, lookups, batch gets), and this node publishes
+``stored`` residency events (tier ``object``, cause ``takeover``) for the
+adopted blocks that rendezvous hashing over the alive nodes places on it.
+
+When the node comes back (alive again, a new incarnation), the survivors let
+go: ``removed`` events (cause ``handed_back``), the follower store closed and
+its directory removed. Blocks the dead node had not sealed and mirrored are
+lost with it: a cache loses latency, not correctness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from kvstore.config import StoreConfig
+from kvstore.engine.api import MasterKey, Store, node_prefix
+from kvstore.errors import KVStoreError, NotFound, TenantNotFound
+from kvstore.fleet.view import ALIVE, DEAD, FleetView
+from kvstore.tasks import Background
+
+log = logging.getLogger("kvstore.fleet")
+
+ADOPTED = "adopted"
+EVENT_BATCH = 1000
+
+
+def adopted_config(config: StoreConfig, node_id: str, data_dir: Path) -> StoreConfig:
+    """A read-only follower of ``node_id``'s part of the fleet's bucket: no
+    rehydration (its reads are ranged GETs; this node's disk is its own
+    store's), no fleet of its own."""
+    root = config.s3_prefix.strip("/")
+    return replace(
+        config,
+        data_dir=data_dir,
+        fleet=False,
+        node_id="",
+        advertise_url="",
+        s3_readonly=True,
+        s3_prefix="/".join(p for p in (root, node_prefix(node_id)) if p) if config.s3_bucket else config.s3_prefix,
+        tier_dir=str(Path(config.tier_dir) / node_prefix(node_id)) if config.tier_dir else "",
+        rehydrate_reads=0,
+    )
+
+
+class Takeover:
+    """The adopted stores of one node. ``local``: this node's own store
+    (its event bus tells the adoption); ``me``: this node's URL, for the
+    placement of the adopted blocks."""
+
+    def __init__(self, local: Store, config: StoreConfig, master: MasterKey, me: str) -> None:
+        self.local = local
+        self.config = config
+        self.master = master
+        self.me = me
+        self.adopted: dict[str, Store] = {}
+        self._incarnation: dict[str, int] = {}  # the incarnation each adoption is of
+        self._tasks = Background()
+        self._lock = asyncio.Lock()
+        self.view = FleetView(0, ())
+        self.adopted_at: dict[str, float] = {}  # node -> loop time the adoption was serving (bench)
+
+    def _dir(self, node_id: str) -> Path:
+        return Path(self.config.data_dir) / ADOPTED / node_id
+
+    async def on_view(self, old: FleetView, new: FleetView) -> None:
+        """The fleet's membership changed: adopt the newly dead, hand back the
+        returned, in the background (opening a dead node's part of the bucket
+        reads its segments' footers: the heartbeat loop must not wait for it)."""
+        self.view = new
+        self._tasks.spawn(self._apply(new), f"takeover-v{new.version}")
+
+    async def _apply(self, new: FleetView) -> None:
+        async with self._lock:
+            if new is not self.view:
+                return  # a newer view is on its way
+
+            for m in new.members:
+                if m.id == self.config.node_id:
+                    continue
+                held = m.id in self.adopted
+                if m.state == DEAD and not held:
+                    await self._adopt(m.id, m.incarnation)
+                elif held and (m.state == ALIVE or m.incarnation != self._incarnation.get(m.id)):
+                    await self._hand_back(m.id)
+
+    async def start(self, view: FleetView) -> None:
+        """At start-up: adopt the nodes already dead, drop adoptions left from before."""
+        self.view = view
+        base = Path(self.config.data_dir) / ADOPTED
+        if base.exists():
+            await asyncio.to_thread(shutil.rmtree, base, True)  # the fleet says afresh what to adopt
+        await self._apply(view)
+
+    async def _adopt(self, node_id: str, incarnation: int) -> None:
+        t0 = asyncio.get_running_loop().time()
+        d = self._dir(node_id)
+        try:
+            store = await Store.open(adopted_config(self.config, node_id, d), self.master)
+        except KVStoreError as e:
+            log.warning("cannot take over node %s's blocks: %s", node_id, e)
+            return
+        self.adopted[node_id] = store
+        self._incarnation[node_id] = incarnation
+        self.adopted_at[node_id] = asyncio.get_running_loop().time()
+        log.warning(
+            "took over node %s's blocks in the bucket (opened in %.2f s)",
+            node_id,
+            self.adopted_at[node_id] - t0,
+        )
+        await self._tell(store, "stored", "takeover")
+
+    async def _hand_back(self, node_id: str) -> None:
+        store = self.adopted.pop(node_id)
+        self._incarnation.pop(node_id, None)
+        self.adopted_at.pop(node_id, None)
+        await self._tell(store, "removed", "handed_back")
+        await store.close()
+        await asyncio.to_thread(shutil.rmtree, self._dir(node_id), True)
+        log.warning("node %s is back: its blocks are its own again", node_id)
+
+    async def _tell(self, store: Store, kind: str, cause: str) -> None:
+        """Residency events for the adopted blocks rendezvous hashing places on this node."""
+        bus = self.local.events
+        if bus is None:
+            return
+        for tenant in store.tenant_names():
+            after: str | None = None
+            while True:
+                try:
+                    page, after = await store.list_keys(tenant, "", after, EVENT_BATCH)
+                except TenantNotFound:
+                    break
+                mine = [(k, n) for k, n in page if self.view.owner(k) == self.me]
+                if mine:
+                    bus.publish(
+                        tenant,
+                        kind,  # type: ignore[arg-type]
+                        cause,
+                        "object",
+                        [k for k, _ in mine],
+                        [n for _, n in mine],
+                        topic=self.local.events_topic(tenant),
+                    )
+                if after is None:
+                    break
+
+    def store_for(self, tenant: str, key: str) -> Store | None:
+        """The adopted store that holds ``key`` of ``tenant`` (None: none does)."""
+        for store in self.adopted.values():
+            try:
+                if store.peek(tenant, key) is not None:
+                    return store
+            except (NotFound, KVStoreError):
+                continue
+        return None
+
+    def present(self, tenant: str, keys: list[str], present: list[bool]) -> list[bool]:
+        """``present`` with the keys the adopted stores hold added."""
+        if not self.adopted or all(present):
+            return present
+        return [p or self.store_for(tenant, k) is not None for k, p in zip(keys, present, strict=True)]
+
+    async def close(self) -> None:
+        await self._tasks.close()
+        for node_id in list(self.adopted):
+            store = self.adopted.pop(node_id)
+            await store.close()
