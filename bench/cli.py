@@ -27,6 +27,10 @@ And one that measures (see ``bench.run``):
 * ``qos``: what tenants' QoS holds under load: a read and a write limit, a
   tenant's GET p99 alone and beside another's flood, two weights' shares of
   the daemon (``bench.qos_bench``).
+* ``fleet``: a fleet of daemons on one bucket (moto's S3 server): the time
+  from a node's SIGKILL to its blocks served again by the survivors, and
+  their read rate there against the same blocks on their own node
+  (``bench.fleet_bench``).
 
 Examples::
 
@@ -143,10 +147,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{size,ttft,run,codec,nixl,events,s3,writes,qos}"
+        dest="command", required=True, metavar="{size,ttft,run,codec,nixl,events,s3,writes,qos,fleet}"
     )
-    # codec, nixl, events, s3, writes and qos have their own parsers (bench/codec_bench.py, nixl_bench.py,
-    # events_bench.py, s3_bench.py, write_bench.py, qos_bench.py):
+    # codec, nixl, events, s3, writes, qos and fleet have their own parsers (bench/codec_bench.py, nixl_bench.py,
+    # events_bench.py, s3_bench.py, write_bench.py, qos_bench.py, fleet_bench.py):
     # main() hands them the rest of argv.
     sub.add_parser("codec", help="encode/decode GB/s per core and ratio of each compression, on real KV caches")
     sub.add_parser("nixl", help="NIXL reads against HTTP GET and a plain socket copy (needs NIXL)")
@@ -154,6 +158,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub.add_parser("s3", help="PUT and ranged GET through the S3 gateway against SeaweedFS and /v1, one client")
     sub.add_parser("writes", help="every write path's GB/s and daemon CPU against a write+fdatasync loop")
     sub.add_parser("qos", help="tenant QoS under load: read/write limits, GET p99 beside a flood, weights")
+    sub.add_parser("fleet", help="a fleet on one bucket: time to take over a killed node, its blocks' read rate")
 
     size = sub.add_parser("size", help="KV bytes per token, block, TP rank, session; fleet capacity")
     _add_model_args(size)
@@ -450,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         del rest[at : at + (1 if "=" in rest[at] else 2)]
         return ttft_sweep.main(rest)
+    if args_in[:1] == ["fleet"]:
+        from bench import fleet_bench
+
+        return fleet_bench.main(args_in[1:])
     if args_in[:1] == ["qos"]:
         from bench import qos_bench
 

@@ -1,0 +1,278 @@
+"""kvstore-bench fleet: how long a fleet takes to serve a dead node's blocks,
+and how fast the survivors serve them.
+
+Starts moto's S3 server and ``--nodes`` daemons on 127.0.0.1 as a fleet on
+one bucket (docs/fleet.md). Then:
+
+1. A fleet client writes ``--blocks`` blocks and every node flushes them
+   to the bucket.
+2. The bench measures reads of node-1's blocks on node-1 itself
+   (``get_many`` through the client, ``--rounds`` rounds).
+3. It kills node-1 with SIGKILL and records two times:
+   - until a survivor declares node-1 dead;
+   - until every one of node-1's blocks reads back byte-exact through the
+     client: full takeover.
+4. It reads node-1's blocks again, now from the survivors (ranged GETs on
+   the bucket).
+
+Figures are medians of the rounds, and the throughput is given against the
+same blocks read on their own node. moto is a Python S3 server on the same
+2 cores, so the survivors' figure is a floor, not what a real object store
+gives. Example::
+
+    .venv/bin/kvstore-bench fleet --blocks 200 --block-size 256KiB --json fleet.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvstore-bench fleet", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=3, help="daemons in the fleet (default 3)")
+    p.add_argument("--blocks", type=int, default=300, help="blocks written (default 300)")
+    p.add_argument("--block-size", default="256KiB", help="bytes per block (default 256KiB)")
+    p.add_argument("--policy", choices=("sealed", "direct"), default="sealed", help="the tenant's policy")
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="fleet_heartbeat_s (default 1)")
+    p.add_argument("--dead-after-s", type=float, default=3.0, help="fleet_dead_after_s (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="read rounds per measurement (default 3)")
+    p.add_argument("--json", type=Path, help="write the results here")
+    a = p.parse_args(argv)
+    try:
+        a.size = parse_size("--block-size", a.block_size)
+    except Exception as e:  # noqa: BLE001 - argparse's error, with the parser's message
+        p.error(str(e))
+    if a.nodes < 2 or a.blocks < a.nodes or a.rounds < 1 or not 1 <= a.size <= 64 << 20:
+        p.error("--nodes >= 2, --blocks >= --nodes, --rounds >= 1, --block-size 1 B to 64 MiB")
+    if a.dead_after_s < 2 * a.heartbeat_s:
+        p.error("argument --dead-after-s: at least twice --heartbeat-s")
+    return a
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _call(base: str, method: str, path: str, token: str, doc: Any = None) -> tuple[int, Any]:
+    req = urllib.request.Request(base + path, data=None if doc is None else json.dumps(doc).encode(), method=method)
+    req.add_header("Authorization", f"Bearer {token}")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+            return r.status, json.loads(body) if body else None
+    except urllib.error.HTTPError as e:
+        return e.code, None
+    except OSError:
+        return 0, None
+
+
+def _until(what: str, check: Any, timeout: float) -> float:
+    t0 = time.monotonic()
+    while not check():
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"kvstore-bench fleet: not within {timeout} s: {what}")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+class Fleet:
+    def __init__(self, a: argparse.Namespace, root: Path, s3_url: str, bucket: str) -> None:
+        self.admin = secrets.token_hex(16)
+        key = root / "master.key"
+        key.write_bytes(os.urandom(32))
+        key.chmod(0o600)
+        self.root = root
+        self.procs: list[subprocess.Popen[bytes] | None] = []
+        self.bases: list[str] = []
+        self.envs: list[dict[str, str]] = []
+        self.cmds: list[list[str]] = []
+        for i in range(a.nodes):
+            port = _port()
+            base = f"http://127.0.0.1:{port}"
+            env = {
+                "PATH": os.environ.get("PATH", ""),
+                "PYTHONPATH": str(ROOT),
+                "KVSTORE_ADMIN_TOKEN": self.admin,
+                "KVSTORE_MASTER_KEY_FILE": str(key),
+                "KVSTORE_FLEET": "1",
+                "KVSTORE_NODE_ID": f"node-{i}",
+                "KVSTORE_ADVERTISE_URL": base,
+                "KVSTORE_FLEET_HEARTBEAT_S": str(a.heartbeat_s),
+                "KVSTORE_FLEET_DEAD_AFTER_S": str(a.dead_after_s),
+                "KVSTORE_S3_REFRESH_S": "1",
+                "KVSTORE_S3_BUCKET": bucket,
+                "KVSTORE_S3_ENDPOINT": s3_url,
+                "KVSTORE_S3_PREFIX": "bench",
+                "AWS_ACCESS_KEY_ID": "bench",
+                "AWS_SECRET_ACCESS_KEY": "bench",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_CONFIG_FILE": "/dev/null",
+                "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+            }
+            cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(root / f"n{i}"), "--listen", base[7:]]
+            self.bases.append(base)
+            self.envs.append(env)
+            self.cmds.append(cmd)
+            self.procs.append(None)
+
+    def start(self, i: int) -> None:
+        with (self.root / f"n{i}.log").open("ab") as log:
+            self.procs[i] = subprocess.Popen(self.cmds[i], env=self.envs[i], stdout=log, stderr=subprocess.STDOUT)
+
+    def kill(self, i: int) -> None:
+        p = self.procs[i]
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait(30)
+        self.procs[i] = None
+
+    def stop(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    self.kill(i)
+
+    def state(self, at: int, node: str) -> str:
+        status, doc = _call(self.bases[at], "GET", "/v1/fleet", self.admin)
+        if status != 200:
+            return ""
+        return next((n["state"] for n in doc["nodes"] if n["id"] == node), "")
+
+
+async def _read_rate(kv: Any, keys: list[str], blocks: dict[str, bytes], rounds: int) -> tuple[float, list[float]]:
+    """Median MB/s of get_many over ``keys`` (byte-exact, or the bench stops)."""
+    rates = []
+    nbytes = sum(len(blocks[k]) for k in keys)
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        got = await kv.get_many(keys)
+        took = time.perf_counter() - t0
+        if got != [blocks[k] for k in keys]:
+            raise SystemExit("kvstore-bench fleet: a block read back differs")
+        rates.append(nbytes / took / 1e6)
+    return statistics.median(rates), rates
+
+
+async def _run(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
+    from kvstore_client import AsyncClient
+    from kvstore_client.sharding import rank_endpoints
+
+    status, doc = _call(fleet.bases[0], "POST", "/v1/admin/tenants", fleet.admin, {"name": "bench", "policy": a.policy})
+    if status != 201:
+        raise SystemExit(f"kvstore-bench fleet: creating the tenant answered {status}")
+    token = doc["token"]
+    for base in fleet.bases:
+        _until(f"the tenant on {base}", lambda b=base: _call(b, "GET", "/v1/stats", token)[0] == 200, 10)
+    blocks = {f"blk-{i:05d}": os.urandom(a.size) for i in range(a.blocks)}
+    urls = sorted(fleet.bases)
+    victim = fleet.bases[1]
+    theirs = [k for k in blocks if rank_endpoints(urls, k)[0] == victim]
+    async with AsyncClient(fleet.bases[0], token, fleet=True, fleet_refresh_s=0.2, timeout=30, retries=1) as kv:
+        for i in range(0, len(blocks), 64):
+            chunk = list(blocks.items())[i : i + 64]
+            if not all(await kv.put_many(chunk)):
+                raise SystemExit("kvstore-bench fleet: a put failed")
+        for base in fleet.bases:
+            status, doc = _call(base, "POST", "/v1/admin/flush", fleet.admin)
+            if status != 200:
+                raise SystemExit(f"kvstore-bench fleet: flush on {base} answered {status}")
+        own, own_rounds = await _read_rate(kv, theirs, blocks, a.rounds)
+        print(f"node-1's {len(theirs)} blocks read on node-1: {own:.1f} MB/s (median of {a.rounds})", flush=True)
+        t_kill = time.monotonic()
+        fleet.kill(1)
+        _until("node-1 declared dead", lambda: fleet.state(0, "node-1") == "dead", 10 * a.dead_after_s)
+        t_dead = time.monotonic() - t_kill
+        while True:
+            await kv.members()
+            if await kv.get_many(theirs) == [blocks[k] for k in theirs]:
+                break
+            if time.monotonic() - t_kill > 120:
+                raise SystemExit("kvstore-bench fleet: no full takeover within 120 s")
+            await asyncio.sleep(0.02)
+        t_full = time.monotonic() - t_kill
+        print(f"killed node-1: declared dead after {t_dead:.2f} s, every block served again after {t_full:.2f} s")
+        via, via_rounds = await _read_rate(kv, theirs, blocks, a.rounds)
+        print(f"node-1's blocks read through the survivors: {via:.1f} MB/s ({via / own:.2f} x on their own node)")
+    return {
+        "nodes": a.nodes,
+        "blocks": a.blocks,
+        "block_size": a.size,
+        "policy": a.policy,
+        "heartbeat_s": a.heartbeat_s,
+        "dead_after_s": a.dead_after_s,
+        "victim_blocks": len(theirs),
+        "declared_dead_s": t_dead,
+        "full_takeover_s": t_full,
+        "own_node_mb_s": own,
+        "own_node_rounds": own_rounds,
+        "survivors_mb_s": via,
+        "survivors_rounds": via_rounds,
+        "survivors_over_own": via / own,
+        "s3": "moto (in-process Python S3 server, same machine)",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=_port(), verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    s3_url = f"http://{host}:{port}"
+    bucket = f"kvstore-fleet-bench-{secrets.token_hex(4)}"
+    boto3.client(
+        "s3", endpoint_url=s3_url, region_name="us-east-1", aws_access_key_id="bench", aws_secret_access_key="bench"
+    ).create_bucket(Bucket=bucket)
+    root = Path(tempfile.mkdtemp(prefix="kvstore-fleet-bench-", dir="/var/tmp"))
+    fleet = Fleet(a, root, s3_url, bucket)
+    try:
+        for i in range(a.nodes):
+            fleet.start(i)
+        for i in range(a.nodes):
+            _until(
+                f"node-{i} alive", lambda i=i: all(fleet.state(j, f"node-{i}") == "alive" for j in range(a.nodes)), 60
+            )
+        doc = asyncio.run(_run(a, fleet))
+    finally:
+        fleet.stop()
+        moto.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    if a.json:
+        a.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
