@@ -312,6 +312,28 @@ async def test_a_fleet_client_finds_the_members_and_places_keys_as_the_daemons(f
         assert all(await kv.put_many((k, b"x" * 10) for k in later))  # none is placed on the dead node
 
 
+def _takeover_events(base: str, token: str, timeout: float = 10.0) -> set[str]:
+    """The keys of the ``stored`` events with cause ``takeover`` a node's
+    event stream (``GET /v1/events?since=0``, never ending) has told, read
+    until one such event has come and the stream is quiet for a moment."""
+    req = urllib.request.Request(base + "/v1/events?since=0", headers={"Authorization": f"Bearer {token}"})
+    keys: set[str] = set()
+    deadline = time.monotonic() + timeout
+    with urllib.request.urlopen(req, timeout=1.0) as r:
+        while time.monotonic() < deadline:
+            try:
+                line = r.readline()
+            except TimeoutError:
+                if keys:
+                    break
+                continue
+            if line.startswith(b"data: "):
+                ev = json.loads(line[6:])
+                if ev.get("cause") == "takeover" and ev.get("kind") == "stored":
+                    keys |= {b["key"] for b in ev["blocks"]}
+    return keys
+
+
 async def test_survivors_serve_a_dead_nodes_flushed_blocks_and_let_go_when_it_returns(fleet: Fleet) -> None:
     """Blocks written through a fleet client and flushed to the bucket; the
     node holding a third of them killed with SIGKILL. Once the fleet has
@@ -357,6 +379,11 @@ async def test_survivors_serve_a_dead_nodes_flushed_blocks_and_let_go_when_it_re
         assert await kv.lookup([*theirs, "never-written"]) == len(theirs)
         survivor_logs = n0.log.read_text() + n2.log.read_text()
         assert survivor_logs.count("took over node node-1's blocks") == 2
+        # Residency events: each survivor tells the adopted blocks placed on it (cause "takeover").
+        told: set[str] = set()
+        for d in (n0, n2):
+            told |= _takeover_events(d.base, token)
+        assert told == set(theirs)
         n1.start()
         until("node-1 alive again", lambda: fleet.member(n0, "node-1")["state"] == "alive", 20)
         t0 = time.monotonic()
