@@ -377,6 +377,9 @@ async def test_survivors_serve_a_dead_nodes_flushed_blocks_and_let_go_when_it_re
             assert await kv.get(k) == blocks[k]
         assert await kv.lookup_detail(theirs) == [True] * len(theirs)
         assert await kv.lookup([*theirs, "never-written"]) == len(theirs)
+        present, locks = await kv.lookup_and_lock(theirs, lease_s=30)  # LMCache MP's lookups
+        assert present == [True] * len(theirs)
+        assert not (await kv.release_locks(locks)).leases
         survivor_logs = n0.log.read_text() + n2.log.read_text()
         assert survivor_logs.count("took over node node-1's blocks") == 2
         # Residency events: each survivor tells the adopted blocks placed on it (cause "takeover").

@@ -10,6 +10,8 @@ a malformed Range header ignored (§14.2).
 
 from __future__ import annotations
 
+import uuid
+
 from aiohttp import web
 
 from kvstore.engine.api import BlockInfo, DirectExtent, Store
@@ -168,7 +170,14 @@ async def lookup(request: web.Request) -> web.Response:
         locked = await share_lease(request.app, lease, lease_s)
         if locked is not None and len(locked) < len(lease.blocks):  # some went on the writer before its pin
             r, lease = r.only(keys, locked), await store.narrow_lock(lease, locked, lease_s)
-    doc = {"prefix": r.prefix, "present": r.present, "lease": lease.id if lease else None, "expires_in_s": lease_s}
+    # A dead node's blocks this node took over are reported too: nothing evicts or expires them
+    # (its store here is read-only) until the node is back, when they are its own again.
+    present = with_adopted(request.app, tenant, list(keys), r.present)
+    prefix = next((i for i, p in enumerate(present) if not p), len(present))
+    lease_id = lease.id if lease else None
+    if lease_id is None and any(present):  # only adopted blocks: a lease that holds nothing here (released as any)
+        lease_id = uuid.uuid4().hex
+    doc = {"prefix": prefix, "present": present, "lease": lease_id, "expires_in_s": lease_s}
     return web.json_response(doc)
 
 
