@@ -12,6 +12,15 @@ from moto.s3.responses import S3Response
 from moto.server import ThreadedMotoServer
 
 REGION = "us-east-1"
+# What a daemon started by a test needs to reach moto with boto3 (and nothing of the machine's own AWS setup).
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": REGION,
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_CONFIG_FILE": "/dev/null",
+    "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+}
 
 
 def _atomic_conditional_puts() -> None:

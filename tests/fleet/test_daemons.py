@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from ..http.conftest import ADMIN, ROOT, Daemon, daemon_env, free_port
-from ..moto_s3 import REGION, S3Env
+from ..moto_s3 import AWS_ENV, S3Env
 from .proxy import CuttableProxy
 
 HEARTBEAT_S = 0.5
@@ -95,12 +95,7 @@ class Fleet:
                 "KVSTORE_ADVERTISE_URL": f"http://127.0.0.1:{port}",
                 "KVSTORE_FLEET_HEARTBEAT_S": str(HEARTBEAT_S),
                 "KVSTORE_FLEET_DEAD_AFTER_S": str(DEAD_AFTER_S),
-                "AWS_ACCESS_KEY_ID": "testing",
-                "AWS_SECRET_ACCESS_KEY": "testing",
-                "AWS_DEFAULT_REGION": REGION,
-                "AWS_EC2_METADATA_DISABLED": "true",
-                "AWS_CONFIG_FILE": "/dev/null",
-                "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+                **AWS_ENV,
             }
             (tmp / f"n{i}").mkdir()
             self.nodes.append(Daemon(tmp / f"n{i}" / "data", port, env))

@@ -16,7 +16,7 @@ from tests.http import test_daemon
 from tests.http.conftest import ADMIN, Daemon
 from tests.http.test_daemon import _ready
 from tests.integration.test_g4 import new_bucket
-from tests.moto_s3 import REGION, S3Env
+from tests.moto_s3 import AWS_ENV, S3Env
 
 ADMIN_H = {"Authorization": f"Bearer {ADMIN}"}
 
@@ -30,12 +30,7 @@ def _s3_env(daemon: Daemon, s3: S3Env, bucket: str) -> None:
             "KVSTORE_CAPACITY": "16MiB",
             "KVSTORE_HIGH_WATERMARK": "2",  # every mirrored copy is dropped
             "KVSTORE_LOW_WATERMARK": "1",
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": REGION,
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": "/dev/null",
-            "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+            **AWS_ENV,
         }
     )
 

@@ -25,7 +25,7 @@ from botocore.exceptions import ClientError
 
 from tests.http.conftest import ADMIN
 from tests.integration.test_g4 import new_bucket, objects
-from tests.moto_s3 import REGION, S3Env
+from tests.moto_s3 import AWS_ENV, S3Env
 from tests.s3.conftest import Gateway, _wait_listening, start_gateway
 
 MiB = 1 << 20
@@ -34,12 +34,7 @@ MARKER = "PLAINTEXT-" + os.urandom(6).hex()  # in every name and metadata value 
 
 def _tier_env(s3: S3Env) -> dict[str, str]:
     return {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": REGION,
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": "/dev/null",
-        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+        **AWS_ENV,
     }
 
 

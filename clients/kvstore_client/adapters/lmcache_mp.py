@@ -101,7 +101,7 @@ from kvstore_client.adapters._common import (
     load_planner,
     unescape,
 )
-from kvstore_client.adapters.planner import ReadLimit
+from kvstore_client.adapters.planner import ReadLimit, told_recompute
 from kvstore_client.client import AsyncClient
 from kvstore_client.lookups import Locks
 
@@ -424,14 +424,7 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self.client.bandwidth(),
             await self._read_limit.aget(self.client.read_limit),
         )
-        if plan.blocks < run:
-            self.planned_recompute += run - plan.blocks
-            log.info(
-                "kvstore L2: recomputing %d found chunks (load %.3f s expected, recompute %.3f s)",
-                run - plan.blocks,
-                plan.load_s or 0.0,
-                plan.recompute_s or 0.0,
-            )
+        self.planned_recompute += told_recompute(log, plan, run, "L2 lookup", "found chunks")
         return hits[: plan.blocks]
 
     def _prune(self, now: float) -> None:

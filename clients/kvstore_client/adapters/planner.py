@@ -31,6 +31,7 @@ deadline (as before planning).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -47,6 +48,22 @@ class LoadPlan:
     deadline_s: float | None  # the most the load may take; None: the adapter's load timeout
     load_s: float | None  # the expected load time (None: unknown)
     recompute_s: float | None  # the expected recompute time (None: unknown)
+
+
+def told_recompute(log: logging.Logger, plan: LoadPlan, found: int, who: str, what: str) -> int:
+    """How many of ``found`` hit ``what`` the plan leaves to recompute,
+    logged (``who``: the request or call) when there are any."""
+    skipped = found - plan.blocks
+    if skipped > 0:
+        log.info(
+            "kvstore: %s: recomputing %d %s (load %.3f s expected, recompute %.3f s)",
+            who,
+            skipped,
+            what,
+            plan.load_s or 0.0,
+            plan.recompute_s or 0.0,
+        )
+    return max(0, skipped)
 
 
 class LoadPlanner:

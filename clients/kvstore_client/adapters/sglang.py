@@ -62,7 +62,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvstore_client.adapters._common import CLIENT_SETTINGS, PLAN_SETTINGS, LoopThread, Settings, load_planner
-from kvstore_client.adapters.planner import ReadLimit
+from kvstore_client.adapters.planner import ReadLimit, told_recompute
 from kvstore_client.client import AsyncClient
 from kvstore_client.keys import check_key, model_fingerprint
 
@@ -231,14 +231,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             log.exception("kvstore batch_exists: the host pool's page size is unknown; not planning")
             return n
         plan = self.planner.plan(n, tokens, page_bytes, self.client.bandwidth(), self._read_limit.get())
-        if plan.blocks < n:
-            self.planned_recompute_pages += n - plan.blocks
-            log.info(
-                "kvstore: recomputing %d stored pages (load %.3f s expected, recompute %.3f s)",
-                n - plan.blocks,
-                plan.load_s or 0.0,
-                plan.recompute_s or 0.0,
-            )
+        self.planned_recompute_pages += told_recompute(log, plan, n, "batch_exists", "stored pages")
         return plan.blocks
 
     # -- v1 paths: pages straight between kvstore and the host pool ------------------

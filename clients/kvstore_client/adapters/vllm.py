@@ -98,7 +98,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore_client.adapters._common import CLIENT_SETTINGS, PLAN_SETTINGS, LoopThread, Settings, load_planner
-from kvstore_client.adapters.planner import LoadPlan, ReadLimit
+from kvstore_client.adapters.planner import LoadPlan, ReadLimit, told_recompute
 from kvstore_client.client import AsyncClient
 from kvstore_client.keys import block_keys, model_fingerprint
 from kvstore_client.prefix import process_bandwidth
@@ -438,15 +438,8 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         st.load_deadline_s = None
         if self.planner is not None:
             plan = self._plan(hit - start)
-            if plan.blocks < hit - start:
-                self.stats["planned_recompute_blocks"] += hit - start - plan.blocks
-                log.info(
-                    "kvstore: request %s: recomputing %d hit blocks (load %.3f s expected, recompute %.3f s)",
-                    request.request_id,
-                    hit - start - plan.blocks,
-                    plan.load_s or 0.0,
-                    plan.recompute_s or 0.0,
-                )
+            who = f"request {request.request_id}"
+            self.stats["planned_recompute_blocks"] += told_recompute(log, plan, hit - start, who, "hit blocks")
             hit = start + plan.blocks
             st.load_deadline_s = plan.deadline_s
             if hit <= start:
