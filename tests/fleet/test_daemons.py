@@ -143,8 +143,8 @@ class Fleet:
 @pytest.fixture
 def fleet(tmp_path: Path, s3: S3Env) -> Iterator[Fleet]:
     f = Fleet(tmp_path, s3, 3)
-    f.start()
     try:
+        f.start()  # (inside: nodes that started are stopped when another does not)
         yield f
     finally:
         f.stop()
