@@ -12,7 +12,9 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvstore_client.nixl import nixl_available
 
 from ..http.conftest import ADMIN, ROOT, Daemon, daemon_env, free_port
 from ..moto_s3 import AWS_ENV, S3Env
@@ -67,7 +70,9 @@ def until(what: str, check: Callable[[], bool], timeout: float) -> float:
 
 
 class Fleet:
-    def __init__(self, tmp: Path, s3: S3Env, n: int) -> None:
+    def __init__(self, tmp: Path, s3: S3Env, n: int, sock_dir: Path | None = None, **settings: str) -> None:
+        """``sock_dir``: each node also listens on ``sock_dir/nN.sock``;
+        ``settings``: more KVSTORE_* settings of every node."""
         key = tmp / "master.key"  # every node of a fleet has the same master key
         key.write_bytes(os.urandom(32))
         key.chmod(0o600)
@@ -96,9 +101,13 @@ class Fleet:
                 "KVSTORE_FLEET_HEARTBEAT_S": str(HEARTBEAT_S),
                 "KVSTORE_FLEET_DEAD_AFTER_S": str(DEAD_AFTER_S),
                 **AWS_ENV,
+                **{"KVSTORE_" + k.upper(): v for k, v in settings.items()},
             }
             (tmp / f"n{i}").mkdir()
-            self.nodes.append(Daemon(tmp / f"n{i}" / "data", port, env))
+            d = Daemon(tmp / f"n{i}" / "data", port, env)
+            if sock_dir is not None:
+                d.extra = ["--listen", f"unix:{sock_dir / f'n{i}.sock'}", "--unix-socket-mode", "0666"]
+            self.nodes.append(d)
 
     def start(self) -> None:
         for d in self.nodes:
@@ -393,3 +402,58 @@ async def test_survivors_serve_a_dead_nodes_flushed_blocks_and_let_go_when_it_re
             "the survivors let go", lambda: (n0.log.read_text() + n2.log.read_text()).count("node-1 is back") == 2, 10
         )
         assert await kv.get_many(list(blocks)) == list(blocks.values())  # the first placement, node-1's own data
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (tests/run.sh installs it)")
+async def test_takeover_serves_read_plans_and_nixl_reads(
+    tmp_path: Path, s3: S3Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead node's blocks through the two transports that do not go by
+    HTTP: a client on a survivor's unix socket (read plans: the survivor
+    answers them not plannable, and the client GETs them on the socket) and
+    a NIXL client (the survivor stages them from the bucket)."""
+    from kvstore_client import AsyncClient
+    from kvstore_client.sharding import rank_endpoints
+
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    sock_dir = Path(tempfile.mkdtemp(prefix="kvs-fleet-"))  # short: a socket's path has at most 108 bytes
+    f = Fleet(tmp_path, s3, 3, sock_dir, nixl="1", nixl_devices="lo")
+    for d in f.nodes:
+        d.env["UCX_TLS"] = "tcp"
+    try:
+        f.start()
+        n0, n1, n2 = f.nodes
+        token = call(n0.base, "POST", "/v1/admin/tenants", doc={"name": "d", "policy": "direct"}).body["token"]
+        f.wait_token(token)
+        urls = sorted(d.base for d in f.nodes)
+        blocks = {f"k{i:03d}": os.urandom(20_000 + i) for i in range(60)}
+        async with AsyncClient(n0.base, token, fleet=True, timeout=5) as kv:
+            assert all(await kv.put_many(blocks.items()))
+        for d in f.nodes:
+            assert call(d.base, "POST", "/v1/admin/flush").body["tier"] == "mirrored"
+        n1.stop(signal.SIGKILL)
+        until("node-1 declared dead", lambda: f.member(n0, "node-1")["state"] == "dead", 4 * DEAD_AFTER_S)
+        alive = sorted([n0.base, n2.base])
+        theirs = [k for k in blocks if rank_endpoints(urls, k)[0] == n1.base]
+        on_n0 = [k for k in theirs if rank_endpoints(alive, k)[0] == n0.base]
+        assert on_n0
+        async with AsyncClient(f"unix:{sock_dir / 'n0.sock'}", token, timeout=5) as unix:
+            t0 = time.monotonic()
+            while await unix.get_many_into(on_n0, [bytearray(len(blocks[k])) for k in on_n0]) != [
+                len(blocks[k]) for k in on_n0
+            ]:
+                assert time.monotonic() - t0 < 20, "node-0 did not take over"
+                await asyncio.sleep(0.2)
+            bufs = [bytearray(len(blocks[k])) for k in on_n0]
+            assert await unix.get_many_into(on_n0, bufs) == [len(blocks[k]) for k in on_n0]
+            assert [bytes(b) for b in bufs] == [blocks[k] for k in on_n0]
+            assert unix.stats["plan_fallbacks"] >= len(on_n0)  # planned not plannable, then read over the socket
+        async with AsyncClient(n0.base, token, transport="nixl", timeout=10) as nixl:
+            bufs = [bytearray(len(blocks[k])) for k in on_n0]
+            assert await nixl.get_many_into(on_n0, bufs) == [len(blocks[k]) for k in on_n0]
+            assert [bytes(b) for b in bufs] == [blocks[k] for k in on_n0]
+            assert nixl.stats["nixl_reads"] >= len(on_n0) and nixl.stats["nixl_fallbacks"] == 0
+    finally:
+        f.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)

@@ -34,6 +34,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ from kvstore.errors import (
     KVStoreError,
     LeaseNotFound,
     NotFound,
+    TenantNotFound,
     TransferFailed,
 )
 from kvstore.events.model import BlockMeta
@@ -108,6 +110,8 @@ class XferService:
         self.memory = Memory(self.agent, config.nixl_staging_bytes)
         self._peers: dict[str, Peer] = {}
         self._leases: dict[str, XferLease] = {}
+        # A fleet node: the store of a dead node it took over that holds a key it misses (routes/fleet.py).
+        self.adopted: Callable[[str, str], Store | None] | None = None
         self.counts = {"reads": 0, "read_bytes": 0, "staged_bytes": 0, "writes": 0, "write_bytes": 0}
         log.info("NIXL agent %s (backend %s, UCX devices %s)", self.name, config.nixl_backend, self.devices or "UCX's")
 
@@ -195,9 +199,13 @@ class XferService:
         segments: set[tuple[str, int]],
         checksums: bool,
     ) -> dict[str, Any]:
+        source = self._store
         if isinstance(p, NotFound):
-            raise p
-        if isinstance(p, PlannedBlock) and p.record is None:
+            other = self.adopted(tenant, key) if self.adopted is not None else None
+            if other is None or isinstance(p, TenantNotFound):
+                raise p
+            source = other  # a dead node's block, read from the bucket and staged
+        elif isinstance(p, PlannedBlock) and p.record is None:
             region = self.memory.segment(tenant, p.file, p.segment.fd, p.offset + p.size)
             if checksums or await self._verified(region, p):
                 self.memory.hold(region, lease.id)
@@ -211,8 +219,8 @@ class XferService:
                     answer |= {"frame_size": p.frame_size, "xxh3": [f"{c:016x}" for c in p.checksums]}
                 return answer
             log.warning("NIXL read of %s: a frame fails its checksum in the mapping; read through the store", key)
-        # Sealed, in the object tier only, moved, or failing a check: the store's own read path.
-        data = await self._store.get_buffer(tenant, key)
+        # Sealed, in the object tier only, moved, failing a check, or taken over: the store's own read path.
+        data = await source.get_buffer(tenant, key)
         n = len(data)
         piece = self.memory.stage(tenant, n)
         lease.pieces.append(piece)

@@ -19,6 +19,7 @@ from kvstore.tasks import Background
 from kvstore.tier.base import Tier
 from kvstore.transport.http.appkeys import CONFIG, STORE
 from kvstore.transport.http.auth import is_admin, tenant_of
+from kvstore.transport.http.routes.xfer import XFER
 
 log = logging.getLogger("kvstore.fleet")
 
@@ -81,6 +82,9 @@ async def _join(app: web.Application, master: MasterKey) -> AsyncIterator[None]:
     await takeover.start(node.view)
     node.listeners.append(takeover.on_view)
     app[TAKEOVER] = takeover
+    xfer = app.get(XFER)
+    if xfer is not None:  # NIXL reads of a dead node's blocks: staged from the bucket
+        xfer.adopted = takeover.store_for
     tasks = Background()
     tasks.spawn(registry.run(cfg.s3_refresh_s), "fleet-registry")
     try:

@@ -60,6 +60,7 @@ from kvstore.errors import (
     NotPlannable,
     PathsNotOffered,
     StoreClosed,
+    TenantNotFound,
     UnixSocketRequired,
 )
 from kvstore.tasks import Background
@@ -70,6 +71,7 @@ from kvstore.transport.http.forward import WRITER, writer_url
 from kvstore.transport.http.internal import share_lease
 from kvstore.transport.http.qos import QOS
 from kvstore.transport.http.respond import reset_connection, send
+from kvstore.transport.http.routes.fleet import adopted_store
 from kvstore.transport.http.routes.records import client_decode_allowed, record_meta
 from kvstore.transport.statuses import http_status
 
@@ -197,6 +199,17 @@ def unix_transport(
     return transport
 
 
+def _taken_over(
+    app: web.Application, tenant: str, key: str, p: PlannedBlock | KVStoreError
+) -> PlannedBlock | KVStoreError:
+    """A key this node misses but holds from a dead node it took over (a
+    fleet node, routes/fleet.py): not plannable (its bytes are in the
+    bucket), so the client GETs it instead of counting a miss."""
+    if isinstance(p, NotFound) and not isinstance(p, TenantNotFound) and adopted_store(app, tenant, key) is not None:
+        return NotPlannable(f"key {key!r} is a dead node's, served from the bucket: GET it")
+    return p
+
+
 @routes.post("/v1/read-plan")
 async def read_plan(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
@@ -217,6 +230,7 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
     lease_s = lease_field(body)
     store = store_of(request)
     planned = await store.plan_reads(tenant, keys)
+    planned = [_taken_over(request.app, tenant, k, p) for k, p in zip(keys, planned, strict=True)]
     qos = request.app.get(QOS)
     if qos is not None:  # the client reads these bytes itself, after the answer: charged now (qos.py)
         n = sum(p.size for p in planned if not isinstance(p, KVStoreError))
