@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvstore.errors import ConfigError
+from kvstore.names import NODE_ID
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 Durability = Literal["fsync", "interval"]
@@ -26,7 +27,6 @@ S3_ADDRESSING = ("auto", "path", "virtual")
 
 _SIZE_RE = re.compile(r"(\d+)\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": KiB, "m": MiB, "g": GiB, "t": GiB << 10}
-NODE_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
 
 def parse_size(name: str, value: object) -> int:

@@ -184,6 +184,12 @@ class Fenced(KVStoreError):
     retryable = True
 
 
+class NodeAlive(KVStoreError):
+    """An operator asked to forget (decommission) a fleet node the fleet holds alive."""
+
+    code = "node_alive"
+
+
 class FleetOff(KVStoreError):
     """``GET /v1/fleet`` on a node that is not in a fleet (``fleet`` is off)."""
 

@@ -93,6 +93,17 @@ def validate_access_key_id(value: object) -> str:
     return value
 
 
+NODE_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")  # a fleet node's id (kvstore/fleet/)
+
+
+def validate_node_id(value: object) -> str:
+    """Return ``value`` if it is a fleet node's id: 1-64 of [a-z0-9-], starting with a letter or digit."""
+    if not isinstance(value, str) or NODE_ID.fullmatch(value) is None:
+        shown = value[:40] if isinstance(value, str) else type(value).__name__
+        raise InvalidInput(f"node id {shown!r} is invalid; expected 1-64 characters of [a-z0-9-]")
+    return value
+
+
 # Every path parameter of every route, and how it is checked. Every worker
 # checks the decoded parameters with these before it answers or relays a
 # request, so a route means the same on every worker.
@@ -103,4 +114,5 @@ PATH_PARAMS = {
     "lease": validate_lease,
     "plan": validate_plan_id,
     "access_key_id": validate_access_key_id,
+    "node_id": validate_node_id,
 }

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.errors import TierConflict, TierError
+from kvstore.errors import NodeAlive, TierConflict, TierError
 from kvstore.fleet.membership import Superseded
 from kvstore.fleet.view import ALIVE, DEAD, FleetView, Member
 from kvstore.tier.base import Tier
@@ -203,6 +203,28 @@ class BucketMembership:
         await change_object(self.tier, MEMBERS, change)
         for i in silent:
             log.warning("node %s: no heartbeat for %.1f s; declared dead", i, self.dead_after_s)
+
+    async def remove(self, node_id: str) -> bool:
+        """Forget a dead node (an operator's decommission): out of the
+        membership, so nobody serves its blocks any more. False if there is
+        no such node; :class:`NodeAlive` if it is alive."""
+        found = False
+
+        def change(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+            nonlocal found
+            entry = (doc or {}).get("nodes", {}).get(node_id)
+            found = entry is not None
+            if doc is None or entry is None:
+                return None
+            if entry["state"] == ALIVE:
+                raise NodeAlive(f"node {node_id!r} is alive: stop it (and let the fleet declare it dead) first")
+            del doc["nodes"][node_id]
+            doc["version"] = int(doc["version"]) + 1
+            return doc
+
+        await change_object(self.tier, MEMBERS, change)
+        self._seen.pop(node_id, None)
+        return found
 
     def _view(self, doc: dict[str, Any]) -> FleetView:
         members = []

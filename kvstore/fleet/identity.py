@@ -8,9 +8,9 @@ import socket
 from dataclasses import replace
 from pathlib import Path
 
-from kvstore.config import NODE_ID
 from kvstore.errors import ConfigError
 from kvstore.fsutil import atomic_write
+from kvstore.names import NODE_ID
 from kvstore.server_config import ServerConfig
 
 NODE_ID_FILE = "node-id"

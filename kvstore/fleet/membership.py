@@ -3,9 +3,10 @@
 :class:`~kvstore.fleet.bucket.BucketMembership` implements it with objects
 in the bucket (conditional writes, no other service). An etcd lease
 (``etcd-server`` installs from Debian) or a Kubernetes Lease per node could
-implement the same four calls: join as a new incarnation, prove liveness,
+implement the same calls: join as a new incarnation, prove liveness,
 read the members with the silent ones declared dead, and fence a process
-that another incarnation of the same id has replaced.
+that another incarnation of the same id has replaced; and forget a dead
+node for good (an operator's decommission).
 """
 
 from __future__ import annotations
@@ -43,4 +44,8 @@ class Membership(Protocol):
         alive member whose heartbeat has not changed for ``dead_after_s`` (as
         this node observed it), and rejoining this node (a new incarnation)
         if the others declared it dead while it was away."""
+        ...
+
+    async def remove(self, node_id: str) -> bool:
+        """Forget a dead node for good (False: no such node; NodeAlive if alive)."""
         ...

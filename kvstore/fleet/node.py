@@ -104,6 +104,14 @@ class FleetNode:
                 except Exception:
                     log.exception("a fleet listener failed on the change to version %d", view.version)
 
+    async def remove(self, node_id: str) -> bool:
+        """Forget a dead node for good (membership.remove), then look at the
+        members at once, so this node's takeover lets go of it."""
+        found = await self.membership.remove(node_id)
+        if found:
+            await self.step()
+        return found
+
     def _supersede(self, why: str) -> None:
         self._superseded = why
         log.error("node %s stops writing: %s", self.node_id, why)

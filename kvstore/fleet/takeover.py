@@ -86,6 +86,9 @@ class Takeover:
             if new is not self.view:
                 return  # a newer view is on its way
 
+            members = {m.id for m in new.members}
+            for gone in [n for n in self.adopted if n not in members]:  # forgotten for good (decommissioned)
+                await self._hand_back(gone, "decommissioned")
             for m in new.members:
                 if m.id == self.config.node_id:
                     continue
@@ -93,7 +96,7 @@ class Takeover:
                 if m.state == DEAD and not held:
                     await self._adopt(m.id, m.incarnation)
                 elif held and (m.state == ALIVE or m.incarnation != self._incarnation.get(m.id)):
-                    await self._hand_back(m.id)
+                    await self._hand_back(m.id, "handed_back")
 
     async def start(self, view: FleetView) -> None:
         """At start-up: adopt the nodes already dead, drop adoptions left from before."""
@@ -121,14 +124,17 @@ class Takeover:
         )
         await self._tell(store, "stored", "takeover")
 
-    async def _hand_back(self, node_id: str) -> None:
+    async def _hand_back(self, node_id: str, cause: str) -> None:
         store = self.adopted.pop(node_id)
         self._incarnation.pop(node_id, None)
         self.adopted_at.pop(node_id, None)
-        await self._tell(store, "removed", "handed_back")
+        await self._tell(store, "removed", cause)
         await store.close()
         await asyncio.to_thread(shutil.rmtree, self._dir(node_id), True)
-        log.warning("node %s is back: its blocks are its own again", node_id)
+        if cause == "handed_back":
+            log.warning("node %s is back: its blocks are its own again", node_id)
+        else:
+            log.warning("node %s was forgotten by the fleet: its blocks are no longer served", node_id)
 
     async def _tell(self, store: Store, kind: str, cause: str) -> None:
         """Residency events for the adopted blocks rendezvous hashing places on this node."""

@@ -28,7 +28,7 @@ import pytest
 from kvstore_client.nixl import nixl_available
 
 from ..http.conftest import ADMIN, ROOT, Daemon, daemon_env, free_port
-from ..moto_s3 import AWS_ENV, S3Env
+from ..moto_s3 import AWS_ENV, REGION, S3Env
 from .proxy import CuttableProxy
 
 HEARTBEAT_S = 0.5
@@ -457,3 +457,33 @@ async def test_takeover_serves_read_plans_and_nixl_reads(
     finally:
         f.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_a_dead_node_is_forgotten_for_good(fleet: Fleet) -> None:
+    """``DELETE /v1/admin/fleet/nodes/{id}?purge=true``: a dead node out of
+    the membership (every node's view, the survivors' takeover let go) and
+    its part of the bucket deleted; an alive node is refused."""
+    n0, n1, n2 = fleet.nodes
+    token = call(n0.base, "POST", "/v1/admin/tenants", doc={"name": "g", "policy": "direct"}).body["token"]
+    fleet.wait_token(token)
+    for i in range(20):
+        call(n1.base, "PUT", f"/v1/blocks/k{i}", token, data=os.urandom(2000))
+    assert call(n1.base, "POST", "/v1/admin/flush").body["tier"] == "mirrored"
+    r = call(n0.base, "DELETE", "/v1/admin/fleet/nodes/node-1")
+    assert r.status == 409 and r.body["error"]["code"] == "node_alive", r
+    n1.stop(signal.SIGKILL)
+    until("node-1 declared dead", lambda: fleet.member(n0, "node-1")["state"] == "dead", 4 * DEAD_AFTER_S)
+    until("node-2 took over", lambda: "took over node node-1" in n2.log.read_text(), 20)
+    r = call(n0.base, "DELETE", "/v1/admin/fleet/nodes/node-1?purge=true")
+    assert r.status == 200 and r.body["objects_deleted"] > 0, r
+    for d in (n0, n2):
+        until(f"node-1 gone on {d.base}", lambda d=d: "node-1" not in [m["id"] for m in fleet.view(d)["nodes"]], 5)
+    until("node-2 let go", lambda: "node-1 was forgotten by the fleet" in n2.log.read_text(), 10)
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=fleet.s3.url, region_name=REGION)
+    left = s3.list_objects_v2(Bucket=fleet.s3.bucket, Prefix=f"{fleet.prefix}/nodes/node-1/").get("KeyCount", 0)
+    assert left == 0
+    assert call(n0.base, "DELETE", "/v1/admin/fleet/nodes/node-1").status == 404
+    assert call(n0.base, "DELETE", "/v1/admin/fleet/nodes/node-0").status == 409  # this node
+    assert call(n0.base, "DELETE", "/v1/admin/fleet/nodes/Bad_Id").status == 400

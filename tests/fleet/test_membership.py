@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from kvstore_client.sharding import rank_endpoints
 
-from kvstore.errors import Fenced, TierUnavailable
+from kvstore.errors import Fenced, NodeAlive, TierUnavailable
 from kvstore.fleet.bucket import MEMBERS, BucketMembership
 from kvstore.fleet.membership import Superseded
 from kvstore.fleet.node import FleetNode
@@ -136,3 +136,21 @@ async def test_a_node_that_cannot_write_its_heartbeat_fences_itself(
         assert n.fenced() == ""  # the bucket is back: a heartbeat, and the node writes again
     finally:
         await n.close()
+
+
+async def test_a_dead_node_is_forgotten_for_good(tier: Tier) -> None:
+    clock = Clock()
+    a, b = node(tier, "a", clock), node(tier, "b", clock)
+    await a.join()
+    await b.join()
+    await a.observe()
+    with pytest.raises(NodeAlive):
+        await a.remove("b")
+    clock.now += DEAD_AFTER + 1
+    await a.heartbeat()
+    assert (await a.observe()).member("b").state == "dead"  # type: ignore[union-attr]
+    version = (await a.observe()).version
+    assert await a.remove("b")
+    view = await a.observe()
+    assert view.member("b") is None and view.version == version + 1
+    assert not await a.remove("b")  # no such node any more

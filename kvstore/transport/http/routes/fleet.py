@@ -9,16 +9,18 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 from kvstore_client.sharding import normalize
 
-from kvstore.engine.api import MasterKey, Store, tier_from_config
-from kvstore.errors import FleetOff
+from kvstore.engine.api import MasterKey, Store, node_prefix, tier_from_config
+from kvstore.errors import FleetOff, NodeAlive, NotFound
 from kvstore.fleet.bucket import BucketMembership
 from kvstore.fleet.node import FleetNode
 from kvstore.fleet.registry import FleetRegistry, adopt_at_start
 from kvstore.fleet.takeover import Takeover
+from kvstore.names import validate_node_id
 from kvstore.tasks import Background
 from kvstore.tier.base import Tier
 from kvstore.transport.http.appkeys import CONFIG, STORE
-from kvstore.transport.http.auth import is_admin, tenant_of
+from kvstore.transport.http.auth import is_admin, require_admin, tenant_of
+from kvstore.transport.http.query import query_bool
 from kvstore.transport.http.routes.xfer import XFER
 
 log = logging.getLogger("kvstore.fleet")
@@ -122,3 +124,29 @@ async def fleet(request: web.Request) -> web.Response:
     if node is None:
         raise FleetOff("this node is not in a fleet (the fleet setting is off)")
     return web.json_response(node.view.as_dict())
+
+
+@routes.delete("/v1/admin/fleet/nodes/{node_id}")
+async def forget_node(request: web.Request) -> web.Response:
+    """Decommission a dead node: out of the fleet's membership for good (no
+    survivor serves its blocks any more); ``?purge=true`` also deletes its
+    part of the bucket (its segments, registry copy and heartbeat)."""
+    require_admin(request)
+    node = request.app.get(FLEET)
+    if node is None:
+        raise FleetOff("this node is not in a fleet (the fleet setting is off)")
+    node_id = validate_node_id(request.match_info["node_id"])
+    purge = query_bool(request, "purge", False)
+    if node_id == node.node_id:
+        raise NodeAlive(f"node {node_id!r} is this node")
+    if not await node.remove(node_id):
+        raise NotFound(f"no node {node_id!r} in the fleet")
+    removed = 0
+    if purge:
+        tier = request.app[FLEET_TIER]
+        names = [info.name async for info in tier.list(node_prefix(node_id) + "/")]
+        for name in names:
+            await tier.delete(name)
+        removed = len(names)
+    log.warning("node %s forgotten by the fleet (%d objects of it deleted from the bucket)", node_id, removed)
+    return web.json_response({"node": node_id, "objects_deleted": removed})
