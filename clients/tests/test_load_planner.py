@@ -88,3 +88,14 @@ def test_the_bandwidth_estimate_drops_at_once_rises_gradually_and_expires(monkey
     assert bw.get() is None and bw.all() == {}  # stale: the next plan probes again
     bw.record("http://a", "http", 50 * MB, 1.0)
     assert bw.get() == pytest.approx(50 * MB)  # a fresh start, not averaged with the stale figure
+
+
+def test_a_layerwise_load_is_weighed_with_the_compute_it_overlaps() -> None:
+    p = LoadPlanner(prefill_tokens_per_s=8000, margin=1.1, overhead_s=0.0)
+    # 100 blocks: 0.2 s to recompute, 0.25 s to load at 800 MB/s: whole-block loading loses...
+    assert p.plan(100, TOKENS, BLOCK_BYTES, bandwidth=800 * MB).blocks == 0
+    # ...but with 2,000 new tokens (0.25 s) computed beside the load, loading takes 0.25 s against 0.45 s.
+    plan = p.plan(100, TOKENS, BLOCK_BYTES, bandwidth=800 * MB, overlap_tokens=2000)
+    assert plan.blocks == 100 and plan.deadline_s == pytest.approx(0.45)
+    # Far too slow to hide behind the new tokens' compute: recompute.
+    assert p.plan(100, TOKENS, BLOCK_BYTES, bandwidth=100 * MB, overlap_tokens=2000).blocks == 0

@@ -92,26 +92,34 @@ class LoadPlanner:
         bytes_per_block: int,
         bandwidth: float | None,
         read_limit: float | None = None,
+        overlap_tokens: int = 0,
     ) -> LoadPlan:
         """How many of ``blocks`` hit blocks to load, and by when.
         ``bandwidth``: bytes/s measured (None: not yet); ``read_limit``: the
-        tenant's QoS read limit in bytes/s (None or 0: none)."""
+        tenant's QoS read limit in bytes/s (None or 0: none).
+        ``overlap_tokens``: new tokens computed while the load runs (a
+        layerwise load: the forward pass starts at once). Then loading takes
+        the longer of the load and their compute, recomputing takes both
+        computes, one after the other, and the deadline grows by their
+        compute."""
         if blocks <= 0:
             return LoadPlan(0, None, None, None)
         if self.prefill_tokens_per_s <= 0:
             return LoadPlan(blocks, None, None, None)
         recompute_s = blocks * tokens_per_block / self.prefill_tokens_per_s
+        overlap_s = max(0, overlap_tokens) / self.prefill_tokens_per_s
         nbytes = blocks * bytes_per_block
         times = []
         if bandwidth:
             times.append(nbytes / bandwidth)
         if read_limit:
             times.append(max(0.0, nbytes - QOS_BURST_S * read_limit) / read_limit)
+        deadline_s = recompute_s + overlap_s
         if not times:
-            return LoadPlan(blocks, recompute_s, None, recompute_s)  # a probe, bounded by its deadline
+            return LoadPlan(blocks, deadline_s, None, recompute_s)  # a probe, bounded by its deadline
         load_s = self.overhead_s + max(times)
-        if load_s * self.margin <= recompute_s:
-            return LoadPlan(blocks, recompute_s, load_s, recompute_s)
+        if max(load_s, overlap_s) * self.margin <= recompute_s + overlap_s:
+            return LoadPlan(blocks, deadline_s, load_s, recompute_s)
         return LoadPlan(0, None, load_s, recompute_s)
 
 

@@ -437,7 +437,9 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         st.load_deadline_s = None
         if self.planner is not None:
-            plan = self._plan(hit - start)
+            # Layerwise: the prompt's tokens after the hit compute while the hit loads.
+            overlap = len(st.tokens) - hit * self.block_size if self.layerwise else 0
+            plan = self._plan(hit - start, overlap)
             who = f"request {request.request_id}"
             self.stats["planned_recompute_blocks"] += told_recompute(log, plan, hit - start, who, "hit blocks")
             hit = start + plan.blocks
@@ -448,14 +450,19 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         st.load_start, st.load_end = start, hit
         return (hit - start) * self.block_size, self.load_async
 
-    def _plan(self, blocks: int) -> LoadPlan:
+    def _plan(self, blocks: int, overlap_tokens: int = 0) -> LoadPlan:
         """The planner's choice for ``blocks`` hit blocks: this process's
         measured bandwidth and the tenant's read limit against the engine's
-        prefill throughput."""
+        prefill throughput (``overlap_tokens``: computed while a layerwise load runs)."""
         assert self.planner is not None
         ranks = self.tp_size * self.pp_size
         return self.planner.plan(
-            blocks, self.block_size, self._block_bytes * ranks, process_bandwidth(), self._read_limit.get()
+            blocks,
+            self.block_size,
+            self._block_bytes * ranks,
+            process_bandwidth(),
+            self._read_limit.get(),
+            overlap_tokens,
         )
 
     def _ask_read_limit(self) -> float | None:
