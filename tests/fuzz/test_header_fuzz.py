@@ -46,7 +46,13 @@ SPOKEN = ("HTTP/1.1", "HTTP/1.0")
 LAST_EVENT_ID = re.compile(r"[0-9]{0,18}")
 PRINTABLE = st.text(alphabet=string.ascii_letters + string.digits + string.punctuation + " ", min_size=1, max_size=60)
 # Path parameters: valid, and never a canary's tenant where the call changes it.
-PATH_VALUES = {"token_id": "0123456789abcdef", "lease": "0" * 32, "plan": "0" * 32, "access_key_id": "KVS" + "A" * 17}
+PATH_VALUES = {
+    "token_id": "0123456789abcdef",
+    "lease": "0" * 32,
+    "plan": "0" * 32,
+    "access_key_id": "KVS" + "A" * 17,
+    "node_id": "node-9",
+}
 
 
 @dataclass

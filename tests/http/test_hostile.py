@@ -57,7 +57,7 @@ def _fill(pattern: str, value: str) -> str:
     for name in ("{key}", "{name}", "{token_id}"):
         pattern = pattern.replace(name, value)
     pattern = pattern.replace("{lease}", "0" * 32).replace("{plan}", "0" * 32)
-    return pattern.replace("{access_key_id}", "KVS" + "A" * 17)
+    return pattern.replace("{access_key_id}", "KVS" + "A" * 17).replace("{node_id}", "node-9")
 
 
 async def _setup(conn: Conn) -> dict[str, str]:
