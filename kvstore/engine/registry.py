@@ -252,15 +252,7 @@ class Registry:
         with self._lock:
             if doc == self._doc(self._master):
                 return False
-            tmp = self._path.with_name(self._path.name + ".adopt")
-            atomic_write(tmp, doc)
-            try:
-                fresh = Registry(tmp, self._master, readonly=True)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            tmp.replace(self._path)
-            fsync_dir(self._path.parent)
+            fresh = _install_checked(self._path, doc, self._master)
             self._tenants, self._keys, self._by_hash = fresh._tenants, fresh._keys, fresh._by_hash
             self._by_akid, self._deleted = fresh._by_akid, fresh._deleted
             self._stamp = self._file_stamp()
@@ -498,13 +490,21 @@ def adopt_registry_file(path: Path, doc: bytes, master: MasterKey) -> bool:
     if path.exists() and path.read_bytes() == doc:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
+    _install_checked(path, doc, master)
+    return True
+
+
+def _install_checked(path: Path, doc: bytes, master: MasterKey) -> Registry:
+    """Replace the registry file at ``path`` with ``doc`` once it loads (a
+    wrong master key or a bad document stops here, the file untouched);
+    the registry it holds."""
     tmp = path.with_name(path.name + ".adopt")
     atomic_write(tmp, doc)
     try:
-        Registry(tmp, master, readonly=True)  # a wrong master key or a bad document stops here
+        fresh = Registry(tmp, master, readonly=True)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     tmp.replace(path)
     fsync_dir(path.parent)
-    return True
+    return fresh

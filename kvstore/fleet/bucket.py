@@ -106,7 +106,7 @@ class BucketMembership:
     async def join(self) -> int:
         got = await self.tier.get(heartbeat_object(self.node_id))
         previous = _load(got[0], "a heartbeat").get("incarnation", 0) if got is not None else 0
-        members = (await self.tier.get(MEMBERS)) or None
+        members = await self.tier.get(MEMBERS)
         listed = 0
         if members is not None:
             entry = _load(members[0], MEMBERS).get("nodes", {}).get(self.node_id, {})

@@ -46,7 +46,6 @@ class FleetNode:
         self._superseded = ""
         self._rejoining = False  # silent past fence_after_s: fenced until a heartbeat and a look at the members
         self._tasks = Background()
-        self._changed = asyncio.Event()
 
     async def start(self) -> None:
         """Join (a new incarnation), read the members, start the loop."""
@@ -96,8 +95,6 @@ class FleetNode:
             log.warning("node %s is back in the fleet (incarnation %d)", self.node_id, self.membership.incarnation)
         if view != self.view:
             old, self.view = self.view, view
-            self._changed.set()
-            self._changed = asyncio.Event()
             for listener in list(self.listeners):
                 try:
                     await listener(old, view)
@@ -115,10 +112,6 @@ class FleetNode:
     def _supersede(self, why: str) -> None:
         self._superseded = why
         log.error("node %s stops writing: %s", self.node_id, why)
-
-    async def changed(self) -> None:
-        """Until the view changes next."""
-        await self._changed.wait()
 
     # -- fencing -------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kvstore.config import StoreConfig
 from kvstore.engine.api import MasterKey, Store, node_prefix
-from kvstore.errors import KVStoreError, NotFound, TenantNotFound
+from kvstore.errors import KVStoreError, TenantNotFound
 from kvstore.fleet.view import ALIVE, DEAD, FleetView
 from kvstore.tasks import Background
 
@@ -69,7 +69,6 @@ class Takeover:
         self._tasks = Background()
         self._lock = asyncio.Lock()
         self.view = FleetView(0, ())
-        self.adopted_at: dict[str, float] = {}  # node -> loop time the adoption was serving (bench)
 
     def _dir(self, node_id: str) -> Path:
         return Path(self.config.data_dir) / ADOPTED / node_id
@@ -116,18 +115,13 @@ class Takeover:
             return
         self.adopted[node_id] = store
         self._incarnation[node_id] = incarnation
-        self.adopted_at[node_id] = asyncio.get_running_loop().time()
-        log.warning(
-            "took over node %s's blocks in the bucket (opened in %.2f s)",
-            node_id,
-            self.adopted_at[node_id] - t0,
-        )
+        took = asyncio.get_running_loop().time() - t0
+        log.warning("took over node %s's blocks in the bucket (opened in %.2f s)", node_id, took)
         await self._tell(store, "stored", "takeover")
 
     async def _hand_back(self, node_id: str, cause: str) -> None:
         store = self.adopted.pop(node_id)
         self._incarnation.pop(node_id, None)
-        self.adopted_at.pop(node_id, None)
         await self._tell(store, "removed", cause)
         await store.close()
         await asyncio.to_thread(shutil.rmtree, self._dir(node_id), True)
@@ -168,7 +162,7 @@ class Takeover:
             try:
                 if store.peek(tenant, key) is not None:
                     return store
-            except (NotFound, KVStoreError):
+            except KVStoreError:  # (its registry lacks the tenant: not there)
                 continue
         return None
 

@@ -63,38 +63,32 @@ def fleet_join_ctx(master: MasterKey) -> Callable[[web.Application], AsyncIterat
         if not cfg.fleet:
             yield
             return
-        async for _ in _join(app, master):
+        store, tier = app[STORE], app[FLEET_TIER]
+        registry = FleetRegistry(tier, store.registry_document, store.adopt_registry)
+        await registry.pull()  # (this node's registry becomes the fleet's where the bucket has none)
+        store.fleet_registry = registry
+        membership = BucketMembership(tier, cfg.node_id, cfg.advertise_url, cfg.fleet_dead_after_s)
+        node = FleetNode(membership, cfg.fleet_heartbeat_s, cfg.fleet_dead_after_s)
+        await node.start()
+        store.fence = node.check_writable
+        app[FLEET] = node
+        takeover = Takeover(store, cfg, master, normalize(cfg.advertise_url))
+        await takeover.start(node.view)
+        node.listeners.append(takeover.on_view)
+        app[TAKEOVER] = takeover
+        xfer = app.get(XFER)
+        if xfer is not None:  # NIXL reads of a dead node's blocks: staged from the bucket
+            xfer.adopted = takeover.store_for
+        tasks = Background()
+        tasks.spawn(registry.run(cfg.s3_refresh_s), "fleet-registry")
+        try:
             yield
+        finally:
+            await tasks.close()
+            await node.close()
+            await takeover.close()
 
     return ctx
-
-
-async def _join(app: web.Application, master: MasterKey) -> AsyncIterator[None]:
-    cfg = app[CONFIG].store
-    store, tier = app[STORE], app[FLEET_TIER]
-    registry = FleetRegistry(tier, store.registry_document, store.adopt_registry)
-    await registry.pull()  # (this node's registry becomes the fleet's where the bucket has none)
-    store.fleet_registry = registry
-    membership = BucketMembership(tier, cfg.node_id, cfg.advertise_url, cfg.fleet_dead_after_s)
-    node = FleetNode(membership, cfg.fleet_heartbeat_s, cfg.fleet_dead_after_s)
-    await node.start()
-    store.fence = node.check_writable
-    app[FLEET] = node
-    takeover = Takeover(store, cfg, master, normalize(cfg.advertise_url))
-    await takeover.start(node.view)
-    node.listeners.append(takeover.on_view)
-    app[TAKEOVER] = takeover
-    xfer = app.get(XFER)
-    if xfer is not None:  # NIXL reads of a dead node's blocks: staged from the bucket
-        xfer.adopted = takeover.store_for
-    tasks = Background()
-    tasks.spawn(registry.run(cfg.s3_refresh_s), "fleet-registry")
-    try:
-        yield
-    finally:
-        await tasks.close()
-        await node.close()
-        await takeover.close()
 
 
 def adopted_store(app: web.Application, tenant: str, key: str) -> Store | None:
