@@ -26,8 +26,10 @@ echo "== ruff"
 echo "== mypy"; .venv/bin/mypy
 echo "== pytest"
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+report="$(mktemp -d)/pytest.xml"
+.venv/bin/python -m pytest -q -p no:cacheprovider --junitxml="$report" "$@"
 rc=$?
+if [ "$rc" -ne 0 ] && [ -f "$report" ]; then .venv/bin/python tests/failures.py "$report"; fi
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi
 exit "$rc"

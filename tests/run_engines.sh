@@ -9,8 +9,10 @@ export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 LMCACHE_TRACK_USAGE
 export PYTHONHASHSEED="${PYTHONHASHSEED:-0}"
 echo "== pytest tests/engines"
 set +e
-.venv-engines/bin/python -m pytest -q -rs -p no:cacheprovider tests/engines "$@"
+report="$(mktemp -d)/pytest.xml"
+.venv-engines/bin/python -m pytest -q -rs -p no:cacheprovider --junitxml="$report" tests/engines "$@"
 rc=$?
+if [ "$rc" -ne 0 ] && [ -f "$report" ]; then .venv-engines/bin/python tests/failures.py "$report"; fi
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no engine tests: failing"; exit 1; fi
 exit "$rc"
