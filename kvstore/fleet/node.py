@@ -49,8 +49,9 @@ class FleetNode:
 
     async def start(self) -> None:
         """Join (a new incarnation), read the members, start the loop."""
+        started = time.monotonic()
         await self.membership.join()
-        self._last_beat = time.monotonic()
+        self._last_beat = started
         self.view = await self.membership.observe()
         self._tasks.spawn(self._loop(), "fleet-heartbeat")
 
@@ -74,9 +75,10 @@ class FleetNode:
                 self.node_id,
                 silent,
             )
+        started = time.monotonic()  # the write may land any time after this: count the silence from here
         try:
             await self.membership.heartbeat()
-            self._last_beat = time.monotonic()
+            self._last_beat = started
         except Superseded as e:
             self._supersede(str(e))
             return
