@@ -27,7 +27,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.errors import NodeAlive, TierConflict, TierError
 from kvstore.fleet.membership import Superseded
@@ -44,11 +44,11 @@ def heartbeat_object(node_id: str) -> str:
     return f"nodes/{node_id}/heartbeat.json"
 
 
-def _dump(doc: dict[str, Any]) -> bytes:
+def dump_doc(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, indent=1).encode()
 
 
-def _load(data: bytes, what: str) -> dict[str, Any]:
+def load_doc(data: bytes, what: str) -> dict[str, Any]:
     try:
         doc = json.loads(data)
     except ValueError as e:
@@ -58,20 +58,29 @@ def _load(data: bytes, what: str) -> dict[str, Any]:
     return doc
 
 
+class Documents(Protocol):
+    """Where shared JSON documents live, changed by conditional writes: a
+    tier (the bucket), or etcd (kvstore/fleet/etcd.py)."""
+
+    async def get(self, name: str) -> tuple[bytes, str] | None: ...
+
+    async def put_if(self, name: str, data: bytes, etag: str | None) -> str: ...
+
+
 async def change_object(
-    tier: Tier, name: str, change: Callable[[dict[str, Any] | None], dict[str, Any] | None]
+    tier: Documents, name: str, change: Callable[[dict[str, Any] | None], dict[str, Any] | None]
 ) -> dict[str, Any] | None:
     """Read ``name`` (None if absent), let ``change`` return the new document
     (None: nothing to change), write it back conditionally; on a conflict,
     read again and redo. Returns the document as it is afterwards."""
     for attempt in range(MAX_TRIES):
         got = await tier.get(name)
-        doc, etag = (_load(got[0], name), got[1]) if got is not None else (None, None)
+        doc, etag = (load_doc(got[0], name), got[1]) if got is not None else (None, None)
         new = change(doc)
         if new is None:
             return doc
         try:
-            await tier.put_if(name, _dump(new), etag)
+            await tier.put_if(name, dump_doc(new), etag)
             return new
         except TierConflict:
             await asyncio.sleep(random.uniform(0, 0.01 * (attempt + 1)))  # another node's change landed first
@@ -105,11 +114,11 @@ class BucketMembership:
 
     async def join(self) -> int:
         got = await self.tier.get(heartbeat_object(self.node_id))
-        previous = _load(got[0], "a heartbeat").get("incarnation", 0) if got is not None else 0
+        previous = load_doc(got[0], "a heartbeat").get("incarnation", 0) if got is not None else 0
         members = await self.tier.get(MEMBERS)
         listed = 0
         if members is not None:
-            entry = _load(members[0], MEMBERS).get("nodes", {}).get(self.node_id, {})
+            entry = load_doc(members[0], MEMBERS).get("nodes", {}).get(self.node_id, {})
             listed = int(entry.get("incarnation", 0))
         self.incarnation = max(int(previous), listed) + 1
         try:
@@ -124,7 +133,7 @@ class BucketMembership:
 
     def _beat(self) -> bytes:
         self._seq += 1
-        return _dump({"id": self.node_id, "url": self.url, "incarnation": self.incarnation, "seq": self._seq})
+        return dump_doc({"id": self.node_id, "url": self.url, "incarnation": self.incarnation, "seq": self._seq})
 
     async def heartbeat(self) -> None:
         try:
@@ -135,24 +144,13 @@ class BucketMembership:
             ) from None
 
     async def _set_self_alive(self) -> None:
-        me, inc, url = self.node_id, self.incarnation, self.url
-
-        def change(doc: dict[str, Any] | None) -> dict[str, Any] | None:
-            doc = doc or {"version": 0, "nodes": {}}
-            entry = doc["nodes"].get(me)
-            if entry is not None and (entry["state"], entry["incarnation"], entry["url"]) == (ALIVE, inc, url):
-                return None
-            doc["nodes"][me] = {"url": url, "incarnation": inc, "state": ALIVE, "changed_ns": time.time_ns()}
-            doc["version"] = int(doc["version"]) + 1
-            return doc
-
-        await change_object(self.tier, MEMBERS, change)
+        await change_object(self.tier, MEMBERS, set_alive(self.node_id, self.incarnation, self.url))
 
     # -- the others ----------------------------------------------------------------
 
     async def observe(self) -> FleetView:
         got = await self.tier.get(MEMBERS)
-        doc: dict[str, Any] = _load(got[0], MEMBERS) if got is not None else {"version": 0, "nodes": {}}
+        doc: dict[str, Any] = load_doc(got[0], MEMBERS) if got is not None else {"version": 0, "nodes": {}}
         nodes: dict[str, Any] = doc.get("nodes", {})
         ids = sorted(nodes)
         heads = await asyncio.gather(*(self.tier.head(heartbeat_object(i)) for i in ids))
@@ -181,26 +179,11 @@ class BucketMembership:
             await self._declare_dead(silent)
         if away or silent:
             got = await self.tier.get(MEMBERS)
-            doc = _load(got[0], MEMBERS) if got is not None else doc
+            doc = load_doc(got[0], MEMBERS) if got is not None else doc
         return self._view(doc)
 
     async def _declare_dead(self, silent: dict[str, int]) -> None:
-        def change(doc: dict[str, Any] | None) -> dict[str, Any] | None:
-            if doc is None:
-                return None
-            hit = [
-                i
-                for i, inc in silent.items()
-                if (e := doc["nodes"].get(i)) is not None and e["state"] == ALIVE and int(e["incarnation"]) == inc
-            ]
-            if not hit:
-                return None  # another observer did it, or the node came back as a new incarnation
-            for i in hit:
-                doc["nodes"][i] = {**doc["nodes"][i], "state": DEAD, "changed_ns": time.time_ns()}
-            doc["version"] = int(doc["version"]) + 1
-            return doc
-
-        await change_object(self.tier, MEMBERS, change)
+        await change_object(self.tier, MEMBERS, declare_dead(silent))
         for i in silent:
             log.warning("node %s: no heartbeat for %.1f s; declared dead", i, self.dead_after_s)
 
@@ -208,29 +191,81 @@ class BucketMembership:
         """Forget a dead node (an operator's decommission): out of the
         membership, so nobody serves its blocks any more. False if there is
         no such node; :class:`NodeAlive` if it is alive."""
-        found = False
-
-        def change(doc: dict[str, Any] | None) -> dict[str, Any] | None:
-            nonlocal found
-            entry = (doc or {}).get("nodes", {}).get(node_id)
-            found = entry is not None
-            if doc is None or entry is None:
-                return None
-            if entry["state"] == ALIVE:
-                raise NodeAlive(f"node {node_id!r} is alive: stop it (and let the fleet declare it dead) first")
-            del doc["nodes"][node_id]
-            doc["version"] = int(doc["version"]) + 1
-            return doc
-
-        await change_object(self.tier, MEMBERS, change)
+        found = await remove_member(self.tier, node_id)
         self._seen.pop(node_id, None)
         return found
 
     def _view(self, doc: dict[str, Any]) -> FleetView:
-        members = []
-        for node_id, e in sorted(doc.get("nodes", {}).items()):
-            seen = self._seen.get(node_id)
-            state = ALIVE if e.get("state") == ALIVE else DEAD
-            last = seen[2] if seen is not None else 0.0
-            members.append(Member(node_id, str(e.get("url", "")), state, int(e.get("incarnation", 0)), last))
-        return FleetView(int(doc.get("version", 0)), tuple(members))
+        return view_of(doc, {i: seen[2] for i, seen in self._seen.items()})
+
+
+# -- the members document: changes shared by every membership backend -------------
+
+
+def set_alive(node_id: str, incarnation: int, url: str) -> Callable[[dict[str, Any] | None], dict[str, Any] | None]:
+    """The change that lists ``node_id`` alive as ``incarnation`` at ``url``."""
+
+    def change(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+        doc = doc or {"version": 0, "nodes": {}}
+        entry = doc["nodes"].get(node_id)
+        if entry is not None and (entry["state"], entry["incarnation"], entry["url"]) == (ALIVE, incarnation, url):
+            return None
+        doc["nodes"][node_id] = {"url": url, "incarnation": incarnation, "state": ALIVE, "changed_ns": time.time_ns()}
+        doc["version"] = int(doc["version"]) + 1
+        return doc
+
+    return change
+
+
+def declare_dead(silent: dict[str, int]) -> Callable[[dict[str, Any] | None], dict[str, Any] | None]:
+    """The change that declares dead each node of ``silent`` (id: the
+    incarnation seen silent) still listed alive as that incarnation."""
+
+    def change(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+        if doc is None:
+            return None
+        hit = [
+            i
+            for i, inc in silent.items()
+            if (e := doc["nodes"].get(i)) is not None and e["state"] == ALIVE and int(e["incarnation"]) == inc
+        ]
+        if not hit:
+            return None  # another observer did it, or the node came back as a new incarnation
+        for i in hit:
+            doc["nodes"][i] = {**doc["nodes"][i], "state": DEAD, "changed_ns": time.time_ns()}
+        doc["version"] = int(doc["version"]) + 1
+        return doc
+
+    return change
+
+
+async def remove_member(docs: Documents, node_id: str) -> bool:
+    """Take a dead node out of the members document (False: not listed;
+    :class:`NodeAlive` if it is alive)."""
+    found = False
+
+    def change(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+        nonlocal found
+        entry = (doc or {}).get("nodes", {}).get(node_id)
+        found = entry is not None
+        if doc is None or entry is None:
+            return None
+        if entry["state"] == ALIVE:
+            raise NodeAlive(f"node {node_id!r} is alive: stop it (and let the fleet declare it dead) first")
+        del doc["nodes"][node_id]
+        doc["version"] = int(doc["version"]) + 1
+        return doc
+
+    await change_object(docs, MEMBERS, change)
+    return found
+
+
+def view_of(doc: dict[str, Any], last_seen: dict[str, float]) -> FleetView:
+    """The members document as a view; ``last_seen``: unix seconds per node."""
+    members = []
+    for node_id, e in sorted(doc.get("nodes", {}).items()):
+        state = ALIVE if e.get("state") == ALIVE else DEAD
+        members.append(
+            Member(node_id, str(e.get("url", "")), state, int(e.get("incarnation", 0)), last_seen.get(node_id, 0.0))
+        )
+    return FleetView(int(doc.get("version", 0)), tuple(members))
