@@ -139,6 +139,9 @@ class StoreConfig:
     advertise_url: str = ""
     fleet_heartbeat_s: float = 2.0
     fleet_dead_after_s: float = 6.0
+    # Membership on etcd leases instead of the bucket (kvstore/fleet/etcd.py):
+    # its v3 JSON gateway, e.g. http://etcd-0:2379; "": membership in the bucket.
+    fleet_etcd_url: str = ""
     # Start-up: delete the data of tenants the registry does not know, instead
     # of refusing to start (the registry was lost or replaced by an old copy).
     discard_unknown_tenants: bool = False
@@ -250,6 +253,12 @@ class StoreConfig:
             self.advertise_url,
             "expected an http:// or https:// URL",
         )
+        need(
+            not self.fleet_etcd_url or self.fleet_etcd_url.startswith(("http://", "https://")),
+            "fleet_etcd_url",
+            self.fleet_etcd_url,
+            "expected an http:// or https:// URL (etcd's v3 JSON gateway)",
+        )
         need(0.1 <= self.fleet_heartbeat_s <= 60, "fleet_heartbeat_s", self.fleet_heartbeat_s, "must be 0.1 to 60")
         need(
             2 * self.fleet_heartbeat_s <= self.fleet_dead_after_s <= 600,
@@ -349,7 +358,17 @@ STORE_PARSERS: dict[str, Parser] = {
         parse_int,
     ),
     **dict.fromkeys(
-        ("s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "tier_dir", "node_id", "advertise_url"), parse_text
+        (
+            "s3_bucket",
+            "s3_endpoint",
+            "s3_prefix",
+            "s3_region",
+            "tier_dir",
+            "node_id",
+            "advertise_url",
+            "fleet_etcd_url",
+        ),
+        parse_text,
     ),
     **dict.fromkeys(("s3_readonly", "discard_unknown_tenants", "fleet"), parse_bool),
     **dict.fromkeys(("fleet_heartbeat_s", "fleet_dead_after_s"), parse_float),

@@ -6,12 +6,14 @@ deploy/setup-venv.sh test
 .venv/bin/python -m pip install --quiet -e 'clients[decode]'  # the client library is its own package
 # NIXL for the /v1/xfer tests: --no-deps, or its wheel's metadata pulls torch and a CUDA stack.
 .venv/bin/python -m pip install --quiet --no-deps nixl-cu12==1.5.1 nixl==1.5.1
-# From the distribution, not PyPI: pyverbs (rdma-core; the RDMA status reports without it too) and
-# promtool (prometheus; checks deploy/prometheus/alerts.yml, else only their schema is checked).
+# From the distribution, not PyPI: pyverbs (rdma-core; the RDMA status reports without it too),
+# promtool (prometheus; checks deploy/prometheus/alerts.yml, else only their schema is checked) and
+# etcd (etcd-server; the fleet's membership on etcd leases, else those tests skip).
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=""
   dpkg -s python3-pyverbs >/dev/null 2>&1 || missing="$missing python3-pyverbs"
   command -v promtool >/dev/null || missing="$missing prometheus"
+  command -v etcd >/dev/null || missing="$missing etcd-server"
   if [ -n "$missing" ]; then
     apt-get update -qq
     # shellcheck disable=SC2086

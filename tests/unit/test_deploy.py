@@ -74,7 +74,16 @@ def test_examples_are_the_unset_and_machine_dependent_settings(tmp_path: Path) -
     text = TOML.read_text()
     server_none = {f.name for f in fields(ServerConfig) if f.default is None} - SECRETS
     store_unset = {f.name for f in fields(StoreConfig) if f.default == ""}
-    assert store_unset == {"s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "tier_dir", "node_id", "advertise_url"}
+    assert store_unset == {
+        "s3_bucket",
+        "s3_endpoint",
+        "s3_prefix",
+        "s3_region",
+        "tier_dir",
+        "node_id",
+        "advertise_url",
+        "fleet_etcd_url",
+    }
     assert set(names(EXAMPLE, text)) == server_none | store_unset | {"io_threads"}
     # The examples are valid values too (tier_dir on its own: it excludes s3_bucket).
     alone = re.search(r"^# e\.g\. (tier_dir = .+)$", text, re.MULTILINE)

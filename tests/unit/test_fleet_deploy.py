@@ -73,12 +73,11 @@ def test_the_settings_they_pass_exist_and_load(tmp_path: Path) -> None:
 def test_the_systemd_env_example_names_real_settings(tmp_path: Path) -> None:
     env = {}
     for line in ENV.read_text().splitlines():
-        m = re.fullmatch(r"([A-Z0-9_]+)=(.*)", line.strip())
-        if m is None:
+        m = re.fullmatch(r"(# )?([A-Z0-9_]+)=(.*)", line.strip())  # commented out: an option, named right too
+        if m is None or m[2] in NOT_OURS:
             continue
-        if m[1] in NOT_OURS:
-            continue
-        assert m[1].removeprefix("KVSTORE_").lower() in SETTINGS, m[1]
-        env[m[1]] = m[2]
+        assert m[2].removeprefix("KVSTORE_").lower() in SETTINGS, m[2]
+        if not m[1]:
+            env[m[2]] = m[3]
     cfg = load(None, env=env, flags={"data_dir": str(tmp_path)})
     assert cfg.store.fleet and cfg.store.node_id == "kv-0" and cfg.store.s3_bucket

@@ -9,9 +9,12 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 from kvstore_client.sharding import normalize
 
+from kvstore.config import StoreConfig
 from kvstore.engine.api import MasterKey, Store, node_prefix, tier_from_config
 from kvstore.errors import FleetOff, NodeAlive, NotFound
 from kvstore.fleet.bucket import BucketMembership
+from kvstore.fleet.etcd import Etcd, EtcdMembership
+from kvstore.fleet.membership import Membership
 from kvstore.fleet.node import FleetNode
 from kvstore.fleet.registry import FleetRegistry, adopt_at_start
 from kvstore.fleet.takeover import Takeover
@@ -67,9 +70,20 @@ def fleet_join_ctx(master: MasterKey) -> Callable[[web.Application], AsyncIterat
         registry = FleetRegistry(tier, store.registry_document, store.adopt_registry)
         await registry.pull()  # (this node's registry becomes the fleet's where the bucket has none)
         store.fleet_registry = registry
-        membership = BucketMembership(tier, cfg.node_id, cfg.advertise_url, cfg.fleet_dead_after_s)
+        etcd = None
+        membership: Membership
+        if cfg.fleet_etcd_url:
+            etcd = Etcd(cfg.fleet_etcd_url, etcd_prefix(cfg), timeout_s=max(1.0, 2 * cfg.fleet_heartbeat_s))
+            membership = EtcdMembership(etcd, cfg.node_id, cfg.advertise_url, cfg.fleet_dead_after_s)
+        else:
+            membership = BucketMembership(tier, cfg.node_id, cfg.advertise_url, cfg.fleet_dead_after_s)
         node = FleetNode(membership, cfg.fleet_heartbeat_s, cfg.fleet_dead_after_s)
-        await node.start()
+        try:
+            await node.start()
+        except BaseException:
+            if etcd is not None:
+                await etcd.close()
+            raise
         store.fence = node.check_writable
         app[FLEET] = node
         takeover = Takeover(store, cfg, master, normalize(cfg.advertise_url))
@@ -87,8 +101,18 @@ def fleet_join_ctx(master: MasterKey) -> Callable[[web.Application], AsyncIterat
             await tasks.close()
             await node.close()
             await takeover.close()
+            if etcd is not None:
+                await etcd.close()
 
     return ctx
+
+
+def etcd_prefix(cfg: StoreConfig) -> str:
+    """The fleet's keys in etcd: one prefix per bucket (or shared
+    directory) and S3 prefix, so fleets that share an etcd stay apart."""
+    where = f"s3/{cfg.s3_bucket}" if cfg.s3_bucket else f"dir/{cfg.tier_dir.strip('/')}"
+    prefix = cfg.s3_prefix.strip("/")
+    return f"/kvstore/{where}/{prefix}/" if prefix else f"/kvstore/{where}/"
 
 
 def adopted_store(app: web.Application, tenant: str, key: str) -> Store | None:
