@@ -1,12 +1,12 @@
 """What a fleet node needs of a membership backend, in one small interface.
 
 :class:`~kvstore.fleet.bucket.BucketMembership` implements it with objects
-in the bucket (conditional writes, no other service). An etcd lease
-(``etcd-server`` installs from Debian) or a Kubernetes Lease per node could
-implement the same calls: join as a new incarnation, prove liveness,
-read the members with the silent ones declared dead, and fence a process
-that another incarnation of the same id has replaced; and forget a dead
-node for good (an operator's decommission).
+in the bucket (conditional writes, no other service),
+:class:`~kvstore.fleet.etcd.EtcdMembership` with a lease per node in etcd.
+A Kubernetes Lease per node could implement the same calls: join as a new
+incarnation, prove liveness, read the members with the silent ones declared
+dead, and fence a process that another incarnation of the same id has
+replaced; and forget a dead node for good (an operator's decommission).
 """
 
 from __future__ import annotations
