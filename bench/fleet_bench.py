@@ -15,6 +15,9 @@ one bucket (docs/fleet.md). Then:
 4. It reads node-1's blocks again, now from the survivors (ranged GETs on
    the bucket).
 
+Membership is in the bucket, or on an etcd the operator runs
+(``--etcd-url``: the nodes' ``fleet_etcd_url``).
+
 Figures are medians of the rounds, and the throughput is given against the
 same blocks read on their own node. moto is a Python S3 server on the same
 2 cores, so the survivors' figure is a floor, not what a real object store
@@ -57,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policy", choices=("sealed", "direct"), default="sealed", help="the tenant's policy")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="fleet_heartbeat_s (default 1)")
     p.add_argument("--dead-after-s", type=float, default=3.0, help="fleet_dead_after_s (default 3)")
+    p.add_argument(
+        "--etcd-url", default="", help="membership on this etcd (fleet_etcd_url) instead of the bucket (default)"
+    )
     p.add_argument("--rounds", type=int, default=3, help="read rounds per measurement (default 3)")
     p.add_argument("--json", type=Path, help="write the results here")
     a = p.parse_args(argv)
@@ -127,7 +133,8 @@ class Fleet:
                 "KVSTORE_S3_REFRESH_S": "1",
                 "KVSTORE_S3_BUCKET": bucket,
                 "KVSTORE_S3_ENDPOINT": s3_url,
-                "KVSTORE_S3_PREFIX": "bench",
+                "KVSTORE_S3_PREFIX": "bench",  # (a new bucket per run: a new key prefix on etcd too)
+                "KVSTORE_FLEET_ETCD_URL": a.etcd_url,
                 "AWS_ACCESS_KEY_ID": "bench",
                 "AWS_SECRET_ACCESS_KEY": "bench",
                 "AWS_DEFAULT_REGION": "us-east-1",
@@ -229,6 +236,7 @@ async def _run(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
         "policy": a.policy,
         "heartbeat_s": a.heartbeat_s,
         "dead_after_s": a.dead_after_s,
+        "membership": "etcd" if a.etcd_url else "bucket",
         "victim_blocks": len(theirs),
         "declared_dead_s": t_dead,
         "full_takeover_s": t_full,
