@@ -21,10 +21,13 @@ gateway (``/v3/kv/...``, ``/v3/lease/...``): no client library, no gRPC.
 from __future__ import annotations
 
 import base64
+import binascii
+import contextlib
 import json
 import logging
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -95,15 +98,25 @@ class Etcd:
             raise TierError(f"etcd at {self.url}: {path}: HTTP {status}: {why or text[:200]!r}")
         return doc
 
+    @contextlib.contextmanager
+    def _answer(self, path: str) -> Iterator[None]:
+        """Reading an answer of ``path``: one that lacks what etcd always
+        sends is a TierError too (the fleet's loop goes on), not a KeyError."""
+        try:
+            yield
+        except (KeyError, TypeError, ValueError, AttributeError, binascii.Error) as e:
+            raise TierError(f"etcd at {self.url}: {path}: an unexpected answer ({type(e).__name__}: {e})") from None
+
     def _key(self, name: str) -> bytes:
         return (self.prefix + name).encode()
 
     async def get(self, name: str) -> tuple[bytes, str] | None:
         got = await self._call("kv/range", {"key": _b64(self._key(name))})
-        kvs = got.get("kvs") or []
-        if not kvs:
-            return None
-        return base64.b64decode(kvs[0].get("value", "")), str(kvs[0]["mod_revision"])
+        with self._answer("kv/range"):
+            kvs = got.get("kvs") or []
+            if not kvs:
+                return None
+            return base64.b64decode(kvs[0].get("value", "")), str(kvs[0]["mod_revision"])
 
     async def put_if(self, name: str, data: bytes, etag: str | None, lease: int = 0) -> str:
         """``data`` as ``name`` only if its ``mod_revision`` is still ``etag``
@@ -120,20 +133,23 @@ class Etcd:
         got = await self._call("kv/txn", {"compare": [cmp], "success": [{"request_put": put}]})
         if not got.get("succeeded", False):
             raise TierConflict(f"etcd: {self.prefix + name} changed since it was read")
-        return str(got["header"]["revision"])
+        with self._answer("kv/txn"):
+            return str(got["header"]["revision"])
 
     async def scan(self, name_prefix: str) -> dict[str, bytes]:
         """Every name under ``name_prefix`` (the part after it) and its value."""
         start = self._key(name_prefix)
         got = await self._call("kv/range", {"key": _b64(start), "range_end": _b64(_prefix_end(start))})
-        return {
-            base64.b64decode(kv["key"])[len(start) :].decode(): base64.b64decode(kv.get("value", ""))
-            for kv in got.get("kvs") or []
-        }
+        with self._answer("kv/range"):
+            return {
+                base64.b64decode(kv["key"])[len(start) :].decode(): base64.b64decode(kv.get("value", ""))
+                for kv in got.get("kvs") or []
+            }
 
     async def grant(self, ttl_s: int) -> int:
         got = await self._call("lease/grant", {"TTL": str(ttl_s)})
-        return int(got["ID"])
+        with self._answer("lease/grant"):
+            return int(got["ID"])
 
     async def keepalive(self, lease: int) -> int:
         """Renew ``lease``; its TTL, 0 if it has expired."""
@@ -143,7 +159,8 @@ class Etcd:
             if "not found" in str(e):
                 return 0
             raise
-        return int((got.get("result") or {}).get("TTL", 0))
+        with self._answer("lease/keepalive"):
+            return int((got.get("result") or {}).get("TTL", 0))
 
     async def revoke(self, lease: int) -> None:
         try:

@@ -113,6 +113,43 @@ async def test_an_unreachable_etcd_is_a_tier_error() -> None:
         await kv.close()
 
 
+@pytest.mark.parametrize(
+    ("status", "body", "says"),
+    [
+        (200, b'{"kvs": [{"value": "not base64!"}]}', "an unexpected answer"),
+        (200, b'{"kvs": [{"mod_revision": "3", "value": "e30="}]}', None),  # fine: {} at revision 3
+        (200, b"[1, 2]", "HTTP 200"),
+        (500, b'{"error": "etcdserver: too many requests", "code": 14}', "too many requests"),
+    ],
+)
+async def test_a_wrong_answer_from_etcd_is_a_tier_error(status: int, body: bytes, says: str | None) -> None:
+    """Faults injected by a stand-in that answers every call with ``body``:
+    whatever etcd (or a proxy before it) answers, the fleet's loop sees a
+    TierError it logs and retries, never another exception that would end it."""
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(status=status, body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v3/{path:.*}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    kv = Etcd(f"http://127.0.0.1:{port}", "/kvstore/x/", timeout_s=2)
+    try:
+        if says is None:
+            assert await kv.get("k") == (b"{}", "3")
+        else:
+            with pytest.raises(TierError, match=re.escape(says)):
+                await kv.get("k")
+    finally:
+        await kv.close()
+        await runner.cleanup()
+
+
 async def test_three_daemons_with_membership_on_etcd(etcd: EtcdServer, tmp_path: Path, s3: S3Env) -> None:
     """The fleet's behaviour with etcd in place of the bucket's membership:
     a killed node is declared dead when its lease expires and the survivors
