@@ -115,11 +115,7 @@ class BucketMembership:
     async def join(self) -> int:
         got = await self.tier.get(heartbeat_object(self.node_id))
         previous = load_doc(got[0], "a heartbeat").get("incarnation", 0) if got is not None else 0
-        members = await self.tier.get(MEMBERS)
-        listed = 0
-        if members is not None:
-            entry = load_doc(members[0], MEMBERS).get("nodes", {}).get(self.node_id, {})
-            listed = int(entry.get("incarnation", 0))
+        listed = listed_incarnation(await self.tier.get(MEMBERS), self.node_id)
         self.incarnation = max(int(previous), listed) + 1
         try:
             self._beat_etag = await self.tier.put_if(
@@ -195,11 +191,21 @@ class BucketMembership:
         self._seen.pop(node_id, None)
         return found
 
+    async def close(self) -> None:
+        """Nothing of its own: the tier is the fleet's (closed with it)."""
+
     def _view(self, doc: dict[str, Any]) -> FleetView:
         return view_of(doc, {i: seen[2] for i, seen in self._seen.items()})
 
 
 # -- the members document: changes shared by every membership backend -------------
+
+
+def listed_incarnation(got: tuple[bytes, str] | None, node_id: str) -> int:
+    """``node_id``'s incarnation in the members document ``got`` (0: not listed)."""
+    if got is None:
+        return 0
+    return int(load_doc(got[0], MEMBERS).get("nodes", {}).get(node_id, {}).get("incarnation", 0))
 
 
 def set_alive(node_id: str, incarnation: int, url: str) -> Callable[[dict[str, Any] | None], dict[str, Any] | None]:

@@ -38,6 +38,7 @@ from kvstore.fleet.bucket import (
     change_object,
     declare_dead,
     dump_doc,
+    listed_incarnation,
     load_doc,
     remove_member,
     set_alive,
@@ -186,42 +187,46 @@ class EtcdMembership:
     def _alive_key(self) -> str:
         return f"alive/{self.node_id}"
 
-    def _alive_value(self) -> bytes:
-        return dump_doc({"incarnation": self.incarnation, "url": self.url})
+    async def _alive(self) -> tuple[int, str | None]:
+        """The incarnation in this node's key (0: none) and the key's etag."""
+        got = await self.etcd.get(self._alive_key)
+        if got is None:
+            return 0, None
+        return int(load_doc(got[0], "an alive key").get("incarnation", 0)), got[1]
+
+    async def _write_alive(self, etag: str | None) -> None:
+        """This node's key, as this incarnation on the lease it holds, if the
+        key is still what was read (``etag``); else another process wrote it."""
+        value = dump_doc({"incarnation": self.incarnation, "url": self.url})
+        try:
+            await self.etcd.put_if(self._alive_key, value, etag, self._lease)
+        except TierConflict:
+            raise Superseded(f"another process wrote node {self.node_id!r}'s key (a newer incarnation)") from None
 
     async def join(self) -> int:
-        got = await self.etcd.get(self._alive_key)
-        previous = int(load_doc(got[0], "an alive key").get("incarnation", 0)) if got is not None else 0
-        members = await self.etcd.get(MEMBERS)
-        listed = 0
-        if members is not None:
-            listed = int(load_doc(members[0], MEMBERS).get("nodes", {}).get(self.node_id, {}).get("incarnation", 0))
-        self.incarnation = max(previous, listed) + 1
+        previous, etag = await self._alive()
+        self.incarnation = max(previous, listed_incarnation(await self.etcd.get(MEMBERS), self.node_id)) + 1
         self._lease = await self.etcd.grant(self.ttl_s)
         try:
-            await self.etcd.put_if(self._alive_key, self._alive_value(), got[1] if got else None, self._lease)
-        except TierConflict:
+            await self._write_alive(etag)
+        except Superseded:
             await self.etcd.revoke(self._lease)
-            raise Superseded(f"another process is joining the fleet as node {self.node_id!r}") from None
+            raise
         await change_object(self.etcd, MEMBERS, set_alive(self.node_id, self.incarnation, self.url))
         log.info("joined the fleet (etcd) as node %s, incarnation %d, at %s", self.node_id, self.incarnation, self.url)
         return self.incarnation
 
     async def heartbeat(self) -> None:
         ttl = await self.etcd.keepalive(self._lease)
-        got = await self.etcd.get(self._alive_key)
-        theirs = int(load_doc(got[0], "an alive key").get("incarnation", 0)) if got is not None else 0
+        theirs, etag = await self._alive()
         if theirs > self.incarnation:
             raise Superseded(f"node {self.node_id!r} joined again as incarnation {theirs} elsewhere")
-        if ttl > 0 and got is not None:
+        if ttl > 0 and etag is not None:
             return
         # The lease expired (the others see this node dead, or soon will): a
         # new lease and the key again; observe() then rejoins if it was declared dead.
         self._lease = await self.etcd.grant(self.ttl_s)
-        try:
-            await self.etcd.put_if(self._alive_key, self._alive_value(), got[1] if got else None, self._lease)
-        except TierConflict:
-            raise Superseded(f"node {self.node_id!r}'s key was written by another process") from None
+        await self._write_alive(etag)
         log.warning("node %s: its etcd lease had expired; took a new one", self.node_id)
 
     async def observe(self) -> FleetView:
@@ -245,11 +250,7 @@ class EtcdMembership:
             assert mine is not None
             # Declared dead while its lease had expired: a new incarnation, on the lease it holds now.
             self.incarnation = max(self.incarnation, int(mine["incarnation"])) + 1
-            here = await self.etcd.get(self._alive_key)
-            try:
-                await self.etcd.put_if(self._alive_key, self._alive_value(), here[1] if here else None, self._lease)
-            except TierConflict:
-                raise Superseded(f"node {self.node_id!r}'s key was written by another process") from None
+            await self._write_alive((await self._alive())[1])
             await change_object(self.etcd, MEMBERS, set_alive(self.node_id, self.incarnation, self.url))
             log.warning("node %s was declared dead; rejoined as incarnation %d", self.node_id, self.incarnation)
         if silent:
@@ -265,3 +266,6 @@ class EtcdMembership:
         found = await remove_member(self.etcd, node_id)
         self._seen.pop(node_id, None)
         return found
+
+    async def close(self) -> None:
+        await self.etcd.close()

@@ -49,3 +49,7 @@ class Membership(Protocol):
     async def remove(self, node_id: str) -> bool:
         """Forget a dead node for good (False: no such node; NodeAlive if alive)."""
         ...
+
+    async def close(self) -> None:
+        """Let go of what the backend holds open (its connections)."""
+        ...

@@ -57,6 +57,7 @@ class FleetNode:
 
     async def close(self) -> None:
         await self._tasks.close()
+        await self.membership.close()
 
     # -- the loop ------------------------------------------------------------------
 

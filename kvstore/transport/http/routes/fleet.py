@@ -70,19 +70,11 @@ def fleet_join_ctx(master: MasterKey) -> Callable[[web.Application], AsyncIterat
         registry = FleetRegistry(tier, store.registry_document, store.adopt_registry)
         await registry.pull()  # (this node's registry becomes the fleet's where the bucket has none)
         store.fleet_registry = registry
-        etcd = None
-        membership: Membership
-        if cfg.fleet_etcd_url:
-            etcd = Etcd(cfg.fleet_etcd_url, etcd_prefix(cfg), timeout_s=max(1.0, 2 * cfg.fleet_heartbeat_s))
-            membership = EtcdMembership(etcd, cfg.node_id, cfg.advertise_url, cfg.fleet_dead_after_s)
-        else:
-            membership = BucketMembership(tier, cfg.node_id, cfg.advertise_url, cfg.fleet_dead_after_s)
-        node = FleetNode(membership, cfg.fleet_heartbeat_s, cfg.fleet_dead_after_s)
+        node = FleetNode(membership_for(cfg, tier), cfg.fleet_heartbeat_s, cfg.fleet_dead_after_s)
         try:
             await node.start()
         except BaseException:
-            if etcd is not None:
-                await etcd.close()
+            await node.close()
             raise
         store.fence = node.check_writable
         app[FLEET] = node
@@ -101,10 +93,16 @@ def fleet_join_ctx(master: MasterKey) -> Callable[[web.Application], AsyncIterat
             await tasks.close()
             await node.close()
             await takeover.close()
-            if etcd is not None:
-                await etcd.close()
 
     return ctx
+
+
+def membership_for(cfg: StoreConfig, tier: Tier) -> Membership:
+    """On etcd where ``fleet_etcd_url`` names one, else in the bucket."""
+    if cfg.fleet_etcd_url:
+        etcd = Etcd(cfg.fleet_etcd_url, etcd_prefix(cfg), timeout_s=max(1.0, 2 * cfg.fleet_heartbeat_s))
+        return EtcdMembership(etcd, cfg.node_id, cfg.advertise_url, cfg.fleet_dead_after_s)
+    return BucketMembership(tier, cfg.node_id, cfg.advertise_url, cfg.fleet_dead_after_s)
 
 
 def etcd_prefix(cfg: StoreConfig) -> str:
