@@ -21,7 +21,7 @@ from kvstore.engine.store import Store
 
 from .moto_s3 import REGION, MotoEndpoint, S3Env
 
-KV_DIR = Path(__file__).parent / "data" / "kv"
+KV_DIR = Path(__file__).resolve().parents[1] / "bench" / "data" / "kv"
 HANG_REPORT_MARGIN_S = 20  # before pytest-timeout's limit: what every asyncio task awaits
 
 
@@ -70,7 +70,7 @@ def _hang_report(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 def kv_sample(name: str) -> bytes:
-    """A real KV-cache slice (see tests/data/kv/README.md)."""
+    """A real KV-cache slice (see bench/data/kv/README.md)."""
     return (KV_DIR / name).read_bytes()
 
 

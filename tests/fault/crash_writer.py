@@ -54,7 +54,7 @@ TENANTS: tuple[tuple[str, str], ...] = (("sealed", "sealed"), ("direct", "direct
 CONCURRENCY = 8
 MAX_BLOCK = 300 * 1024
 MAX_RUNTIME_S = 60.0  # a safety net: the parent kills us long before this
-KV_DIR = ROOT / "tests" / "data" / "kv"
+KV_DIR = ROOT / "bench" / "data" / "kv"
 
 
 def store_config(data_dir: str | os.PathLike[str]) -> StoreConfig:

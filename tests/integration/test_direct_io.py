@@ -25,7 +25,7 @@ from kvstore.engine.store import Store
 from kvstore.errors import ConfigError
 from tests.fault.smallfs import MiB, mount_tmpfs, unmount
 
-KV = Path(__file__).resolve().parents[1] / "data" / "kv"
+KV = Path(__file__).resolve().parents[2] / "bench" / "data" / "kv"
 
 
 def _config(root: Path, **settings: object) -> StoreConfig:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-KV_DIR = Path(__file__).resolve().parents[1] / "data" / "kv"
+KV_DIR = Path(__file__).resolve().parents[2] / "bench" / "data" / "kv"
 
 
 class State(enum.Enum):

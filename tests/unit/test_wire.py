@@ -660,7 +660,7 @@ def _ratio(data: bytes, compression: str, frame: int = 1 << 20) -> float:
 
 
 def test_byte_plane_split_pays_on_real_kv() -> None:
-    """Measured on real KV caches (see tests/data/kv/README.md)."""
+    """Measured on real KV caches (see bench/data/kv/README.md)."""
     bf16 = kv_sample("minilm-l6-v2.bf16.first2MiB.bin")
     f16 = kv_sample("minilm-l6-v2.f16.first2MiB.bin")
     assert _ratio(bf16, "zstd-bp2") > 1.45 > _ratio(bf16, "zstd")

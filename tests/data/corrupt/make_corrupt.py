@@ -19,7 +19,7 @@ index) with one defect:
     unknown_flag         record b03 has flag bit 0x80 set, its header crc recomputed
 
 master.hex holds the master key; manifest.json every record (key, offset,
-lengths, where its bytes come from in tests/data/kv, sha256) and every defect.
+lengths, where its bytes come from in bench/data/kv, sha256) and every defect.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def source(i: int, size: int) -> dict[str, Any]:
 
 
 async def build(data_dir: Path) -> dict[str, bytes]:
-    kv = (ROOT / "tests" / "data" / "kv" / KV_FILE).read_bytes()
+    kv = (ROOT / "bench" / "data" / "kv" / KV_FILE).read_bytes()
     store = await Store.open(config(data_dir), MasterKey(bytes.fromhex(MASTER_KEY_HEX)))
     await store.create_tenant(TENANT, "sealed")
     blocks: dict[str, bytes] = {}
