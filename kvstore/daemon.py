@@ -1,14 +1,16 @@
 """kvstore daemon: argv -> config -> event loop -> app.
 
-    .venv/bin/python server.py --data-dir DIR --listen HOST:PORT [--config FILE]
+    kvstore serve --data-dir DIR --listen HOST:PORT [--config FILE]
 
-The admin token comes from KVSTORE_ADMIN_TOKEN (or admin_token_file), the
-master key from KVSTORE_MASTER_KEY_FILE (a 0600 file of 32 random bytes) or
-KVSTORE_MASTER_KEY. Every setting is also a TOML key and a KVSTORE_* variable
-(see deploy/kvstore.toml). SIGTERM drains in-flight requests and queued writes,
-then exits; under systemd (Type=notify) it reports READY, STOPPING, WATCHDOG.
-With --workers N, N processes share the port (see :func:`supervise`); the
-default, "auto", is one per CPU, bounded by memory (kvstore/workers.py).
+(``python server.py`` in a checkout is the same.) The admin token comes from
+KVSTORE_ADMIN_TOKEN (or admin_token_file; at least 32 characters), the master
+key from KVSTORE_MASTER_KEY_FILE (a 0600 file of 32 random bytes) or
+KVSTORE_MASTER_KEY. Every setting is also a TOML key and a KVSTORE_* variable,
+listed with its meaning and default below and in kvstore.toml (shipped in the
+package; deploy/kvstore.toml in a checkout). SIGTERM drains in-flight requests
+and queued writes, then exits; under systemd (Type=notify) it reports READY,
+STOPPING, WATCHDOG. With --workers N, N processes share the port; the default,
+"auto", is one per CPU, bounded by memory.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from kvstore import redaction, sdnotify, workers
+from kvstore import __version__, redaction, sdnotify, workers
 from kvstore.engine.api import MasterKey, load_master_key
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.fleet import identity as fleet_identity
-from kvstore.server_config import AUTO, SETTINGS, UNIX, ServerConfig, load
+from kvstore.server_config import AUTO, SECRETS, SETTINGS, UNIX, ServerConfig, check_tokens, load
+from kvstore.settings_doc import flag_help
 from kvstore.tasks import Background
 from kvstore.transport.http.app import make_app
 from kvstore.transport.http.appkeys import METRICS, STATE, STORE
@@ -51,16 +54,17 @@ from kvstore.tuning import die_with_parent, keep_freed_memory
 log = logging.getLogger("kvstore.server")
 
 
-def parse_args(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="TOML configuration file (also KVSTORE_CONFIG)")
+def parse_args(argv: list[str], prog: str | None = None) -> tuple[str | None, dict[str, Any]]:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    p.add_argument("--config", help="TOML configuration file (default: $KVSTORE_CONFIG; none: built-in defaults)")
     for name in SETTINGS:
-        if name in ("admin_token", "master_key"):
+        if name in SECRETS:
             continue  # secrets never on the command line (visible in ps)
         if name == "listen":  # several addresses: --listen 127.0.0.1:8420 --listen unix:/run/kvstore/kvstore.sock
-            p.add_argument("--listen", dest=name, metavar="ADDRESS", action="append")
+            p.add_argument("--listen", dest=name, metavar="ADDRESS", action="append", help=flag_help(name))
         else:
-            p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE")
+            p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE", help=flag_help(name))
     ns = vars(p.parse_args(argv))
     return ns.pop("config"), ns
 
@@ -344,9 +348,9 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
     return rc
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
-        toml_path, flags = parse_args(sys.argv[1:] if argv is None else argv)
+        toml_path, flags = parse_args(sys.argv[1:] if argv is None else argv, prog)
         cfg = load(toml_path, flags=flags)
         logging.basicConfig(
             level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
@@ -354,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         scrubber = redaction.install()  # before anything can log a secret; workers inherit it
         scrubber.add_secret(cfg.master_key)
         scrubber.add_secret(cfg.admin_secret())
+        scrubber.add_secret(cfg.metrics_secret())
+        check_tokens(cfg)
         keep_freed_memory()
         master = load_master_key(cfg.master_key_file, cfg.master_key)
         scrubber.add_key(master.secret)
@@ -395,7 +401,3 @@ def check_data_dir(path: Path) -> None:
     if not existing.is_dir():
         what = "it" if existing == path else f"{str(existing)!r}"
         raise ConfigError(f"data_dir={str(path)!r}: {what} is not a directory")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Offline check of a data directory. It only reads, unless told to repair.
 
-    .venv/bin/python -m kvstore.fsck --data-dir DIR [--config FILE] [--shallow] [--repair]
+    kvstore fsck --data-dir DIR [--config FILE] [--shallow] [--repair]
 
 Runs with the daemon stopped (the store's lock refuses a second process).
 
@@ -172,9 +172,9 @@ async def repair(config: StoreConfig, master: MasterKey, deep: bool) -> tuple[in
         await store.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", required=True)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", required=True, help="the data directory of a stopped daemon (its data_dir)")
     p.add_argument(
         "--config", help="the daemon's TOML settings (default: $KVSTORE_CONFIG); its KVSTORE_* variables apply too"
     )

@@ -83,6 +83,30 @@ class Metrics:
         with self._lock:
             return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
 
+    def without_label(self, label: str) -> Metrics:
+        """A copy whose series lack ``label``: those that differed only in it
+        added up (counters, gauges and histograms alike)."""
+        out = Metrics()
+
+        def drop(labels: Labels) -> Labels:
+            return tuple(kv for kv in labels if kv[0] != label)
+
+        with self._lock:
+            for (name, labels), v in self._counters.items():
+                out._counters[(name, drop(labels))] += v
+            for (name, labels), v in self._gauges.items():
+                key = (name, drop(labels))
+                out._gauges[key] = out._gauges.get(key, 0.0) + v
+            for (name, labels), h in self._hists.items():
+                key = (name, drop(labels))
+                into = out._hists.get(key)
+                if into is None:
+                    into = out._hists[key] = _Histogram(h.buckets)
+                into.counts = [a + b for a, b in zip(into.counts, h.counts, strict=True)]
+                into.total += h.total
+                into.count += h.count
+        return out
+
     def render(self) -> str:
         """Prometheus text exposition format 0.0.4."""
         lines: list[str] = []

@@ -149,6 +149,11 @@ class ServerConfig:
     workers: int | Literal["auto"] = AUTO
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
+    # GET /metrics: a bearer token it requires (unset: none), and whether its
+    # series carry tenants' names (false: summed over tenants, no tenant label).
+    metrics_token: str | None = field(default=None, repr=False)
+    metrics_token_file: str | None = None
+    metrics_tenant_labels: bool = True
     master_key_file: str | None = None
     master_key: str | None = field(default=None, repr=False)
     tls_cert: str | None = None
@@ -222,17 +227,51 @@ class ServerConfig:
 
     def admin_secret(self) -> str | None:
         """The admin token, from ``admin_token`` or the file ``admin_token_file``."""
-        if self.admin_token:
-            return self.admin_token
-        if self.admin_token_file:
-            try:
-                token = Path(self.admin_token_file).read_text().strip()
-            except OSError as e:
-                raise ConfigError(f"admin_token_file={self.admin_token_file!r}: {e.strerror}") from None
-            if not token:
-                raise ConfigError(f"admin_token_file={self.admin_token_file!r}: the file is empty")
-            return token
-        return None
+        return _secret("admin_token_file", self.admin_token, self.admin_token_file)
+
+    def metrics_secret(self) -> str | None:
+        """The token ``/metrics`` requires, from ``metrics_token`` or ``metrics_token_file``."""
+        return _secret("metrics_token_file", self.metrics_token, self.metrics_token_file)
+
+
+def _secret(file_setting: str, value: str | None, path: str | None) -> str | None:
+    """A secret given itself (from the environment) or as a file holding it."""
+    if value:
+        return value
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"{file_setting}={path!r}: {e.strerror}") from None
+        if not token:
+            raise ConfigError(f"{file_setting}={path!r}: the file is empty")
+        return token
+    return None
+
+
+# Tokens shorter than this are refused at start-up: a token is the whole of
+# what guards the admin API (and /metrics, where set). 32 characters of
+# secrets.token_urlsafe carry 192 bits.
+MIN_TOKEN_CHARS: Final = 32
+# Placeholders that shipped examples have held: refused whatever their length.
+EXAMPLE_TOKENS: Final = frozenset({"replace-with-a-long-random-token"})
+
+
+def check_tokens(cfg: ServerConfig) -> None:
+    """Refuse, at start-up, an admin or metrics token that is an example or
+    shorter than :data:`MIN_TOKEN_CHARS` (naming the setting, never the token)."""
+    for setting, token in (("admin_token", cfg.admin_secret()), ("metrics_token", cfg.metrics_secret())):
+        if token is None:
+            continue
+        where = f"{setting} (KVSTORE_{setting.upper()} or {setting}_file)"
+        if token in EXAMPLE_TOKENS or "replace-with" in token:
+            raise ConfigError(f"{where} is the example's placeholder: set a random one, e.g. {_MAKE_TOKEN}")
+        if len(token) < MIN_TOKEN_CHARS:
+            have = f"{len(token)} characters, fewer than {MIN_TOKEN_CHARS}"
+            raise ConfigError(f"{where} has {have}: set a random one, e.g. {_MAKE_TOKEN}")
+
+
+_MAKE_TOKEN = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
 _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
@@ -240,6 +279,9 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "workers": _workers,
     "admin_token": _str,
     "admin_token_file": _str,
+    "metrics_token": _str,
+    "metrics_token_file": _str,
+    "metrics_tenant_labels": parse_bool,
     "master_key_file": _str,
     "master_key": _str,
     "tls_cert": _str,
@@ -324,7 +366,7 @@ def _hint(var: str) -> str:
 
 # Secrets may come from the environment or a file, never from a config file
 # that is likely to be world-readable or committed.
-_NOT_IN_TOML = {"admin_token", "master_key"}
+SECRETS: Final = frozenset({"admin_token", "master_key", "metrics_token"})
 
 
 def _parse(label: str, name: str, value: object) -> Any:
@@ -357,7 +399,7 @@ def load(
                 close = difflib.get_close_matches(key, SETTINGS, n=1, cutoff=0.75)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(f"config file {str(path)!r}: unknown key {key!r}{hint}")
-            if key in _NOT_IN_TOML:
+            if key in SECRETS:
                 raise ConfigError(f"config file {str(path)!r}: {key!r} is a secret; use {key}_file or the environment")
             values[key] = _parse(key, key, value)
     values |= env_values(env, SETTINGS, _parse)

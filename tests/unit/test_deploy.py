@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.server_config import SETTINGS, ServerConfig, load
+from kvstore.server_config import SECRETS, SETTINGS, ServerConfig, load
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -22,7 +22,6 @@ TOML = DEPLOY / "kvstore.toml"
 UNIT = DEPLOY / "kvstore.service"
 ENV_EXAMPLE = DEPLOY / "kvstore.env.example"
 
-SECRETS = {"admin_token", "master_key"}
 PUBLIC = [name for name in SETTINGS if name not in SECRETS]
 # "# name = value": a setting commented out at its default. "# e.g. name = value":
 # a setting unset by default (or machine-dependent), with an example value.

@@ -52,6 +52,19 @@ def require_admin(request: web.Request) -> None:
         raise Unauthorized("admin token required")
 
 
+def require_metrics_token(request: web.Request) -> None:
+    """``/metrics``'s token, where ``metrics_token`` is set (the admin token works too)."""
+    secret = config_of(request).metrics_secret()
+    if secret is None:
+        return
+    token = _bearer(request)
+    admin = config_of(request).admin_secret()
+    ok = hmac.compare_digest(_digest(token), _digest(secret))
+    ok |= admin is not None and hmac.compare_digest(_digest(token), _digest(admin))
+    if not ok:
+        raise Unauthorized("metrics token required (metrics_token)")
+
+
 def is_admin(request: web.Request) -> bool:
     """Whether the request carries the admin token (never raises)."""
     try:

@@ -8,7 +8,12 @@ a scrape lands on merges every snapshot younger than ``STALE_S``: counters
 and histograms added up, per-process gauges (requests in flight, buffered
 bodies) added up, the store's gauges taken from the writer. Another
 worker's counts are at most ``SNAPSHOT_S`` old. ``kvstore_workers`` says
-how many processes the answer covers.
+how many processes the answer covers; ``kvstore_build_info{version}`` which
+release answers.
+
+``metrics_token`` makes the route require that bearer token (or the admin
+token); ``metrics_tenant_labels = false`` sums the per-tenant series over
+tenants and drops their ``tenant`` label.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import os
+import platform
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -25,8 +31,10 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstore import __version__
 from kvstore.metrics import merged
-from kvstore.transport.http.appkeys import METRICS, STATE, STORE
+from kvstore.transport.http.appkeys import METRICS, STATE, STORE, config_of
+from kvstore.transport.http.auth import require_metrics_token
 from kvstore.transport.http.bodies import BUDGET
 
 SNAPSHOT_S = 0.5
@@ -103,9 +111,11 @@ async def metrics_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    require_metrics_token(request)
     app = request.app
     store = app[STORE]
     m = app[METRICS]
+    m.set("kvstore_build_info", 1, version=__version__, python=platform.python_version())
     blocks = stored = logical = 0
     for t in store.tenants():
         s = await store.stats(t["name"])
@@ -120,13 +130,15 @@ async def metrics(request: web.Request) -> web.Response:
     directory = _directory(app)
     if directory is None:
         m.set("kvstore_workers", 1)
-        text = m.render()
     else:
         await asyncio.to_thread(_write_snapshot, app, directory)
         snapshots = await asyncio.to_thread(_read_snapshots, directory)
         whole = merged(snapshots, PER_PROCESS_GAUGES)
         whole.set("kvstore_workers", len(snapshots))
-        text = whole.render()
+        m = whole
+    if not config_of(request).metrics_tenant_labels:
+        m = m.without_label("tenant")
+    text = m.render()
     return web.Response(
         text=text, content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"}
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstore import __version__
 from kvstore.config import DURABILITY_CLASSES
 from kvstore.engine.api import load_master_key
 from kvstore.errors import InvalidInput, MasterKeyError
@@ -262,12 +263,18 @@ async def verify(request: web.Request) -> web.Response:
 
 @routes.get("/v1/admin/status", allow_head=False)
 async def status(request: web.Request) -> web.Response:
-    """The process that answers (the writer, with several workers), its NIXL
+    """The release (``version``), the process that answers (the writer, with several workers), its NIXL
     agent (``{"enabled": false}`` when ``nixl`` is off) and the host's RDMA
     devices as pyverbs sees them (an empty list with the reason)."""
     require_admin(request)
     nixl = request.app[XFER].status() if XFER in request.app else {"enabled": False}
     found = await asyncio.to_thread(discover)
     return web.json_response(
-        {"role": request.app[STATE]["role"], "pid": os.getpid(), "nixl": nixl, "rdma": found.as_dict()}
+        {
+            "version": __version__,
+            "role": request.app[STATE]["role"],
+            "pid": os.getpid(),
+            "nixl": nixl,
+            "rdma": found.as_dict(),
+        }
     )
