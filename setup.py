@@ -7,6 +7,8 @@ package kvstore_bench: no top-level name but kvstore's own, none another project
 from setuptools import find_packages, setup
 
 setup(
-    packages=[*find_packages(include=["kvstore", "kvstore.*"]), "kvstore_bench"],
+    # kvstore_bench.data.kv holds the KV samples (package data, no code): listed so
+    # that setuptools installs the folder as part of the package.
+    packages=[*find_packages(include=["kvstore", "kvstore.*"]), "kvstore_bench", "kvstore_bench.data.kv"],
     package_dir={"kvstore_bench": "bench"},
 )
