@@ -1,59 +1,70 @@
-"""kvstore-bench: KV-cache sizing and a load-vs-recompute TTFT model, from model geometry alone.
+"""kvstore-bench: size KV caches, model load-vs-recompute TTFT, and measure kvstore.
 
-Subcommands (no store, no GPU; arithmetic on the inputs):
+Subcommands that do arithmetic on the inputs (no store, no GPU):
 
 * ``size``: KV bytes per token, per block, per tensor-parallel rank, per
   session, and fleet capacity (users x KV per user x retention);
 * ``ttft``: time to load a prefix's KV cache from the store vs. to recompute
-  it, the speedup, and the break-even context length (see ``bench.ttft``).
+  it, the speedup, and the break-even context length (``ttft.py``).
   With ``--engine vllm`` it measures instead: a real engine's TTFT against
   the storage bandwidth, recomputing, loading everything, with the load
-  planner and with layerwise loading (``bench.ttft_sweep``; needs
-  deploy/setup-engines.sh).
+  planner and with layerwise loading (``ttft_sweep.py``; needs an
+  environment with vLLM, deploy/setup-engines.sh).
 
-And one that measures (see ``bench.run``):
+And those that measure, each in its own module with its own options:
 
 * ``run``: throughput and latency of a kvstore daemon (started here, or
   ``--endpoint``) through the client library, on blocks sized from the model
-  geometry, with Redis and nginx as peers on the same data when installed;
+  geometry, with Redis and nginx as peers on the same data when installed
+  (``run.py``);
 * ``codec``: encode/decode GB/s per core and the ratio of each compression a
-  tenant can choose, sealed or not, on real KV caches (``bench.codec_bench``);
+  tenant can choose, sealed or not, on real KV caches (``codec_bench.py``);
+* ``nixl``: NIXL reads against HTTP GET and a plain socket copy
+  (``nixl_bench.py``; needs NIXL);
+* ``events``: what residency events cost PUTs and GETs, and the rate one
+  subscriber takes (``events_bench.py``);
 * ``s3``: PUT and ranged GET of 2 MiB objects through the daemon's S3
   gateway, against SeaweedFS and the daemon's ``/v1`` with the same client
-  (``bench.s3_bench``);
+  (``s3_bench.py``);
 * ``writes``: every write path (HTTP PUT direct and sealed, batch PUT, unix
   socket, S3 gateway) against a plain write+fdatasync loop, buffered and
-  O_DIRECT, on the same disk (``bench.write_bench``).
+  O_DIRECT, on the same disk (``write_bench.py``);
 * ``qos``: what tenants' QoS holds under load: a read and a write limit, a
   tenant's GET p99 alone and beside another's flood, two weights' shares of
-  the daemon (``bench.qos_bench``).
+  the daemon (``qos_bench.py``);
 * ``fleet``: a fleet of daemons on one bucket (moto's S3 server): the time
   from a node's SIGKILL to its blocks served again by the survivors, and
   their read rate there against the same blocks on their own node
-  (``bench.fleet_bench``).
+  (``fleet_bench.py``).
 
 Examples::
 
-    .venv/bin/python -m bench.cli size --model llama-3.1-405b --context 127188
-    .venv/bin/python -m bench.cli size --model llama-3.1-70b --tp 8 --users 100000 --per-user-gb 30 --retention 15
-    .venv/bin/python -m bench.cli size --model layers=40,kv_heads=8,head_dim=128,dtype=fp8 --json
-    .venv/bin/python -m bench.cli ttft --model llama-3.1-70b --throughput-gbps 10 --prefill-tps 20000 --latency-ms 5
-    .venv/bin/python -m bench.cli run --model llama-3.1-8b --tp 8 --duration 10 --json r.json --png r.png
+    kvstore-bench size --model llama-3.1-405b --context 127188
+    kvstore-bench size --model llama-3.1-70b --tp 8 --users 100000 --per-user-gb 30 --retention 15
+    kvstore-bench size --model layers=40,kv_heads=8,head_dim=128,dtype=fp8 --json
+    kvstore-bench ttft --model llama-3.1-70b --throughput-gbps 10 --prefill-tps 20000 --latency-ms 5
+    kvstore-bench run --model llama-3.1-8b --tp 8 --duration 10 --json r.json --png r.png
 
-Bad input exits 2 with a message naming the option.
+Bad input exits 2 with a message naming the option. Output cut short by its
+reader (``kvstore-bench size ... | head -2``) ends the command quietly, with
+status 141 (128 + SIGPIPE) as a process killed by SIGPIPE would have.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
+import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 
-from bench.models import DTYPE_BYTES, ModelGeometry, dtype_bytes, resolve_model
-from bench.sizing import (
+from .models import DTYPE_BYTES, ModelGeometry, dtype_bytes, resolve_model
+from .sizing import (
     GB,
     PB,
     GiB,
@@ -65,11 +76,29 @@ from bench.sizing import (
     kv_bytes_per_token,
     tp_shard,
 )
-from bench.ttft import break_even, ttft_row
+from .ttft import break_even, ttft_row
 
 PROG = "kvstore-bench"
 DEFAULT_TOKENS_PER_BLOCK = 256  # LMCache's default chunk size (vLLM's paged-attention block is 16)
 DEFAULT_TTFT_TOKENS = (1024, 8192, 32768, 131072)
+DEFAULT_RUN_MODEL = "Llama-3.1-8B"
+# run's --blocks when not given: a daemon started here; an existing one (--endpoint: another machine's
+# disk and network, often shared, so a smaller load); a --short smoke run.
+RUN_BLOCKS, RUN_BLOCKS_ENDPOINT, RUN_BLOCKS_SHORT = 256, 32, 8
+
+# The subcommands with a parser of their own: name -> (module, help). main() hands them the rest
+# of argv; each module's build_parser() is that parser (``--help`` included).
+DELEGATED: dict[str, tuple[str, str]] = {
+    "codec": ("codec_bench", "encode/decode GB/s per core and ratio of each compression, on real KV caches"),
+    "nixl": ("nixl_bench", "NIXL reads against HTTP GET and a plain socket copy (needs NIXL)"),
+    "events": ("events_bench", "what residency events cost PUTs and GETs, and the rate one subscriber takes"),
+    "s3": ("s3_bench", "PUT and ranged GET through the S3 gateway against SeaweedFS and /v1, one client"),
+    "writes": ("write_bench", "every write path's GB/s and daemon CPU against a write+fdatasync loop"),
+    "qos": ("qos_bench", "tenant QoS under load: read/write limits, GET p99 beside a flood, weights"),
+    "fleet": ("fleet_bench", "a fleet on one bucket: time to take over a killed node, its blocks' read rate"),
+}
+COMMANDS = ("size", "ttft", "run", *DELEGATED)
+ENGINES = ("vllm",)
 
 
 # -- argument types: each raises ArgumentTypeError, which argparse reports as "argument --opt: <message>", exit 2
@@ -145,21 +174,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{size,ttft,run,codec,nixl,events,s3,writes,qos,fleet}"
+    """The top-level parser, and the parsers of size, ttft and run (the delegated
+    subcommands' are their modules' build_parser(): see subcommand_parsers())."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog=f"'{PROG} COMMAND --help' lists a command's options, each with what it means and its default.",
     )
-    # codec, nixl, events, s3, writes, qos and fleet have their own parsers (bench/codec_bench.py, nixl_bench.py,
-    # events_bench.py, s3_bench.py, write_bench.py, qos_bench.py, fleet_bench.py):
-    # main() hands them the rest of argv.
-    sub.add_parser("codec", help="encode/decode GB/s per core and ratio of each compression, on real KV caches")
-    sub.add_parser("nixl", help="NIXL reads against HTTP GET and a plain socket copy (needs NIXL)")
-    sub.add_parser("events", help="what residency events cost PUTs and GETs, and the rate one subscriber takes")
-    sub.add_parser("s3", help="PUT and ranged GET through the S3 gateway against SeaweedFS and /v1, one client")
-    sub.add_parser("writes", help="every write path's GB/s and daemon CPU against a write+fdatasync loop")
-    sub.add_parser("qos", help="tenant QoS under load: read/write limits, GET p99 beside a flood, weights")
-    sub.add_parser("fleet", help="a fleet on one bucket: time to take over a killed node, its blocks' read rate")
-
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     size = sub.add_parser("size", help="KV bytes per token, block, TP rank, session; fleet capacity")
     _add_model_args(size)
     size.add_argument(
@@ -199,13 +221,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help=f"prefix lengths in tokens (default {' '.join(map(str, DEFAULT_TTFT_TOKENS))})",
     )
     ttft.add_argument("--latency-ms", type=_nonneg_float, default=0.0, help="fixed latency per load (default 0)")
+    ttft.add_argument(
+        "--engine",
+        choices=ENGINES,
+        help="measure instead of modelling: a real engine's TTFT (vllm) against the storage bandwidth, "
+        "recomputing, loading everything, with the load planner and layerwise; an environment with vLLM "
+        f"(deploy/setup-engines.sh) runs it, with its own options: '{PROG} ttft --engine vllm --help'",
+    )
 
     run = sub.add_parser("run", help="measure a kvstore daemon's throughput and latency (and Redis, nginx)")
+    default_model = resolve_model(DEFAULT_RUN_MODEL)
+    block = kv_bytes_per_block(default_model, DEFAULT_TOKENS_PER_BLOCK)  # tp 1: one rank holds every head
     run.add_argument(
         "--model",
         type=_model,
-        default=resolve_model("Llama-3.1-8B"),
-        help="a preset name or 'layers=N,kv_heads=N,head_dim=N[,dtype=...]' (default Llama-3.1-8B)",
+        default=default_model,
+        help=f"a preset name or 'layers=N,kv_heads=N,head_dim=N[,dtype=...]' (default {DEFAULT_RUN_MODEL})",
     )
     run.add_argument("--dtype", type=_dtype, help=f"KV-cache dtype, overriding the model's ({', '.join(DTYPE_BYTES)})")
     run.add_argument(
@@ -216,7 +247,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     run.add_argument(
         "--tp", type=_positive_int, default=1, help="TP ranks: one kvstore block per engine block per rank (default 1)"
     )
-    run.add_argument("--blocks", type=_positive_int, help="blocks loaded before the run (default 256; --short 8)")
+    run.add_argument(
+        "--blocks",
+        type=_positive_int,
+        help="distinct blocks loaded before the run; the data set is --blocks blocks of --tokens-per-block "
+        f"tokens of one TP rank's KV ({_binary(block)} each for {DEFAULT_RUN_MODEL} at {DEFAULT_TOKENS_PER_BLOCK} "
+        f"tokens, tp 1). Default {RUN_BLOCKS} ({_binary(RUN_BLOCKS * block)} of the default model); "
+        f"{RUN_BLOCKS_ENDPOINT} with --endpoint ({_binary(RUN_BLOCKS_ENDPOINT * block)}); {RUN_BLOCKS_SHORT} "
+        "with --short",
+    )
     run.add_argument("--concurrency", type=_positive_int, help="operations in flight (default 8; --short 4)")
     run.add_argument("--duration", type=_positive_float, help="seconds per system measured (default 20; --short 2)")
     run.add_argument("--ops", type=_positive_int, help="operations per system measured, instead of --duration")
@@ -224,8 +263,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     run.add_argument(
         "--hit-ratio", type=_nonneg_float, default=1.0, help="fraction of reads of stored keys (default 1.0)"
     )
-    run.add_argument("--endpoint", help="an existing daemon's URL (default: start a local one)")
+    run.add_argument(
+        "--endpoint",
+        metavar="URL",
+        help="measure an existing daemon at this URL instead of starting one here. The run stores its blocks "
+        f"(default {RUN_BLOCKS_ENDPOINT}: {_binary(RUN_BLOCKS_ENDPOINT * block)} of the default model) and its "
+        "writes in --token's tenant under keys bench-<run id>-*, and deletes them all at the end unless --keep",
+    )
     run.add_argument("--token", help="the tenant token for --endpoint (default $KVSTORE_TOKEN)")
+    run.add_argument(
+        "--keep",
+        action="store_true",
+        help="with --endpoint: leave the run's blocks in the tenant (keys bench-<run id>-*) instead of deleting them",
+    )
     run.add_argument("--policy", choices=("sealed", "direct"), help="the local daemon's tenant policy (default sealed)")
     run.add_argument("--peers", help="redis,nginx or none (default: both when installed; none with --short)")
     run.add_argument(
@@ -237,8 +287,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     run.add_argument("--short", action="store_true", help="a ~2 s smoke run: few small blocks, no peers")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is no TTY)")
     run.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the time series as JSON")
-    run.add_argument("--png", type=Path, metavar="PATH", help="write a chart: throughput and p50/p99 over time")
+    run.add_argument(
+        "--png",
+        type=Path,
+        metavar="PATH",
+        help="write a chart: throughput and p50/p99 over time (needs matplotlib; checked before measuring)",
+    )
+    # add_help=False: `kvstore-bench codec --help` never reaches this parser (main() hands it to codec_bench).
+    for name, (_, text) in DELEGATED.items():
+        sub.add_parser(name, help=text, add_help=False)
     return parser, {"size": size, "ttft": ttft, "run": run}
+
+
+def _binary(n: int) -> str:
+    """``n`` bytes in binary units (``8.00 GiB``), for help texts."""
+    return fmt_bytes(n).split(" = ")[-1]
 
 
 def _model_of(args: argparse.Namespace) -> ModelGeometry:
@@ -422,56 +485,69 @@ def run_ttft(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args_in = sys.argv[1:] if argv is None else list(argv)
-    if args_in[:1] == ["codec"]:
-        from bench import codec_bench
+def _module(name: str) -> ModuleType:
+    """A benchmark module of this package, imported when its subcommand runs (some
+    import the client library, boto3 or NIXL: ``size`` needs none of them)."""
+    return importlib.import_module(f".{name}", __package__)
 
-        return codec_bench.main(args_in[1:])
-    if args_in[:1] == ["nixl"]:
-        from bench import nixl_bench
 
-        return nixl_bench.main(args_in[1:])
-    if args_in[:1] == ["events"]:
-        from bench import events_bench
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every subcommand's parser, by the command line that reaches it: "size", "ttft",
+    "run", each of DELEGATED, and "ttft --engine vllm" (ttft_sweep's)."""
+    _, parsers = build_parser()
+    out = dict(parsers)
+    for name, (module, _) in DELEGATED.items():
+        build: Callable[[], argparse.ArgumentParser] = _module(module).build_parser
+        out[name] = build()
+    out["ttft --engine vllm"] = _module("ttft_sweep").build_parser()
+    return out
 
-        return events_bench.main(args_in[1:])
-    if args_in[:1] == ["s3"]:
-        from bench import s3_bench
 
-        return s3_bench.main(args_in[1:])
-    if args_in[:1] == ["writes"]:
-        from bench import write_bench
+def _engine_at(args: list[str]) -> int | None:
+    return next((i for i, a in enumerate(args) if a == "--engine" or a.startswith("--engine=")), None)
 
-        return write_bench.main(args_in[1:])
-    if args_in[:1] == ["ttft"] and any(a == "--engine" or a.startswith("--engine=") for a in args_in):
-        from bench import ttft_sweep
 
-        rest = args_in[1:]
-        at = next(i for i, a in enumerate(rest) if a == "--engine" or a.startswith("--engine="))
+def _dispatch(args_in: list[str]) -> int:
+    if args_in[:1] and args_in[0] in DELEGATED:
+        entry: Callable[[list[str]], int] = _module(DELEGATED[args_in[0]][0]).main
+        return entry(args_in[1:])
+    rest = args_in[1:]
+    at = _engine_at(rest) if args_in[:1] == ["ttft"] else None
+    if at is not None:  # the measured sweep: ttft_sweep's own options (the modelling ones do not apply)
         engine = rest[at].partition("=")[2] if "=" in rest[at] else (rest[at + 1] if at + 1 < len(rest) else "")
-        if engine != "vllm":
-            sys.stderr.write(f"{PROG} ttft: argument --engine: only 'vllm' is measured here, got {engine!r}\n")
+        if engine not in ENGINES:
+            sys.stderr.write(f"{PROG} ttft: argument --engine: only {', '.join(ENGINES)} is measured, got {engine!r}\n")
             return 2
         del rest[at : at + (1 if "=" in rest[at] else 2)]
-        return ttft_sweep.main(rest)
-    if args_in[:1] == ["fleet"]:
-        from bench import fleet_bench
-
-        return fleet_bench.main(args_in[1:])
-    if args_in[:1] == ["qos"]:
-        from bench import qos_bench
-
-        return qos_bench.main(args_in[1:])
+        sweep: Callable[[list[str]], int] = _module("ttft_sweep").main
+        return sweep(rest)
     parser, subparsers = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(args_in)
     if args.command == "size":
         return run_size(args, subparsers["size"])
     if args.command == "run":
-        from bench.run import run_bench  # imports the client library and aiohttp only when measuring
+        from .run import run_bench  # imports the client library and aiohttp only when measuring
 
         return run_bench(args, subparsers["run"])
     return run_ttft(args, subparsers["ttft"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    try:
+        try:
+            return _dispatch(args_in)
+        finally:  # here, where a reader that went away can still be told from a failure
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader closed the pipe (`kvstore-bench size ... | head -2`): what it did not
+        # read is of no use to anyone. Python ignores SIGPIPE, so this is an exception, and
+        # the interpreter would flush stdout again at exit and print another: point stdout
+        # at /dev/null first (the recipe of the signal module's documentation).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -2,15 +2,15 @@
 saves on real KV caches, per core, so every sealed read or write figure can be
 stated against its codec's limit.
 
-For each sample (``tests/data/kv`` by default: real Gemma 3 270M and MiniLM
-KV slices, bf16 and fp16), each compression (``none``, ``zstd``,
+For each sample (the package's ``data/kv`` by default: real Gemma 3 270M and
+MiniLM KV slices, bf16 and fp16), each compression (``none``, ``zstd``,
 ``zstd-bp2``) and each frame size, on one thread: encode and decode GB/s of
 plaintext, and the ratio (plaintext / stored). ``sealed`` adds AES-256-GCM
 (seal on encode, open on decode), as a sealed tenant's record pays it; direct
 tenants pay only the xxh3 checksum, reported on its own. Each figure is the
 median of ``--repeats`` passes over the whole sample.
 
-    .venv/bin/python -m bench.cli codec [--samples DIR] [--frame-sizes 256KiB,1MiB] [--json PATH]
+    kvstore-bench codec [--samples DIR] [--frame-sizes 256KiB,1MiB] [--json PATH]
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from kvstore.engine.crypto import RecordCipher
 from kvstore.engine.format import CODEC_NAMES, checksum
 from kvstore.errors import ConfigError
 
-SAMPLES = Path(__file__).resolve().parents[1] / "tests" / "data" / "kv"
+from .samples import SAMPLES
+
 GB = 1e9
 
 
@@ -135,13 +136,22 @@ def checksum_gbps(data: bytes, frame_size: int, repeats: int) -> float:
     return len(data) / _median_seconds(run, repeats) / GB
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstore-bench codec", description=__doc__.split("\n\n")[0])
-    p.add_argument("--samples", type=Path, default=SAMPLES, help="directory of KV samples (*.bin)")
-    p.add_argument("--frame-sizes", default="256KiB,1MiB", help="comma-separated (default 256KiB,1MiB)")
+    p.add_argument(
+        "--samples", type=Path, default=SAMPLES, help="directory of KV samples (*.bin; default: the ones shipped here)"
+    )
+    p.add_argument(
+        "--frame-sizes", default="256KiB,1MiB", help="frame sizes to encode, comma-separated (default 256KiB,1MiB)"
+    )
     p.add_argument("--level", type=int, default=1, help="zstd level (the store's zstd_level; default 1)")
     p.add_argument("--repeats", type=int, default=5, help="passes per figure; the median is reported (default 5)")
-    p.add_argument("--json", type=Path, help="write every figure as JSON")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write every figure as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         frame_sizes = [parse_size("--frame-sizes", s.strip()) for s in args.frame_sizes.split(",")]

@@ -1,6 +1,6 @@
 """What compaction costs the foreground, and how fast it gives space back.
 
-A benchmark, not a test. It starts the daemon (``server.py``) on a fresh data
+A benchmark, not a test. It starts the daemon (``kvstore serve``) on a fresh data
 directory, loads ``--blocks`` 2 MiB blocks of the real KV-cache samples into a
 tenant, deletes ``--dead`` of them at random and seals the segments; then,
 ``--repeat`` times on a freshly loaded store:
@@ -17,7 +17,7 @@ compaction, and its own cost, from ``--repeat`` more passes with no reader
 beside them: bytes the daemon read and wrote (``/proc/PID/io``) and CPU
 seconds it used, per byte reclaimed.
 
-Run: ``.venv/bin/python -m bench.compaction_bench --help``.
+Run: ``.venv/bin/python -m kvstore_bench.compaction_bench --help``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.http_bench import CLK_TCK, Client, Kvstore, Processes
-from bench.store_bench import DEFAULT_SAMPLES, load_samples
 from kvstore.config import MiB, parse_size
+
+from .http_bench import CLK_TCK, Client, Kvstore, Processes
+from .samples import SAMPLES
+from .store_bench import load_samples
 
 BLOCK = 2 * MiB
 
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--segment-size", default="64MiB")
     a.add_argument("--compact-rate", default="64MiB", help="compaction's read budget per second (default 64MiB)")
     a.add_argument("--policy", default="sealed", choices=("sealed", "direct"))
-    a.add_argument("--samples", type=Path, default=DEFAULT_SAMPLES)
+    a.add_argument("--samples", type=Path, default=SAMPLES)
     a.add_argument("--base-dir", type=Path, default=None, help="where the data directory goes (default: /tmp)")
     a.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     ns = a.parse_args(argv)

@@ -15,7 +15,7 @@ the median of ``--runs`` prompts; the report gives the token counts and the
 recompute/hit ratio. Example::
 
     deploy/setup-engines.sh
-    .venv-engines/bin/python -m bench.engine_ttft --prompt-tokens 2048 --runs 3 --json ttft.json
+    .venv-engines/bin/python -m kvstore_bench.engine_ttft --prompt-tokens 2048 --runs 3 --json ttft.json
 
 ``build_llama`` (also used by tests/engines) writes a Llama config, random
 weights and a small byte-level BPE tokenizer to a directory in seconds.
@@ -96,7 +96,7 @@ BLOCK = 32  # vLLM's CPU attention needs block sizes that are multiples of 32
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.engine_ttft", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvstore_bench.engine_ttft", description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length in tokens (default 2048)")
     p.add_argument("--runs", type=int, default=3, help="prompts measured; figures are medians (default 3)")
     p.add_argument("--hidden", type=int, default=1024, help="model width (default 1024)")
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from bench.http_bench import Kvstore, Processes
+    from .http_bench import Kvstore, Processes
 
     with tempfile.TemporaryDirectory(prefix="kvstore-engine-ttft-") as tmp:
         root = Path(tmp)

@@ -1,5 +1,5 @@
 """What residency events cost the store, and how fast one subscriber takes
-them (issue 13's benchmark).
+them.
 
 Two daemons (``durability = "interval"``: the daemons' work, not the
 disk's fsync latency) run side by side: ``off`` has no event subscriber (the bus
@@ -27,14 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
 from kvstore_client import AsyncClient
 
-from bench.daemon import daemon
-from bench.nixl_bench import _pct
-from bench.plan_bench import _port
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
+
+from .daemon import _port, daemon
+from .nixl_bench import _pct
 
 # The subscribers' process: an SSE stream and a ZMQ SUB socket, counted until
 # the stream has seen WANT events (or stayed quiet for 10 s); one JSON line out.
@@ -126,15 +125,30 @@ async def _round(c: AsyncClient, prefix: str, n: int, data: bytes, depth: int) -
     return {"put_mbps": n * len(data) / put_s / 1e6, "puts_per_s": n / put_s, "get_p99_ms": _pct(lat, 0.99) * 1e3}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstore-bench events", description=__doc__.split("\n\n")[0])
-    p.add_argument("--blocks", type=int, default=500)
-    p.add_argument("--block-size", default="64KiB")
-    p.add_argument("--depth", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--burst", type=int, default=20_000)
-    p.add_argument("--in-process", type=int, default=200_000, help="events for the one-core rates")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--blocks", type=int, default=500, help="new blocks PUT, then read, per round (default 500)")
+    p.add_argument("--block-size", default="64KiB", help="bytes per block (default 64KiB)")
+    p.add_argument("--depth", type=int, default=16, help="requests outstanding (default 16)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians (default 3)")
+    p.add_argument(
+        "--burst",
+        type=int,
+        default=20_000,
+        help="one-byte blocks PUT at the end, for the subscriber's rate (default 20000)",
+    )
+    p.add_argument(
+        "--in-process",
+        type=int,
+        default=200_000,
+        help="events for the one-core rates, in this process (default 200000)",
+    )
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write every figure as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         size = parse_size("--block-size", args.block_size)

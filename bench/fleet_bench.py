@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -49,22 +50,35 @@ from typing import Any
 
 from kvstore.config import parse_size
 
-ROOT = Path(__file__).resolve().parents[1]
+from .daemon import base_env, serve_command
+
+MOTO_HINT = "pip install 'moto[server]'"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvstore-bench fleet", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvstore-bench fleet",
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Needs moto's S3 server ({MOTO_HINT}).",
+    )
     p.add_argument("--nodes", type=int, default=3, help="daemons in the fleet (default 3)")
     p.add_argument("--blocks", type=int, default=300, help="blocks written (default 300)")
     p.add_argument("--block-size", default="256KiB", help="bytes per block (default 256KiB)")
-    p.add_argument("--policy", choices=("sealed", "direct"), default="sealed", help="the tenant's policy")
+    p.add_argument(
+        "--policy", choices=("sealed", "direct"), default="sealed", help="the tenant's policy (default sealed)"
+    )
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="fleet_heartbeat_s (default 1)")
     p.add_argument("--dead-after-s", type=float, default=3.0, help="fleet_dead_after_s (default 3)")
     p.add_argument(
         "--etcd-url", default="", help="membership on this etcd (fleet_etcd_url) instead of the bucket (default)"
     )
     p.add_argument("--rounds", type=int, default=3, help="read rounds per measurement (default 3)")
-    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON here")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     a = p.parse_args(argv)
     try:
         a.size = parse_size("--block-size", a.block_size)
@@ -120,9 +134,7 @@ class Fleet:
         for i in range(a.nodes):
             port = _port()
             base = f"http://127.0.0.1:{port}"
-            env = {
-                "PATH": os.environ.get("PATH", ""),
-                "PYTHONPATH": str(ROOT),
+            env = base_env() | {
                 "KVSTORE_ADMIN_TOKEN": self.admin,
                 "KVSTORE_MASTER_KEY_FILE": str(key),
                 "KVSTORE_FLEET": "1",
@@ -142,7 +154,7 @@ class Fleet:
                 "AWS_CONFIG_FILE": "/dev/null",
                 "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
             }
-            cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(root / f"n{i}"), "--listen", base[7:]]
+            cmd = serve_command(root / f"n{i}", "--listen", base[7:])
             self.bases.append(base)
             self.envs.append(env)
             self.cmds.append(cmd)
@@ -251,6 +263,9 @@ async def _run(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if importlib.util.find_spec("moto") is None:  # before any daemon starts
+        print(f"kvstore-bench fleet: needs moto's S3 server, which is not installed ({MOTO_HINT})", file=sys.stderr)
+        return 2
     import boto3
     from moto.server import ThreadedMotoServer
 

@@ -1,10 +1,10 @@
 """Requests per second kvstore keeps serving to well-behaved clients while
-hostile connections are open, as a ratio to none open (issue 16).
+hostile connections are open, as a ratio to none open.
 
 A benchmark, not a test: it prints a table (and ``--json``) and exits 0. It
-starts ``server.py`` on a fresh data directory (default settings: the
+starts the daemon (``kvstore serve``) on a fresh data directory (default settings: the
 timeouts a production daemon has), creates a tenant and stores ``--keys``
-small blocks (4 KiB, cut from the real KV samples in tests/data/kv) and one
+small blocks (4 KiB, cut from the real KV samples of the package's data/kv) and one
 2 MiB block, then for each ``--workers`` count and each of ``--runs`` runs:
 
 1. **baseline**: ``--clients`` well-behaved clients, each on one keep-alive
@@ -22,7 +22,7 @@ Reported: requests/s (medians over the runs), p50/p99 latency, errors, and
 hostile/baseline. The load generator is Python (asyncio streams) on the same
 machine as the daemon: compare figures within a run, not across machines.
 
-Run: ``.venv/bin/python -m bench.hostile_bench --help``.
+Run: ``.venv/bin/python -m kvstore_bench.hostile_bench --help``.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.http_bench import Client, Kvstore, Processes
+from .http_bench import Client, Kvstore, Processes
+from .samples import GEMMA_BF16 as KV_SAMPLE
 
-KV_SAMPLE = Path(__file__).resolve().parent.parent / "tests" / "data" / "kv" / "gemma3-270m.bf16.layers8-9.bin"
 KINDS = ("stalled-headers", "stalled-body", "idle", "slow-reader")
 BIG_KEY = "big"
 

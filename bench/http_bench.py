@@ -4,10 +4,10 @@ A benchmark, not a test. It starts everything it measures as processes of its
 own and removes them (and its temporary directory) at the end, on errors and on
 Ctrl-C:
 
-* the kvstore daemon (``server.py``) on a fresh data directory on disk, with a
+* the kvstore daemon (``kvstore serve``) on a fresh data directory on disk, with a
   fresh master key and admin token, and one ``sealed`` and one ``direct``
   tenant, each loaded with ``--blocks`` 2 MiB blocks of the real KV-cache
-  samples (``tests/data/kv``; the few distinct sample blocks are reused
+  samples (the package's ``data/kv``; the few distinct sample blocks are reused
   round-robin under distinct keys) by plain HTTP PUTs;
 * nginx (``/usr/sbin/nginx``, Debian package ``nginx``) with a minimal config
   of its own (sendfile on, access_log off, ``worker_processes`` = kvstore's
@@ -24,7 +24,7 @@ and POST /v1/lookup of ``--chain``-key chains (at CONNECTIONS and at 1
 connection). All of it for each ``--workers`` count; a daemon that refuses a
 count ("only 1 worker process is supported") makes that count "not available".
 
-Run: ``.venv/bin/python -m bench.http_bench --help``; see bench/README.md.
+Run: ``python -m kvstore_bench.http_bench --help``; see bench/README.md.
 """
 
 from __future__ import annotations
@@ -54,10 +54,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from bench.store_bench import DEFAULT_SAMPLES, GB, MEMORY_FS, default_base_dir, fmt, load_samples, mount_of
 from kvstore.config import KiB, MiB, parse_size
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from .daemon import base_env, serve_command
+from .samples import SAMPLES
+from .store_bench import GB, MEMORY_FS, default_base_dir, fmt, load_samples, mount_of
+
 NGINX = Path("/usr/sbin/nginx")
 INSTALL_HINT = "apt-get update && apt-get install -y nginx wrk"
 WORKERS_REFUSED = "only 1 worker process is supported"
@@ -279,7 +281,7 @@ class Options:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.http_bench",
+        prog="python -m kvstore_bench.http_bench",
         description="kvstore's HTTP API against nginx (sendfile) on the same bytes, under wrk (see bench/README.md).",
     )
     p.add_argument("--blocks", type=int, help="blocks loaded into each tenant and nginx (default 256; --quick 32)")
@@ -292,7 +294,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--workers", default="1,2", help="kvstore --workers counts to run, comma-separated (default 1,2)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
     p.add_argument("--durability", choices=("fsync", "interval"), default="fsync", help="the daemon's (default fsync)")
-    p.add_argument("--samples", type=Path, default=DEFAULT_SAMPLES, help="directory of *.bf16*.bin / *.f16*.bin")
+    p.add_argument("--samples", type=Path, default=SAMPLES, help="directory of *.bf16*.bin / *.f16*.bin")
     p.add_argument("--dir", type=Path, help="parent of the temporary directory (default: a disk-backed temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (data dir, logs, Lua scripts)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 s per phase, 32 blocks")
@@ -376,7 +378,7 @@ def make_dataset(opts: Options) -> DataSet:
 
 @dataclass
 class Kvstore:
-    """``server.py`` as a process on one data directory, restarted per worker count;
+    """``kvstore serve`` as a process on one data directory, restarted per worker count;
     tenants and their tokens persist across restarts (they are in the store)."""
 
     procs: Processes
@@ -397,8 +399,7 @@ class Kvstore:
         passed = {k: v for k, v in os.environ.items() if k.startswith("KVSTORE_")}
         self.env = {
             **passed,
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "PYTHONPATH": str(REPO_ROOT),
+            **base_env(),
             "KVSTORE_ADMIN_TOKEN": self.admin_token,
             "KVSTORE_MASTER_KEY_FILE": str(key),
         }
@@ -409,7 +410,7 @@ class Kvstore:
 
     def start(self, workers: int) -> None:
         self.port = free_port()
-        cmd = [sys.executable, str(REPO_ROOT / "server.py"), "--data-dir", str(self.root / "data")]
+        cmd = serve_command(self.root / "data")
         cmd += ["--listen", f"127.0.0.1:{self.port}", "--workers", str(workers), "--durability", self.durability]
         with self.log.open("a") as f:
             f.write(f"\n=== {' '.join(cmd)}\n")
@@ -1063,7 +1064,7 @@ def verdict(ok: bool | None) -> str:
 
 
 def targets_of(res: dict[str, Any], connections: int) -> dict[str, dict[str, Any]]:
-    """The issue's targets for one worker count: value, target, met."""
+    """The targets for one worker count: value, target, met."""
     out: dict[str, dict[str, Any]] = {}
     get = res.get("get", {})
     for policy, lo in (("direct", 1.0), ("sealed", 0.6), ("records", 1.0)):
@@ -1161,7 +1162,7 @@ def render(results: dict[str, Any], opts: Options) -> str:
             t = tg[f"lookup p99 (1 conn, {opts.connections} conns of GETs)"]
             out.append(row("", "1 conn beside GETs", cells(lk["1conn_bulk"], f"p99 {t['target']} {verdict(t['met'])}")))
     out.append("")
-    out.append("Targets (from the issue)")
+    out.append("Targets")
     head = "".join(f"{'workers=' + str(w):>18}" for w in opts.workers)
     out.append(f"  {'':<34}{'target':>12}{head}")
     for name, target in TARGETS.items():

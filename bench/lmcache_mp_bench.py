@@ -3,14 +3,14 @@
 adapter, in one run, on the same disk (needs .venv-engines)::
 
     deploy/setup-engines.sh
-    .venv-engines/bin/python -m bench.lmcache_mp_bench --chunks 64 --chunk-mib 4 --repeats 3 --json mp.json
+    .venv-engines/bin/python -m kvstore_bench.lmcache_mp_bench --chunks 64 --chunk-mib 4 --repeats 3 --json mp.json
 
 Each adapter is built as ``lmcache server`` builds it (its ``--l2-adapter``
 JSON through LMCache's parser and factory) and driven as its controllers
 drive it: store tasks of ``--batch`` chunks, all submitted at once and
 awaited on the store event fd; one lookup-and-lock task over every chunk;
 load tasks of ``--batch`` chunks into fresh memory objects, every byte
-compared; unlock. Chunks are real KV-cache bytes (``tests/data/kv``), each
+compared; unlock. Chunks are real KV-cache bytes (the package's ``data/kv``), each
 repeat under new keys, so every store writes.
 
 Targets (one daemon per policy, data under /var/tmp like the fs adapter's
@@ -49,8 +49,9 @@ from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from bench.daemon import daemon
-from bench.s3_bench import SAMPLES, cut_objects, load_pool
+from .daemon import daemon
+from .s3_bench import cut_objects, load_pool
+from .samples import SAMPLES
 
 MiB = 1 << 20
 PLUGIN = {"type": "plugin", "module_path": "kvstore_client.adapters.lmcache_mp", "class_name": "KVStoreL2Adapter"}

@@ -1,8 +1,8 @@
 """NIXL reads against HTTP GET of the same blocks and a plain socket copy,
-in one run (issue 12's targets here, over TCP: NIXL >= 1.0x the daemon's
-HTTP GET and >= 0.7x a plain socket copy, direct tenant).
+in one run (the targets, over TCP: NIXL >= 1.0x the daemon's HTTP GET and
+>= 0.7x a plain socket copy, direct tenant).
 
-Starts ``server.py`` with ``nixl = true`` (UCX on ``--ucx-devices``, TCP by
+Starts the daemon (``kvstore serve``) with ``nixl = true`` (UCX on ``--ucx-devices``, TCP by
 default) on a fresh data directory, loads ``--blocks`` direct blocks of
 ``--block-size`` (real KV bytes, repeated), then reads all of them with
 ``AsyncClient.get_into`` at 1 and ``--depth`` outstanding reads:
@@ -39,15 +39,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
 from kvstore_client import AsyncClient
 
-from bench.daemon import daemon
-from bench.plan_bench import SAMPLE
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+from .daemon import daemon
+from .samples import GEMMA_BF16 as SAMPLE
+
 GB = 1e9
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -130,15 +129,22 @@ def _socket_copy(total: int, size: int) -> float:
     return got / dt / GB
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstore-bench nixl", description=__doc__.split("\n\n")[0])
-    p.add_argument("--blocks", type=int, default=64)
-    p.add_argument("--block-size", default="2MiB")
+    p.add_argument("--blocks", type=int, default=64, help="direct blocks stored, then read by every pass (default 64)")
+    p.add_argument("--block-size", default="2MiB", help="bytes per block (default 2MiB)")
     p.add_argument("--depth", type=int, default=8, help="outstanding reads of the second run (default 8)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--ucx-devices", default="lo")
-    p.add_argument("--ucx-tls", default="tcp", help="UCX_TLS for both agents ('' for UCX's choice)")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--repeats", type=int, default=5, help="rounds; figures are medians (default 5)")
+    p.add_argument(
+        "--ucx-devices", default="lo", help="UCX devices of the daemon's and the client's agents (default lo)"
+    )
+    p.add_argument("--ucx-tls", default="tcp", help="UCX_TLS for both agents (default tcp; '' for UCX's choice)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write every figure as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         size = parse_size("--block-size", args.block_size)

@@ -1,8 +1,8 @@
-"""Read plans against a raw ``os.preadv`` of the same extents (issue 11's
-target: >= 0.8x, page cache warm and cold), with HTTP GET over the same unix
-socket for context.
+"""Read plans against a raw ``os.preadv`` of the same extents (the target:
+>= 0.8x, page cache warm and cold), with HTTP GET over the same unix socket
+for context.
 
-Starts ``server.py`` (one worker) on a fresh data directory with a unix
+Starts the daemon (``kvstore serve``, one worker) on a fresh data directory with a unix
 socket, loads ``--blocks`` direct blocks of ``--block-size`` (real KV bytes,
 repeated), then, on one thread, in ``--batch``-key plans:
 
@@ -16,7 +16,7 @@ repeated), then, on one thread, in ``--batch``-key plans:
 Cold runs drop the segment files' pages first (``posix_fadvise DONTNEED``).
 Each figure is the median of ``--repeats`` passes.
 
-    .venv/bin/python -m bench.plan_bench [--blocks 128] [--block-size 2MiB] [--json PATH]
+    python -m kvstore_bench.plan_bench [--blocks 128] [--block-size 2MiB] [--json PATH]
 """
 
 from __future__ import annotations
@@ -28,44 +28,24 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
 from kvstore_client import AsyncClient
 from kvstore_client.plans import PlanConnection, PlannedBlock
 
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT / "tests" / "data" / "kv" / "gemma3-270m.bf16.layers8-9.bin"
+from .daemon import _admin, _port, base_env, serve_command
+from .samples import GEMMA_BF16 as SAMPLE
+
 GB = 1e9
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _admin(base: str, token: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(
-        base + path,
-        data=json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=30) as r:
-        doc: dict[str, Any] = json.loads(r.read())
-        return doc
 
 
 def _ready(base: str) -> bool:
@@ -88,12 +68,12 @@ def _median(fn: Callable[[], int], repeats: int, before: Callable[[], None]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.plan_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--blocks", type=int, default=128)
-    p.add_argument("--block-size", default="2MiB")
+    p = argparse.ArgumentParser(prog="python -m kvstore_bench.plan_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", type=int, default=128, help="direct blocks stored and read per pass (default 128)")
+    p.add_argument("--block-size", default="2MiB", help="bytes per block (default 2MiB)")
     p.add_argument("--batch", type=int, default=32, help="keys per plan (default 32)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", type=Path)
+    p.add_argument("--repeats", type=int, default=5, help="passes per figure; the median is reported (default 5)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the figures as JSON here")
     args = p.parse_args(argv)
     try:
         size = parse_size("--block-size", args.block_size)
@@ -107,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     key_file.write_bytes(os.urandom(32))
     key_file.chmod(0o600)
     sock, port = str(root / "kv.sock"), _port()
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "KVSTORE_ADMIN_TOKEN": admin}
+    env = base_env() | {"KVSTORE_ADMIN_TOKEN": admin}
     env["KVSTORE_MASTER_KEY_FILE"] = str(key_file)
-    cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(root / "data"), "--compact-interval-s", "0"]
-    cmd += ["--listen", f"127.0.0.1:{port}", "--listen", f"unix:{sock}", "--workers", "1"]
+    cmd = serve_command(root / "data", "--compact-interval-s", "0", "--listen", f"127.0.0.1:{port}")
+    cmd += ["--listen", f"unix:{sock}", "--workers", "1"]
     with (root / "kvstore.log").open("ab") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -1,6 +1,6 @@
-"""kvstore-bench qos: what a tenant's QoS (issue 28) holds under load, in one run.
+"""kvstore-bench qos: what a tenant's QoS holds under load, in one run.
 
-Starts ``server.py`` (one worker unless ``--workers``) on a fresh data
+Starts the daemon (``kvstore serve``, one worker unless ``--workers``) on a fresh data
 directory under /var/tmp, and in every round creates fresh ``direct``
 tenants (no encryption, so the daemon's CPU is not the whole story), fills
 them with ``--blocks`` blocks and reads each once (off the clock), measures,
@@ -170,7 +170,7 @@ def parse_metrics(text: str, name: str) -> dict[str, float]:
 
 
 def targets(med: dict[str, float], limit: int, weights: tuple[int, int]) -> dict[str, dict[str, Any]]:
-    """The issue's targets against the medians: value, target (text), met (None: not measured)."""
+    """The targets against the medians: value, target (text), met (None: not measured)."""
 
     def row(name: str, target: str, test: Callable[[float], bool]) -> tuple[str, dict[str, Any]]:
         v = med.get(name, float("nan"))
@@ -507,7 +507,7 @@ class Measured:
 def run_loads(daemon_pid: int, specs: list[LoadSpec]) -> Measured:
     """Run ``specs`` at once, each in a process of its own, from one t0;
     the daemon's CPU seconds over the whole of it."""
-    from bench.write_bench import tree_cpu_seconds
+    from .write_bench import tree_cpu_seconds
 
     ctx = multiprocessing.get_context("spawn")
     pipes: list[Connection] = []
@@ -568,7 +568,7 @@ class Admin:
             text = e.read()[:500].decode("utf-8", "replace")
             hint = ""
             if method in ("POST", "PATCH") and body and "qos" in body and e.code == 400 and "qos" in text:
-                hint = " (does this daemon know tenant QoS? issue 28)"
+                hint = " (a daemon older than tenant QoS does not know the qos field)"
             raise SystemExit(f"qos: {method} {path}: HTTP {e.code}: {text}{hint}") from None
         return json.loads(raw) if raw else None
 
@@ -788,7 +788,7 @@ def _f(v: float, spec: str) -> str:
 def render(med: dict[str, float], tg: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     """The medians as a compact table: one line per figure, with the 429s and
     503s its load got, the CPU seconds of the daemon and of the load
-    processes, and the target's verdict where the issue sets one."""
+    processes, and the target's verdict where there is one."""
 
     def verdict(name: str) -> str:
         t = tg[name]
@@ -936,7 +936,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--phases", type=_phases, default=list(PHASES), help=f"a subset of {','.join(PHASES)}")
     ap.add_argument("--workers", type=_positive(int), default=1, help="daemon worker processes (default 1)")
-    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a daemon setting")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a daemon setting (repeatable)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="write every round's figures and the medians")
     return ap
 
@@ -955,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"argument --set: {item!r}: expected NAME=VALUE")
         settings[name] = value
 
-    from bench.daemon import daemon
+    from .daemon import daemon
 
     rounds: list[dict[str, float]] = []
     with daemon(settings, ["--workers", str(args.workers)]) as d:

@@ -1,8 +1,8 @@
 """What a removal costs: quota evictions and TTL removals beside deletes.
 
-A benchmark, not a test. Since issue 24 every removal (delete, quota
-eviction, TTL removal) writes a tombstone, so that an index rebuild never
-brings the block back; before, evictions only dropped the index entry. This
+A benchmark, not a test. Every removal (delete, quota eviction, TTL
+removal) writes a tombstone, so that an index rebuild never brings the block
+back; evictions once only dropped the index entry. This
 measures, on the engine in one process, ``--repeat`` times on a fresh store
 each (medians reported):
 
@@ -18,7 +18,7 @@ each (medians reported):
 Run it against another checkout (``PYTHONPATH=/path/to/checkout``) to
 compare revisions in the same run. ``--json`` writes every figure.
 
-Run: ``.venv/bin/python -m bench.removal_bench --help``; see bench/README.md.
+Run: ``.venv/bin/python -m kvstore_bench.removal_bench --help``; see bench/README.md.
 """
 
 from __future__ import annotations

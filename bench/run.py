@@ -3,17 +3,22 @@
 One run, on one data set built from the model geometry:
 
 * block bytes = the KV cache of ``--tokens-per-block`` tokens held by *one*
-  tensor-parallel rank (``bench.sizing.tp_shard``): an engine stores one
+  tensor-parallel rank (``sizing.tp_shard``): an engine stores one
   kvstore block per engine block per rank, so an engine block is ``--tp``
   kvstore blocks;
 * ``--blocks`` distinct keys are loaded first (untimed), their contents cut
-  from the real KV-cache samples (``tests/data/kv``, ``bench.store_bench``'s
+  from the real KV-cache samples (the package's ``data/kv``, ``store_bench``'s
   loader): the sample bytes, in 64 KiB chunks, concatenated from a different
   starting chunk for each of up to 16 distinct contents, reused round-robin;
 * then ``--concurrency`` workers each loop for ``--duration`` seconds (or
   until ``--ops`` operations in all): with probability ``--read-ratio`` a read
   (with probability ``--hit-ratio`` of a loaded key, else of a key never
   written: a miss), else a write of a loaded block's bytes to a new key.
+
+Every key this run stores starts with ``bench-<run id>-``. Against an existing
+daemon (``--endpoint``) they are all deleted at the end (found by listing the
+tenant's keys with that prefix), unless ``--keep``; a daemon started here is
+removed whole, data directory and all.
 
 kvstore is driven by ``kvstore_client.AsyncClient(strict=True)``, so every
 failure is an exception the benchmark counts by kind (nothing is hidden as a
@@ -53,12 +58,16 @@ import aiohttp
 from kvstore_client import AsyncClient
 from kvstore_client.errors import KVStoreClientError, ServerError
 
-from bench.http_bench import DataSet, Kvstore, Nginx, Processes, free_port, sigterm_as_exit
-from bench.models import ModelGeometry
-from bench.sizing import fmt_bytes, kv_bytes_per_token, tp_shard
-from bench.store_bench import DEFAULT_SAMPLES, GB, MEMORY_FS, default_base_dir, load_samples, mount_of
-from bench.ttft import break_even, ttft_row
+from .cli import RUN_BLOCKS, RUN_BLOCKS_ENDPOINT, RUN_BLOCKS_SHORT
+from .http_bench import DataSet, Kvstore, Nginx, Processes, free_port, sigterm_as_exit
+from .models import ModelGeometry
+from .plots import matplotlib_missing
+from .samples import SAMPLES
+from .sizing import fmt_bytes, kv_bytes_per_token, tp_shard
+from .store_bench import GB, MEMORY_FS, default_base_dir, load_samples, mount_of
+from .ttft import break_even, ttft_row
 
+PROG = "kvstore-bench run"
 PEERS = ("redis", "nginx")
 INSTALL_HINT = "apt-get install -y redis-server nginx"
 REDIS_SERVER = "redis-server"
@@ -92,6 +101,7 @@ class RunOptions:
     hit_ratio: float
     endpoint: str | None
     token: str | None
+    keep: bool
     policy: str
     peers: list[str]
     peers_explicit: bool
@@ -127,6 +137,8 @@ def build_options(args: argparse.Namespace, error: Callable[[str], Any]) -> RunO
     if args.endpoint is None:
         if args.token is not None:
             error("argument --token: only with --endpoint")
+        if args.keep:
+            error("argument --keep: only with --endpoint (a daemon started here is removed whole)")
     else:
         if not args.endpoint.startswith(("http://", "https://")):
             error(f"argument --endpoint: {args.endpoint!r} is not an http:// or https:// URL")
@@ -147,7 +159,14 @@ def build_options(args: argparse.Namespace, error: Callable[[str], Any]) -> RunO
     duration: float | None = args.duration
     if duration is None and args.ops is None:
         duration = 2.0 if short else 20.0
-    blocks = args.blocks if args.blocks is not None else (8 if short else 256)
+    if args.blocks is not None:
+        blocks = args.blocks
+    elif short:
+        blocks = RUN_BLOCKS_SHORT
+    else:
+        blocks = RUN_BLOCKS if args.endpoint is None else RUN_BLOCKS_ENDPOINT
+    if args.png is not None and (why := matplotlib_missing()) is not None:
+        error(f"argument --png: {why}")  # now, not after the measurement
     return RunOptions(
         model=model,
         tokens_per_block=tpb,
@@ -161,6 +180,7 @@ def build_options(args: argparse.Namespace, error: Callable[[str], Any]) -> RunO
         hit_ratio=args.hit_ratio,
         endpoint=args.endpoint,
         token=args.token or os.environ.get("KVSTORE_TOKEN"),
+        keep=args.keep,
         policy=args.policy or "sealed",
         peers=peers,
         peers_explicit=peers_explicit,
@@ -189,7 +209,7 @@ class Blocks:
         return self.distinct[i % len(self.distinct)]
 
 
-def make_blocks(opts: RunOptions, samples: Path = DEFAULT_SAMPLES) -> Blocks:
+def make_blocks(opts: RunOptions, samples: Path = SAMPLES) -> Blocks:
     """Up to MAX_DISTINCT blocks of ``block_bytes``, each the sample chunks concatenated
     from a different starting chunk (and cut to size)."""
     sets = load_samples(samples, CHUNK, ("bf16", "fp16"))
@@ -205,8 +225,13 @@ def make_blocks(opts: RunOptions, samples: Path = DEFAULT_SAMPLES) -> Blocks:
         parts = [chunks[(start + j) % len(chunks)] for j in range(per_block)]
         distinct.append(b"".join(parts)[: opts.block_bytes])
     run_id = os.urandom(4).hex()
-    keys = [f"bench-{run_id}-{i:06d}" for i in range(opts.blocks)]
+    keys = [f"{key_prefix(run_id)}{i:06d}" for i in range(opts.blocks)]
     return Blocks(keys, distinct, sources, run_id)
+
+
+def key_prefix(run_id: str) -> str:
+    """What every key a run stores starts with: its loaded blocks and its writes."""
+    return f"bench-{run_id}-"
 
 
 # -- measurement ---------------------------------------------------------------------------
@@ -461,7 +486,7 @@ async def drive(target: Target, blocks: Blocks, opts: RunOptions) -> tuple[Recor
                             rec.error("unexpected hit")
                 else:
                     i = rng.randrange(len(blocks.keys))
-                    await target.put(f"w-{blocks.run_id}-{w}-{next(counter)}", blocks.block(i))
+                    await target.put(f"{key_prefix(blocks.run_id)}w{w}-{next(counter)}", blocks.block(i))
                     rec.ok("put", start, opts.block_bytes)
             except asyncio.CancelledError:
                 raise
@@ -705,6 +730,48 @@ async def measure(target: Target, blocks: Blocks, opts: RunOptions) -> dict[str,
     return res
 
 
+async def remove_run_blocks(endpoint: str, token: str, run_id: str, opts: RunOptions) -> int:
+    """Delete every block the run ``run_id`` stored in the tenant of ``token`` (its
+    loaded blocks and its writes, those a timed-out put left there included): the
+    keys listed with the run's prefix, ``opts.concurrency`` deletes at a time.
+    Returns how many were deleted."""
+    prefix = key_prefix(run_id)
+    async with AsyncClient(endpoint, token, timeout=opts.timeout, strict=True) as client:
+        keys: list[str] = []
+        after: str | None = None
+        while True:
+            page, after = await client.list_keys(prefix=prefix, start_after=after)
+            keys += [k for k, _ in page]
+            if after is None:
+                break
+        sem = asyncio.Semaphore(opts.concurrency)
+
+        async def one(key: str) -> bool:
+            async with sem:
+                return await client.delete(key)
+
+        return sum(await asyncio.gather(*(one(k) for k in keys)))
+
+
+def clean_endpoint(opts: RunOptions, endpoint: str, token: str, blocks: Blocks) -> str | None:
+    """What the run left in an existing daemon's tenant: removed unless ``--keep``.
+    A note for the report, or None when removing failed (said on stderr, with the
+    keys' prefix to delete by hand)."""
+    prefix = key_prefix(blocks.run_id)
+    if opts.keep:
+        return f"existing daemon {endpoint}: the run's blocks stay in the tenant (--keep), keys {prefix}*"
+    try:
+        removed = asyncio.run(remove_run_blocks(endpoint, token, blocks.run_id, opts))
+    except Exception as e:  # noqa: BLE001 - reported, and the exit status says so; the figures stand
+        print(
+            f"{PROG}: could not remove the run's blocks from {endpoint} ({error_kind(e)}: {e}); "
+            f"delete the tenant's keys starting with {prefix}",
+            file=sys.stderr,
+        )
+        return None
+    return f"existing daemon {endpoint}: the run's {removed} blocks ({prefix}*) were deleted (--keep keeps them)"
+
+
 def say(msg: str) -> None:
     print(msg, flush=True)
 
@@ -731,10 +798,12 @@ def execute(opts: RunOptions) -> int:
         f"kvstore-bench run: {opts.blocks} blocks x {fmt_bytes(opts.block_bytes).split(' = ')[-1]}"
         f" = {fmt_bytes(total).split(' = ')[-1]}; samples {', '.join(blocks.sources)}"
     )
+    cleaned: str | None = ""  # what was done with an existing daemon's tenant; None: removing failed
     with workspace() as (root, procs):
         fs = mount_of(root)
         need = total * 3 + 256 * 1024 * 1024
-        if shutil.disk_usage(root).free < need:
+        local_data = opts.endpoint is None or "nginx" in opts.peers  # else the data is the endpoint's
+        if local_data and shutil.disk_usage(root).free < need:
             raise ValueError(f"argument --blocks: {root} has too little free space for {fmt_bytes(need)}")
         if opts.endpoint is None:
             kv = Kvstore(procs, root, "fsync")
@@ -748,9 +817,14 @@ def execute(opts: RunOptions) -> int:
                 notes.append(f"the data dir is on {fs[1]} (memory), not a disk")
         else:
             endpoint, token = opts.endpoint, opts.token or ""
-            notes.append(f"existing daemon {endpoint}: the {opts.blocks} loaded keys and the writes stay in the tenant")
         target = KvstoreTarget(endpoint, token, opts.timeout, opts.concurrency)
-        results["kvstore"] = asyncio.run(measure(target, blocks, opts))
+        try:
+            results["kvstore"] = asyncio.run(measure(target, blocks, opts))
+        finally:  # an existing daemon keeps nothing of a run, finished or not (unless --keep)
+            if opts.endpoint is not None:
+                cleaned = clean_endpoint(opts, endpoint, token, blocks)
+        if cleaned:
+            notes.append(cleaned)
 
         for peer in opts.peers:
             if peer == "redis":
@@ -763,7 +837,7 @@ def execute(opts: RunOptions) -> int:
                 port = start_redis(procs, root)
                 results["redis"] = asyncio.run(measure(RedisTarget(port, opts.concurrency), blocks, opts))
             elif peer == "nginx":
-                from bench.http_bench import NGINX
+                from .http_bench import NGINX
 
                 if not NGINX.exists():
                     skipped["nginx"] = f"{NGINX} is not installed (install: {INSTALL_HINT})"
@@ -838,7 +912,7 @@ def execute(opts: RunOptions) -> int:
     if opts.png_path is not None:
         write_png(opts.png_path, doc)
         say(f"wrote {opts.png_path}")
-    return 0
+    return 0 if cleaned is not None else 1
 
 
 def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

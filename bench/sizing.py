@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.models import ModelGeometry
+from .models import ModelGeometry
 
 KB, MB, GB, TB, PB, EB = 1e3, 1e6, 1e9, 1e12, 1e15, 1e18
 KiB, MiB, GiB, TiB, PiB, EiB = 2**10, 2**20, 2**30, 2**40, 2**50, 2**60

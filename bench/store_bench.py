@@ -20,12 +20,12 @@ Every figure is measured ``--repeat`` times (fresh store each time) and the
 median is reported; ``--json`` writes the medians and every repeat.
 ``--profile`` adds a separate cProfile pass over the sealed phases.
 
-Blocks are cut from real KV-cache samples (``tests/data/kv`` by default) and
+Blocks are cut from real KV-cache samples (the package's ``data/kv`` by default) and
 reused under distinct keys to reach ``--total``: the store compresses and seals
 each record on its own and does not deduplicate, so reuse changes nothing but
 how many distinct contents there are.
 
-Run: ``.venv/bin/python -m bench.store_bench --help``; see bench/README.md.
+Run: ``kvstore-store-bench --help``; see bench/README.md.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ from kvstore.engine.store import Store
 from kvstore.errors import KVStoreError
 from kvstore.tuning import keep_freed_memory
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_SAMPLES = REPO_ROOT / "tests" / "data" / "kv"
+from .samples import SAMPLES
+
 DTYPES = ("bf16", "fp16")
 POLICIES = ("sealed", "direct")
 GB = 1e9
@@ -146,16 +146,18 @@ def mount_of(path: Path) -> tuple[str, str, str]:
 
 
 def default_base_dir() -> Path:
-    """A directory for the data dir: the system temp dir if it is on a disk and on
-    the same file system as the repository, else /var/tmp, else bench/results/."""
-    repo_dev = REPO_ROOT.stat().st_dev
+    """A directory for the temporary data dirs: the system temp dir if it is on a
+    disk (not tmpfs) and on the same file system as the current directory, else
+    /var/tmp on the same terms, else the current directory itself. The disk you
+    run from is the disk measured, installed or in a checkout alike; what a run
+    creates there is removed at its end."""
+    here = Path.cwd()
+    here_dev = here.stat().st_dev
     for cand in (Path(tempfile.gettempdir()), Path("/var/tmp")):
         with contextlib.suppress(OSError):
-            if cand.is_dir() and mount_of(cand)[1] not in MEMORY_FS and cand.stat().st_dev == repo_dev:
+            if cand.is_dir() and mount_of(cand)[1] not in MEMORY_FS and cand.stat().st_dev == here_dev:
                 return cand
-    fallback = REPO_ROOT / "bench" / "results"  # ignored by git
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
+    return here
 
 
 _libc: ctypes.CDLL | None = None
@@ -886,11 +888,14 @@ def render_profile(name: str, by_clock: dict[str, dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.store_bench",
+        prog="kvstore-store-bench",
         description="Throughput and compression of the kvstore engine on real KV-cache blocks (see bench/README.md).",
     )
     p.add_argument(
-        "--samples", type=Path, default=DEFAULT_SAMPLES, help="directory of *.bf16*.bin / *.f16*.bin samples"
+        "--samples",
+        type=Path,
+        default=SAMPLES,
+        help="directory of *.bf16*.bin / *.f16*.bin samples (default: the ones shipped here)",
     )
     p.add_argument("--block-size", default="2MiB", help="block size (default 2MiB)")
     p.add_argument("--total", default="256MiB", help="bytes per phase and tenant (default 256MiB)")

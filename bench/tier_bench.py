@@ -4,7 +4,7 @@ A benchmark, not a test. In one run, against one S3 endpoint:
 
 1. a store (in-process, through ``Store``'s public API) with an S3 tier writes
    ``--blocks`` blocks of ``--block-size`` (cut from real KV-cache samples,
-   tests/data/kv) for a sealed tenant (zstd byte planes + AES-GCM) and a direct
+   the package's data/kv) for a sealed tenant (zstd byte planes + AES-GCM) and a direct
    tenant (raw), flushes (every sealed segment uploaded), then reopens under
    full disk pressure so that every local copy is dropped: each block read is
    then one ranged GET of its record, checked and decoded; the same ranged
@@ -24,7 +24,7 @@ Python server: its ranged GET reads the whole object, so a 2 MiB range of a
 S3); or ``--endpoint URL`` for any other, with credentials from the AWS
 variables. Figures compare two clients of one endpoint on one machine.
 
-Run: ``.venv/bin/python -m bench.tier_bench --help``.
+Run: ``.venv/bin/python -m kvstore_bench.tier_bench --help``.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ from typing import Any
 import boto3
 from botocore.config import Config
 
-from bench.store_bench import load_samples
 from kvstore.config import StoreConfig, parse_size
 from kvstore.engine.crypto import MasterKey
 from kvstore.engine.layout import segment_object
 from kvstore.engine.store import Store
 
-SAMPLES = Path(__file__).resolve().parent.parent / "tests" / "data" / "kv"
+from .samples import SAMPLES
+from .store_bench import load_samples
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +263,7 @@ def render(r: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.tier_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvstore_bench.tier_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--endpoint", help="an S3 endpoint URL (default: start --server on 127.0.0.1)")
     p.add_argument("--server", choices=("seaweedfs", "moto"), default="seaweedfs")
     p.add_argument("--bucket", help="an existing bucket (default: a new one)")

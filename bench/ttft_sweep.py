@@ -25,10 +25,15 @@ bandwidth, the planner's TTFT over min(recompute, load-all) (the target:
 at most 1.1) and layerwise's over the planner's; ``--json`` and ``--png``
 write them. Example (deploy/setup-engines.sh first)::
 
-    .venv/bin/python -m bench.cli ttft --engine vllm --json ttft.json --png ttft.png
+    kvstore-bench ttft --engine vllm --json ttft.json --png ttft.png
 
-The model is a random-weight Llama built here (bench.engine_ttft.build_llama):
+The model is a random-weight Llama built here (engine_ttft.build_llama):
 what matters is its prefill time and its KV bytes per token, both printed.
+
+The engines run in ``--engine-python``, an environment with vLLM and this
+package installed (deploy/setup-engines.sh makes ``.venv-engines`` in a
+checkout, with both): each mode's engine is ``python -m
+kvstore_bench.ttft_sweep --child`` there.
 """
 
 from __future__ import annotations
@@ -46,14 +51,20 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from .plots import matplotlib_missing
+
 BLOCK = 32  # vLLM's CPU attention needs block sizes that are multiples of 32
 MODES = ("recompute", "load-all", "planner", "layerwise")
 READ_LIMIT_SETTLE_S = 10.5  # the connector asks for the tenant's read limit every 10 s (planner.READ_LIMIT_TTL_S)
 TARGET = 1.1
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+# This module by the name the engine's interpreter imports it (kvstore_bench when installed).
+CHILD_MODULE = f"{__package__ or 'kvstore_bench'}.ttft_sweep"
+DEFAULT_ENGINE_PYTHON = Path(".venv-engines") / "bin" / "python"
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstore-bench ttft --engine vllm", description=__doc__.split("\n\n")[0])
     p.add_argument("--prefix-tokens", type=int, default=1024, help="tokens kvstore holds (default 1024)")
     p.add_argument("--suffix-tokens", type=int, default=256, help="new tokens per prompt (default 256)")
@@ -70,9 +81,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8, help="attention heads (default 8: head_dim 64)")
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
     p.add_argument("--intermediate", type=int, default=1408, help="MLP width (default 1408)")
-    p.add_argument("--engine-python", type=Path, default=ROOT / ".venv-engines" / "bin" / "python")
-    p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--png", type=Path, help="write the plot here")
+    p.add_argument(
+        "--engine-python",
+        type=Path,
+        default=DEFAULT_ENGINE_PYTHON,
+        help="the Python of an environment with vLLM and kvstore-server installed, which runs the engines "
+        f"(default {DEFAULT_ENGINE_PYTHON}, relative to the current directory: deploy/setup-engines.sh makes it)",
+    )
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON here")
+    p.add_argument(
+        "--png", type=Path, metavar="PATH", help="write a plot of TTFT against the bandwidth here (needs matplotlib)"
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.prefix_tokens % BLOCK or a.suffix_tokens % BLOCK or a.prefix_tokens < BLOCK or a.suffix_tokens < BLOCK:
         p.error(f"argument --prefix-tokens/--suffix-tokens: positive multiples of {BLOCK}")
@@ -89,6 +113,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.mode_list = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not a.mode_list or any(m not in MODES for m in a.mode_list):
         p.error(f"argument --modes: a comma-separated subset of {','.join(MODES)}")
+    if a.png is not None and (why := matplotlib_missing()) is not None:
+        p.error(f"argument --png: {why}")
     if not a.engine_python.exists():
         p.error(f"argument --engine-python: {a.engine_python} does not exist (deploy/setup-engines.sh makes it)")
     return a
@@ -99,7 +125,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from bench.http_bench import Kvstore, Processes
+    from .http_bench import Kvstore, Processes
 
     procs = Processes()
     with tempfile.TemporaryDirectory(prefix="kvstore-ttft-sweep-") as tmp:
@@ -150,14 +176,11 @@ def _child(python: Path, root: Path, spec: dict[str, Any]) -> dict[str, Any]:
     mode = spec["mode"]
     spec_path, out_path, log_path = root / f"{mode}.spec.json", root / f"{mode}.out.json", root / f"{mode}.log"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'clients'}"}
     t0 = time.monotonic()
     print(f"{mode}: engine starting", flush=True)
     with log_path.open("wb") as log:
         proc = subprocess.run(
-            [str(python), "-m", "bench.ttft_sweep", "--child", str(spec_path), str(out_path)],
-            cwd=ROOT,
-            env=env,
+            [str(python), "-m", CHILD_MODULE, "--child", str(spec_path), str(out_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             check=False,
@@ -268,7 +291,7 @@ def _http(url: str, token: str, method: str = "GET", doc: Any = None) -> Any:
 
 
 def child(spec_path: Path, out_path: Path) -> int:
-    from bench.engine_ttft import ENGINE_ENV, build_llama, wait_for_blocks
+    from .engine_ttft import ENGINE_ENV, build_llama, wait_for_blocks
 
     spec = json.loads(spec_path.read_text())
     os.environ.update(ENGINE_ENV)

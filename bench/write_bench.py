@@ -1,11 +1,11 @@
 """kvstore-bench writes: every write path of the daemon against the disk's own
 limit, in one run.
 
-Starts ``server.py`` (one worker unless ``--workers``; ``durability`` from
+Starts the daemon (``kvstore serve``, one worker unless ``--workers``; ``durability`` from
 ``--durability``, default the daemon's ``fsync``) on a fresh data directory
 under /var/tmp, with a TCP listener, a unix socket and its S3 gateway, a
 ``direct`` and a ``sealed`` tenant. Blocks are cut from the real KV caches of
-``tests/data/kv`` (or ``--samples``) at random 4 KiB offsets, ``--size``
+the package's ``data/kv`` (or ``--samples``) at random 4 KiB offsets, ``--size``
 each (default 2 MiB), new keys in every pass. The targets, ``--depth``
 requests at a time (default 8):
 
@@ -71,11 +71,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.daemon import Daemon, daemon
-from bench.plan_bench import _admin, _port
-from bench.s3_bench import cut_objects, load_pool, s3_client
+from .daemon import Daemon, _admin, _port, daemon
+from .s3_bench import cut_objects, load_pool, s3_client
+from .samples import SAMPLES
 
-ROOT = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ALIGN = 4096
 T = TypeVar("T")
@@ -371,23 +370,35 @@ def parse_size(text: str) -> int:
     return int(parse("--size", text))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvstore-bench writes", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=parse_size, default=2 << 20, help="bytes per block (default 2MiB)")
     ap.add_argument("--blocks", type=int, default=64, help="blocks per pass (default 64)")
     ap.add_argument("--depth", type=int, default=8, help="requests at a time (default 8)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--durability", choices=("fsync", "interval"), default="fsync")
-    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a daemon setting")
-    ap.add_argument("--samples", type=Path, default=ROOT / "tests" / "data" / "kv")
+    ap.add_argument("--repeats", type=int, default=3, help="passes per target; figures are medians (default 3)")
+    ap.add_argument("--workers", type=int, default=1, help="daemon worker processes (default 1)")
     ap.add_argument(
-        "--targets", default=",".join(TARGETS), help="comma-separated (default: all); loop-direct always runs"
+        "--durability", choices=("fsync", "interval"), default="fsync", help="the daemon's durability (default fsync)"
     )
-    ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a daemon setting (repeatable)")
+    ap.add_argument(
+        "--samples", type=Path, default=SAMPLES, help="a directory of *.bin KV samples (default: the ones shipped here)"
+    )
+    ap.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help=f"what to measure, comma-separated, of {', '.join((*TARGETS, *OPTIONAL))} (default: all but "
+        f"{', '.join(OPTIONAL)}); loop-direct always runs",
+    )
+    ap.add_argument("--no-verify", action="store_true", help="do not read the blocks back and compare their bytes")
     ap.add_argument("--profile", type=Path, help="profile the daemon during each target's first pass into this folder")
     ap.add_argument("--profiler", default="py-spy,perf", help="py-spy, perf or both (default), comma-separated")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, metavar="PATH", help="also write every figure as JSON here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.size < 1 or args.blocks < 1 or args.depth < 1 or args.repeats < 1:
         ap.error("--size, --blocks, --depth and --repeats must be positive")

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvstore_bench.engine_ttft import build_llama
 
-from bench.engine_ttft import build_llama
 from tests.engines.conftest import ENGINE_ENV, UCX_ENV, Kvstore, dead_endpoint, make_kvstore, nixl_installed
 from tests.http.conftest import free_port
 

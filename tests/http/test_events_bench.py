@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import cli
+from kvstore_bench import cli
 
 
 def test_events_bench_smoke(tmp_path: Path) -> None:

@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from kvstore_bench import cli
 from kvstore_client.nixl import nixl_available
-
-from bench import cli
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (tests/run.sh installs it)")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import plan_bench
+from kvstore_bench import plan_bench
 
 
 def test_plan_bench_smoke(tmp_path: Path) -> None:

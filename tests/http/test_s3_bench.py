@@ -10,8 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from bench import cli, s3_bench
+from kvstore_bench import cli, s3_bench
 
 OBJECTS, RANGE_READS = 4, 8
 

@@ -9,8 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-
-from bench import cli, write_bench
+from kvstore_bench import cli, write_bench
 
 
 @pytest.mark.timeout(120)

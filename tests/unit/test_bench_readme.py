@@ -9,8 +9,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench import ttft_sweep
-from bench.cli import build_parser
+from kvstore_bench import ttft_sweep
+from kvstore_bench.cli import build_parser
 
 README = Path(__file__).resolve().parents[2] / "bench" / "README.md"
 

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from kvstore_bench.cli import main
 
-from bench.cli import main
 from tests.conftest import KV_DIR
 
 

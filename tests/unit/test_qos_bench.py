@@ -11,9 +11,8 @@ import time
 from typing import Any
 
 import pytest
-
-from bench import qos_bench as q
-from bench.cli import build_parser
+from kvstore_bench import qos_bench as q
+from kvstore_bench.cli import build_parser
 
 
 def test_retry_after() -> None:

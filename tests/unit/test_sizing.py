@@ -1,4 +1,4 @@
-"""bench.models, bench.sizing, bench.ttft and bench.cli: KV-cache sizing and the load-vs-recompute model."""
+"""kvstore_bench.models, .sizing, .ttft and .cli: KV-cache sizing and the load-vs-recompute model."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import math
 from typing import Any
 
 import pytest
-
-from bench import cli
-from bench.models import PRESETS, ModelGeometry, get_preset, parse_custom, preset_names, resolve_model
-from bench.sizing import (
+from kvstore_bench import cli
+from kvstore_bench.models import PRESETS, ModelGeometry, get_preset, parse_custom, preset_names, resolve_model
+from kvstore_bench.sizing import (
     GB,
     PB,
     GiB,
@@ -23,7 +22,7 @@ from bench.sizing import (
     kv_bytes_per_token,
     tp_shard,
 )
-from bench.ttft import break_even, load_seconds, recompute_seconds, ttft_row
+from kvstore_bench.ttft import break_even, load_seconds, recompute_seconds, ttft_row
 
 L405 = get_preset("Llama-3.1-405B")
 
