@@ -71,40 +71,21 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
     base = tmp_path_factory.mktemp("wheels")
     dist, root, home = base / "dist", base / "venv", base / "home"
     home.mkdir()
-    env = _pip_env()
-    built = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--quiet",
-            "--no-deps",
-            "--index-url",
-            PYPI,
-            "-w",
-            str(dist),
-            ".",
-            "./clients",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert built.returncode == 0, built.stderr[-3000:]
+
+    def pip_ok(python: str, command: str, *args: str, cwd: Path) -> None:
+        out = subprocess.run(
+            [python, "-m", "pip", command, "--quiet", "--index-url", PYPI, *args],
+            cwd=cwd,
+            env=_pip_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+
+    pip_ok(sys.executable, "wheel", "--no-deps", "-w", str(dist), ".", "./clients", cwd=ROOT)
     subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=120)
-    wheels = sorted(str(p) for p in dist.glob("*.whl"))
-    installed = subprocess.run(
-        [str(root / "bin" / "python"), "-m", "pip", "install", "--quiet", "--index-url", PYPI, *wheels],
-        cwd=home,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert installed.returncode == 0, installed.stderr[-3000:]
+    pip_ok(str(root / "bin" / "python"), "install", *sorted(str(p) for p in dist.glob("*.whl")), cwd=home)
     return Venv(root, dist, home)
 
 
