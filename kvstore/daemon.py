@@ -88,10 +88,12 @@ async def serve(
     writer_socket: str | None = None,
     on_ready: Callable[[], None] | None = None,
     unix_socks: list[UnixListener] | None = None,
+    tcp_socks: list[socket.socket] | None = None,
 ) -> None:
     """Run one server process until SIGTERM/SIGINT. ``role`` as in make_app.
-    ``unix_socks``: the listening unix sockets, bound by the supervisor and
-    shared by its workers (None: bound, and removed at exit, here).
+    ``unix_socks`` and ``tcp_socks``: the listening sockets, bound by the
+    supervisor and shared by its workers (None: bound, and closed or removed
+    at exit, here).
 
     Every address is bound before the store opens (a port in use, a bad TLS
     key stop start-up with one line before recovery runs) and listens only
@@ -100,17 +102,18 @@ async def serve(
         log.warning("no admin token configured (KVSTORE_ADMIN_TOKEN): the admin API refuses every request")
     tls = tls_context(cfg)
     gateway = cfg.s3_gateway_address if role != "reader" else None  # the writer's: see below
-    tcp: list[socket.socket] = []
+    own_tcp: list[socket.socket] = []
     own_socks: list[UnixListener] = []
     try:
-        for host, port in cfg.tcp_addresses:
-            tcp += bind_tcp("listen", host, port, reuse_port=cfg.worker_count > 1)
-        gw_tcp = bind_tcp("s3_gateway_listen", *gateway, reuse_port=False) if gateway is not None else []
+        if tcp_socks is None:
+            own_tcp = tcp_sockets(cfg)
+        gw_tcp = bind_tcp("s3_gateway_listen", *gateway) if gateway is not None else []
         if unix_socks is None:
             own_socks = unix_sockets(cfg)
+        tcp = own_tcp if tcp_socks is None else tcp_socks
         await _serve_on(cfg, master, role, writer_socket, on_ready, tls, tcp, gw_tcp, unix_socks or own_socks)
     finally:
-        for sock in tcp:
+        for sock in own_tcp:
             sock.close()
         for listener in own_socks:
             listener.remove()
@@ -185,10 +188,28 @@ async def _serve_on(
         await runner.cleanup()  # stop accepting, finish requests, then close the store
 
 
-def bind_tcp(setting: str, host: str, port: int, reuse_port: bool) -> list[socket.socket]:
+def tcp_sockets(cfg: ServerConfig) -> list[socket.socket]:
+    """Bind every HOST:PORT of ``listen``: once per daemon, by the process
+    that forks the workers, which inherit the very same sockets. No
+    SO_REUSEPORT: with it any process of the same user could bind the port
+    too and take a share of the connections (a second daemon on another data
+    directory did); without it, the second daemon's bind fails and it stops."""
+    socks: list[socket.socket] = []
+    try:
+        for host, port in cfg.tcp_addresses:
+            socks += bind_tcp("listen", host, port)
+    except ConfigError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def bind_tcp(setting: str, host: str, port: int) -> list[socket.socket]:
     """Sockets bound, not yet listening, to every address ``host`` names
-    (as asyncio's create_server binds them). A connection is refused until
-    the store is open and they listen; a port in use is a ConfigError."""
+    (as asyncio's create_server binds them), for this daemon alone. A
+    connection is refused until the store is open and they listen; a port in
+    use is a ConfigError naming the address."""
     where = f"{setting}={host}:{port}" if ":" not in host else f"{setting}=[{host}]:{port}"
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -199,9 +220,7 @@ def bind_tcp(setting: str, host: str, port: int, reuse_port: bool) -> list[socke
         for family, kind, proto, _, address in dict.fromkeys(infos):
             sock = socket.socket(family, kind, proto)
             socks.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only, never a live listener
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
@@ -244,6 +263,7 @@ def _worker(
     ready: Connection,
     supervisor: int,
     unix_socks: list[UnixListener],
+    tcp_socks: list[socket.socket],
 ) -> None:
     """A worker process of a multi-worker daemon (forked by :func:`supervise`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops workers in order
@@ -260,7 +280,7 @@ def _worker(
         ready.send("ready")
 
     try:
-        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready, unix_socks))
+        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready, unix_socks, tcp_socks))
     except KVStoreError as e:
         print(f"kvstore {role}: {e}", file=sys.stderr)
         sys.exit(2)
@@ -271,13 +291,21 @@ def _worker(
 
 
 def supervise(cfg: ServerConfig, master: MasterKey) -> int:
-    """Run ``cfg.worker_count`` processes sharing the port (SO_REUSEPORT): one writer
-    that owns the store's writes, and readers that serve reads from the same
-    files and forward writes to the writer over a unix socket. Readers stop
-    before the writer, so forwarded writes in flight still land; if any worker
-    dies, the rest are stopped and the daemon exits (systemd restarts it)."""
+    """Run ``cfg.worker_count`` processes sharing the listening sockets (bound
+    here, inherited by each): one writer that owns the store's writes, and
+    readers that serve reads from the same files and forward writes to the
+    writer over a unix socket. Readers stop before the writer, so forwarded
+    writes in flight still land; if any worker dies, the rest are stopped and
+    the daemon exits (systemd restarts it)."""
     ctx = multiprocessing.get_context("fork")  # before any thread or event loop exists here
-    unix_socks = unix_sockets(cfg)  # one listening socket per path, shared by every worker
+    # One listening socket per address, shared by every worker and by no other process.
+    tcp_socks = tcp_sockets(cfg)
+    try:
+        unix_socks = unix_sockets(cfg)
+    except ConfigError:
+        for tcp in tcp_socks:
+            tcp.close()
+        raise
     sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # mode 0700: only this user reaches the writer
     sock = os.path.join(sock_dir, "writer.sock")
     stopping = False
@@ -294,7 +322,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_worker,
-            args=(cfg, master.secret, role, sock, child, os.getpid(), unix_socks),
+            args=(cfg, master.secret, role, sock, child, os.getpid(), unix_socks, tcp_socks),
             name=f"kvstore-{role}",
         )
         p.start()
@@ -344,6 +372,8 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
         shutil.rmtree(sock_dir, ignore_errors=True)
         for listener in unix_socks:
             listener.remove()
+        for tcp in tcp_socks:
+            tcp.close()
     log.info("stopped")
     return rc
 

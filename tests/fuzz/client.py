@@ -15,7 +15,7 @@ from tests.http.rawhttp import Reply as Answer
 class Worker:
     """Keep-alive connections to one kind of worker of a daemon ("single",
     "writer" or "reader"), reopened (on the same kind) whenever the server
-    closes one. SO_REUSEPORT spreads new connections; /healthz names the role."""
+    closes one. Either worker may accept a new connection; /healthz names the role."""
 
     def __init__(self, port: int, role: str, timeout: float = 30) -> None:
         self.port = port

@@ -94,7 +94,7 @@ class Conn:
 
 async def worker_connections(host: str, port: int, attempts: int = 200) -> dict[str, Conn]:
     """One keep-alive connection to each kind of worker of a multi-worker
-    daemon (SO_REUSEPORT spreads new connections; /healthz names the role)."""
+    daemon (they share the listening socket: new connections reach either; /healthz names the role)."""
     found: dict[str, Conn] = {}
     for _ in range(attempts):
         conn = await Conn.open(host, port)

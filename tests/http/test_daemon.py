@@ -218,7 +218,7 @@ async def test_two_workers_share_the_port_and_the_store(daemon: Daemon) -> None:
             token = (await r.json())["token"]
         h = {"Authorization": f"Bearer {token}"}
         blocks = {f"k{i}": hashlib.sha256(str(i).encode()).digest() * (500 + i) for i in range(40)}
-        # New connections each time: SO_REUSEPORT spreads them over both workers,
+        # New connections each time: either worker may accept each of them,
         # so writes arrive at the reader too and are forwarded to the writer.
         for k, v in blocks.items():
             async with s.put(f"{daemon.base}/v1/blocks/{k}", data=v, headers=h) as r:
