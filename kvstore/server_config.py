@@ -343,11 +343,29 @@ OTHER_VARIABLES = frozenset(
 )
 
 
+# The variables Kubernetes gives every pod for each Service in its namespace
+# (service links): for a Service named "kvstore", KVSTORE_SERVICE_HOST,
+# KVSTORE_SERVICE_PORT[_NAME], KVSTORE_PORT=tcp://IP:PORT and
+# KVSTORE_PORT_8420_TCP[_PROTO|_PORT|_ADDR]; for "kvstore-fleet", the same
+# under KVSTORE_FLEET_. They are not settings (no setting ends so) and a pod
+# cannot refuse them all (enableServiceLinks: false stops only some), so they
+# are ignored, never refused.
+_SERVICE_LINK = re.compile(
+    r"KVSTORE(_[A-Z0-9_]+?)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT|PORT_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)"
+)
+
+
+def is_service_link(var: str) -> bool:
+    """Whether ``var`` is one of Kubernetes' service-link variables."""
+    return _SERVICE_LINK.fullmatch(var) is not None and var.removeprefix(ENV_PREFIX).lower() not in SETTINGS
+
+
 def check_env(env: Mapping[str, str]) -> None:
     """Refuse a ``KVSTORE_*`` variable that names no setting (a misspelling
-    would otherwise be ignored silently), with the closest setting's name."""
+    would otherwise be ignored silently), with the closest setting's name;
+    Kubernetes' service-link variables are not refused."""
     for var in sorted(env):
-        if not var.startswith(ENV_PREFIX) or var in OTHER_VARIABLES:
+        if not var.startswith(ENV_PREFIX) or var in OTHER_VARIABLES or is_service_link(var):
             continue
         if var.removeprefix(ENV_PREFIX).lower() not in SETTINGS or not var.isupper():
             raise ConfigError(f"environment variable {var!r} is not a setting{_hint(var)}")

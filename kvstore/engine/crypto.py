@@ -94,7 +94,8 @@ def _parse_key_text(raw: bytes, source: str) -> bytes:
 
 
 def load_master_key(path: str | os.PathLike[str] | None = None, env_value: str | None = None) -> MasterKey:
-    """Load the master key from a file (mode 0600 or stricter) or a variable's value.
+    """Load the master key from a file (mode 0600 or stricter; group-readable
+    only as :func:`_check_key_file` allows) or a variable's value.
 
     A missing or malformed key is an error: there is no plaintext fallback.
     """
@@ -106,17 +107,38 @@ def load_master_key(path: str | os.PathLike[str] | None = None, env_value: str |
             raise MasterKeyError(f"master key file {str(p)!r} cannot be read: {e.strerror}") from None
         if not stat.S_ISREG(st.st_mode):
             raise MasterKeyError(f"master key file {str(p)!r} is not a regular file")
-        if st.st_mode & 0o077:
-            raise MasterKeyError(
-                f"master key file {str(p)!r} has mode {stat.S_IMODE(st.st_mode):04o}; it must not be readable by "
-                "group or others (chmod 600)"
-            )
+        _check_key_file(p, st)
         return MasterKey(_parse_key_text(p.read_bytes(), f"file {str(p)!r}"))
     if env_value:
         return MasterKey(_parse_key_text(env_value.encode(), "KVSTORE_MASTER_KEY"))
     raise MasterKeyError(
         "no master key: set KVSTORE_MASTER_KEY_FILE (a 0600 file of 32 random bytes) or KVSTORE_MASTER_KEY"
     )
+
+
+def _check_key_file(p: Path, st: os.stat_result) -> None:
+    """Who else may read the master key file. Safe: nobody (0600, 0400), or
+    read-only by a group this process is in, the file owned by root or by
+    this process's user (0440, 0640: a Kubernetes Secret mounted with
+    ``defaultMode: 0400`` under an ``fsGroup``, which Kubernetes makes 0440,
+    root-owned, of the pod's fsGroup, which the daemon runs in). Refused:
+    anything others may touch, anything the group may write or execute, a
+    group the daemon is not in, or another user's file."""
+    mode = stat.S_IMODE(st.st_mode)
+    where = f"master key file {str(p)!r} has mode {mode:04o}"
+    if mode & 0o007:
+        raise MasterKeyError(f"{where}; others must have no access (chmod 600)")
+    if mode & 0o070 == 0:
+        return
+    if mode & 0o070 != 0o040:
+        raise MasterKeyError(f"{where}; its group may at most read it (chmod 600, or 640 for a group of readers)")
+    if st.st_gid not in {os.getgid(), os.getegid(), *os.getgroups()}:
+        raise MasterKeyError(
+            f"{where} and group {st.st_gid}, a group this daemon is not in: anyone in it could read the key"
+            " (chmod 600, or run the daemon in that group, e.g. Kubernetes' fsGroup)"
+        )
+    if st.st_uid not in (0, os.geteuid()):
+        raise MasterKeyError(f"{where} and owner {st.st_uid}: a group-readable key must be owned by root or this user")
 
 
 def new_data_key() -> bytes:

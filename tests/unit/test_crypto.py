@@ -49,6 +49,54 @@ def test_master_key_file_readable_by_others_is_refused(tmp_path: Path) -> None:
         load_master_key(_key_file(tmp_path, os.urandom(32), 0o644))
 
 
+def _other_gid() -> int:
+    mine = {os.getgid(), os.getegid(), *os.getgroups()}
+    return next(g for g in range(54321, 60000) if g not in mine)
+
+
+@pytest.mark.parametrize("mode", [0o400, 0o600, 0o440, 0o640])
+def test_a_kubernetes_secret_mount_is_accepted(tmp_path: Path, mode: int) -> None:
+    # Used to be refused: a Secret with defaultMode 0400 under an fsGroup is
+    # mounted 0440, root-owned, of the fsGroup the daemon runs in; chmod is
+    # impossible on it, so every pod exited.
+    key = os.urandom(32)
+    path = _key_file(tmp_path, key, mode)
+    if os.geteuid() == 0:
+        os.chown(path, 0, os.getgid())  # as Kubernetes mounts it: root's, the pod's group
+    link = tmp_path / "master.key.link"  # Kubernetes mounts each key as a symlink into ..data/
+    link.symlink_to(path)
+    assert load_master_key(link).secret == key
+
+
+@pytest.mark.parametrize(
+    ("mode", "group", "said"),
+    [
+        (0o444, "own", "others must have no access"),
+        (0o604, "own", "others must have no access"),
+        (0o460, "own", "its group may at most read it"),
+        (0o450, "own", "its group may at most read it"),
+        (0o440, "other", "a group this daemon is not in"),
+    ],
+)
+def test_unsafe_key_file_modes_are_refused(tmp_path: Path, mode: int, group: str, said: str) -> None:
+    path = _key_file(tmp_path, os.urandom(32), mode)
+    if group == "other":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to a group this user is not in needs root")
+        os.chown(path, -1, _other_gid())
+    with pytest.raises(MasterKeyError, match=said):
+        load_master_key(path)
+
+
+def test_a_group_readable_key_of_another_user_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    path = _key_file(tmp_path, os.urandom(32), 0o440)
+    os.chown(path, 54321, os.getgid())
+    with pytest.raises(MasterKeyError, match="owner 54321"):
+        load_master_key(path)
+
+
 def test_master_key_repr_hides_the_secret() -> None:
     mk = MasterKey(b"\x01" * 32)
     assert "01" * 8 not in repr(mk) and mk.key_id in repr(mk)

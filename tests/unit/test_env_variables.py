@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.server_config import OTHER_VARIABLES, SETTINGS, ServerConfig, check_env, load
+from kvstore.server_config import OTHER_VARIABLES, SETTINGS, ServerConfig, check_env, is_service_link, load
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ["kvstore", "clients", "bench", "deploy", "tests", "server.py", "docs", "README.md"]
@@ -70,3 +70,30 @@ def test_unknown_toml_key_names_the_closest_setting(tmp_path: Path) -> None:
     toml.write_text('durablity = "interval"\n')
     with pytest.raises(ConfigError, match="unknown key 'durablity'; did you mean 'durability'"):
         load(toml, env={})
+
+
+def test_kubernetes_service_links_do_not_stop_the_daemon() -> None:
+    """Used to be: a Service named "kvstore" gave every pod KVSTORE_PORT,
+    KVSTORE_SERVICE_HOST, KVSTORE_PORT_8420_TCP...; each was refused as an
+    unknown setting and every pod exited (rc 2). These are the variables
+    Kubernetes sets for Services "kvstore" (a port named "http") and
+    "kvstore-fleet"."""
+    env = {
+        "KVSTORE_SERVICE_HOST": "10.96.0.12",
+        "KVSTORE_SERVICE_PORT": "8420",
+        "KVSTORE_SERVICE_PORT_HTTP": "8420",
+        "KVSTORE_PORT": "tcp://10.96.0.12:8420",
+        "KVSTORE_PORT_8420_TCP": "tcp://10.96.0.12:8420",
+        "KVSTORE_PORT_8420_TCP_PROTO": "tcp",
+        "KVSTORE_PORT_8420_TCP_PORT": "8420",
+        "KVSTORE_PORT_8420_TCP_ADDR": "10.96.0.12",
+        "KVSTORE_FLEET_SERVICE_HOST": "10.96.0.13",
+        "KVSTORE_FLEET_PORT_8420_TCP_ADDR": "10.96.0.13",
+        "KVSTORE_FLEET_PORT_8421_UDP": "udp://10.96.0.13:8421",
+    }
+    cfg = load(None, env={**env, "KVSTORE_SEGMENT_SIZE": "1MiB"})
+    assert cfg.store.segment_size == 1 << 20 and cfg.listen == "127.0.0.1:8420"  # nothing taken from them
+    # A misspelled setting is still refused beside them.
+    with pytest.raises(ConfigError, match="did you mean KVSTORE_SEGMENT_SIZE"):
+        load(None, env={**env, "KVSTORE_SEGMENT_SIZ": "1MiB"})
+    assert is_service_link("KVSTORE_PORT") and not is_service_link("KVSTORE_SEGMENT_SIZE")
