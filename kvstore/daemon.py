@@ -9,8 +9,9 @@ KVSTORE_MASTER_KEY. Every setting is also a TOML key and a KVSTORE_* variable,
 listed with its meaning and default below and in kvstore.toml (shipped in the
 package; deploy/kvstore.toml in a checkout). SIGTERM drains in-flight requests
 and queued writes, then exits; under systemd (Type=notify) it reports READY,
-STOPPING, WATCHDOG. With --workers N, N processes share the port; the default,
-"auto", is one per CPU, bounded by memory.
+STOPPING, WATCHDOG. SIGHUP reloads the TLS certificate and key. With
+--workers N, N processes share the port; the default, "auto", is one per CPU,
+bounded by memory.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ async def _serve_on(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, reload, cfg, tls, role)
         where = serving_on(cfg, gateway=bool(gw_tcp))
         log.info("%s serving on %s", role, where)
         if on_ready is not None:
@@ -203,6 +205,26 @@ def tcp_sockets(cfg: ServerConfig) -> list[socket.socket]:
             sock.close()
         raise
     return socks
+
+
+def reload(cfg: ServerConfig, tls: ssl.SSLContext | None, role: str) -> None:
+    """SIGHUP: take in what can change without a restart, and say what.
+
+    The TLS certificate and key are read again from ``tls_cert`` and
+    ``tls_key`` into the context every listener uses: connections made from
+    now on present the new ones, open ones keep theirs. Files that do not
+    load leave the old certificate in place (logged as an error). The admin
+    and metrics token files are read at each use already; the log goes to
+    stderr (the journal, the container's log), so there is no file to reopen."""
+    if tls is None or not cfg.tls_cert or not cfg.tls_key:
+        log.info("%s: SIGHUP: nothing to reload (no TLS; the log goes to stderr)", role)
+        return
+    try:
+        tls.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    except (OSError, ssl.SSLError) as e:
+        log.error("%s: SIGHUP: TLS certificate not reloaded, the old one stays in use: %s", role, e)
+        return
+    log.info("%s: SIGHUP: TLS certificate and key reloaded from %s and %s", role, cfg.tls_cert, cfg.tls_key)
 
 
 def bind_tcp(setting: str, host: str, port: int) -> list[socket.socket]:
@@ -267,6 +289,7 @@ def _worker(
 ) -> None:
     """A worker process of a multi-worker daemon (forked by :func:`supervise`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops workers in order
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve() handles it: a reload never kills
     die_with_parent(signal.SIGTERM)
     if os.getppid() != supervisor:  # it died before prctl took effect
         sys.exit(1)
@@ -308,14 +331,19 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
         raise
     sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # mode 0700: only this user reaches the writer
     sock = os.path.join(sock_dir, "writer.sock")
-    stopping = False
+    stopping = hangup = False
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
 
+    def on_hangup(signum: int, frame: object) -> None:
+        nonlocal hangup
+        hangup = True
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     procs: list[tuple[str, BaseProcess]] = []
 
     def start(role: str) -> bool:
@@ -355,6 +383,12 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
                     log.error("worker died: %s; stopping the others", ", ".join(dead))
                     rc = 1
                     break
+                if hangup:  # each worker reloads what it serves with
+                    hangup = False
+                    log.info("SIGHUP: passed on to %d workers", len(procs))
+                    for _, p in procs:
+                        if p.pid is not None:
+                            os.kill(p.pid, signal.SIGHUP)
                 if interval is not None:
                     sdnotify.notify("WATCHDOG=1")
             sdnotify.notify("STOPPING=1")
@@ -385,6 +419,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         logging.basicConfig(
             level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
         )
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload during start-up is not a reason to die
         scrubber = redaction.install()  # before anything can log a secret; workers inherit it
         scrubber.add_secret(cfg.master_key)
         scrubber.add_secret(cfg.admin_secret())
