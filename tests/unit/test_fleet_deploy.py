@@ -46,7 +46,7 @@ def test_the_statefulset_has_its_headless_service_and_probes() -> None:
     port = c["ports"][0]["containerPort"]
     assert all(p["targetPort"] == port for s in services.values() for p in s["spec"]["ports"])
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert c["command"][c["command"].index("--data-dir") + 1] == mounts["data"]
+    assert c["args"][c["args"].index("--data-dir") + 1] == mounts["data"]
 
 
 def test_the_settings_they_pass_exist_and_load(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_the_settings_they_pass_exist_and_load(tmp_path: Path) -> None:
         value = e.get("value")
         env[name] = "kvstore-0" if value == "$(POD_NAME)" else (value or "from-a-secret")
         env[name] = env[name].replace("$(POD_NAME)", "kvstore-0").replace("$(POD_NAMESPACE)", "kvstore")
-    flags = [a for a in c["command"] if a.startswith("--")]
+    flags = [a for a in c["args"] if a.startswith("--")]
     assert all(f.removeprefix("--").replace("-", "_") in SETTINGS for f in flags)
     env.pop("KVSTORE_MASTER_KEY_FILE")  # a path in the pod
     cfg = load(None, env=env, flags={"data_dir": str(tmp_path)})
