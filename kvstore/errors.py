@@ -239,6 +239,48 @@ class TenantKeyDestroyed(CorruptionError):
     code = "not_found"
 
 
+class NewerFormat(KVStoreError):
+    """Stored bytes (a segment, a record, the index, the tenant registry, a
+    gateway record or catalog) carry a format version newer than this
+    kvstore reads: a later release wrote them. Not corruption, so nothing
+    that handles corruption (a torn tail cut, a record skipped or deleted)
+    ever sees it: whatever meets it stops and changes nothing. The message
+    names the version found, the versions this release reads, and the way
+    on: upgrade, or restore what this release wrote (docs/operations.md)."""
+
+    code = "newer_format"
+
+    def __init__(
+        self,
+        what: str,
+        found: object,
+        reads: tuple[int, ...],
+        restore: str = "the data directory",
+        segment: str = "",
+        offset: int = -1,
+        also: str = "",
+    ) -> None:
+        from kvstore import __version__  # kvstore/__init__.py imports nothing: no cycle
+
+        where = f" (segment {segment}, offset {offset})" if segment and offset >= 0 else ""
+        where = where or (f" ({segment})" if segment else "")
+        shown = ", ".join(str(v) for v in reads)
+        super().__init__(
+            f"{what}{where} is in format version {found}, written by a newer kvstore; this kvstore "
+            f"({__version__}) reads version{'s' if len(reads) > 1 else ''} {shown} only. Upgrade kvstore to "
+            f"the release that wrote it (or a later one), or restore {restore} from a backup this release "
+            f"wrote{also}; nothing was changed (docs/operations.md)"
+        )
+        self._args = (what, found, reads, restore, segment, offset, also)
+        self.found = found
+        self.reads = reads
+        self.segment = segment
+        self.offset = offset
+
+    def __reduce__(self) -> tuple[type[NewerFormat], tuple[object, ...]]:
+        return (type(self), self._args)  # pickled whole (the default would pass the message alone)
+
+
 # -- HTTP-level errors ---------------------------------------------------------
 
 

@@ -16,6 +16,9 @@ user_version`` says how far the catalog is in line with the records:
 :data:`LEGACY` (made before records existed: the truth, records are written
 for it), :data:`REBUILDING` (new, or a rebuild did not finish: rebuilt from
 the records at start-up), :data:`MIRRORED` (the truth while the disk lives).
+It is the catalog's format version too: a later format of the catalog sets
+a value above :data:`MIRRORED`, which this release refuses
+(:class:`~kvstore.errors.NewerFormat`) before it writes anything.
 
 Keys are stored as their UTF-8 bytes (BLOB), so SQLite's ``memcmp`` order is
 S3's listing order. Every call runs on the catalog's one thread, in order.
@@ -44,12 +47,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvstore.errors import NotFound
+from kvstore.errors import NewerFormat, NotFound
 
 T = TypeVar("T")
 Extents = list[tuple[str, int]]  # (block key, length), in the object's order
 COMPLETED_KEPT_NS = 24 * 3600 * 10**9
 LEGACY, REBUILDING, MIRRORED = 0, 1, 2  # PRAGMA user_version: see the module's docstring
+# The catalog's format is its user_version: this release writes and reads
+# these; a later format sets a higher one, which this release refuses.
+FORMATS_READ = (LEGACY, REBUILDING, MIRRORED)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS buckets (
@@ -186,6 +192,17 @@ class Catalog:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        found = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if found > MIRRORED:  # a later release's catalog: refused before anything here writes to it
+            self._db.close()
+            raise NewerFormat(
+                f"S3 gateway catalog {str(path)!r}",
+                found,
+                FORMATS_READ,
+                restore="it",
+                also=f"; or remove {str(path)!r} (and its -wal and -shm files), which this release then "
+                "rebuilds from the gateway's records",
+            )
         if self._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'buckets'").fetchone() is None:
             # New (or created by a start that crashed before its tables): its
             # first write says so, so a crash from here on is a rebuild left

@@ -60,7 +60,7 @@ from typing import Any
 from kvstore.buckets.catalog import Bucket, Extents, ObjectRow, PartRow, Upload
 from kvstore.buckets.names import valid_bucket_name
 from kvstore.engine.api import Store
-from kvstore.errors import CorruptionError, KVStoreError, NotFound
+from kvstore.errors import CorruptionError, KVStoreError, NewerFormat, NotFound
 from kvstore.names import S3_DATA_PREFIX, S3_RECORD_PREFIX, validate_key
 
 log = logging.getLogger("kvstore.s3")
@@ -68,7 +68,8 @@ log = logging.getLogger("kvstore.s3")
 PREFIX = S3_RECORD_PREFIX
 BUCKET, OBJECT, UPLOAD, PART = "b", "o", "u", "p"
 DATA_PREFIX = S3_DATA_PREFIX  # the objects' bytes (objects.PREFIX): a record names blocks only there
-_VERSION = 1
+_VERSION = 1  # "v" of every record written; docs/operations.md lists every persisted format's version
+VERSIONS_READ = (1,)  # a newer "v" is refused (NewerFormat): the gateway stops, the record stays
 DELETE_AT_ONCE = 64
 _META_AAD = b"kvstore/v1 s3 object meta\x00"
 _RECORD_AAD = b"kvstore/v1 s3 record\x00"
@@ -338,10 +339,14 @@ def decode(store: Store, tenant: str, key: str, blob: bytes | bytearray) -> Reco
         raise CorruptionError(f"{key!r} is not a gateway record's key")
     try:
         doc = json.loads(store.open_for(tenant, bytes(blob), _aad(tenant, key)))
-        if not isinstance(doc, dict) or doc.get("v") != _VERSION:
+        v = doc.get("v") if isinstance(doc, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > max(VERSIONS_READ):
+            # Not corruption: a record the gateway skips as damaged is deleted.
+            raise NewerFormat(f"gateway record {key!r} of tenant {tenant!r}", v, VERSIONS_READ)
+        if not isinstance(doc, dict) or v not in VERSIONS_READ:
             raise ValueError("format version")
         return _record(kind, doc)
-    except CorruptionError:
+    except (CorruptionError, NewerFormat):
         raise
     except (KVStoreError, ValueError, KeyError, TypeError, binascii.Error, UnicodeDecodeError) as e:
         # Only the exception's type is named: its text may quote plaintext.

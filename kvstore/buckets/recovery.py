@@ -21,7 +21,8 @@ catalog is the truth while the disk lives):
   rebuilds again from the records (every change made meanwhile wrote one).
   A record that is not the gateway's (damaged, or written over ``/v1`` under
   the reserved prefix: for a sealed tenant, one the gateway did not seal)
-  is skipped and deleted.
+  is skipped and deleted. A record in a newer format (a later release
+  wrote it) stops the rebuild and the gateway's start, deleting nothing.
 - A catalog that is :data:`~.catalog.MIRRORED` (or :data:`~.catalog.LEGACY`,
   made before records existed) is the truth: records it does not name (a
   crash before its commit) are deleted; a row whose record is missing (never
@@ -47,7 +48,7 @@ from kvstore.buckets.catalog import MIRRORED, REBUILDING, Bucket, Catalog, Objec
 from kvstore.buckets.objects import new_uid
 from kvstore.buckets.records import BucketRecord, ObjectRecord, PartRecord, Record, UploadRecord
 from kvstore.engine.api import Store
-from kvstore.errors import CorruptionError, KVStoreError, NotFound
+from kvstore.errors import CorruptionError, KVStoreError, NewerFormat, NotFound
 
 log = logging.getLogger("kvstore.s3")
 T = TypeVar("T")
@@ -179,6 +180,8 @@ async def _rebuild(store: Store, catalog: Catalog, region: str, writable: bool =
         lose = doomed[tenant] = []
         results = await _bounded([functools.partial(_read, store, tenant, k) for k in keys])
         for key, got in zip(keys, results, strict=True):
+            if isinstance(got, NewerFormat):
+                raise got  # written by a later release: the gateway stops here, deleting nothing
             if isinstance(got, CorruptionError):
                 log.warning("skipped gateway record %s of tenant %s: %s", key, tenant, got)
                 report.unreadable += 1

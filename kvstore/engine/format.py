@@ -2,6 +2,21 @@
 
 All integers are little-endian. Offsets are from the start of the segment file.
 
+Versions: the segment header and every record header carry ``VERSION`` right
+after their magic. A header whose checksum holds but whose version is newer
+than ``VERSIONS_READ`` was written by a later release: it is refused with
+:class:`~kvstore.errors.NewerFormat` (naming the version found and the ones
+read), which nothing that handles damage catches, so recovery stops instead
+of cutting it off as a torn tail or skipping it as corruption. A header
+whose checksum fails is damage (a torn tail at the end of an open segment),
+whatever its version byte says. So every later version keeps, at the same
+offsets: the magic, the version, a record's ``header_len`` (bytes 8-11) and
+the checksum as computed here (a record's: crc32 of its ``header_len`` bytes
+with bytes 80-83, where it is stored, zeroed; new fields go after the frame
+table, inside ``header_len``; the segment header's: crc32 of bytes 0-96,
+stored at 97). Footer and trailer belong to their segment's version.
+docs/operations.md lists every persisted format and its version.
+
 Segment file
 ============
 ::
@@ -101,10 +116,11 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstore.errors import FormatError, UnknownFlags
+from kvstore.errors import FormatError, NewerFormat, UnknownFlags
 
 ALIGN = 4096
-VERSION = 1
+VERSION = 1  # of segment headers and record headers; docs/operations.md lists every format's version
+VERSIONS_READ = (1,)  # what this release opens; a newer one is refused (NewerFormat), never taken for damage
 
 SEG_MAGIC = b"KVSTSEG1"
 SEG_FLAG_DIRECT = 0x1
@@ -180,8 +196,10 @@ class SegmentHeader:
             raise FormatError(f"bad segment magic {bytes(magic)!r}, expected {SEG_MAGIC!r}", where, 0)
         if zlib.crc32(bytes(buf[: SEG_HEADER.size - 4])) != crc:
             raise FormatError("segment header checksum mismatch", where, 0)
-        if version != VERSION:
-            raise FormatError(f"segment version {version} is not supported (expected {VERSION})", where, 0)
+        if version > max(VERSIONS_READ):
+            raise NewerFormat("segment header", version, VERSIONS_READ, segment=where, offset=0)
+        if version not in VERSIONS_READ:
+            raise FormatError(f"segment version {version} is none kvstore ever wrote (expected {VERSION})", where, 0)
         if flags & ~SEG_FLAGS_KNOWN:
             raise UnknownFlags(f"segment header has unknown flags 0x{flags:x}", where, 0)
         if tlen == 0 or tlen > 64:
@@ -299,7 +317,8 @@ def decode_record_header(buf: bytes | bytearray | memoryview, where: str = "", o
     """Decode and validate the record header at the start of ``buf``.
 
     ``buf`` must hold at least ``header_len`` bytes (see :func:`peek_header_len`).
-    Raises :class:`FormatError` (or :class:`UnknownFlags`) naming the problem.
+    Raises :class:`FormatError` (or :class:`UnknownFlags`) naming the problem,
+    :class:`NewerFormat` for an intact header of a later version.
     """
     header_len = peek_header_len(buf, where, offset)
     if len(buf) < header_len:
@@ -328,8 +347,12 @@ def decode_record_header(buf: bytes | bytearray | memoryview, where: str = "", o
     struct.pack_into("<I", raw, _HEADER_CRC_AT, 0)
     if zlib.crc32(raw) != crc:
         raise FormatError("record header checksum mismatch", where, offset)
-    if version != VERSION:
-        raise FormatError(f"record version {version} is not supported (expected {VERSION})", where, offset)
+    if version > max(VERSIONS_READ):
+        # A later release's record, whole: it must stop recovery, never pass
+        # for a torn tail (cut off) or for corruption (skipped).
+        raise NewerFormat("record", version, VERSIONS_READ, segment=where, offset=offset)
+    if version not in VERSIONS_READ:
+        raise FormatError(f"record version {version} is none kvstore ever wrote (expected {VERSION})", where, offset)
     if flags & ~REC_FLAGS_KNOWN:
         raise UnknownFlags(f"record has unknown flags 0x{flags:x}", where, offset)
     if kind not in (KIND_BLOCK, KIND_TOMBSTONE, KIND_PAD):

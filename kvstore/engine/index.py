@@ -38,7 +38,7 @@ from typing import Any
 
 import lmdb
 
-from kvstore.errors import IndexUnusable, KVStoreError, StorageFull, StorageIOError
+from kvstore.errors import IndexUnusable, KVStoreError, NewerFormat, StorageFull, StorageIOError
 
 ENTRY = struct.Struct("<QQQIQHI16sQ")
 SEGMENT = struct.Struct("<BQQQ")  # state, indexed_upto, synced_upto, wait_upto
@@ -48,6 +48,9 @@ LIVE = struct.Struct("<qq")  # live records, live record bytes
 ACCESS = struct.Struct("<Q")  # unix milliseconds
 EPOCH = struct.Struct("<Q")
 INDEX_FORMAT = 2  # 2: live and access dbs, the epoch, the retired state
+# What this release opens: an older format is rebuilt from the segments (its
+# migration); a newer one is refused (NewerFormat), the index left as it is.
+INDEX_FORMATS_READ = (2,)
 _SEP = b"\x00"
 
 SEG_OPEN = 0
@@ -197,14 +200,24 @@ class Index:
             self._access = self.env.open_db(b"access", create=not readonly)
             # A block's engine identity (Kvstore-Block-Meta), removed with its entry.
             self._idents = self.env.open_db(b"idents", create=not readonly)
-            if readonly:
-                return
-            with self.env.begin(write=True) as txn:
+            with self.env.begin(write=not readonly) as txn:
                 fmt = txn.get(b"format", db=self._meta)
-                if fmt is None:
+                if fmt is None and not readonly:
                     txn.put(b"format", struct.pack("<I", INDEX_FORMAT), db=self._meta)
-                elif struct.unpack("<I", fmt)[0] != INDEX_FORMAT:
-                    raise IndexUnusable(f"index format {struct.unpack('<I', fmt)[0]} is not {INDEX_FORMAT}")
+            found = struct.unpack("<I", fmt)[0] if fmt is not None and len(fmt) == 4 else None
+            if fmt is not None and found not in INDEX_FORMATS_READ:
+                self.env.close()
+                if found is not None and found > max(INDEX_FORMATS_READ):
+                    # Not rebuilt: that would throw away what a later release
+                    # keeps only there; the operator decides (the message says how).
+                    raise NewerFormat(
+                        f"index {str(path)!r}",
+                        found,
+                        INDEX_FORMATS_READ,
+                        also=f"; or remove {str(path)!r}, which this release then rebuilds from the segments "
+                        "(the access times and engine identities kept only in the index are lost)",
+                    )
+                raise IndexUnusable(f"index format {found if found is not None else fmt!r} is not {INDEX_FORMAT}")
         except lmdb.Error as e:
             failure = _write_error(e, f"opening the index at {str(path)!r}")
             if isinstance(failure, StorageFull):  # not a damaged index: a rebuild would not help (and needs space)

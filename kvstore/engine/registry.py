@@ -25,6 +25,7 @@ from kvstore.engine.crypto import MasterKey, new_data_key
 from kvstore.errors import (
     InvalidInput,
     MasterKeyError,
+    NewerFormat,
     NotFound,
     ReadOnlyStore,
     TenantExists,
@@ -37,7 +38,8 @@ from kvstore.qos.policy import apply_changes, stored_overrides
 
 Policy = Literal["sealed", "direct"]
 POLICIES: tuple[Policy, ...] = ("sealed", "direct")
-REGISTRY_VERSION = 1
+REGISTRY_VERSION = 1  # written; docs/operations.md lists every persisted format's version
+REGISTRY_VERSIONS_READ = (1,)  # a newer one is refused (NewerFormat), the file left as it is
 TOKEN_PREFIX = "kvs_"
 MAX_DELETED_REMEMBERED = 10_000
 
@@ -166,10 +168,21 @@ class Registry:
             doc = json.loads(self._path.read_bytes())
         except (OSError, ValueError) as e:
             raise RegistryUnreadable(f"tenant registry {str(self._path)!r} cannot be read: {e}") from None
-        if doc.get("version") != REGISTRY_VERSION:
-            raise MasterKeyError(f"tenant registry version {doc.get('version')!r} is not supported")
-        if not isinstance(doc, dict) or not isinstance(doc.get("tenants"), dict):
+        if not isinstance(doc, dict):
             raise RegistryUnreadable(f"tenant registry {str(self._path)!r} is not a registry document")
+        version = doc.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > max(REGISTRY_VERSIONS_READ):
+            raise NewerFormat(
+                f"tenant registry {str(self._path)!r}",
+                version,
+                REGISTRY_VERSIONS_READ,
+                restore="registry.json (and the data directory with it)",
+            )
+        if version not in REGISTRY_VERSIONS_READ or not isinstance(doc.get("tenants"), dict):
+            raise RegistryUnreadable(
+                f"tenant registry {str(self._path)!r} is not a registry document "
+                f"(version {version!r}; kvstore writes version {REGISTRY_VERSION})"
+            )
         if doc.get("master_key_id") != self._master.key_id:
             raise MasterKeyError(
                 f"the master key (id {self._master.key_id}) is not the one this store was created with "

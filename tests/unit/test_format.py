@@ -18,6 +18,7 @@ from kvstore.engine.format import (
     REC_FLAG_SEALED,
     RECORD_HEADER,
     TRAILER,
+    VERSIONS_READ,
     FooterEntry,
     FrameEntry,
     RecordHeader,
@@ -27,7 +28,7 @@ from kvstore.engine.format import (
     decode_record_header,
     encode_footer,
 )
-from kvstore.errors import FormatError, UnknownFlags
+from kvstore.errors import FormatError, NewerFormat, UnknownFlags
 
 keys = st.text(alphabet="abcXYZ019._~:@=+-", min_size=1, max_size=256)
 tenants = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,63}", fullmatch=True)
@@ -152,11 +153,38 @@ def test_unknown_codec() -> None:
         decode_record_header(_recrc(raw))
 
 
-def test_unsupported_version() -> None:
+def test_newer_record_version_is_refused_as_newer_not_as_damage() -> None:
+    """An intact header of a later release's record: NewerFormat (which
+    recovery never takes for a torn tail); with a failed checksum it is
+    damage, whatever its version byte says (a torn tail is cut as before)."""
     raw = bytearray(_header().encode())
-    raw[4] = 2
-    with pytest.raises(FormatError, match="version"):
+    raw[4] = max(VERSIONS_READ) + 1
+    newer = r"record \(segment t/1\.seg, offset 8192\) is in format version 2, written by a newer kvstore"
+    with pytest.raises(NewerFormat, match=newer + r".*reads version 1 only\. Upgrade kvstore"):
+        decode_record_header(_recrc(bytearray(raw)), "t/1.seg", 8192)
+    with pytest.raises(FormatError, match="checksum"):
+        decode_record_header(raw)
+
+
+def test_record_version_zero_is_damage() -> None:
+    raw = bytearray(_header().encode())
+    raw[4] = 0
+    with pytest.raises(FormatError, match="version 0 is none kvstore ever wrote"):
         decode_record_header(_recrc(raw))
+
+
+def test_newer_segment_version_is_refused_as_newer_not_as_damage() -> None:
+    raw = bytearray(SegmentHeader(1, "t", False, 0).encode())
+    struct.pack_into("<H", raw, 8, max(VERSIONS_READ) + 1)
+    with pytest.raises(FormatError, match="checksum"):  # damage, whatever the version byte says
+        SegmentHeader.decode(raw, "t/1.seg")
+    struct.pack_into("<I", raw, 97, zlib.crc32(bytes(raw[:97])))
+    with pytest.raises(NewerFormat, match=r"segment header .* format version 2, written by a newer kvstore"):
+        SegmentHeader.decode(raw, "t/1.seg")
+    struct.pack_into("<H", raw, 8, 0)
+    struct.pack_into("<I", raw, 97, zlib.crc32(bytes(raw[:97])))
+    with pytest.raises(FormatError, match="version 0 is none kvstore ever wrote"):
+        SegmentHeader.decode(raw)
 
 
 def test_truncated_header() -> None:

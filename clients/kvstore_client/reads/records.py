@@ -72,6 +72,12 @@ class RecordReader:
             await check(r, ok=(200,))
             try:
                 magic, meta_len = record.HEAD.unpack(await r.content.readexactly(record.HEAD.size))
+                if magic != record.MAGIC and magic[:3] == record.MAGIC[:3]:
+                    raise ProtocolError(
+                        f"block {key}: record envelope {magic!r} is a newer daemon's; this client reads "
+                        f"{record.MAGIC!r} only: upgrade kvstore-client",
+                        status=r.status,
+                    )
                 if magic != record.MAGIC or meta_len > record.MAX_META:
                     raise ProtocolError(f"block {key}: not a record envelope", status=r.status)
                 meta = record.parse_meta(await r.content.readexactly(meta_len), key)
