@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from kvstore import __version__
 from kvstore.config import COMPRESSIONS, DURABILITY_CLASSES, Compression, DurabilityClass
 from kvstore.engine.crypto import MasterKey, new_data_key
 from kvstore.errors import (
@@ -48,6 +49,13 @@ class RegistryUnreadable(MasterKeyError):
     """The registry file exists but cannot be read or parsed."""
 
     code = "registry_unreadable"
+
+
+class UnknownTenantSetting(RegistryUnreadable):
+    """The registry reads, but a tenant's policy, compression or durability is
+    one this release does not know. The data is whole: the advice for an
+    unreadable registry next to tenant data (restore it, or discard the
+    tenants) does not apply; upgrading does."""
 
 
 def _name_digest(name: str) -> str:
@@ -189,6 +197,7 @@ class Registry:
                 f"(id {doc.get('master_key_id')}); refusing to start"
             )
         for name, t in doc["tenants"].items():
+            _known_values(self._path, name, t)
             tenant = Tenant(
                 name=name,
                 policy=t["policy"],
@@ -521,3 +530,23 @@ def _install_checked(path: Path, doc: bytes, master: MasterKey) -> Registry:
     tmp.replace(path)
     fsync_dir(path.parent)
     return fresh
+
+
+def _known_values(path: Path, name: str, t: dict[str, Any]) -> None:
+    """Refuse a tenant whose policy, compression or durability this release
+    does not know (a newer release's, or an edited file), rather than load
+    it as something else: an unknown policy read as "not sealed" would have
+    the tenant's next blocks written in plaintext."""
+    for setting, known in (
+        ("policy", POLICIES),
+        ("compression", COMPRESSIONS),
+        ("durability", DURABILITY_CLASSES),
+    ):
+        value = t.get(setting, "persistent" if setting == "durability" else None)
+        if value not in known:
+            raise UnknownTenantSetting(
+                f"tenant registry {str(path)!r}: tenant {name!r} has {setting} {value!r}, which this kvstore "
+                f"({__version__}) does not know (it knows {', '.join(known)}): a newer kvstore wrote it, or the "
+                "file was edited; refusing to start rather than take the tenant for another "
+                f"{setting} (docs/operations.md)"
+            )

@@ -40,7 +40,7 @@ from kvstore.engine.layout import tenant_prefix
 from kvstore.engine.lifecycle import Lifecycle
 from kvstore.engine.mirror import Mirror
 from kvstore.engine.recovery import RecoveryReport, UnknownTenants, recover, tenant_dirs
-from kvstore.engine.registry import Registry, RegistryUnreadable
+from kvstore.engine.registry import Registry, RegistryUnreadable, UnknownTenantSetting
 from kvstore.engine.reserve import RESERVE_FILE, SpaceReserve, auto_reserve, segment_cap
 from kvstore.engine.residency import Listing, Residency, fetch_registry, list_bucket, remote_segments
 from kvstore.engine.retention import Retention
@@ -332,7 +332,7 @@ class Store(StoreTenants, StoreMaintenance, StoreReads, StoreWrites, StoreWriteP
         try:
             return Registry(path, self._master, readonly=self.adopted)
         except RegistryUnreadable as e:
-            if present:
+            if present and not isinstance(e, UnknownTenantSetting):
                 raise UnknownTenants(sorted(present), f"cannot be read ({e})") from None
             raise
 

@@ -35,7 +35,7 @@ from kvstore.config import StoreConfig
 from kvstore.engine.crypto import MasterKey
 from kvstore.engine.format import RECORD_HEADER, SEG_HEADER, VERSIONS_READ
 from kvstore.engine.index import INDEX_FORMAT, Index
-from kvstore.engine.registry import REGISTRY_VERSION, Registry, adopt_registry_file
+from kvstore.engine.registry import REGISTRY_VERSION, Registry, UnknownTenantSetting, adopt_registry_file
 from kvstore.engine.segment import SegmentFile
 from kvstore.engine.store import Store
 from kvstore.errors import CorruptionError, NewerFormat
@@ -183,6 +183,27 @@ async def test_a_newer_registry_stops_start_up(open_store: OpenStore, config: St
     assert snapshot(config.data_dir) == before
     with pytest.raises(NewerFormat):
         Registry(config.data_dir / "registry.json", master, readonly=True)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"), [("policy", "sealed-v2"), ("compression", "lz4"), ("durability", "cold")]
+)
+async def test_an_unknown_tenant_setting_in_the_registry_stops_start_up(
+    open_store: OpenStore, config: StoreConfig, master: MasterKey, setting: str, value: str
+) -> None:
+    # Used to be: an unknown policy was loaded unchecked, so a newer release's
+    # policy read as "not sealed", and the tenant's next blocks went to disk in plaintext.
+    s, _ = await _written(open_store, policy="sealed")
+    await s.close()
+    path = config.data_dir / "registry.json"
+    doc = json.loads(path.read_bytes())
+    (tenant,) = doc["tenants"].values()
+    tenant[setting] = value
+    path.write_text(json.dumps(doc))
+    before = snapshot(config.data_dir)
+    with pytest.raises(UnknownTenantSetting, match=f"has {setting} '{value}', which this kvstore"):
+        await open_store()
+    assert snapshot(config.data_dir) == before
 
 
 async def test_a_newer_fleet_registry_is_not_adopted(
