@@ -14,6 +14,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   dpkg -s python3-pyverbs >/dev/null 2>&1 || missing="$missing python3-pyverbs"
   command -v promtool >/dev/null || missing="$missing prometheus"
   command -v etcd >/dev/null || missing="$missing etcd-server"
+  command -v podman >/dev/null || missing="$missing podman"  # tests/deploy: the container image
+  command -v mmdebstrap >/dev/null || missing="$missing mmdebstrap"
   if [ -n "$missing" ]; then
     apt-get update -qq
     # shellcheck disable=SC2086
