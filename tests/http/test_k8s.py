@@ -96,6 +96,17 @@ def _service_links(services: list[dict[str, Any]]) -> dict[str, str]:
     return env
 
 
+def _image_env() -> dict[str, str]:
+    """The ENV of the container image's last stage."""
+    text = (ROOT / "deploy" / "container" / "Containerfile").read_text().replace("\\\n", " ")
+    last = text.rsplit("\nFROM ", 1)[1]
+    env: dict[str, str] = {}
+    for line in last.splitlines():
+        if line.startswith("ENV "):
+            env |= dict(pair.split("=", 1) for pair in line[4:].split())
+    return env
+
+
 def test_the_daemon_starts_with_what_the_single_node_manifest_gives_it(tmp_path: Path) -> None:
     path = MANIFESTS[0]
     docs = _docs(path)
@@ -125,13 +136,16 @@ def test_the_daemon_starts_with_what_the_single_node_manifest_gives_it(tmp_path:
     os.chown(payload / "master.key", 0, gid)
     (secret_dir / "..data").symlink_to(payload.name)
     (secret_dir / "master.key").symlink_to("..data/master.key")
-    # The ConfigMap's file, listening here on 127.0.0.1 instead of every address.
     (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"]
-    port = free_port()
-    toml = config_map["data"][mounts["config"]["subPath"]].replace('"0.0.0.0:8420"', f'"127.0.0.1:{port}"')
-    here[mounts["config"]["mountPath"]].write_text(toml)
+    here[mounts["config"]["mountPath"]].write_text(config_map["data"][mounts["config"]["subPath"]])
     admin = secrets.token_urlsafe(32)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TMPDIR": str(here["/tmp"])}
+    # The image's variables (deploy/container/Containerfile), listening here on
+    # 127.0.0.1 instead of every address.
+    image = _image_env()
+    assert image["KVSTORE_LISTEN"] == "0.0.0.0:8420"
+    port = free_port()
+    env |= {k: local(v) for k, v in image.items() if k.startswith("KVSTORE_")} | {"KVSTORE_LISTEN": f"127.0.0.1:{port}"}
     for e in c["env"]:
         env[e["name"]] = local(e["value"]) if "value" in e else admin  # the one secretKeyRef: the admin token
     env |= _service_links([d for d in docs if d["kind"] == "Service"])
