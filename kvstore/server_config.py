@@ -339,6 +339,9 @@ OTHER_VARIABLES = frozenset(
         "KVSTORE_TEST_FAULT_LOG",
         "KVSTORE_TEST_DEAD_ENDPOINT",
         "KVSTORE_TEST_CRASH_AT",
+        "KVSTORE_ENGINE",  # deploy/container/build.sh: podman or buildah
+        "KVSTORE_DEBIAN_MIRROR",  # and the Debian mirror and pull timeout of its base image
+        "KVSTORE_PULL_TIMEOUT_S",
     }
 )
 
