@@ -128,7 +128,19 @@ class _Date:
 class FastLane:
     """One connection's framing, and the requests it answers itself."""
 
-    __slots__ = ("_app", "_body_left", "_buf", "_bulk", "_eof", "_proto", "_queued", "_upload", "off", "outstanding")
+    __slots__ = (
+        "_app",
+        "_body_left",
+        "_buf",
+        "_bulk",
+        "_eof",
+        "_paused",
+        "_proto",
+        "_queued",
+        "_upload",
+        "off",
+        "outstanding",
+    )
 
     def __init__(self, proto: KVRequestHandler, app: web.Application, bulk: BulkQueue) -> None:
         self._proto = proto
@@ -139,6 +151,7 @@ class FastLane:
         self._queued = False  # a GET of this connection waits in the bulk queue
         self._upload: _Upload | None = None  # a PUT the lane receives or stores
         self._eof = False  # the client half-closed while a PUT was being stored
+        self._paused = False  # the lane stopped reading the connection (see _flow)
         self.outstanding = 0  # requests handed to aiohttp and not yet answered
         self.off = False  # the rest of the connection is aiohttp's
 
@@ -154,6 +167,7 @@ class FastLane:
             if not up.left:
                 self._store(up)
         if self.off:
+            self._flow()
             if data:
                 self._proto.to_aiohttp(data)
             return
@@ -220,12 +234,36 @@ class FastLane:
             self._proto.to_aiohttp(b"".join(out))
         if buf and not self._holding() and buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4) < 0 and not self._body_left:
             self._proto.headers_started()  # a request still arriving: timed as aiohttp's are
+        self._flow()
+
+    def _flow(self) -> None:
+        """Bound what waits here. While a request of the connection is held (a
+        GET in the bulk queue, a PUT whose body is in and being stored), the
+        bytes after it wait in ``_buf``; past MAX_WAITING the lane stops
+        reading the connection, as aiohttp stops past its message limit, and
+        reads again once they have gone on. A client that pipelines without
+        reading its answers used to be read without bound (hundreds of MB)."""
+        transport = self._proto.transport
+        if transport is None:
+            return
+        up = self._upload
+        held = self._queued or (up is not None and not up.left)  # (never while a body is being received)
+        if held and not self.off and len(self._buf) > MAX_WAITING:
+            if transport.is_reading():  # (aiohttp may have resumed it meanwhile: paused again)
+                self._paused = True
+                transport.pause_reading()
+        elif self._paused:  # only a pause of the lane's own is undone here,
+            self._paused = False
+            p = self._proto  # and not while aiohttp holds the connection for its own queue
+            if not transport.is_reading() and not p._buffer_paused and not p._reading_paused:
+                transport.resume_reading()
 
     def answer_queued(self, req: _Hot) -> None:
         """The bulk queue's turn for this connection's GET."""
         self._queued = False
         if self.off:
-            return  # the connection closed meanwhile
+            self._flow()
+            return  # the connection closed meanwhile, or is aiohttp's
         if not self._answer(req):
             self.outstanding += 1
             self._proto.to_aiohttp(req.raw)

@@ -1,0 +1,72 @@
+"""A client that pipelines requests and never reads its answers is read no
+further than a bounded amount (issue "one data plane", F1).
+
+Used to be: while one of its GETs waited in the bulk queue, the fast lane
+appended every byte the client sent to its buffer, with no bound and no
+pause: 176 MB read in 22 s, the worker's memory from 85 to 441 MB, another
+tenant's GETs slowed to seconds. aiohttp stops reading such a client at its
+message limit; the lane now stops at MAX_WAITING bytes behind a held request.
+
+The test floods a real daemon (one worker, the lane on) on 127.0.0.1 and
+counts what the kernel lets the client send: once the daemon stops reading,
+sends block after the sockets' buffers (a few MB on loopback) fill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import urllib.request
+
+from tests.http.conftest import ADMIN, Daemon
+
+FLOOD_LIMIT = 48 << 20  # far above loopback's socket buffers, far below what an unbounded reader takes
+STALLED_S = 3.0  # sends blocked this long: the daemon stopped reading
+MAX_S = 30.0
+
+
+def _call(base: str, method: str, path: str, token: str, body: bytes | None = None) -> bytes:
+    req = urllib.request.Request(base + path, data=body, method=method, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return bytes(r.read())
+
+
+def test_a_client_that_never_reads_is_not_read_without_bound(daemon: Daemon) -> None:
+    daemon.start()
+    tokens = {}
+    for name in ("flooder", "other"):
+        doc = _call(
+            daemon.base, "POST", "/v1/admin/tenants", ADMIN, json.dumps({"name": name, "policy": "direct"}).encode()
+        )
+        tokens[name] = json.loads(doc)["token"]
+    block = os.urandom(3000)
+    _call(daemon.base, "PUT", "/v1/blocks/k", tokens["flooder"], block)
+    _call(daemon.base, "PUT", "/v1/blocks/k", tokens["other"], block)
+    request = f"GET /v1/blocks/k HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tokens['flooder']}\r\n\r\n".encode()
+    chunk = request * 1000
+    sent = 0
+    with socket.create_connection(("127.0.0.1", daemon.port)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never read
+        s.setblocking(False)
+        start = last_progress = time.monotonic()
+        view = memoryview(chunk)
+        while sent < FLOOD_LIMIT and time.monotonic() - start < MAX_S:
+            try:
+                n = s.send(view)
+            except BlockingIOError:
+                if time.monotonic() - last_progress > STALLED_S:
+                    break
+                time.sleep(0.01)
+                continue
+            sent += n
+            last_progress = time.monotonic()
+            view = view[n:] if n < len(view) else memoryview(chunk)
+        stalled = time.monotonic() - last_progress > STALLED_S
+        # Meanwhile another tenant is served (no timing asserted: a shared machine).
+        assert _call(daemon.base, "GET", "/v1/blocks/k", tokens["other"]) == block
+    assert stalled and sent < FLOOD_LIMIT, f"the daemon read {sent / 1e6:.0f} MB from a client that never read"
+    # The worker is well after the client went away.
+    assert _call(daemon.base, "GET", "/v1/blocks/k", tokens["other"]) == block
+    assert daemon.stop() == 0
