@@ -88,11 +88,10 @@ async def serve(
     role: str = "single",
     writer_socket: str | None = None,
     on_ready: Callable[[], None] | None = None,
-    unix_socks: list[UnixListener] | None = None,
-    tcp_socks: list[socket.socket] | None = None,
+    bound: tuple[list[socket.socket], list[UnixListener]] | None = None,
 ) -> None:
     """Run one server process until SIGTERM/SIGINT. ``role`` as in make_app.
-    ``unix_socks`` and ``tcp_socks``: the listening sockets, bound by the
+    ``bound``: the listening sockets (:func:`listeners`), bound by the
     supervisor and shared by its workers (None: bound, and closed or removed
     at exit, here).
 
@@ -103,21 +102,13 @@ async def serve(
         log.warning("no admin token configured (KVSTORE_ADMIN_TOKEN): the admin API refuses every request")
     tls = tls_context(cfg)
     gateway = cfg.s3_gateway_address if role != "reader" else None  # the writer's: see below
-    own_tcp: list[socket.socket] = []
-    own_socks: list[UnixListener] = []
+    tcp, unix = listeners(cfg) if bound is None else bound
     try:
-        if tcp_socks is None:
-            own_tcp = tcp_sockets(cfg)
         gw_tcp = bind_tcp("s3_gateway_listen", *gateway) if gateway is not None else []
-        if unix_socks is None:
-            own_socks = unix_sockets(cfg)
-        tcp = own_tcp if tcp_socks is None else tcp_socks
-        await _serve_on(cfg, master, role, writer_socket, on_ready, tls, tcp, gw_tcp, unix_socks or own_socks)
+        await _serve_on(cfg, master, role, writer_socket, on_ready, tls, tcp, gw_tcp, unix)
     finally:
-        for sock in own_tcp:
-            sock.close()
-        for listener in own_socks:
-            listener.remove()
+        if bound is None:  # this process's own: the supervisor closes what it bound
+            close_listeners(tcp, unix)
     log.info("%s stopped", role)
 
 
@@ -190,21 +181,31 @@ async def _serve_on(
         await runner.cleanup()  # stop accepting, finish requests, then close the store
 
 
-def tcp_sockets(cfg: ServerConfig) -> list[socket.socket]:
-    """Bind every HOST:PORT of ``listen``: once per daemon, by the process
-    that forks the workers, which inherit the very same sockets. No
-    SO_REUSEPORT: with it any process of the same user could bind the port
-    too and take a share of the connections (a second daemon on another data
-    directory did); without it, the second daemon's bind fails and it stops."""
-    socks: list[socket.socket] = []
+def listeners(cfg: ServerConfig) -> tuple[list[socket.socket], list[UnixListener]]:
+    """Bind every address of ``listen`` (TCP, then ``unix:``): once per
+    daemon, by the process that forks the workers, which inherit the very
+    same sockets; all let go again if one cannot be bound. No SO_REUSEPORT:
+    with it any process of the same user could bind the port too and take a
+    share of the connections (a second daemon on another data directory
+    did); without it, the second daemon's bind fails and it stops."""
+    tcp: list[socket.socket] = []
+    unix: list[UnixListener] = []
     try:
         for host, port in cfg.tcp_addresses:
-            socks += bind_tcp("listen", host, port)
+            tcp += bind_tcp("listen", host, port)
+        for path in cfg.unix_paths:
+            unix.append(bind_unix(path, cfg.unix_socket_mode, cfg.unix_socket_group))
     except ConfigError:
-        for sock in socks:
-            sock.close()
+        close_listeners(tcp, unix)
         raise
-    return socks
+    return tcp, unix
+
+
+def close_listeners(tcp: list[socket.socket], unix: list[UnixListener]) -> None:
+    for sock in tcp:
+        sock.close()
+    for listener in unix:
+        listener.remove()
 
 
 def reload(cfg: ServerConfig, tls: ssl.SSLContext | None, role: str) -> None:
@@ -254,19 +255,6 @@ def bind_tcp(setting: str, host: str, port: int) -> list[socket.socket]:
     return socks
 
 
-def unix_sockets(cfg: ServerConfig) -> list[UnixListener]:
-    """Bind every ``unix:PATH`` of ``listen``."""
-    socks: list[UnixListener] = []
-    try:
-        for path in cfg.unix_paths:
-            socks.append(bind_unix(path, cfg.unix_socket_mode, cfg.unix_socket_group))
-    except ConfigError:
-        for listener in socks:
-            listener.remove()
-        raise
-    return socks
-
-
 def serving_on(cfg: ServerConfig, gateway: bool = True) -> str:
     """Where the daemon answers, as clients name it: http(s)://HOST:PORT,
     unix:PATH, and the S3 gateway (``gateway``: only the process that binds
@@ -284,8 +272,7 @@ def _worker(
     sock: str,
     ready: Connection,
     supervisor: int,
-    unix_socks: list[UnixListener],
-    tcp_socks: list[socket.socket],
+    bound: tuple[list[socket.socket], list[UnixListener]],
 ) -> None:
     """A worker process of a multi-worker daemon (forked by :func:`supervise`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops workers in order
@@ -303,7 +290,7 @@ def _worker(
         ready.send("ready")
 
     try:
-        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready, unix_socks, tcp_socks))
+        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready, bound))
     except KVStoreError as e:
         print(f"kvstore {role}: {e}", file=sys.stderr)
         sys.exit(2)
@@ -322,13 +309,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
     the daemon exits (systemd restarts it)."""
     ctx = multiprocessing.get_context("fork")  # before any thread or event loop exists here
     # One listening socket per address, shared by every worker and by no other process.
-    tcp_socks = tcp_sockets(cfg)
-    try:
-        unix_socks = unix_sockets(cfg)
-    except ConfigError:
-        for tcp in tcp_socks:
-            tcp.close()
-        raise
+    bound = listeners(cfg)
     sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # mode 0700: only this user reaches the writer
     sock = os.path.join(sock_dir, "writer.sock")
     stopping = hangup = False
@@ -350,7 +331,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_worker,
-            args=(cfg, master.secret, role, sock, child, os.getpid(), unix_socks, tcp_socks),
+            args=(cfg, master.secret, role, sock, child, os.getpid(), bound),
             name=f"kvstore-{role}",
         )
         p.start()
@@ -404,10 +385,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
                     p.kill()
                     p.join()
         shutil.rmtree(sock_dir, ignore_errors=True)
-        for listener in unix_socks:
-            listener.remove()
-        for tcp in tcp_socks:
-            tcp.close()
+        close_listeners(*bound)
     log.info("stopped")
     return rc
 

@@ -9,6 +9,8 @@ and what was expected; they never carry secrets or tenant plaintext.
 
 from __future__ import annotations
 
+from kvstore import __version__  # (kvstore/__init__.py imports nothing: no cycle)
+
 
 class KVStoreError(Exception):
     """Base of every error kvstore raises on purpose."""
@@ -260,8 +262,6 @@ class NewerFormat(KVStoreError):
         offset: int = -1,
         also: str = "",
     ) -> None:
-        from kvstore import __version__  # kvstore/__init__.py imports nothing: no cycle
-
         where = f" (segment {segment}, offset {offset})" if segment and offset >= 0 else ""
         where = where or (f" ({segment})" if segment else "")
         shown = ", ".join(str(v) for v in reads)
@@ -272,10 +272,12 @@ class NewerFormat(KVStoreError):
             f"wrote{also}; nothing was changed (docs/operations.md)"
         )
         self._args = (what, found, reads, restore, segment, offset, also)
-        self.found = found
-        self.reads = reads
-        self.segment = segment
-        self.offset = offset
+
+    @staticmethod
+    def is_newer(found: object, reads: tuple[int, ...]) -> bool:
+        """Whether a stored version (any JSON or struct value) is one a later
+        release wrote: an integer above every version this release reads."""
+        return isinstance(found, int) and not isinstance(found, bool) and found > max(reads)
 
     def __reduce__(self) -> tuple[type[NewerFormat], tuple[object, ...]]:
         return (type(self), self._args)  # pickled whole (the default would pass the message alone)

@@ -253,8 +253,9 @@ def _secret(file_setting: str, value: str | None, path: str | None) -> str | Non
 # what guards the admin API (and /metrics, where set). 32 characters of
 # secrets.token_urlsafe carry 192 bits.
 MIN_TOKEN_CHARS: Final = 32
-# Placeholders that shipped examples have held: refused whatever their length.
-EXAMPLE_TOKENS: Final = frozenset({"replace-with-a-long-random-token"})
+# What the shipped examples' placeholders hold (deploy/kvstore.env.example's
+# "replace-with-a-long-random-token"): refused whatever the token's length.
+PLACEHOLDER: Final = "replace-with"
 
 
 def check_tokens(cfg: ServerConfig) -> None:
@@ -264,7 +265,7 @@ def check_tokens(cfg: ServerConfig) -> None:
         if token is None:
             continue
         where = f"{setting} (KVSTORE_{setting.upper()} or {setting}_file)"
-        if token in EXAMPLE_TOKENS or "replace-with" in token:
+        if PLACEHOLDER in token:
             raise ConfigError(f"{where} is the example's placeholder: set a random one, e.g. {_MAKE_TOKEN}")
         if len(token) < MIN_TOKEN_CHARS:
             have = f"{len(token)} characters, fewer than {MIN_TOKEN_CHARS}"

@@ -193,7 +193,8 @@ class Catalog:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         found = int(self._db.execute("PRAGMA user_version").fetchone()[0])
-        if found > MIRRORED:  # a later release's catalog: refused before anything here writes to it
+        # A later release's catalog: refused before anything here writes to it.
+        if NewerFormat.is_newer(found, FORMATS_READ):
             self._db.close()
             raise NewerFormat(
                 f"S3 gateway catalog {str(path)!r}",

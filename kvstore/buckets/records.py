@@ -340,7 +340,7 @@ def decode(store: Store, tenant: str, key: str, blob: bytes | bytearray) -> Reco
     try:
         doc = json.loads(store.open_for(tenant, bytes(blob), _aad(tenant, key)))
         v = doc.get("v") if isinstance(doc, dict) else None
-        if isinstance(v, int) and not isinstance(v, bool) and v > max(VERSIONS_READ):
+        if NewerFormat.is_newer(v, VERSIONS_READ):
             # Not corruption: a record the gateway skips as damaged is deleted.
             raise NewerFormat(f"gateway record {key!r} of tenant {tenant!r}", v, VERSIONS_READ)
         if not isinstance(doc, dict) or v not in VERSIONS_READ:

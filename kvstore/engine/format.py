@@ -196,7 +196,7 @@ class SegmentHeader:
             raise FormatError(f"bad segment magic {bytes(magic)!r}, expected {SEG_MAGIC!r}", where, 0)
         if zlib.crc32(bytes(buf[: SEG_HEADER.size - 4])) != crc:
             raise FormatError("segment header checksum mismatch", where, 0)
-        if version > max(VERSIONS_READ):
+        if NewerFormat.is_newer(version, VERSIONS_READ):
             raise NewerFormat("segment header", version, VERSIONS_READ, segment=where, offset=0)
         if version not in VERSIONS_READ:
             raise FormatError(f"segment version {version} is none kvstore ever wrote (expected {VERSION})", where, 0)
@@ -347,7 +347,7 @@ def decode_record_header(buf: bytes | bytearray | memoryview, where: str = "", o
     struct.pack_into("<I", raw, _HEADER_CRC_AT, 0)
     if zlib.crc32(raw) != crc:
         raise FormatError("record header checksum mismatch", where, offset)
-    if version > max(VERSIONS_READ):
+    if NewerFormat.is_newer(version, VERSIONS_READ):
         # A later release's record, whole: it must stop recovery, never pass
         # for a torn tail (cut off) or for corruption (skipped).
         raise NewerFormat("record", version, VERSIONS_READ, segment=where, offset=offset)

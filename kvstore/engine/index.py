@@ -207,7 +207,7 @@ class Index:
             found = struct.unpack("<I", fmt)[0] if fmt is not None and len(fmt) == 4 else None
             if fmt is not None and found not in INDEX_FORMATS_READ:
                 self.env.close()
-                if found is not None and found > max(INDEX_FORMATS_READ):
+                if NewerFormat.is_newer(found, INDEX_FORMATS_READ):
                     # Not rebuilt: that would throw away what a later release
                     # keeps only there; the operator decides (the message says how).
                     raise NewerFormat(

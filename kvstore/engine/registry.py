@@ -179,7 +179,7 @@ class Registry:
         if not isinstance(doc, dict):
             raise RegistryUnreadable(f"tenant registry {str(self._path)!r} is not a registry document")
         version = doc.get("version")
-        if isinstance(version, int) and not isinstance(version, bool) and version > max(REGISTRY_VERSIONS_READ):
+        if NewerFormat.is_newer(version, REGISTRY_VERSIONS_READ):
             raise NewerFormat(
                 f"tenant registry {str(self._path)!r}",
                 version,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -82,14 +83,23 @@ class KVTestServer(TestServer):
         return KVAppRunner(self.app, **kwargs)
 
 
-@pytest.fixture
-async def api(tmp_path: Path) -> AsyncIterator[Api]:
-    cfg = server_config(tmp_path / "data")
+@contextlib.asynccontextmanager
+async def serving(tmp_path: Path, **flags: str) -> AsyncIterator[Api]:
+    """An in-process server with ``flags`` (settings, as server_config takes them)."""
+    cfg = server_config(tmp_path / "data", **flags)
     server = KVTestServer(make_app(cfg, MasterKey(os.urandom(32))), host="127.0.0.1", port=free_port())
     await server.start_server()
-    async with aiohttp.ClientSession() as session:
-        yield Api(f"http://127.0.0.1:{server.port}", session, cfg, server=server)
-    await server.close()
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield Api(f"http://127.0.0.1:{server.port}", session, cfg, server=server)
+    finally:
+        await server.close()
+
+
+@pytest.fixture
+async def api(tmp_path: Path) -> AsyncIterator[Api]:
+    async with serving(tmp_path) as api:
+        yield api
 
 
 @dataclass

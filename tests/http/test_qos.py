@@ -17,26 +17,19 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 from kvstore_client.wire import batchframe
 
-from kvstore.engine.crypto import MasterKey
 from kvstore.qos.buckets import BURST_S
-from kvstore.transport.http.app import make_app
-from tests.http.conftest import ADMIN, Api, Daemon, KVTestServer, daemon_env, free_port, server_config
+from tests.http.conftest import ADMIN, Api, Daemon, daemon_env, free_port, serving
 from tests.http.rawhttp import worker_connections
 
 KiB, MiB = 1 << 10, 1 << 20
 
 
 async def _api(tmp_path: Path, **flags: str) -> AsyncIterator[Api]:
-    cfg = server_config(tmp_path / "data", **flags)
-    server = KVTestServer(make_app(cfg, MasterKey(os.urandom(32))), host="127.0.0.1", port=free_port())
-    await server.start_server()
-    async with aiohttp.ClientSession() as session:
-        yield Api(f"http://127.0.0.1:{server.port}", session, cfg, server=server)
-    await server.close()
+    async with serving(tmp_path, **flags) as api:
+        yield api
 
 
 @pytest.fixture

@@ -12,21 +12,10 @@ import re
 import signal
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from kvstore import __version__
-from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http.app import make_app
-from tests.http.conftest import ADMIN, Api, Daemon, KVTestServer, free_port, server_config
-
-
-async def _api(tmp_path: Path, **flags: str) -> tuple[KVTestServer, Api, aiohttp.ClientSession]:
-    cfg = server_config(tmp_path / "data", **flags)
-    server = KVTestServer(make_app(cfg, MasterKey(os.urandom(32))), host="127.0.0.1", port=free_port())
-    await server.start_server()
-    session = aiohttp.ClientSession()
-    return server, Api(f"http://127.0.0.1:{server.port}", session, cfg, server=server), session
+from tests.http.conftest import ADMIN, Api, Daemon, serving
 
 
 async def test_status_and_metrics_name_the_release(api: Api) -> None:
@@ -42,8 +31,8 @@ async def test_status_and_metrics_name_the_release(api: Api) -> None:
 
 async def test_metrics_token_guards_metrics(tmp_path: Path) -> None:
     token = "metrics-token-of-the-tests-0123456789"
-    server, api, session = await _api(tmp_path, metrics_token=token)
-    try:
+    async with serving(tmp_path, metrics_token=token) as api:
+        session = api.session
         async with session.get(api.url("/metrics")) as r:
             assert r.status == 401
             assert (await r.json())["error"]["code"] == "unauthorized"
@@ -55,16 +44,13 @@ async def test_metrics_token_guards_metrics(tmp_path: Path) -> None:
                 assert "kvstore_build_info" in await r.text()
         async with session.get(api.url("/healthz")) as r:  # probes stay open
             assert r.status == 200
-    finally:
-        await session.close()
-        await server.close()
 
 
 @pytest.mark.parametrize("labels", ["true", "false"])
 async def test_tenant_labels_can_be_turned_off(tmp_path: Path, labels: str) -> None:
     # Used to be: /metrics named every tenant with its byte counts, always.
-    server, api, session = await _api(tmp_path, metrics_tenant_labels=labels)
-    try:
+    async with serving(tmp_path, metrics_tenant_labels=labels) as api:
+        session = api.session
         for name in ("acme-secret-customer", "globex-secret-customer"):
             token = await api.tenant(name)
             for i in range(3):
@@ -83,9 +69,6 @@ async def test_tenant_labels_can_be_turned_off(tmp_path: Path, labels: str) -> N
             # The series are summed, not dropped: 6 PUTs in one line.
             (line,) = requests
             assert line == "kvstore_tenant_requests_total 6", line
-    finally:
-        await session.close()
-        await server.close()
 
 
 @pytest.mark.parametrize(

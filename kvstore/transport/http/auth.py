@@ -45,10 +45,7 @@ def known_tenant(request: web.Request) -> str | None:
 
 
 def require_admin(request: web.Request) -> None:
-    secret = config_of(request).admin_secret()
-    token = _bearer(request)
-    # Compare fixed-length digests in constant time: no early exit, no length leak.
-    if secret is None or not hmac.compare_digest(_digest(token), _digest(secret)):
+    if not _matches(_bearer(request), config_of(request).admin_secret()):
         raise Unauthorized("admin token required")
 
 
@@ -58,10 +55,7 @@ def require_metrics_token(request: web.Request) -> None:
     if secret is None:
         return
     token = _bearer(request)
-    admin = config_of(request).admin_secret()
-    ok = hmac.compare_digest(_digest(token), _digest(secret))
-    ok |= admin is not None and hmac.compare_digest(_digest(token), _digest(admin))
-    if not ok:
+    if not (_matches(token, secret) | _matches(token, config_of(request).admin_secret())):  # (both compared)
         raise Unauthorized("metrics token required (metrics_token)")
 
 
@@ -72,6 +66,12 @@ def is_admin(request: web.Request) -> bool:
     except Unauthorized:
         return False
     return True
+
+
+def _matches(token: str, secret: str | None) -> bool:
+    """Whether ``token`` is ``secret``: fixed-length digests compared in
+    constant time (no early exit, no length leak)."""
+    return secret is not None and hmac.compare_digest(_digest(token), _digest(secret))
 
 
 def _digest(text: str) -> bytes:

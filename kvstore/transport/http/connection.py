@@ -48,6 +48,8 @@ aiohttp hooks relied on (3.14; tests/http/test_hostile.py fails if they change):
   differ by design so that the answer can tell them apart: 414 or 431).
 - ``web.Server.request_factory`` builds each request from the parsed message
   (``RawRequestMessage._replace`` gives a copy with other headers).
+- ``BaseProtocol._buffer_paused`` and ``._reading_paused``: aiohttp's own
+  holds on the transport's reading (:attr:`KVRequestHandler.reading_held`).
 """
 
 from __future__ import annotations
@@ -253,6 +255,13 @@ class KVRequestHandler(RequestHandler):
         super().resume_writing()
         if self._lane is not None:
             self._loop.call_soon(self._lane.resume)
+
+    @property
+    def reading_held(self) -> bool:
+        """aiohttp holds the connection's reading itself: for its queue of
+        parsed requests (``_buffer_paused``) or for flow control
+        (``_reading_paused``); the fast lane must not resume it then."""
+        return bool(self._buffer_paused or self._reading_paused)
 
     def headers_started(self) -> None:
         """The fast lane holds the start of a request: its headers are timed as aiohttp's are."""

@@ -254,8 +254,7 @@ class FastLane:
                 transport.pause_reading()
         elif self._paused:  # only a pause of the lane's own is undone here,
             self._paused = False
-            p = self._proto  # and not while aiohttp holds the connection for its own queue
-            if not transport.is_reading() and not p._buffer_paused and not p._reading_paused:
+            if not transport.is_reading() and not self._proto.reading_held:  # (nor one of aiohttp's)
                 transport.resume_reading()
 
     def answer_queued(self, req: _Hot) -> None:

@@ -89,7 +89,8 @@ def _read_snapshots(directory: Path) -> list[dict[str, Any]]:
 
 
 async def metrics_ctx(app: web.Application) -> AsyncIterator[None]:
-    """With several workers: this worker's snapshots, every SNAPSHOT_S."""
+    """The release, once; with several workers: this worker's snapshots, every SNAPSHOT_S."""
+    app[METRICS].set("kvstore_build_info", 1, version=__version__, python=platform.python_version())
     directory = _directory(app)
     if directory is None:
         yield
@@ -115,7 +116,6 @@ async def metrics(request: web.Request) -> web.Response:
     app = request.app
     store = app[STORE]
     m = app[METRICS]
-    m.set("kvstore_build_info", 1, version=__version__, python=platform.python_version())
     blocks = stored = logical = 0
     for t in store.tenants():
         s = await store.stats(t["name"])
