@@ -41,6 +41,7 @@ from kvstore import __version__, redaction, sdnotify, workers
 from kvstore.engine.api import MasterKey, load_master_key
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.fleet import identity as fleet_identity
+from kvstore.qos.buckets import shared_table
 from kvstore.server_config import AUTO, SECRETS, SETTINGS, UNIX, ServerConfig, check_tokens, load
 from kvstore.settings_doc import flag_help
 from kvstore.tasks import Background
@@ -89,11 +90,12 @@ async def serve(
     writer_socket: str | None = None,
     on_ready: Callable[[], None] | None = None,
     bound: tuple[list[socket.socket], list[UnixListener]] | None = None,
+    qos_table: int | None = None,
 ) -> None:
-    """Run one server process until SIGTERM/SIGINT. ``role`` as in make_app.
-    ``bound``: the listening sockets (:func:`listeners`), bound by the
-    supervisor and shared by its workers (None: bound, and closed or removed
-    at exit, here).
+    """Run one server process until SIGTERM/SIGINT. ``role`` and
+    ``qos_table`` as in make_app. ``bound``: the listening sockets
+    (:func:`listeners`), bound by the supervisor and shared by its workers
+    (None: bound, and closed or removed at exit, here).
 
     Every address is bound before the store opens (a port in use, a bad TLS
     key stop start-up with one line before recovery runs) and listens only
@@ -105,7 +107,7 @@ async def serve(
     tcp, unix = listeners(cfg) if bound is None else bound
     try:
         gw_tcp = bind_tcp("s3_gateway_listen", *gateway) if gateway is not None else []
-        await _serve_on(cfg, master, role, writer_socket, on_ready, tls, tcp, gw_tcp, unix)
+        await _serve_on(cfg, master, role, writer_socket, on_ready, tls, tcp, gw_tcp, unix, qos_table)
     finally:
         if bound is None:  # this process's own: the supervisor closes what it bound
             close_listeners(tcp, unix)
@@ -122,9 +124,10 @@ async def _serve_on(
     tcp: list[socket.socket],
     gw_tcp: list[socket.socket],
     unix_socks: list[UnixListener],
+    qos_table: int | None,
 ) -> None:
     """:func:`serve` once every address is bound."""
-    app = make_app(cfg, master, role, writer_socket)
+    app = make_app(cfg, master, role, writer_socket, qos_table)
     runner = KVAppRunner(
         app,
         keepalive_timeout=cfg.keepalive_timeout_s,
@@ -273,6 +276,7 @@ def _worker(
     ready: Connection,
     supervisor: int,
     bound: tuple[list[socket.socket], list[UnixListener]],
+    qos_table: int,
 ) -> None:
     """A worker process of a multi-worker daemon (forked by :func:`supervise`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops workers in order
@@ -290,7 +294,7 @@ def _worker(
         ready.send("ready")
 
     try:
-        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready, bound))
+        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready, bound, qos_table))
     except KVStoreError as e:
         print(f"kvstore {role}: {e}", file=sys.stderr)
         sys.exit(2)
@@ -309,6 +313,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
     the daemon exits (systemd restarts it)."""
     ctx = multiprocessing.get_context("fork")  # before any thread or event loop exists here
     # One listening socket per address, shared by every worker and by no other process.
+    qos_table = shared_table()  # the tenants' token buckets, in memory every worker maps
     bound = listeners(cfg)
     sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # mode 0700: only this user reaches the writer
     sock = os.path.join(sock_dir, "writer.sock")
@@ -331,7 +336,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_worker,
-            args=(cfg, master.secret, role, sock, child, os.getpid(), bound),
+            args=(cfg, master.secret, role, sock, child, os.getpid(), bound, qos_table),
             name=f"kvstore-{role}",
         )
         p.start()
@@ -386,6 +391,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
                     p.join()
         shutil.rmtree(sock_dir, ignore_errors=True)
         close_listeners(*bound)
+        os.close(qos_table)
     log.info("stopped")
     return rc
 

@@ -27,6 +27,7 @@ what it is told, in one transaction per call.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import struct
@@ -39,6 +40,8 @@ from typing import Any
 import lmdb
 
 from kvstore.errors import IndexUnusable, KVStoreError, NewerFormat, StorageFull, StorageIOError
+
+log = logging.getLogger("kvstore.engine.index")
 
 ENTRY = struct.Struct("<QQQIQHI16sQ")
 SEGMENT = struct.Struct("<BQQQ")  # state, indexed_upto, synced_upto, wait_upto
@@ -166,6 +169,26 @@ def _skey(tenant: str, segment_id: int) -> bytes:
     return tenant.encode() + _SEP + segment_id.to_bytes(8, "big")
 
 
+def _back_reader_table(path: Path) -> None:
+    """Give every page of LMDB's lock file (its reader table, mapped shared)
+    disk space now. LMDB sizes the file with ftruncate, so its pages are holes
+    until a thread's first read writes its slot there; on a full filesystem
+    that write is SIGBUS, which kills the worker. Allocated here, at start-up,
+    a full disk only costs this warning."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return  # LMDB placed it elsewhere: nothing of ours to back
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as e:
+        log.warning(
+            "the index's reader table %s could not be given disk space (%s): reads on a full disk may fail", path, e
+        )
+    finally:
+        os.close(fd)
+
+
 class Index:
     def __init__(
         self, path: Path, sync: bool = True, map_size: int = 64 << 30, readonly: bool = False, lock: bool = True
@@ -218,6 +241,8 @@ class Index:
                         "(the access times and engine identities kept only in the index are lost)",
                     )
                 raise IndexUnusable(f"index format {found if found is not None else fmt!r} is not {INDEX_FORMAT}")
+            if lock and not readonly:
+                _back_reader_table(path / "lock.mdb")
         except lmdb.Error as e:
             failure = _write_error(e, f"opening the index at {str(path)!r}")
             if isinstance(failure, StorageFull):  # not a damaged index: a rebuild would not help (and needs space)

@@ -1,11 +1,17 @@
 """Node-wide token buckets: every worker's view of a tenant's limits.
 
 A tenant's limit is the node's, not each worker's, so the buckets live in one
-small file that every worker maps (``<data_dir>/qos-rates``), one slot per
+small table in shared memory (:func:`shared_table`: a memfd the supervisor
+makes before it forks, which every worker maps), one slot per
 tenant that has a limit or has moved bytes: a digest of its name, then per
 kind (read bytes, written bytes, requests) a bucket's tokens and stamp, and a
 count of what was served (from which the writer derives each tenant's
-current rates). A change takes the file's ``fcntl`` lock (a process that dies
+current rates). The table is memory, never a file in the data directory:
+its pages are the kernel's, not the disk's, so a full disk cannot take a
+worker down through them (a write to an unallocated page of a mapped file on
+a full filesystem is SIGBUS, which killed the writer of a full tmpfs), and
+there is nothing to reset at start-up (the rates are momentary). A change
+takes the table's ``fcntl`` lock (a process that dies
 holding it loses it), so a reservation is atomic across workers. Stamps are
 ``CLOCK_MONOTONIC``, one clock for every process of a boot; a stamp from
 another boot reads as a full bucket.
@@ -31,7 +37,6 @@ import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Literal
 
 log = logging.getLogger("kvstore.qos")
@@ -46,7 +51,7 @@ _SLOT_SIZE = 96
 _HEADER = 64
 _MAGIC = b"kvstore qos rates v1\n"
 _EMPTY = bytes(16)
-FILE_NAME = "qos-rates"
+_SIZE = _HEADER + SLOTS * _SLOT_SIZE
 assert _SLOT.size <= _SLOT_SIZE
 
 
@@ -59,23 +64,35 @@ def _digest(tenant: str) -> bytes:
     return hashlib.blake2b(tenant.encode(), digest_size=16, person=b"kvstore-qos").digest()
 
 
-class RateTable:
-    """The buckets, in a file every worker maps (``path``), or in this
-    process's memory (``path`` None: one worker, nothing to share)."""
+def shared_table() -> int:
+    """A new, empty table for the workers of one daemon: the file descriptor
+    of a memfd of the table's size, inherited by the processes forked after
+    this (each maps it with ``RateTable(fd)``); close-on-exec, so no program
+    a worker runs holds it."""
+    fd = os.memfd_create("kvstore-qos-rates", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, _SIZE)
+        os.pwrite(fd, _MAGIC, 0)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
-    def __init__(self, path: Path | None) -> None:
-        size = _HEADER + SLOTS * _SLOT_SIZE
+
+class RateTable:
+    """The buckets, in the table every worker maps (``fd``: from
+    :func:`shared_table`), or in this process's memory (``fd`` None: one
+    worker, nothing to share)."""
+
+    def __init__(self, fd: int | None) -> None:
         self._fd = -1
-        if path is None:
-            self._map = mmap.mmap(-1, size)
+        if fd is None:
+            self._map = mmap.mmap(-1, _SIZE)
         else:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            with self._locked():
-                if os.fstat(self._fd).st_size != size or os.pread(self._fd, len(_MAGIC), 0) != _MAGIC:
-                    os.ftruncate(self._fd, 0)  # another layout, or a torn first start: start empty
-                    os.ftruncate(self._fd, size)
-                    os.pwrite(self._fd, _MAGIC, 0)
-            self._map = mmap.mmap(self._fd, size)
+            if os.fstat(fd).st_size != _SIZE or os.pread(fd, len(_MAGIC), 0) != _MAGIC:
+                raise ValueError(f"fd {fd} is not a QoS table made by shared_table()")
+            self._fd = os.dup(fd)  # this table's own: close() leaves the caller's
+            self._map = mmap.mmap(self._fd, _SIZE)
         self._where: dict[str, int] = {}  # tenant -> its slot's offset, as last found
 
     def close(self) -> None:

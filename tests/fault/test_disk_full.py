@@ -311,3 +311,54 @@ async def test_a_tombstone_whose_index_commit_finds_the_disk_full_uses_the_reser
             await store.head("direct", "k")
     finally:
         await store.close()
+
+
+_MANY_READERS = """
+import sys, threading
+from pathlib import Path
+from kvstore.engine.index import Index
+from tests.fault.smallfs import fill
+
+where = Path(sys.argv[1])
+index = Index(where / "index")
+fill(where / "other-process")
+started, release = threading.Barrier(301), threading.Event()
+
+def read() -> None:
+    with index.env.begin():  # this thread's own reader slot in lock.mdb, held open
+        started.wait()
+        release.wait()
+
+threads = [threading.Thread(target=read) for _ in range(300)]
+for t in threads:
+    t.start()
+started.wait()
+release.set()
+for t in threads:
+    t.join()
+index.close()
+"""
+
+
+def test_many_reader_threads_on_a_full_disk_do_not_kill_the_process(tmp_path: Path) -> None:
+    """LMDB's reader table is a mapped file that ftruncate sized: each new
+    reading thread writes a slot, and a slot on a page the file never had
+    was SIGBUS on a full filesystem (the daemon's writer died of it). 300
+    threads hold a read at once (slots over five pages) after the disk
+    filled: the process lives."""
+    import subprocess
+    import sys
+
+    where = tmp_path / "fs"
+    mount_tmpfs(where, 2 * MiB)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _MANY_READERS, str(where)],
+            cwd=Path(__file__).parents[2],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    finally:
+        unmount(where)

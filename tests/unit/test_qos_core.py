@@ -1,17 +1,18 @@
-"""The QoS core without a server: the node-wide token buckets (two tables on
-one file stand for two workers) and the weighted fair gate."""
+"""The QoS core without a server: the node-wide token buckets (a forked
+process and this one stand for two workers) and the weighted fair gate."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from kvstore.errors import InvalidInput
-from kvstore.qos.buckets import BURST_S, RateTable
+from kvstore.qos.buckets import BURST_S, RateTable, shared_table
 from kvstore.qos.fair import REQUEST_COST, FairGate
 from kvstore.qos.policy import Qos, apply_changes, parse_qos, stored_overrides
 
@@ -29,8 +30,8 @@ def test_policy_parsing_and_defaults() -> None:
     assert stored_overrides(None) == {}
 
 
-def test_a_bucket_passes_its_burst_then_makes_reservations_wait(tmp_path: Path) -> None:
-    table = RateTable(tmp_path / "rates")
+def test_a_bucket_passes_its_burst_then_makes_reservations_wait() -> None:
+    table = RateTable(None)
     rate = 1000.0
     assert table.take("t", "read", rate * BURST_S, rate, 0.0) == 0.0  # the burst
     wait = table.take("t", "read", 100, rate, 10.0)  # in debt: told to wait for it
@@ -44,31 +45,52 @@ def test_a_bucket_passes_its_burst_then_makes_reservations_wait(tmp_path: Path) 
     table.close()
 
 
-def test_a_block_larger_than_the_bucket_passes_when_it_is_full(tmp_path: Path) -> None:
+def test_a_block_larger_than_the_bucket_passes_when_it_is_full() -> None:
     table = RateTable(None)
     assert table.take("t", "write", 10_000, 1000.0, 0.0) == 0.0  # ten seconds of the rate, at once
     assert table.take("t", "write", 1, 1000.0, 1.0) < 0  # then ten seconds of debt
 
 
-def test_two_workers_share_one_tenant_bucket(tmp_path: Path) -> None:
-    a, b = RateTable(tmp_path / "rates"), RateTable(tmp_path / "rates")
+def _spend_the_burst(fd: int, rate: float) -> None:
+    table = RateTable(fd)
+    assert table.take("t", "read", rate * BURST_S, rate, 0.0) == 0.0
+    table.add_served({"t": (5, 6, 7)})
+    table.close()
+
+
+def test_two_workers_share_one_tenant_bucket() -> None:
+    """A forked worker spends the tenant's burst in the shared table; the
+    other worker sees it spent, and both workers' served counts add up."""
+    fd = shared_table()
     rate = 1000.0
-    assert a.take("t", "read", rate * BURST_S, rate, 0.0) == 0.0
+    child = multiprocessing.get_context("fork").Process(target=_spend_the_burst, args=(fd, rate))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    b = RateTable(fd)
     assert b.take("t", "read", 100, rate, 0.0) < 0  # the other worker sees it spent
     b.give_back("t", "read", 100, rate)
-    a.add_served({"t": (5, 6, 7)})
     b.add_served({"t": (1, 1, 1)})
-    assert a.served(["t"]) == {"t": (6, 7, 8)}
-    a.close()
+    assert b.served(["t"]) == {"t": (6, 7, 8)}
     b.close()
+    os.close(fd)
 
 
-def test_a_table_of_another_layout_starts_over(tmp_path: Path) -> None:
-    path = tmp_path / "rates"
-    path.write_bytes(b"not a table")
-    table = RateTable(path)
-    assert table.take("t", "request", 1, 1.0, 0.0) == 0.0
-    table.close()
+def test_the_shared_table_is_memory_not_a_file() -> None:
+    """No file of the data directory backs it (a full disk made a write to a
+    mapped file's page SIGBUS, killing the writer), and an fd that is not a
+    table is refused."""
+    fd = shared_table()
+    try:
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvstore-qos-rates")
+        assert not os.get_inheritable(fd)  # close-on-exec: forked workers hold it, exec'd programs do not
+    finally:
+        os.close(fd)
+    r, w = os.pipe()
+    with pytest.raises((ValueError, OSError)):
+        RateTable(r)
+    os.close(r)
+    os.close(w)
 
 
 def test_over_a_window_a_tenant_gets_its_rate_plus_the_burst() -> None:

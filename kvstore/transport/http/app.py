@@ -57,11 +57,17 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 def make_app(
-    config: ServerConfig, master: MasterKey, role: str = "single", writer_socket: str | None = None
+    config: ServerConfig,
+    master: MasterKey,
+    role: str = "single",
+    writer_socket: str | None = None,
+    qos_table: int | None = None,
 ) -> web.Application:
     """The application. ``role``: "single" (the only process), "writer" (owns
     the writes of a multi-worker daemon) or "reader" (serves reads, forwards
-    writes to the writer listening on ``writer_socket``)."""
+    writes to the writer listening on ``writer_socket``). ``qos_table``: the
+    workers' shared QoS buckets (:func:`kvstore.qos.buckets.shared_table`);
+    None: this process's own."""
     reader = role == "reader"
     if role not in ("single", "writer", "reader"):
         raise ValueError(f"role={role!r}: expected single, writer or reader")
@@ -86,6 +92,7 @@ def make_app(
         "role": role,
         "writer_socket": writer_socket,
         "released_leases": [],
+        "qos_table": qos_table,
     }
     app[BUDGET] = BodyBudget(config.max_buffered_body_bytes, config.store.max_block_size)
     app[SLOTS] = TenantSlots(config.max_concurrency)

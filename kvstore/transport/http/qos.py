@@ -39,14 +39,13 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import TypeVar
 
 from aiohttp import web
 
 from kvstore.errors import KVStoreError, Overloaded, RateLimited
 from kvstore.metrics import Metrics
-from kvstore.qos.buckets import FILE_NAME, KINDS, Kind, RateTable
+from kvstore.qos.buckets import KINDS, Kind, RateTable
 from kvstore.qos.fair import FairGate
 from kvstore.qos.policy import DEFAULT_WEIGHT, Qos
 from kvstore.transport.http.appkeys import CONFIG, METRICS, STATE, STORE
@@ -245,12 +244,12 @@ async def transfer_slot(app: web.Application, tenant: str | None) -> AsyncIterat
 
 
 async def qos_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The worker's QoS: the node's buckets (a file every worker maps, in the
-    data directory; one process keeps them in memory) and a flusher."""
+    """The worker's QoS: the node's buckets (the table in shared memory every
+    worker maps, ``STATE["qos_table"]``; None: this process's own) and a
+    flusher."""
     config, store = app[CONFIG], app[STORE]
     role = app[STATE]["role"]
-    path = None if role == "single" else Path(config.store.data_dir) / FILE_NAME
-    table = await asyncio.to_thread(RateTable, path)
+    table = RateTable(app[STATE]["qos_table"])
     qos = TenantQos(store.qos, table, config.qos_transfers_per_worker, config.qos_max_wait_ms / 1000, app[METRICS])
     qos.slot_timeout_s = config.request_timeout_s
     app[QOS] = qos
