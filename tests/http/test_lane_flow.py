@@ -70,3 +70,46 @@ def test_a_client_that_never_reads_is_not_read_without_bound(daemon: Daemon) -> 
     # The worker is well after the client went away.
     assert _call(daemon.base, "GET", "/v1/blocks/k", tokens["other"]) == block
     assert daemon.stop() == 0
+
+
+def _metric(base: str, name: str) -> float:
+    """The sum of a counter's samples on /metrics."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_lane_answer_the_client_does_not_take_is_cut_off(daemon: Daemon) -> None:
+    """F2: a GET the lane answers (a 32 MiB block, the client's receive buffer
+    4 KiB, never read) is reset once ``request_timeout_s`` passes without a
+    piece taken, as the route's answers are (docs/API.md). It used to stay
+    open with its answer, the block's mapping and the transfer slot held:
+    the client could still read every byte 20 s later."""
+    daemon.env.update(KVSTORE_REQUEST_TIMEOUT_S="2", KVSTORE_MAX_BLOCK_SIZE="40MiB", KVSTORE_SEGMENT_SIZE="64MiB")
+    daemon.start()
+    doc = _call(daemon.base, "POST", "/v1/admin/tenants", ADMIN, json.dumps({"name": "t", "policy": "direct"}).encode())
+    token = json.loads(doc)["token"]
+    block = os.urandom(32 << 20)
+    _call(daemon.base, "PUT", "/v1/blocks/big", token, block)
+    assert _call(daemon.base, "GET", "/v1/blocks/big", token) == block  # its frames verified: the lane's from now on
+    lane_before = _metric(daemon.base, 'kvstore_http_fast_lane_total{method="GET"}')
+    cut_before = _metric(daemon.base, "kvstore_http_client_disconnects_total")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window stays small
+        s.connect(("127.0.0.1", daemon.port))
+        s.sendall(f"GET /v1/blocks/big HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n".encode())
+        deadline = time.monotonic() + 30
+        while _metric(daemon.base, "kvstore_http_client_disconnects_total") <= cut_before:
+            assert time.monotonic() < deadline, "the stalled answer was never cut off"
+            time.sleep(0.2)
+        assert _metric(daemon.base, 'kvstore_http_fast_lane_total{method="GET"}') == lane_before + 1
+        received = 0
+        s.settimeout(10)
+        try:
+            while chunk := s.recv(1 << 20):
+                received += len(chunk)
+        except (ConnectionResetError, TimeoutError):
+            pass
+    assert received < len(block), f"the whole answer ({received} bytes) was still there to read"
+    assert _call(daemon.base, "GET", "/v1/blocks/big", token) == block  # and the worker serves on
+    assert daemon.stop() == 0

@@ -83,7 +83,7 @@ from kvstore.transport.http.forward import WRITER
 from kvstore.transport.http.middleware import error_answered
 from kvstore.transport.http.qos import QOS, transfer_slot
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
-from kvstore.transport.http.respond import error_body
+from kvstore.transport.http.respond import SEND_PIECE, error_body, reset_transport
 from kvstore.transport.http.routes.fleet import with_adopted
 from kvstore.transport.http.sendfile import sendfile_extent
 from kvstore.transport.http.shares import SLOTS
@@ -136,7 +136,10 @@ class FastLane:
         "_eof",
         "_paused",
         "_proto",
+        "_pushed",
         "_queued",
+        "_sending",
+        "_stall",
         "_upload",
         "off",
         "outstanding",
@@ -152,6 +155,9 @@ class FastLane:
         self._upload: _Upload | None = None  # a PUT the lane receives or stores
         self._eof = False  # the client half-closed while a PUT was being stored
         self._paused = False  # the lane stopped reading the connection (see _flow)
+        self._stall: asyncio.TimerHandle | None = None  # the check that the client takes its answers (_taken)
+        self._sending = 0  # bytes in the transport's buffer at the last check
+        self._pushed = 0  # bytes the lane wrote to the transport since then
         self.outstanding = 0  # requests handed to aiohttp and not yet answered
         self.off = False  # the rest of the connection is aiohttp's
 
@@ -301,6 +307,9 @@ class FastLane:
         """The connection is gone: a body being received is dropped (a PUT
         being stored goes on; its answer has nowhere to go)."""
         self.off = True
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         up = self._upload
         if up is not None and up.left:
             self._end_upload(up, reuse=True)
@@ -357,8 +366,9 @@ class FastLane:
             if not self._admit(tenant):
                 return False  # a limit to wait for: the route's (qos.py)
             store.count_hit(tenant, req.key)
-            transport.write(
-                _close_head(f"HTTP/1.1 304 Not Modified\r\n{head}{_OCTETS if req.method == 'HEAD' else ''}")
+            self._write(
+                transport,
+                _close_head(f"HTTP/1.1 304 Not Modified\r\n{head}{_OCTETS if req.method == 'HEAD' else ''}"),
             )
             self._finish(req.method, "304", t0, tenant)
             return True
@@ -366,7 +376,7 @@ class FastLane:
             if not self._admit(tenant):
                 return False
             store.count_hit(tenant, req.key)
-            transport.write(_close_head(f"HTTP/1.1 200 OK\r\n{head}{_OCTETS}Content-Length: {size}\r\n"))
+            self._write(transport, _close_head(f"HTTP/1.1 200 OK\r\n{head}{_OCTETS}Content-Length: {size}\r\n"))
             self._finish("HEAD", "200", t0, tenant)
             return True
         status, start, end = "200 OK", 0, size
@@ -396,7 +406,7 @@ class FastLane:
         metrics = app[METRICS]
         count = len(body)
         try:
-            transport.write(_close_head(f"HTTP/1.1 {status}\r\n{head}{_OCTETS}Content-Length: {count}\r\n"))
+            self._write(transport, _close_head(f"HTTP/1.1 {status}\r\n{head}{_OCTETS}Content-Length: {count}\r\n"))
             sent = 0
             if extent is not None and app[CONFIG].sendfile:
                 try:
@@ -406,7 +416,9 @@ class FastLane:
                     metrics.inc("kvstore_http_client_disconnects_total", route=ROUTE)
                     return True
             if sent < count:
-                transport.write(body[sent:])  # a read-only view (the mapping, or the cached plaintext), kept alive
+                self._write(
+                    transport, body[sent:]
+                )  # a read-only view (the mapping, or the cached plaintext), kept alive
         finally:
             if extent is not None:
                 extent.release()
@@ -436,7 +448,7 @@ class FastLane:
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
         doc = json.dumps({"prefix": prefix, "present": present}).encode()
         head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: {len(doc)}\r\n"
-        transport.write(_close_head(head) + doc)
+        self._write(transport, _close_head(head) + doc)
         self._finish("POST", "200", t0, tenant, LOOKUP)
         return True
 
@@ -628,8 +640,46 @@ class FastLane:
         if transport is not None and not transport.is_closing():
             reason = HTTPStatus(status).phrase
             line = f"HTTP/1.1 {status} {reason}\r\n{head}{_JSON_ANSWER}Content-Length: {len(doc)}\r\n"
-            transport.write(_close_head(line) + doc)
+            self._write(transport, _close_head(line) + doc)
         self._finish("PUT", str(status), up.t0, up.tenant)
+
+    def _write(self, transport: asyncio.Transport, data: bytes | memoryview) -> None:
+        """Every answer's bytes go out here: what the socket does not take at
+        once waits in the transport's buffer, and the client must take it in
+        time (:meth:`_taken`)."""
+        transport.write(data)
+        self._pushed += len(data)
+        if self._stall is None and transport.get_write_buffer_size():
+            self._sending, self._pushed = transport.get_write_buffer_size(), 0
+            self._stall = asyncio.get_running_loop().call_later(self._app[CONFIG].request_timeout_s, self._taken)
+
+    def _taken(self) -> None:
+        """``request_timeout_s`` after the lane left bytes in the transport's
+        buffer: the client must have taken SEND_PIECE of them (or all, if
+        fewer) meanwhile, as the route requires of each piece it sends
+        (respond.send); if not, the connection is reset and counted as a
+        disconnect. A client that stopped reading used to keep its answer,
+        the block's mapping and its transfer slot for as long as it kept the
+        connection open. (Taken bytes are counted from the buffer's size and
+        the lane's own writes since; answers aiohttp wrote meanwhile count as
+        not taken, so they can only make the check stricter by their size.)"""
+        self._stall = None
+        transport = self._proto.transport
+        if transport is None or transport.is_closing():
+            return
+        left = transport.get_write_buffer_size()
+        if not left:
+            return
+        if self._sending + self._pushed - left >= min(SEND_PIECE, self._sending):
+            self._sending, self._pushed = left, 0
+            self._stall = asyncio.get_running_loop().call_later(self._app[CONFIG].request_timeout_s, self._taken)
+            return
+        log.debug(
+            "a fast-lane answer: the client read nothing for %s s: connection reset",
+            self._app[CONFIG].request_timeout_s,
+        )
+        reset_transport(transport)
+        self._app[METRICS].inc("kvstore_http_client_disconnects_total", route=ROUTE)
 
     def _finish(self, method: str, status: str, t0: float, tenant: str, route: str = ROUTE) -> None:
         """An answer is out: counted as the route counts it, and the connection's timers told."""

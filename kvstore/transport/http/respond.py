@@ -45,9 +45,12 @@ async def send(request: web.Request, resp: web.StreamResponse, data: bytes | byt
 def reset_connection(request: web.Request) -> None:
     """Abort the connection with a RST: the kernel drops what it still holds
     for the client instead of trying to deliver it after the close."""
-    transport = request.transport
-    if transport is None:
-        return
+    if request.transport is not None:
+        reset_transport(request.transport)
+
+
+def reset_transport(transport: asyncio.Transport) -> None:
+    """:func:`reset_connection` for a transport without a request (the fast lane's)."""
     sock = transport.get_extra_info("socket")
     if sock is not None:
         with contextlib.suppress(OSError):
