@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
 
 def serve_command(data_dir: Path, *flags: str) -> list[str]:
     """The command line of a daemon on ``data_dir``: the ``kvstore serve`` of the
@@ -41,6 +43,29 @@ def base_env() -> dict[str, str]:
     if "PYTHONPATH" in os.environ:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return env
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its live descendants."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            f = Path(entry.path, "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        stats[int(entry.name)] = f
+        children.setdefault(int(f[1]), []).append(int(entry.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        st = stats.get(p)
+        if st is not None:
+            total += int(st[11]) + int(st[12])
+        todo.extend(children.get(p, []))
+    return total / CLK_TCK
 
 
 def _port() -> int:

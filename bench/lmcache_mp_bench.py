@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from .daemon import daemon
-from .s3_bench import cut_objects, load_pool
-from .samples import SAMPLES
+from .s3_bench import cut_objects
+from .samples import SAMPLES, load_pool
 
 MiB = 1 << 20
 PLUGIN = {"type": "plugin", "module_path": "kvstore_client.adapters.lmcache_mp", "class_name": "KVStoreL2Adapter"}

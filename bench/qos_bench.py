@@ -507,7 +507,7 @@ class Measured:
 def run_loads(daemon_pid: int, specs: list[LoadSpec]) -> Measured:
     """Run ``specs`` at once, each in a process of its own, from one t0;
     the daemon's CPU seconds over the whole of it."""
-    from .write_bench import tree_cpu_seconds
+    from .daemon import tree_cpu_seconds
 
     ctx = multiprocessing.get_context("spawn")
     pipes: list[Connection] = []

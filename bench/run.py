@@ -730,21 +730,27 @@ async def measure(target: Target, blocks: Blocks, opts: RunOptions) -> dict[str,
     return res
 
 
-async def remove_run_blocks(endpoint: str, token: str, run_id: str, opts: RunOptions) -> int:
+async def run_keys(client: AsyncClient, run_id: str) -> list[str]:
+    """Every key of the run ``run_id`` in the client's tenant (on its first endpoint):
+    those listed with the run's prefix, page by page."""
+    prefix = key_prefix(run_id)
+    keys: list[str] = []
+    after: str | None = None
+    while True:
+        page, after = await client.list_keys(prefix=prefix, start_after=after)
+        keys += [k for k, _ in page]
+        if after is None:
+            return keys
+
+
+async def remove_run_blocks(endpoint: str, token: str, run_id: str, timeout: float, concurrency: int) -> int:
     """Delete every block the run ``run_id`` stored in the tenant of ``token`` (its
     loaded blocks and its writes, those a timed-out put left there included): the
-    keys listed with the run's prefix, ``opts.concurrency`` deletes at a time.
+    keys listed with the run's prefix, ``concurrency`` deletes at a time.
     Returns how many were deleted."""
-    prefix = key_prefix(run_id)
-    async with AsyncClient(endpoint, token, timeout=opts.timeout, strict=True) as client:
-        keys: list[str] = []
-        after: str | None = None
-        while True:
-            page, after = await client.list_keys(prefix=prefix, start_after=after)
-            keys += [k for k, _ in page]
-            if after is None:
-                break
-        sem = asyncio.Semaphore(opts.concurrency)
+    async with AsyncClient(endpoint, token, timeout=timeout, strict=True) as client:
+        keys = await run_keys(client, run_id)
+        sem = asyncio.Semaphore(concurrency)
 
         async def one(key: str) -> bool:
             async with sem:
@@ -753,23 +759,36 @@ async def remove_run_blocks(endpoint: str, token: str, run_id: str, opts: RunOpt
         return sum(await asyncio.gather(*(one(k) for k in keys)))
 
 
-def clean_endpoint(opts: RunOptions, endpoint: str, token: str, blocks: Blocks) -> str | None:
+@dataclass(frozen=True, slots=True)
+class Leftovers:
+    """What a run against an existing daemon (``--endpoint``) stored there, and
+    what to do with it at the end: the keys of ``run_id``, kept or deleted."""
+
+    endpoint: str
+    token: str
+    run_id: str
+    keep: bool
+    timeout: float
+    concurrency: int
+
+
+def clean_endpoint(left: Leftovers, prog: str = PROG) -> str | None:
     """What the run left in an existing daemon's tenant: removed unless ``--keep``.
-    A note for the report, or None when removing failed (said on stderr, with the
-    keys' prefix to delete by hand)."""
-    prefix = key_prefix(blocks.run_id)
-    if opts.keep:
-        return f"existing daemon {endpoint}: the run's blocks stay in the tenant (--keep), keys {prefix}*"
+    A note for the report, or None when removing failed (said on stderr, after
+    ``prog``, with the keys' prefix to delete by hand)."""
+    prefix = key_prefix(left.run_id)
+    if left.keep:
+        return f"existing daemon {left.endpoint}: the run's blocks stay in the tenant (--keep), keys {prefix}*"
     try:
-        removed = asyncio.run(remove_run_blocks(endpoint, token, blocks.run_id, opts))
+        removed = asyncio.run(remove_run_blocks(left.endpoint, left.token, left.run_id, left.timeout, left.concurrency))
     except Exception as e:  # noqa: BLE001 - reported, and the exit status says so; the figures stand
         print(
-            f"{PROG}: could not remove the run's blocks from {endpoint} ({error_kind(e)}: {e}); "
+            f"{prog}: could not remove the run's blocks from {left.endpoint} ({error_kind(e)}: {e}); "
             f"delete the tenant's keys starting with {prefix}",
             file=sys.stderr,
         )
         return None
-    return f"existing daemon {endpoint}: the run's {removed} blocks ({prefix}*) were deleted (--keep keeps them)"
+    return f"existing daemon {left.endpoint}: the run's {removed} blocks ({prefix}*) were deleted (--keep keeps them)"
 
 
 def say(msg: str) -> None:
@@ -822,7 +841,8 @@ def execute(opts: RunOptions) -> int:
             results["kvstore"] = asyncio.run(measure(target, blocks, opts))
         finally:  # an existing daemon keeps nothing of a run, finished or not (unless --keep)
             if opts.endpoint is not None:
-                cleaned = clean_endpoint(opts, endpoint, token, blocks)
+                left = Leftovers(endpoint, token, blocks.run_id, opts.keep, opts.timeout, opts.concurrency)
+                cleaned = clean_endpoint(left)
         if cleaned:
             notes.append(cleaned)
 

@@ -90,7 +90,7 @@ from kvstore.errors import ConfigError
 
 from .daemon import _admin, _port, daemon
 from .nixl_bench import _cpu_s, _pct
-from .samples import SAMPLES
+from .samples import SAMPLES, load_pool
 
 GB = 1e9
 REGION = "us-east-1"
@@ -306,14 +306,6 @@ def seaweedfs(weed: str, logs: Path | None = None) -> Iterator[Weed]:
 
 
 # -- data -----------------------------------------------------------------------
-
-
-def load_pool(samples: Path) -> bytes:
-    """Every ``*.bin`` of ``samples``, concatenated (real KV-cache bytes)."""
-    files = sorted(samples.glob("*.bin"))
-    if not files:
-        raise SystemExit(f"no *.bin KV samples in {samples}")
-    return b"".join(p.read_bytes() for p in files)
 
 
 def cut_objects(pool: bytes, size: int, n: int, rng: random.Random) -> list[bytes]:

@@ -71,11 +71,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .daemon import Daemon, _admin, _port, daemon
-from .s3_bench import cut_objects, load_pool, s3_client
-from .samples import SAMPLES
+from .daemon import Daemon, _admin, _port, daemon, tree_cpu_seconds
+from .s3_bench import cut_objects, s3_client
+from .samples import SAMPLES, load_pool
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 ALIGN = 4096
 T = TypeVar("T")
 
@@ -99,29 +98,6 @@ class Target:
     passes: list[Pass] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     note: str = ""
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) of ``pid`` and its live descendants."""
-    children: dict[int, list[int]] = {}
-    stats: dict[int, list[str]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            f = Path(entry.path, "stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        stats[int(entry.name)] = f
-        children.setdefault(int(f[1]), []).append(int(entry.name))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        st = stats.get(p)
-        if st is not None:
-            total += int(st[11]) + int(st[12])
-        todo.extend(children.get(p, []))
-    return total / CLK_TCK
 
 
 def own_cpu_seconds() -> float:
