@@ -164,6 +164,7 @@ class KVRequestHandler(RequestHandler):
         # GET/HEAD of a block answered without the framework (fastlane.py).
         self._lane = FastLane(self, kv_app, bulk) if bulk is not None and kv_app is not None else None
         self._receiving: StreamReader | None = None
+        self._at_eof = False  # the client half-closed: what it sent is answered, then the connection closes
         self._headers_timer: asyncio.TimerHandle | None = None
         config = kv_app.get(CONFIG) if kv_app is not None else None
         # The time a request's line and headers have, from their first byte:
@@ -235,6 +236,8 @@ class KVRequestHandler(RequestHandler):
             if lane is not None:
                 lane.off = True
             raise
+        if self._at_eof and not self._messages:
+            self.close()  # the last request the client sent before its half-close is answered
         if lane is not None:
             if reset or not resp.keep_alive or self._force_close or self._close:
                 lane.off = True
@@ -319,18 +322,35 @@ class KVRequestHandler(RequestHandler):
     def eof_received(self) -> bool:  # type: ignore[override]  # asyncio.Protocol's contract: bool | None
         """The client half-closed its side (shutdown(SHUT_WR)). aiohttp would
         close the connection at once, dropping the answer to the request in
-        progress. Instead the body being received ends here (a short body
-        becomes ``400 invalid_input``), the answer is sent, then the
-        connection closes. An idle connection closes at once, as before."""
+        progress, or answer that one and drop those pipelined after it.
+        Instead every request the client sent is answered, in order, on
+        either path (the fast lane's or aiohttp's), then the connection
+        closes; a body being received ends here (a short body becomes ``400
+        invalid_input``). An idle connection closes at once, as before."""
         if self._lane is not None and self._lane.flush():
-            return True  # a PUT the lane answers first, then closes (or closed at once: its body ended short)
+            return True  # the lane answers what it holds first, then closes (finish_at_eof)
+        return self._input_ended()
+
+    def finish_at_eof(self, rest: bytes) -> None:
+        """The fast lane's answer in progress at a half-close is out: what
+        the client sent after it (``rest``) is aiohttp's to answer, then the
+        connection closes."""
+        if rest:
+            self.to_aiohttp(rest)
+        if not self._input_ended() and self.transport is not None:
+            self.transport.close()  # nothing left to answer (what is written still goes out)
+
+    def _input_ended(self) -> bool:
+        """No more bytes will come: False if nothing is left to answer (the
+        connection may close now), else True, and it closes after the last
+        answer (:meth:`_handle_request`)."""
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
+        if waiter is not None and not waiter.done() and not self._messages:
             return False  # idle: waiting for a request that cannot come now
         body = self._receiving
         if body is not None and not body.is_eof():
             body.feed_eof()
-        self.close()  # nothing can follow a half-close: close after this answer
+        self._at_eof = True
         return True
 
 
@@ -355,7 +375,8 @@ def _without_expect(message: RawRequestMessage) -> RawRequestMessage:
 
 class KVAppRunner(web.AppRunner):
     """``web.AppRunner`` serving ``app`` with :class:`KVRequestHandler`
-    connections and the parser limits of :data:`PARSER_LIMITS`.
+    connections, the parser limits of :data:`PARSER_LIMITS`, and bodies
+    never decoded by aiohttp.
 
     ``gate_expect``: the request's ``Expect`` is taken from aiohttp, which
     would answer it before any middleware (a 100 before authentication, a
@@ -365,7 +386,10 @@ class KVAppRunner(web.AppRunner):
     with aiohttp's own hook (the S3 gateway's ``expect_handler``)."""
 
     def __init__(self, app: web.Application, *, gate_expect: bool = True, **kwargs: Any) -> None:
-        super().__init__(app, **{**PARSER_LIMITS, **kwargs})
+        # auto_decompress off: a body is what the client sent, on every path.
+        # The API refuses one in a content coding (415, middleware.py); the S3
+        # gateway stores an object's bytes as sent, as S3 does.
+        super().__init__(app, **{**PARSER_LIMITS, "auto_decompress": False, **kwargs})
         self._gate_expect = gate_expect
 
     async def _make_server(self) -> web.Server:

@@ -97,6 +97,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.http")
 MAX_HEAD = 4096  # a hot request's line and headers are far shorter; longer ones are aiohttp's
 MAX_WAITING = 64 << 10  # requests held for their turn; past it they go to aiohttp as they come
+MAX_HOT_FIELDS = 64  # header fields of a request the lane answers; more (aiohttp allows 128) are the route's
 MAX_LOOKUP_BODY = 64 << 10  # a lookup's JSON (max_lookup_keys keys); bigger ones are the route's
 BULK_SLICE_S = 0.0005  # bulk answers made per turn of the event loop, at most about this long
 _JSON = b"application/json"
@@ -109,6 +110,7 @@ _PUTS: set[asyncio.Task[None]] = set()  # the lane's puts in progress (held: the
 _OCTETS = "Content-Type: application/octet-stream\r\n"
 _TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 tchar+
 _NOT_PLAIN_RE = re.compile(rb"[^\t\x20-\x7e]")  # a byte outside HTAB and visible ASCII + SP
+_CLOSE_RE = re.compile(rb"\r\nconnection:[ \t]*close[ \t]*\r\n", re.IGNORECASE)
 
 
 class _Date:
@@ -133,8 +135,11 @@ class FastLane:
         "_body_left",
         "_buf",
         "_bulk",
+        "_checked",
+        "_close_after",
         "_eof",
         "_paused",
+        "_poisoned",
         "_proto",
         "_pushed",
         "_queued",
@@ -155,6 +160,9 @@ class FastLane:
         self._upload: _Upload | None = None  # a PUT the lane receives or stores
         self._eof = False  # the client half-closed while a PUT was being stored
         self._paused = False  # the lane stopped reading the connection (see _flow)
+        self._checked = 0  # _buf's complete requests up to here are framed as aiohttp's parser takes them
+        self._poisoned: int | None = None  # a read from here on in _buf would fail aiohttp's parser (see pump)
+        self._close_after = False  # the client half-closed behind the GET in the bulk queue
         self._stall: asyncio.TimerHandle | None = None  # the check that the client takes its answers (_taken)
         self._sending = 0  # bytes in the transport's buffer at the last check
         self._pushed = 0  # bytes the lane wrote to the transport since then
@@ -183,7 +191,15 @@ class FastLane:
             self._proto.to_aiohttp(data[:n])
             data = data[n:]
         if data:
-            self._buf = self._buf + data if self._buf else data
+            held = len(self._buf)
+            buf = self._buf = self._buf + data if self._buf else data
+            # One request alone in the read (the common case) is framed once, by pump.
+            if self._poisoned is None and not (held == 0 and buf.find(b"\r\n\r\n") == len(buf) - 4):
+                upto = _framed_upto(buf, self._checked)
+                if upto is None:
+                    self._poisoned = held
+                else:
+                    self._checked = upto
         self.pump()
 
     def pump(self) -> None:
@@ -191,6 +207,18 @@ class FastLane:
         (HEAD, 304s, lookups) at once and queue GETs for the bulk queue, while
         aiohttp has nothing outstanding and the client reads; hand the
         others to aiohttp; stop at a request that must wait its turn."""
+        if self._poisoned is not None and not self._body_left and not self.off and not self._holding():
+            # A read that aiohttp's parser would refuse whole: aiohttp gets
+            # the connection's bytes as it would have had them (what came
+            # before that read, then the read), runs what it takes, and
+            # answers the rest with its 400.
+            self.off = True
+            buf, at, self._buf, self._poisoned = self._buf, self._poisoned, b"", None
+            for part in (buf[:at], buf[at:]):
+                if part:
+                    self._proto.to_aiohttp(part)
+            self._flow()
+            return
         buf, out, hot = self._buf, [], True
         while buf and not self._body_left and not self.off and not self._holding():
             end = buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
@@ -235,6 +263,9 @@ class FastLane:
             self.outstanding += 1
             self._body_left = max(0, take - len(buf))
             buf = buf[take:]
+        self._checked = max(0, self._checked - (len(self._buf) - len(buf)))
+        if self._poisoned is not None:
+            self._poisoned = max(0, self._poisoned - (len(self._buf) - len(buf)))
         self._buf = buf
         if out:
             self._proto.to_aiohttp(b"".join(out))
@@ -272,6 +303,11 @@ class FastLane:
         if not self._answer(req):
             self.outstanding += 1
             self._proto.to_aiohttp(req.raw)
+        if self._close_after:  # the client half-closed behind it: aiohttp answers the rest, then closes
+            self.off = True
+            rest, self._buf = self._buf, b""
+            self._proto.finish_at_eof(rest)
+            return
         self.pump()
 
     def resume(self) -> None:
@@ -280,11 +316,11 @@ class FastLane:
             self.pump()
 
     def flush(self) -> bool:
-        """The client sent its last bytes: aiohttp answers what is buffered
-        (after the GET in the bulk queue, if any: it is answered, or
-        handed on, in its turn). True when the lane answers a PUT first
-        and then closes the connection itself; a PUT whose body ended
-        short is answered 400 and the connection closed now."""
+        """The client sent its last bytes: aiohttp answers what is buffered.
+        True when the lane answers first what it holds and then closes the
+        connection itself: a PUT (one whose body ended short is answered
+        400 and the connection closed now), or the GET in the bulk queue,
+        after which aiohttp answers the rest (``finish_at_eof``)."""
         up = self._upload
         if up is not None:
             if up.left:
@@ -295,9 +331,15 @@ class FastLane:
             self._eof = True
             return True
         buf, self._buf = self._buf, b""
+        self._checked, self._poisoned = 0, None
         if self._queued:
+            # The GET in the bulk queue is answered in its turn, then aiohttp
+            # answers what followed it, then the connection closes: every
+            # request is answered, as on aiohttp's path (the lane used to
+            # answer as many as the timing allowed).
             self._buf = buf
-            return False
+            self._close_after = True
+            return True
         self.off = True
         if buf:
             self._proto.to_aiohttp(buf)
@@ -555,15 +597,10 @@ class FastLane:
         finally:
             self._end_upload(up, reuse)  # (cancelled, the loop closing: nothing more is answered)
         self._respond(status, head, doc, up)
-        if self._eof:
+        if self._eof:  # the client half-closed: aiohttp answers what came before it, then the connection closes
             self.off = True
-            buf, self._buf = self._buf, b""
-            if buf:
-                self._proto.to_aiohttp(buf)  # what came before the half-close
-            if self._proto._messages:
-                self._proto.close()  # after aiohttp answers those
-            else:
-                self._proto.force_close()  # (the transport sends what it holds first)
+            rest, self._buf = self._buf, b""
+            self._proto.finish_at_eof(rest)
         elif not self.off:
             self.pump()
 
@@ -853,6 +890,13 @@ def _frame(head: bytes) -> tuple[int, _Hot | None] | None:
         or b"host" not in fields
         or b"expect" in fields
         or fields.get(b"connection", b"keep-alive").lower() != b"keep-alive"
+        # The route's, which gives them one meaning on every path and worker:
+        # a body in a content coding is refused (415), and aiohttp's parser
+        # applies its header limits (431) and its refusal of hixie-76
+        # WebSocket handshakes, whose body no Content-Length frames.
+        or b"content-encoding" in fields
+        or b"sec-websocket-key1" in fields
+        or len(lines) > MAX_HOT_FIELDS
     ):
         return body, None
     if method == b"POST" and target == b"/v1/lookup":
@@ -884,6 +928,32 @@ def _frame(head: bytes) -> tuple[int, _Hot | None] | None:
     inm = fields.get(b"if-none-match")
     hot.if_none_match = None if inm is None else inm.decode("latin-1")
     return body, hot
+
+
+def _framed_upto(buf: bytes, at: int) -> int | None:
+    """Where the complete requests of ``buf`` from ``at`` (a request's
+    start) end, if aiohttp's parser, given those bytes, would take every
+    one: each framed, no bytes after one with ``Connection: close``, and
+    what follows them a plausible start of a request; None if not. aiohttp
+    drops every request of a read in which its parser fails and answers one
+    400; the lane, which answers requests as it frames them, must not run
+    the first of such a read (a PUT stored, then the 400)."""
+    while at < len(buf):
+        end = buf.find(b"\r\n\r\n", at, at + MAX_HEAD + 4)
+        if end < 0:
+            rest = buf[at:]
+            return at if len(rest) > MAX_HEAD or _plausible(rest) else None  # (a long one: pump hands it on)
+        head = buf[at : end + 4]
+        framed = _frame(head)
+        if framed is None:
+            return None
+        nxt = end + 4 + framed[0]
+        if nxt < len(buf) and _CLOSE_RE.search(head) is not None:
+            return None  # llhttp: "data after Connection: close"
+        if nxt > len(buf):
+            return at  # its body is still coming
+        at = nxt
+    return at
 
 
 def _bearer(fields: dict[bytes, bytes]) -> str:

@@ -24,6 +24,7 @@ from kvstore.errors import (
     Overloaded,
     RateLimited,
     Unauthorized,
+    UnsupportedMediaType,
     WriterTimeout,
 )
 from kvstore.names import PATH_PARAMS
@@ -158,6 +159,20 @@ def raise_internal(request: web.Request) -> None:
 ADMIN_OR_TENANT = frozenset({"/v1/events", "/v1/fleet"})  # a tenant's token, or the admin's
 
 
+def refuse_content_coding(request: web.Request) -> None:
+    """A request body is taken as sent, on every path and worker: one in a
+    content coding (``Content-Encoding`` other than ``identity``) is refused
+    with 415 before it is read. (aiohttp would decode gzip, deflate and br
+    bodies, and the fast lane stored them as sent: the bytes stored depended
+    on the path.) Blocks are compressed by the store, per tenant."""
+    coding = request.headers.get("Content-Encoding")
+    if coding is not None and request.body_exists and coding.strip(" \t").lower() != "identity":
+        raise UnsupportedMediaType(
+            "header 'Content-Encoding': request bodies in a content coding are not accepted; "
+            "send them as they are (the store compresses blocks itself)"
+        )
+
+
 @web.middleware
 async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The same checks, in the same order, on every worker, before a route is
@@ -178,6 +193,7 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
             tenant = tenant_of(request)
         for name, value in request.match_info.items():
             PATH_PARAMS[name](value)
+        refuse_content_coding(request)
         if tenant is not None:
             count_request(request.app[METRICS], tenant)
             # Its share of the worker's requests in flight (shares.py), held
