@@ -57,6 +57,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore_client.wire.sealing import aad
+
 from kvstore.buckets.catalog import Bucket, Extents, ObjectRow, PartRow, Upload
 from kvstore.buckets.names import valid_bucket_name
 from kvstore.engine.api import Store
@@ -72,7 +74,7 @@ _VERSION = 1  # "v" of every record written; docs/operations.md lists every pers
 VERSIONS_READ = (1,)  # a newer "v" is refused (NewerFormat): the gateway stops, the record stays
 DELETE_AT_ONCE = 64
 _META_AAD = b"kvstore/v1 s3 object meta\x00"
-_RECORD_AAD = b"kvstore/v1 s3 record\x00"
+_RECORD_AAD = b"kvstore/v1 s3 record"
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")  # as multipart_ops makes them
 
 
@@ -320,7 +322,7 @@ def _record(kind: str, d: dict[str, Any]) -> Record:
 
 
 def _aad(tenant: str, key: str) -> bytes:
-    return _RECORD_AAD + tenant.encode() + b"\x00" + key.encode()
+    return aad(_RECORD_AAD, tenant, key)
 
 
 def encode(store: Store, tenant: str, key: str, rec: Record) -> bytes:

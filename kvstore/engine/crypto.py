@@ -25,7 +25,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from kvstore_client.wire.sealing import TAG, FrameBinding, frame_nonce
+from kvstore_client.wire.sealing import TAG, FrameBinding, aad, frame_nonce
 
 from kvstore.errors import CorruptionError, MasterKeyError
 
@@ -72,7 +72,7 @@ class MasterKey:
 
 
 def _wrap_aad(tenant: str, version: int) -> bytes:
-    return b"kvstore/v1 wrapped data key\x00" + tenant.encode() + b"\x00" + str(version).encode()
+    return aad(b"kvstore/v1 wrapped data key", tenant, version)
 
 
 def _parse_key_text(raw: bytes, source: str) -> bytes:
@@ -167,7 +167,7 @@ def open_small(data_key: bytes, blob: bytes, aad: bytes) -> bytes:
 def derive_frame_key(data_key: bytes, record_id: bytes, tenant: str, key_version: int) -> bytes:
     """The key that seals the frames of one record, and only those: what a
     client that decodes a record itself is given (never the data key)."""
-    info = b"kvstore/v1 frame key\x00" + tenant.encode() + b"\x00" + str(key_version).encode()
+    info = aad(b"kvstore/v1 frame key", tenant, key_version)  # HKDF's info, bound as additional data is
     return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=record_id, info=info).derive(data_key)
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from kvstore_client.wire.sealing import aad
+
 from kvstore import __version__
 from kvstore.config import COMPRESSIONS, DURABILITY_CLASSES, Compression, DurabilityClass
 from kvstore.engine.crypto import MasterKey, new_data_key
@@ -67,7 +69,7 @@ _AKID_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
 
 
 def _s3_aad(tenant: str, access_key_id: str) -> bytes:
-    return b"kvstore/v1 s3 secret\x00" + tenant.encode() + b"\x00" + access_key_id.encode()
+    return aad(b"kvstore/v1 s3 secret", tenant, access_key_id)
 
 
 def _token_hash(token: str) -> str:

@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from kvstore_client.wire.sealing import aad
+
 from kvstore.config import StoreConfig
 from kvstore.engine.access import AccessLog
 from kvstore.engine.appender import Appender, OpenSegment
@@ -319,4 +321,4 @@ class StoreCore:
 
 
 def _ident_aad(tenant: str, key: str) -> bytes:
-    return b"kvstore/v1 ident\x00" + tenant.encode() + b"\x00" + key.encode()
+    return aad(b"kvstore/v1 ident", tenant, key)

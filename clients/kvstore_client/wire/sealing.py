@@ -9,6 +9,12 @@ tenant's data key with the record id as salt: never given out) with nonce
 key version, ``i``, the frame count, the block's size, the tenant and the
 key: a frame moved to another index, record, tenant or key, or a record
 cut short, fails its tag.
+
+Everything else sealed (a wrapped data key, an S3 secret, an ident, a
+gateway record) and the frame key's derivation are bound the same way, by
+:func:`aad`: a label naming what is sealed, then its parts, each after a
+NUL byte. The bytes are on disk and in buckets: tests/unit/test_aad.py pins
+them.
 """
 
 from __future__ import annotations
@@ -18,6 +24,14 @@ from dataclasses import dataclass
 
 TAG = 16  # the GCM tag each sealed frame ends with
 _AAD_FIXED = struct.Struct("<16sIIIQ")  # record id, key version, frame index, frame count, size
+
+
+def aad(label: bytes, *parts: str | int) -> bytes:
+    """``label``, then each part (text as UTF-8, an integer in decimal) after
+    a NUL byte. The label says what is bound, so additional data made for one
+    kind of secret never opens another; parts never hold NUL (tenant names
+    and keys cannot, by their grammars), so the parts are unambiguous."""
+    return label + b"".join(b"\x00" + str(part).encode() for part in parts)
 
 
 def frame_nonce(index: int) -> bytes:
@@ -38,4 +52,4 @@ class FrameBinding:
     def aad(self, index: int) -> bytes:
         """The additional data of frame ``index``."""
         fixed = _AAD_FIXED.pack(self.record_id, self.key_version, index, self.frame_count, self.size)
-        return fixed + b"\x00" + self.tenant.encode() + b"\x00" + self.key.encode()
+        return aad(fixed, self.tenant, self.key)
