@@ -35,7 +35,12 @@ And those that measure, each in its own module with its own options:
 * ``fleet``: a fleet of daemons on one bucket (moto's S3 server): the time
   from a node's SIGKILL to its blocks served again by the survivors, and
   their read rate there against the same blocks on their own node
-  (``fleet_bench.py``).
+  (``fleet_bench.py``);
+* ``replay``: a request trace in Mooncake's format (its synthetic trace is
+  shipped) replayed through the client: lookups, loads of the prefixes found
+  and stores of the rest; the token hit ratio, split by tier, against an
+  unbounded, an LRU and a Belady cache over the same requests, and the
+  lookup and load latencies (``replay.py``).
 
 Examples::
 
@@ -44,6 +49,7 @@ Examples::
     kvstore-bench size --model layers=40,kv_heads=8,head_dim=128,dtype=fp8 --json
     kvstore-bench ttft --model llama-3.1-70b --throughput-gbps 10 --prefill-tps 20000 --latency-ms 5
     kvstore-bench run --model llama-3.1-8b --tp 8 --duration 10 --json r.json --png r.png
+    kvstore-bench replay --requests 500 --block-bytes 16KiB --json replay.json
 
 Bad input exits 2 with a message naming the option. Output cut short by its
 reader (``kvstore-bench size ... | head -2``) ends the command quietly, with
@@ -96,6 +102,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "writes": ("write_bench", "every write path's GB/s and daemon CPU against a write+fdatasync loop"),
     "qos": ("qos_bench", "tenant QoS under load: read/write limits, GET p99 beside a flood, weights"),
     "fleet": ("fleet_bench", "a fleet on one bucket: time to take over a killed node, its blocks' read rate"),
+    "replay": ("replay", "replay a request trace: token hit ratio by tier against unbounded, LRU and Belady caches"),
 }
 COMMANDS = ("size", "ttft", "run", *DELEGATED)
 ENGINES = ("vllm",)

@@ -69,7 +69,9 @@ def test_every_option_of_every_subcommand_says_what_it_means() -> None:
             assert not ISSUE_NUMBER.search(action.help), f"{name} {flag}: {action.help!r}"
 
 
-@pytest.mark.parametrize("name", ["size", "ttft", "run", "codec", "s3", "writes", "qos", "fleet", "events", "nixl"])
+@pytest.mark.parametrize(
+    "name", ["size", "ttft", "run", "codec", "s3", "writes", "qos", "fleet", "events", "nixl", "replay"]
+)
 def test_every_subcommand_help_prints(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         cli.main([name, "--help"])

@@ -1,0 +1,351 @@
+"""The figures of ``kvstore-bench replay`` (``replay.py``, ``replayer.py``): a table, JSON and a chart.
+
+Every ratio is of the input tokens of the requests replayed:
+
+* ``token_hit_ratio``: tokens of the blocks loaded whole from the start of
+  each request's chain, over all input tokens (``lookup_token_hit_ratio``:
+  what the lookups found, before the loads);
+* ``unbounded_token_hit_ratio``, ``lru_token_hit_ratio``,
+  ``belady_token_hit_ratio``: the same requests through the reference caches
+  of ``trace.py``, LRU and Belady holding ``blocks_held`` blocks (what the
+  tenant held of the run's blocks at the end, listed from the daemon);
+* ``tiers``: the hit ratio split by where the daemon served the blocks, G3
+  (local disk or memory) and G4 (records read from the object tier,
+  ``kvstore_tier_reads_total``), and the misses: g3 + g4 + miss = 1. The
+  client cannot tell per block where it came from, so g4 is the hit ratio
+  times the daemon's tier reads over the run per block loaded (none when
+  the daemon's /metrics did not answer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .replayer import Replayed, ReplayOptions, Sample, Served
+from .run import percentile
+from .sizing import fmt_bytes
+from .trace import References, Request, shape, token_hit_ratio
+from .ttft import recompute_seconds
+
+MAX_WINDOWS = 60
+FORMULAS = {
+    "token_hit_ratio": "tokens of the blocks loaded whole from the start of each chain / input tokens",
+    "references": "the same requests one after another through an unbounded cache, and LRU and Belady (MIN) "
+    "caches of blocks_held blocks; hits are the leading blocks of a chain found",
+    "tiers": "g4 = token_hit_ratio x min(1, daemon tier reads over the run / blocks loaded); g3 = the rest of "
+    "the hits; miss = 1 - token_hit_ratio",
+    "latency": "client side: lookup = one lookup call; load = the get_many_into calls of a request's prefix "
+    "(requests with a hit); store = its put_many calls",
+    "bytes_written_per_token_served": "bytes of the blocks the replay stored anew / hit tokens",
+    "prefill": "saved_s = hit tokens / prefill_tps (bench/ttft.py's linear prefill) - the loads' measured seconds",
+}
+
+
+@dataclass(slots=True)
+class Figures:
+    doc: dict[str, Any]  # what --json writes
+    notes: list[str] = field(default_factory=list)  # the same list as doc["notes"]
+
+
+def latency_ms(values: Sequence[float | None]) -> dict[str, float | int | None]:
+    """p50, p99 and max in milliseconds (None when nothing was measured), and the count."""
+    ms = sorted(v * 1e3 for v in values if v is not None)
+    return {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "max": ms[-1] if ms else None, "count": len(ms)}
+
+
+def _delta(samples: Sequence[Sample], name: str) -> float | None:
+    if len(samples) < 2:
+        return None
+    value: float = getattr(samples[-1], name) - getattr(samples[0], name)
+    return value
+
+
+def tiers(hit_ratio: float, tier_reads: float | None, loaded_blocks: int) -> dict[str, float | None]:
+    """{"g3", "g4", "miss"}: the hit ratio split by the share of loaded blocks the
+    object tier served (unknown: g3 and g4 None)."""
+    miss = 1.0 - hit_ratio
+    if tier_reads is None:
+        return {"g3": None, "g4": None, "miss": miss}
+    g4_share = min(1.0, tier_reads / loaded_blocks) if loaded_blocks else 0.0
+    return {"g3": hit_ratio * (1.0 - g4_share), "g4": hit_ratio * g4_share, "miss": miss}
+
+
+def _ratio(requests: Sequence[Request], hits: Sequence[int] | None, tpb: int) -> float | None:
+    return None if hits is None else token_hit_ratio(requests, hits, tpb)
+
+
+def _prefill(opts: ReplayOptions, hit_tokens: int, load_s: float) -> dict[str, Any] | None:
+    """The prefill the hits spared (bench/ttft.py's linear model) less the loads'
+    measured time. With scaled-down blocks the loads moved fewer bytes than the
+    model's would: no scaling is attempted (small loads cost latency, not
+    bandwidth), the note says so."""
+    if opts.prefill_tps is None:
+        return None
+    recompute = recompute_seconds(hit_tokens, opts.prefill_tps)
+    return {"prefill_tps": opts.prefill_tps, "recompute_s": recompute, "load_s": load_s, "saved_s": recompute - load_s}
+
+
+def _window_of(served: Sequence[Served], seconds: float) -> tuple[list[int], int, float]:
+    n = min(MAX_WINDOWS, max(1, len(served) // 20))
+    width = seconds / n if seconds > 0 else 1.0
+    return [min(n - 1, int(s.end_s / width)) for s in served], n, width
+
+
+def _interp(samples: Sequence[Sample], t: float) -> float:
+    """The tier reads counted by ``t`` (linear between samples)."""
+    if t <= samples[0].t:
+        return samples[0].tier_reads
+    for a, b in itertools.pairwise(samples):
+        if t <= b.t:
+            return a.tier_reads + (b.tier_reads - a.tier_reads) * (t - a.t) / max(b.t - a.t, 1e-9)
+    return samples[-1].tier_reads
+
+
+def timeseries(
+    requests: Sequence[Request],
+    served: Sequence[Served],
+    refs: References,
+    samples: Sequence[Sample],
+    tpb: int,
+    seconds: float,
+) -> list[dict[str, Any]]:
+    """Per window of the replay (by when requests ended): the hit ratios, the
+    tier split and the latencies of the requests that ended in it."""
+    where, n, width = _window_of(served, seconds)
+    out: list[dict[str, Any]] = []
+    for w in range(n):
+        idx = [i for i, x in enumerate(where) if x == w]
+        reqs = [requests[i] for i in idx]
+        point: dict[str, Any] = {"t_s": (w + 1) * width, "requests": len(idx)}
+        point["token_hit_ratio"] = _ratio(reqs, [served[i].loaded for i in idx], tpb) if idx else None
+        for name in ("unbounded", "lru", "belady"):
+            hits: list[int] | None = getattr(refs, name)
+            point[f"{name}_token_hit_ratio"] = _ratio(reqs, [hits[i] for i in idx], tpb) if idx and hits else None
+        reads = _interp(samples, (w + 1) * width) - _interp(samples, w * width) if len(samples) >= 2 else None
+        point["tiers"] = tiers(point["token_hit_ratio"] or 0.0, reads, sum(served[i].loaded for i in idx))
+        point["lookup_ms"] = latency_ms([served[i].lookup_s for i in idx])
+        point["load_ms"] = latency_ms([served[i].load_s for i in idx])
+        out.append(point)
+    return out
+
+
+def _notes(opts: ReplayOptions, done: Replayed, refs: References, scaled: bool) -> list[str]:
+    notes: list[str] = []
+    if opts.concurrency > 1:
+        notes.append(
+            f"{opts.concurrency} requests in flight: a request can look up blocks another is still storing, so hits "
+            "may fall below the references (which replay one request after another); --concurrency 1 matches them"
+        )
+    if done.metrics.failure is not None:
+        notes.append(f"the G3/G4 split is unknown: {done.metrics.failure} (give --metrics-token)")
+    elif opts.endpoint is not None:
+        notes.append("the G3/G4 split counts the object-tier reads of every tenant of the daemon over the run")
+    if refs.capacity is None:
+        notes.append(f"blocks held unknown ({done.held_failure}): no LRU or Belady reference")
+    if scaled:
+        notes.append(
+            f"blocks scaled down to {fmt_bytes(opts.block_bytes)} from {opts.model.name}'s "
+            f"{fmt_bytes(opts.model_block_bytes)} per {opts.tokens_per_block} tokens: hit ratios are the same, "
+            "bytes, load times and the prefill saved are of the smaller blocks"
+        )
+    if opts.prefill_tps is None:
+        notes.append("no prefill rate: give --prefill-tps for the prefill time the hits save")
+    return notes
+
+
+def figures(
+    opts: ReplayOptions, requests: Sequence[Request], done: Replayed, refs: References, daemon_cpu_s: float | None
+) -> Figures:
+    """Every figure of one replay, as the JSON document ``--json`` writes."""
+    tpb, served = opts.tokens_per_block, done.served
+    cut = shape(requests)
+    hit_tokens = sum(r.prefix_tokens(s.loaded, tpb) for r, s in zip(requests, served, strict=True))
+    hit_ratio = hit_tokens / cut.tokens if cut.tokens else 0.0
+    loaded = sum(s.loaded for s in served)
+    stored = sum(s.stored for s in served)
+    load_s = sum(s.load_s or 0.0 for s in served)
+    samples = done.metrics.samples
+    written = _delta(samples, "bytes_written")
+    scaled = opts.block_bytes != opts.model_block_bytes
+    notes = _notes(opts, done, refs, scaled)
+    doc: dict[str, Any] = {
+        "benchmark": "kvstore-bench replay",
+        "token_hit_ratio": hit_ratio,
+        "lookup_token_hit_ratio": _ratio(requests, [s.found for s in served], tpb),
+        "unbounded_token_hit_ratio": _ratio(requests, refs.unbounded, tpb),
+        "lru_token_hit_ratio": _ratio(requests, refs.lru, tpb),
+        "belady_token_hit_ratio": _ratio(requests, refs.belady, tpb),
+        "tiers": tiers(hit_ratio, _delta(samples, "tier_reads"), loaded),
+        "blocks_held": done.blocks_held,
+        "requests": len(requests),
+        "seconds": done.seconds,
+        "wrong_bytes": sum(s.wrong_bytes for s in served),
+        "errors": done.errors,
+        "lookup_ms": latency_ms([s.lookup_s for s in served]),
+        "load_ms": latency_ms([s.load_s for s in served]),
+        "store_ms": latency_ms([s.store_s for s in served]),
+        "behind_schedule_ms": latency_ms([s.late_s for s in served]) if opts.speed else None,
+        "tokens": cut.tokens,
+        "hit_tokens": hit_tokens,
+        "blocks_loaded": loaded,
+        "blocks_stored": stored,
+        "blocks_stored_before": sum(s.stored_before for s in served),
+        "bytes_loaded": loaded * opts.block_bytes,
+        "bytes_stored": stored * opts.block_bytes,
+        "bytes_written_per_token_served": stored * opts.block_bytes / hit_tokens if hit_tokens else None,
+        "daemon_bytes_written": written,
+        "daemon_bytes_written_per_token_served": written / hit_tokens if written is not None and hit_tokens else None,
+        "daemon_cpu_s": daemon_cpu_s,
+        "daemon_cpu_ms_per_request": daemon_cpu_s * 1e3 / len(requests) if daemon_cpu_s is not None else None,
+        "prefill": _prefill(opts, hit_tokens, load_s),
+        "workload": _workload(opts, requests),
+        "formulas": FORMULAS,
+        "notes": notes,
+        "timeseries": timeseries(requests, served, refs, samples, tpb, done.seconds),
+    }
+    return Figures(doc, notes)
+
+
+def _workload(opts: ReplayOptions, requests: Sequence[Request]) -> dict[str, Any]:
+    cut = shape(requests)
+    m = opts.model
+    return {
+        "trace": str(opts.trace),
+        "requests": cut.requests,
+        "tokens": cut.tokens,
+        "blocks": cut.blocks,
+        "unique_blocks": cut.unique_blocks,
+        "trace_span_s": cut.span_ms / 1e3,
+        "model": {"name": m.name, "layers": m.layers, "kv_heads": m.kv_heads, "head_dim": m.head_dim},
+        "dtype_bytes": m.dtype_bytes,
+        "tokens_per_block": opts.tokens_per_block,
+        "block_bytes": opts.block_bytes,
+        "model_block_bytes": opts.model_block_bytes,
+        "speed": opts.speed or "max",
+        "concurrency": opts.concurrency,
+        "endpoint": opts.endpoint,
+        "policy": None if opts.endpoint else opts.policy,
+        "quota_bytes": opts.quota,
+        "settings": opts.settings,
+    }
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def _f(v: float | None, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _lat(d: dict[str, Any]) -> str:
+    return f"{_f(d['p50'], '.2f')} / {_f(d['p99'], '.2f')} / {_f(d['max'], '.2f')}  ({d['count']:,})"
+
+
+def _size(n: float) -> str:
+    return fmt_bytes(n).split(" = ")[-1]
+
+
+def _rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    t, cap = doc["tiers"], doc["blocks_held"]
+    at = f" at {cap:,} blocks" if cap is not None else ""
+    rows = [
+        ("token hit ratio", f"{_f(doc['token_hit_ratio'])}   g3 {_f(t['g3'])}, g4 {_f(t['g4'])}, miss {_f(t['miss'])}"),
+        ("  found by the lookups", _f(doc["lookup_token_hit_ratio"])),
+        ("  unbounded cache", _f(doc["unbounded_token_hit_ratio"])),
+        (f"  LRU{at}", _f(doc["lru_token_hit_ratio"])),
+        (f"  Belady{at}", _f(doc["belady_token_hit_ratio"])),
+        ("lookup ms p50 / p99 / max", _lat(doc["lookup_ms"])),
+        ("load ms p50 / p99 / max", _lat(doc["load_ms"])),
+        ("store ms p50 / p99 / max", _lat(doc["store_ms"])),
+    ]
+    if doc["behind_schedule_ms"] is not None:
+        rows.append(("behind the trace, ms", _lat(doc["behind_schedule_ms"])))
+    errors = ", ".join(f"{k}: {v}" for k, v in doc["errors"].items()) or "none"
+    rows += [
+        ("wrong bytes / errors", f"{doc['wrong_bytes']:,} / {errors}"),
+        ("blocks held", "-" if cap is None else f"{cap:,}"),
+        ("loaded / stored", f"{_size(doc['bytes_loaded'])} / {_size(doc['bytes_stored'])}"),
+        ("bytes written per token served", _f(doc["bytes_written_per_token_served"], ",.0f")),
+    ]
+    if doc["daemon_cpu_s"] is not None:
+        cpu = f"{doc['daemon_cpu_s']:.2f} s ({doc['daemon_cpu_ms_per_request']:.2f} ms a request)"
+        rows.append(("daemon CPU", cpu))
+    p = doc["prefill"]
+    if p is not None:
+        text = f"{p['saved_s']:,.2f} s (recompute {p['recompute_s']:,.2f} s - load {p['load_s']:,.2f} s)"
+        rows.append(("prefill saved", text))
+    return rows
+
+
+def render(figs: Figures) -> str:
+    doc, w = figs.doc, figs.doc["workload"]
+    speed = "max" if w["speed"] == "max" else f"{w['speed']:g}x"
+    head = [
+        f"trace {Path(w['trace']).name}: {w['requests']:,} requests, {w['tokens']:,} input tokens, "
+        f"{w['blocks']:,} blocks ({w['unique_blocks']:,} unique) over {w['trace_span_s']:,.1f} s of trace",
+        f"blocks of {_size(w['block_bytes'])} ({w['model']['name']}: {_size(w['model_block_bytes'])} per "
+        f"{w['tokens_per_block']} tokens); speed {speed}, concurrency {w['concurrency']}; "
+        f"replayed in {doc['seconds']:.1f} s ({doc['requests'] / max(doc['seconds'], 1e-9):,.1f} requests/s)",
+        "",
+    ]
+    rows = _rows(doc)
+    width = max(len(k) for k, _ in rows)
+    body = [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(head + body + [f"note: {n}" for n in figs.notes])
+
+
+def write_json(path: Path, figs: Figures) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figs.doc, indent=1) + "\n")
+
+
+def write_png(path: Path, figs: Figures) -> None:
+    """The hit ratio per window (stacked G3 and G4) against the references, and
+    the lookup and load latencies."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ts = figs.doc["timeseries"]
+    x = [p["t_s"] for p in ts]
+
+    def series(get: Any) -> list[float]:
+        out = []
+        for p in ts:
+            v = get(p)
+            out.append(float("nan") if v is None else float(v))
+        return out
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    g3 = series(lambda p: p["tiers"]["g3"] if p["tiers"]["g3"] is not None else p["token_hit_ratio"])
+    g4 = series(lambda p: p["tiers"]["g4"] or 0.0)
+    ax1.stackplot(x, [0.0 if math.isnan(v) else v for v in g3], g4, labels=["hit, G3", "hit, G4"], alpha=0.6)
+    for name, style in (("unbounded", "-"), ("lru", "--"), ("belady", ":")):
+        ax1.plot(x, series(lambda p, n=name: p[f"{n}_token_hit_ratio"]), style, color="black", label=name)
+    w = figs.doc["workload"]
+    ax1.set_title(
+        f"kvstore-bench replay: {Path(w['trace']).name}, {w['requests']} requests, "
+        f"{_size(w['block_bytes'])} blocks, c={w['concurrency']}"
+    )
+    ax1.set_ylabel("token hit ratio")
+    ax1.set_ylim(0, 1)
+    ax1.legend(fontsize="small")
+    ax1.grid(alpha=0.3)
+    for key, color in (("lookup_ms", "tab:blue"), ("load_ms", "tab:orange")):
+        for q, style in (("p50", "-"), ("p99", "--")):
+            ax2.plot(x, series(lambda p, k=key, q=q: p[k][q]), style, color=color, label=f"{key[:-3]} {q}")
+    ax2.set_ylabel("latency (ms)")
+    ax2.set_xlabel("second of the replay")
+    ax2.legend(fontsize="small")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)

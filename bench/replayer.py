@@ -1,0 +1,315 @@
+"""The replay of ``kvstore-bench replay`` (``replay.py``): requests of a trace through the client library.
+
+Each request becomes what an engine with kvstore under it does: a prefix
+lookup of its chain (``lookup`` with ``tokens_per_block``), a load of the
+prefix found (``get_many_into``, at most :data:`LOAD_WINDOW_BYTES` a call,
+every block compared with the bytes stored under it), and stores of the rest
+(``put_many_detail``). Requests start at ``speed`` times the trace's pace
+(0: as soon as one of ``concurrency`` slots is free), in the trace's order.
+Block ``i`` of the trace is stored under ``bench-<run id>-<i>``
+(:class:`BlockBytes` says what it holds). Meanwhile the daemon's counters
+that the client cannot see (``/metrics``: reads from the object tier, bytes
+written) are sampled every :data:`METRICS_EVERY_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from kvstore_client import AsyncClient
+
+from .models import ModelGeometry
+from .run import Progress, Recorder, error_kind, key_prefix, run_keys
+from .samples import SAMPLES, load_pool
+from .sizing import kv_bytes_per_block
+from .trace import Request
+
+LOAD_WINDOW_BYTES = 64 << 20  # block bytes one get_many_into or put_many call moves, at most
+MAX_BATCH_KEYS = 1024  # the client's and the daemon's default max_batch_keys
+METRICS_EVERY_S = 1.0
+SNAPSHOT_WAIT_S = 0.6  # workers snapshot their metrics every 0.5 s (docs/API.md)
+STAMP = struct.Struct("<QQ")  # block id, run nonce: the first bytes of every block
+TIER_READS = "kvstore_tier_reads_total"
+BYTES_WRITTEN = "kvstore_bytes_written_total"
+
+
+# -- options ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    """What one replay does, checked (``replay.py`` builds it from the command line)."""
+
+    trace: Path
+    requests: int | None
+    model: ModelGeometry
+    tokens_per_block: int
+    block_bytes: int
+    speed: float  # 0: as fast as the slots allow
+    concurrency: int
+    endpoint: str | None
+    token: str | None
+    metrics_token: str | None
+    keep: bool
+    policy: str
+    quota: int | None
+    settings: dict[str, str]
+    prefill_tps: float | None
+    timeout: float
+    progress: bool
+    json_path: Path | None
+    png_path: Path | None
+
+    @property
+    def model_block_bytes(self) -> int:
+        """The KV cache of one trace block of the model (all layers, all heads)."""
+        return kv_bytes_per_block(self.model, self.tokens_per_block)
+
+
+# -- block bytes ------------------------------------------------------------------------
+
+
+class BlockBytes:
+    """The bytes of trace block ``i``: ``size`` bytes of the KV samples from an
+    offset chosen by ``i`` (wrapping around), the first 16 stamped with ``i``
+    and the run's nonce. Made again to check a load, never kept."""
+
+    ALIGN = 4096
+
+    def __init__(self, size: int, pool: bytes, nonce: int) -> None:
+        self.size, self.nonce = size, nonce
+        self._slots = max(1, len(pool) // self.ALIGN)
+        self._tiled = pool * (size // len(pool) + 2)
+
+    def of(self, block_id: int) -> bytearray:
+        start = (block_id * 2654435761 % self._slots) * self.ALIGN  # Knuth's multiplicative spread
+        out = bytearray(self._tiled[start : start + self.size])
+        STAMP.pack_into(out, 0, block_id & (2**64 - 1), self.nonce)
+        return out
+
+    def wrong(self, block_id: int, got: memoryview) -> int:
+        """Bytes of ``got`` that are not block ``block_id``'s (a length off counts its difference)."""
+        want = self.of(block_id)
+        if got == want:
+            return 0
+        common = min(len(got), len(want))
+        a = np.frombuffer(got[:common], dtype=np.uint8)
+        b = np.frombuffer(want, dtype=np.uint8, count=common)
+        return int(np.count_nonzero(a != b)) + abs(len(got) - len(want))
+
+
+# -- the replay ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Served:
+    """What one request of the trace got from the daemon."""
+
+    found: int = 0  # blocks the lookup found from the start of the chain
+    loaded: int = 0  # of those, blocks loaded whole from the start: the hit
+    stored: int = 0  # blocks this request stored anew
+    stored_before: int = 0  # blocks it stored that were there already (a use, no write)
+    lookup_s: float | None = None
+    load_s: float | None = None
+    store_s: float | None = None
+    late_s: float | None = None  # how far behind the trace's schedule it started (--speed)
+    end_s: float = 0.0  # when it ended, from the start of the replay
+    wrong_bytes: int = 0
+    error: str | None = None
+
+
+class Replayer:
+    """One request at a time through ``client``, its blocks ``blocks``."""
+
+    def __init__(self, client: AsyncClient, opts: ReplayOptions, blocks: BlockBytes, run_id: str) -> None:
+        self.client, self.opts, self.blocks = client, opts, blocks
+        self.prefix = key_prefix(run_id)
+        self.window = max(1, min(MAX_BATCH_KEYS, LOAD_WINDOW_BYTES // blocks.size))
+
+    def key(self, block_id: int) -> str:
+        return f"{self.prefix}{block_id}"
+
+    async def serve(self, r: Request) -> Served:
+        """Lookup, load of the prefix found, stores of the rest; a failure ends
+        the request, counted by kind in ``error`` (what it did so far stands)."""
+        s = Served()
+        keys = [self.key(h) for h in r.hash_ids]
+        try:
+            t = time.perf_counter()
+            s.found = await self.client.lookup(keys, self.opts.tokens_per_block)
+            s.lookup_s = time.perf_counter() - t
+            if s.found:
+                t = time.perf_counter()
+                s.loaded, s.wrong_bytes = await self._load(r.hash_ids[: s.found], keys[: s.found])
+                s.load_s = time.perf_counter() - t
+            if s.loaded < len(keys):
+                t = time.perf_counter()
+                s.stored, s.stored_before = await self._store(r.hash_ids[s.loaded :], keys[s.loaded :])
+                s.store_s = time.perf_counter() - t
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - counted by kind; the replay goes on
+            s.error = error_kind(e)
+        return s
+
+    async def _load(self, ids: Sequence[int], keys: list[str]) -> tuple[int, int]:
+        """(blocks loaded whole from the start, bytes that differed from the stored)."""
+        loaded = wrong = 0
+        for start in range(0, len(keys), self.window):
+            part = range(start, min(len(keys), start + self.window))
+            bufs = [bytearray(self.blocks.size) for _ in part]
+            sizes = await self.client.get_many_into([keys[i] for i in part], bufs)
+            for i, buf, size in zip(part, bufs, sizes, strict=True):
+                if size is None:
+                    return loaded, wrong
+                wrong += self.blocks.wrong(ids[i], memoryview(buf)[:size])
+                loaded += 1
+        return loaded, wrong
+
+    async def _store(self, ids: Sequence[int], keys: list[str]) -> tuple[int, int]:
+        """(blocks stored anew, blocks that were there already)."""
+        new = before = 0
+        for start in range(0, len(keys), self.window):
+            part = range(start, min(len(keys), start + self.window))
+            items = [(keys[i], self.blocks.of(ids[i])) for i in part]
+            statuses = await self.client.put_many_detail(items)
+            new += statuses.count(201)
+            before += statuses.count(200)
+            if None in statuses:
+                raise RuntimeError(f"{statuses.count(None)} of {len(items)} blocks not stored")
+        return new, before
+
+
+async def drive(replayer: Replayer, requests: Sequence[Request], rec: Recorder) -> list[Served]:
+    """Every request, started at its time (``--speed``, from ``rec.t0``) once a slot is free."""
+    opts = replayer.opts
+    out = [Served() for _ in requests]
+    slots = asyncio.Semaphore(opts.concurrency)
+    first = requests[0].timestamp_ms
+
+    async def one(i: int, due: float | None) -> None:
+        try:
+            start = time.perf_counter()
+            s = out[i] = await replayer.serve(requests[i])
+            s.late_s = None if due is None else start - due
+            s.end_s = time.perf_counter() - rec.t0
+            if s.error is not None:
+                rec.error(s.error)
+            else:
+                rec.ok("request", start, (s.loaded + s.stored) * replayer.blocks.size)
+        finally:
+            slots.release()
+
+    async with asyncio.TaskGroup() as tg:
+        for i, r in enumerate(requests):
+            due = rec.t0 + (r.timestamp_ms - first) / 1e3 / opts.speed if opts.speed else None
+            if due is not None:
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            await slots.acquire()
+            tg.create_task(one(i, due))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """The daemon's counters at ``t`` seconds into the replay."""
+
+    t: float
+    tier_reads: float
+    bytes_written: float
+
+
+class Metrics:
+    """The daemon's counters that the client cannot see (``/metrics``), sampled
+    every :data:`METRICS_EVERY_S` over the replay; ``failure`` says why a
+    sample is missing (a metrics token the daemon wants and was not given, say)."""
+
+    def __init__(self, base: str, token: str | None) -> None:
+        self.base = base.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.samples: list[Sample] = []
+        self.failure: str | None = None
+
+    async def sample(self, session: aiohttp.ClientSession, t0: float) -> None:
+        """One sample, at its time from ``t0``; a failure is kept in ``failure``."""
+        try:
+            async with session.get(self.base + "/metrics", headers=self.headers) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}")
+                text = await r.text()
+        except (aiohttp.ClientError, RuntimeError, TimeoutError) as e:
+            self.failure = f"{self.base}/metrics: {type(e).__name__}: {e}"
+            return
+        t = time.perf_counter() - t0
+        self.samples.append(Sample(t, counter(text, TIER_READS), counter(text, BYTES_WRITTEN)))
+
+    async def follow(self, session: aiohttp.ClientSession, stop: asyncio.Event, t0: float) -> None:
+        """A sample a period until ``stop``, and a last one once the workers'
+        snapshots hold the last requests."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(METRICS_EVERY_S):
+                    await stop.wait()
+            if stop.is_set():
+                await asyncio.sleep(SNAPSHOT_WAIT_S)
+            await self.sample(session, t0)
+
+
+def counter(text: str, name: str) -> float:
+    """The sum of ``name``'s samples (every label set) in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
+            total += float(line.rsplit(None, 1)[1])
+    return total
+
+
+@dataclass(slots=True)
+class Replayed:
+    served: list[Served]
+    seconds: float
+    blocks_held: int | None
+    metrics: Metrics
+    errors: dict[str, int] = field(default_factory=dict)
+    held_failure: str | None = None
+
+
+async def replay(opts: ReplayOptions, requests: Sequence[Request], endpoint: str, token: str, run_id: str) -> Replayed:
+    """The replay against ``endpoint``, then the blocks the run holds there."""
+    pool = load_pool(SAMPLES)
+    blocks = BlockBytes(opts.block_bytes, pool, int(run_id, 16))
+    metrics = Metrics(endpoint, opts.metrics_token)
+    rec = Recorder()
+    stop = asyncio.Event()
+    pool_size = max(64, 4 * opts.concurrency)
+    async with (
+        AsyncClient(endpoint, token, timeout=opts.timeout, strict=True, pool_size=pool_size) as client,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
+    ):
+        replayer = Replayer(client, opts, blocks, run_id)
+        progress = Progress("replay", rec, None, len(requests), opts.progress)
+        rec.t0 = time.perf_counter()
+        await metrics.sample(session, rec.t0)  # before the first request: the counters' base
+        watchers = [progress.loop(stop), metrics.follow(session, stop, rec.t0)]
+        tasks = [asyncio.create_task(w) for w in watchers]
+        try:
+            served = await drive(replayer, requests, rec)
+            seconds = time.perf_counter() - rec.t0
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+        held: int | None = None
+        held_failure: str | None = None
+        try:
+            held = len(await run_keys(client, run_id))
+        except Exception as e:  # noqa: BLE001 - the figures that need it say it is unknown
+            held_failure = f"{error_kind(e)}: {e}"
+    return Replayed(served, seconds, held, metrics, dict(rec.errors), held_failure)

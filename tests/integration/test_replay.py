@@ -1,0 +1,158 @@
+"""``kvstore-bench replay`` against a real daemon (server.py on 127.0.0.1, as
+tests/http/conftest.py starts it), on the first few hundred requests of the
+shipped Mooncake trace with small blocks, one request at a time:
+
+* a tenant without a quota keeps every block, so every reusable token is
+  found: the measured hit ratio equals an independent count over the same
+  requests (an id seen in an earlier request is a hit while the chain's ids
+  are);
+* a tenant with a quota loses its least recently used blocks: the measured
+  ratio is the LRU reference's at the blocks it held, within a tolerance
+  (the daemon evicts in steps down to 90% of the quota, by record bytes and
+  with millisecond access times, where the reference holds a fixed count);
+* no wrong byte, no error, and every key of the JSON contract.
+
+No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvstore_bench import replay
+
+from tests.http.conftest import ADMIN, Daemon, daemon_env, free_port
+
+TRACE = Path(replay.__file__).resolve().parent / "data" / "traces" / "synthetic_trace.jsonl"
+CONTRACT = (
+    "token_hit_ratio",
+    "unbounded_token_hit_ratio",
+    "lru_token_hit_ratio",
+    "belady_token_hit_ratio",
+    "tiers",
+    "blocks_held",
+    "requests",
+    "seconds",
+    "wrong_bytes",
+    "lookup_ms",
+    "load_ms",
+)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Daemon]:
+    d = Daemon(tmp_path / "data", free_port(), daemon_env(tmp_path, segment_size="4MiB"))
+    d.start()
+    yield d
+    if d.proc is not None:
+        assert d.stop() == 0
+
+
+def _tenant(base: str, name: str, **fields: Any) -> str:
+    body = json.dumps({"name": name, "policy": "sealed", **fields}).encode()
+    deadline = time.monotonic() + 30
+    while True:  # the daemon listens before it is ready
+        req = urllib.request.Request(base + "/v1/admin/tenants", body, {"Authorization": f"Bearer {ADMIN}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                token: str = json.load(r)["token"]
+                return token
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _replay(base: str, token: str, out: Path, requests: int) -> dict[str, Any]:
+    argv = ["--endpoint", base, "--token", token, "--requests", str(requests), "--block-bytes", "4KiB"]
+    argv += ["--concurrency", "1", "--no-progress", "--json", str(out)]
+    assert replay.main(argv) == 0
+    doc: dict[str, Any] = json.loads(out.read_text())
+    return doc
+
+
+def _independent_hit_ratio(requests: int) -> float:
+    """Tokens of each request's leading blocks seen in any earlier request, over all
+    its input tokens (512 tokens a block, the last one partial)."""
+    seen: set[int] = set()
+    hit = total = 0
+    with TRACE.open() as f:
+        for line in list(f)[:requests]:
+            r = json.loads(line)
+            n = 0
+            while n < len(r["hash_ids"]) and r["hash_ids"][n] in seen:
+                n += 1
+            hit += min(n * 512, r["input_length"])
+            total += r["input_length"]
+            seen.update(r["hash_ids"])
+    return hit / total
+
+
+def _check_contract(doc: dict[str, Any], requests: int) -> None:
+    missing = [k for k in CONTRACT if k not in doc]
+    assert not missing, missing
+    assert doc["requests"] == requests and doc["seconds"] > 0
+    assert doc["wrong_bytes"] == 0 and doc["errors"] == {}
+    assert set(doc["tiers"]) == {"g3", "g4", "miss"}
+    assert doc["tiers"]["g4"] == 0  # no object tier here
+    assert sum(doc["tiers"].values()) == pytest.approx(1.0)
+    for name in ("lookup_ms", "load_ms"):
+        assert set(doc[name]) >= {"p50", "p99", "max"}
+        assert doc[name]["p50"] <= doc[name]["p99"] <= doc[name]["max"]
+    assert doc["lookup_ms"]["count"] == requests
+
+
+def test_without_a_quota_every_reusable_token_is_found(served: Daemon, tmp_path: Path) -> None:
+    token = _tenant(served.base, "open")
+    doc = _replay(served.base, token, tmp_path / "open.json", 300)
+    _check_contract(doc, 300)
+    expected = _independent_hit_ratio(300)
+    assert expected > 0.02  # the first 300 requests do share prefixes
+    assert doc["token_hit_ratio"] == pytest.approx(expected, abs=1e-12)
+    assert doc["unbounded_token_hit_ratio"] == pytest.approx(expected, abs=1e-12)
+    assert doc["lookup_token_hit_ratio"] == doc["token_hit_ratio"]
+    assert doc["blocks_held"] == doc["workload"]["unique_blocks"]  # nothing evicted: LRU and Belady as unbounded
+    assert doc["lru_token_hit_ratio"] == doc["belady_token_hit_ratio"] == doc["unbounded_token_hit_ratio"]
+
+
+def test_with_a_quota_the_hits_are_the_lru_references(served: Daemon, tmp_path: Path) -> None:
+    """600 requests hold 13,229 distinct blocks; a 12 MiB quota keeps a fraction of them."""
+    token = _tenant(served.base, "quota", quota_bytes=12 << 20)
+    doc = _replay(served.base, token, tmp_path / "quota.json", 600)
+    _check_contract(doc, 600)
+    held, unique = doc["blocks_held"], doc["workload"]["unique_blocks"]
+    assert 0 < held < unique / 2
+    lru, unbounded = doc["lru_token_hit_ratio"], doc["unbounded_token_hit_ratio"]
+    assert lru < unbounded - 0.03  # the quota matters here
+    assert doc["token_hit_ratio"] == pytest.approx(lru, abs=0.01)
+    assert lru <= doc["belady_token_hit_ratio"] <= unbounded
+    assert doc["unbounded_token_hit_ratio"] == pytest.approx(_independent_hit_ratio(600), abs=1e-12)
+
+
+def test_a_daemon_started_here_reports_its_cpu_and_is_removed(tmp_path: Path) -> None:
+    """Without --endpoint: a daemon of its own (bench/daemon.py), its CPU counted,
+    the chart drawn, the data directory gone afterwards."""
+    before = set(Path("/var/tmp").glob("kvstore-bench-*"))
+    out, png = tmp_path / "own.json", tmp_path / "own.png"
+    argv = ["--requests", "60", "--block-bytes", "4KiB", "--speed", "50", "--no-progress", "--policy", "direct"]
+    assert replay.main([*argv, "--prefill-tps", "5000", "--json", str(out), "--png", str(png)]) == 0
+    doc = json.loads(out.read_text())
+    _check_contract(doc, 60)
+    assert doc["daemon_cpu_s"] > 0 and doc["behind_schedule_ms"]["count"] == 60
+    assert doc["prefill"]["recompute_s"] == pytest.approx(doc["hit_tokens"] / 5000)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(Path("/var/tmp").glob("kvstore-bench-*")) == before
+
+
+def test_the_run_keys_are_deleted_from_an_existing_daemon(served: Daemon, tmp_path: Path) -> None:
+    token = _tenant(served.base, "clean")
+    _replay(served.base, token, tmp_path / "clean.json", 20)
+    req = urllib.request.Request(served.base + "/v1/stats", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.load(r)["blocks"] == 0
