@@ -349,5 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; a daemon started here was stopped and removed", file=sys.stderr)
+        print(
+            f"{PROG}: interrupted; a daemon started here was removed, the run's keys in --endpoint's tenant deleted "
+            "(unless --keep)",
+            file=sys.stderr,
+        )
         return 128 + signal.SIGINT

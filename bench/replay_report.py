@@ -128,7 +128,8 @@ def timeseries(
             hits: list[int] | None = getattr(refs, name)
             point[f"{name}_token_hit_ratio"] = _ratio(reqs, [hits[i] for i in idx], tpb) if idx and hits else None
         reads = _interp(samples, (w + 1) * width) - _interp(samples, w * width) if len(samples) >= 2 else None
-        point["tiers"] = tiers(point["token_hit_ratio"] or 0.0, reads, sum(served[i].loaded for i in idx))
+        ratio = point["token_hit_ratio"]
+        point["tiers"] = None if ratio is None else tiers(ratio, reads, sum(served[i].loaded for i in idx))
         point["lookup_ms"] = latency_ms([served[i].lookup_s for i in idx])
         point["load_ms"] = latency_ms([served[i].load_s for i in idx])
         out.append(point)
@@ -170,7 +171,7 @@ def figures(
     loaded = sum(s.loaded for s in served)
     stored = sum(s.stored for s in served)
     load_s = sum(s.load_s or 0.0 for s in served)
-    samples = done.metrics.samples
+    samples = [] if done.metrics.failure is not None else done.metrics.samples  # a gap: no split, not a wrong one
     written = _delta(samples, "bytes_written")
     scaled = opts.block_bytes != opts.model_block_bytes
     notes = _notes(opts, done, refs, scaled)
@@ -324,8 +325,8 @@ def write_png(path: Path, figs: Figures) -> None:
         return out
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    g3 = series(lambda p: p["tiers"]["g3"] if p["tiers"]["g3"] is not None else p["token_hit_ratio"])
-    g4 = series(lambda p: p["tiers"]["g4"] or 0.0)
+    g3 = series(lambda p: p["tiers"] and (p["tiers"]["g3"] if p["tiers"]["g3"] is not None else p["token_hit_ratio"]))
+    g4 = series(lambda p: (p["tiers"] and p["tiers"]["g4"]) or 0.0)
     ax1.stackplot(x, [0.0 if math.isnan(v) else v for v in g3], g4, labels=["hit, G3", "hit, G4"], alpha=0.6)
     for name, style in (("unbounded", "-"), ("lru", "--"), ("belady", ":")):
         ax1.plot(x, series(lambda p, n=name: p[f"{n}_token_hit_ratio"]), style, color="black", label=name)

@@ -142,6 +142,8 @@ class Replayer:
         the request, counted by kind in ``error`` (what it did so far stands)."""
         s = Served()
         keys = [self.key(h) for h in r.hash_ids]
+        if not keys:
+            return s  # an empty prompt: nothing to look up
         try:
             t = time.perf_counter()
             s.found = await self.client.lookup(keys, self.opts.tokens_per_block)

@@ -156,3 +156,31 @@ def test_the_run_keys_are_deleted_from_an_existing_daemon(served: Daemon, tmp_pa
     req = urllib.request.Request(served.base + "/v1/stats", headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert json.load(r)["blocks"] == 0
+
+
+def test_a_trace_of_its_own_and_a_metrics_token(tmp_path: Path) -> None:
+    """A trace given with --trace (an empty prompt among its requests) against a
+    daemon whose /metrics wants a token: without it the G3/G4 split is unknown
+    (null, and said), with --metrics-token it is read."""
+    metrics_token = "metrics-token-for-the-replay-0123"
+    d = Daemon(tmp_path / "data", free_port(), daemon_env(tmp_path, metrics_token=metrics_token))
+    d.start()
+    try:
+        token = _tenant(d.base, "own")
+        trace = tmp_path / "own.jsonl"
+        chains = [(0, 1024, [1, 2]), (5, 0, []), (9, 1100, [1, 2, 3])]
+        lines = [{"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": ids} for t, n, ids in chains]
+        trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        argv = ["--endpoint", d.base, "--token", token, "--trace", str(trace), "--block-bytes", "4KiB"]
+        argv += ["--concurrency", "1", "--no-progress"]
+        assert replay.main([*argv, "--json", str(tmp_path / "a.json")]) == 0
+        doc = json.loads((tmp_path / "a.json").read_text())
+        assert doc["token_hit_ratio"] == pytest.approx(1024 / 2124) and doc["errors"] == {}
+        assert doc["tiers"] == {"g3": None, "g4": None, "miss": pytest.approx(1100 / 2124)}
+        assert any("/metrics" in n and "--metrics-token" in n for n in doc["notes"])
+        argv += ["--metrics-token", metrics_token]
+        assert replay.main([*argv, "--json", str(tmp_path / "b.json")]) == 0
+        doc = json.loads((tmp_path / "b.json").read_text())
+        assert doc["tiers"]["g3"] == pytest.approx(1024 / 2124) and doc["tiers"]["g4"] == 0
+    finally:
+        assert d.stop() == 0
