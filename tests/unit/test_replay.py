@@ -10,6 +10,8 @@ import functools
 import json
 import math
 import random
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -282,3 +284,11 @@ def test_belady_finds_as_much_as_an_exhaustive_search() -> None:
         assert refs.belady is not None and refs.lru is not None
         assert sum(refs.belady) == _best_prefix_hits(requests, capacity), (capacity, requests)
         assert sum(refs.lru) <= sum(refs.belady)
+
+
+def test_the_readme_examples_parse() -> None:
+    readme = Path(__file__).resolve().parents[2] / "bench" / "README.md"
+    lines = re.findall(r"^(?:KVSTORE_TOKEN=\S+ )?\.venv/bin/kvstore-bench replay (.*)$", readme.read_text(), re.M)
+    assert len(lines) >= 4, lines
+    for line in lines:
+        build_parser().parse_args(shlex.split(line))
