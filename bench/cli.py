@@ -69,7 +69,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-from .models import DTYPE_BYTES, ModelGeometry, dtype_bytes, resolve_model
+from .argtypes import dtype_arg, model_arg, nonneg_float, nonneg_int, positive_float, positive_int
+from .models import DTYPE_BYTES, ModelGeometry, resolve_model
 from .sizing import (
     GB,
     PB,
@@ -108,73 +109,17 @@ COMMANDS = ("size", "ttft", "run", *DELEGATED)
 ENGINES = ("vllm",)
 
 
-# -- argument types: each raises ArgumentTypeError, which argparse reports as "argument --opt: <message>", exit 2
-
-
-def _model(text: str) -> ModelGeometry:
-    try:
-        return resolve_model(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _dtype(text: str) -> str:
-    try:
-        dtype_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text.strip().lower()
-
-
-def _int(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    return _int(text, 1)
-
-
-def _nonneg_int(text: str) -> int:
-    return _int(text, 0)
-
-
-def _float(text: str, allow_zero: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} must be finite")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise argparse.ArgumentTypeError(f"{value:g} must be {'at least 0' if allow_zero else 'positive'}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    return _float(text, allow_zero=False)
-
-
-def _nonneg_float(text: str) -> float:
-    return _float(text, allow_zero=True)
-
-
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        type=_model,
+        type=model_arg,
         required=True,
         help="a preset name (case-insensitive: Llama-3.1-8B, Llama-3.1-70B, Llama-3.1-405B, Qwen2.5-7B, "
         "Qwen2.5-72B, Mixtral-8x7B) or 'layers=N,kv_heads=N,head_dim=N[,dtype=fp16|bf16|fp8|fp32]'",
     )
     p.add_argument(
         "--dtype",
-        type=_dtype,
+        type=dtype_arg,
         help=f"KV-cache dtype, overriding the model's ({', '.join(DTYPE_BYTES)})",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -193,41 +138,41 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     _add_model_args(size)
     size.add_argument(
         "--tokens-per-block",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_TOKENS_PER_BLOCK,
         help=f"tokens in one stored block (default {DEFAULT_TOKENS_PER_BLOCK})",
     )
-    size.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
-    size.add_argument("--context", type=_nonneg_int, help="context tokens of one session")
-    size.add_argument("--users", type=_nonneg_int, help="users for the capacity estimate")
+    size.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
+    size.add_argument("--context", type=nonneg_int, help="context tokens of one session")
+    size.add_argument("--users", type=nonneg_int, help="users for the capacity estimate")
     size.add_argument(
         "--per-user-gb",
-        type=_positive_float,
+        type=positive_float,
         help="KV per user in GB (1e9 bytes); default: one --context session",
     )
-    size.add_argument("--retention", type=_positive_float, help="retention multiplier for capacity (default 1)")
+    size.add_argument("--retention", type=positive_float, help="retention multiplier for capacity (default 1)")
 
     ttft = sub.add_parser("ttft", help="time to load a prefix's KV cache vs. to recompute it")
     _add_model_args(ttft)
     ttft.add_argument(
         "--throughput-gbps",
-        type=_positive_float,
+        type=positive_float,
         required=True,
         help="store throughput in GB/s (1e9 bytes per second, not gigabits)",
     )
     ttft.add_argument(
         "--prefill-tps",
-        type=_positive_float,
+        type=positive_float,
         help="prefill rate in tokens/s (required unless the preset has one; none does yet)",
     )
     ttft.add_argument(
         "--tokens",
-        type=_positive_int,
+        type=positive_int,
         nargs="+",
         default=list(DEFAULT_TTFT_TOKENS),
         help=f"prefix lengths in tokens (default {' '.join(map(str, DEFAULT_TTFT_TOKENS))})",
     )
-    ttft.add_argument("--latency-ms", type=_nonneg_float, default=0.0, help="fixed latency per load (default 0)")
+    ttft.add_argument("--latency-ms", type=nonneg_float, default=0.0, help="fixed latency per load (default 0)")
     ttft.add_argument(
         "--engine",
         choices=ENGINES,
@@ -241,34 +186,36 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     block = kv_bytes_per_block(default_model, DEFAULT_TOKENS_PER_BLOCK)  # tp 1: one rank holds every head
     run.add_argument(
         "--model",
-        type=_model,
+        type=model_arg,
         default=default_model,
         help=f"a preset name or 'layers=N,kv_heads=N,head_dim=N[,dtype=...]' (default {DEFAULT_RUN_MODEL})",
     )
-    run.add_argument("--dtype", type=_dtype, help=f"KV-cache dtype, overriding the model's ({', '.join(DTYPE_BYTES)})")
+    run.add_argument(
+        "--dtype", type=dtype_arg, help=f"KV-cache dtype, overriding the model's ({', '.join(DTYPE_BYTES)})"
+    )
     run.add_argument(
         "--tokens-per-block",
-        type=_positive_int,
+        type=positive_int,
         help=f"tokens per engine block (default {DEFAULT_TOKENS_PER_BLOCK}; --short 16)",
     )
     run.add_argument(
-        "--tp", type=_positive_int, default=1, help="TP ranks: one kvstore block per engine block per rank (default 1)"
+        "--tp", type=positive_int, default=1, help="TP ranks: one kvstore block per engine block per rank (default 1)"
     )
     run.add_argument(
         "--blocks",
-        type=_positive_int,
+        type=positive_int,
         help="distinct blocks loaded before the run; the data set is --blocks blocks of --tokens-per-block "
         f"tokens of one TP rank's KV ({_binary(block)} each for {DEFAULT_RUN_MODEL} at {DEFAULT_TOKENS_PER_BLOCK} "
         f"tokens, tp 1). Default {RUN_BLOCKS} ({_binary(RUN_BLOCKS * block)} of the default model); "
         f"{RUN_BLOCKS_ENDPOINT} with --endpoint ({_binary(RUN_BLOCKS_ENDPOINT * block)}); {RUN_BLOCKS_SHORT} "
         "with --short",
     )
-    run.add_argument("--concurrency", type=_positive_int, help="operations in flight (default 8; --short 4)")
-    run.add_argument("--duration", type=_positive_float, help="seconds per system measured (default 20; --short 2)")
-    run.add_argument("--ops", type=_positive_int, help="operations per system measured, instead of --duration")
-    run.add_argument("--read-ratio", type=_nonneg_float, default=0.9, help="fraction of reads (default 0.9)")
+    run.add_argument("--concurrency", type=positive_int, help="operations in flight (default 8; --short 4)")
+    run.add_argument("--duration", type=positive_float, help="seconds per system measured (default 20; --short 2)")
+    run.add_argument("--ops", type=positive_int, help="operations per system measured, instead of --duration")
+    run.add_argument("--read-ratio", type=nonneg_float, default=0.9, help="fraction of reads (default 0.9)")
     run.add_argument(
-        "--hit-ratio", type=_nonneg_float, default=1.0, help="fraction of reads of stored keys (default 1.0)"
+        "--hit-ratio", type=nonneg_float, default=1.0, help="fraction of reads of stored keys (default 1.0)"
     )
     run.add_argument(
         "--endpoint",
@@ -286,11 +233,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     run.add_argument("--policy", choices=("sealed", "direct"), help="the local daemon's tenant policy (default sealed)")
     run.add_argument("--peers", help="redis,nginx or none (default: both when installed; none with --short)")
     run.add_argument(
-        "--context", type=_positive_int, default=32768, help="tokens for the TTFT model line (default 32768)"
+        "--context", type=positive_int, default=32768, help="tokens for the TTFT model line (default 32768)"
     )
-    run.add_argument("--prefill-tps", type=_positive_float, help="prefill rate in tokens/s for the TTFT line")
-    run.add_argument("--timeout", type=_positive_float, default=30.0, help="per-operation deadline, s (default 30)")
-    run.add_argument("--seed", type=_nonneg_int, default=1, help="seed of the operation mix (default 1)")
+    run.add_argument("--prefill-tps", type=positive_float, help="prefill rate in tokens/s for the TTFT line")
+    run.add_argument("--timeout", type=positive_float, default=30.0, help="per-operation deadline, s (default 30)")
+    run.add_argument("--seed", type=nonneg_int, default=1, help="seed of the operation mix (default 1)")
     run.add_argument("--short", action="store_true", help="a ~2 s smoke run: few small blocks, no peers")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is no TTY)")
     run.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the time series as JSON")

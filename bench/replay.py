@@ -48,7 +48,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .models import ModelGeometry, dtype_bytes, resolve_model
+from .argtypes import dtype_arg, model_arg, positive_float, positive_int
+from .models import ModelGeometry, resolve_model
 from .plots import matplotlib_missing
 from .replay_report import figures, render, write_json, write_png
 from .replayer import ReplayOptions, replay
@@ -66,56 +67,30 @@ MIN_BLOCK_BYTES = 64
 
 
 def _size(text: str) -> int:
+    """A byte count: digits, or with a unit as the daemon's settings take them (16KiB, 64MiB)."""
     from kvstore.config import parse_size
     from kvstore.errors import ConfigError
 
     try:
-        value = int(parse_size("--block-bytes", text))
-    except (ConfigError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        value = int(parse_size("size", text))
+    except (ConfigError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes such as 16384 or 16KiB") from None
     if value < MIN_BLOCK_BYTES:
         raise argparse.ArgumentTypeError(f"{value} must be at least {MIN_BLOCK_BYTES} bytes")
     return value
 
 
 def _speed(text: str) -> float:
-    if text.strip().lower() in ("max", "0"):
+    """A factor of the trace's pace; 0 or 'max': as fast as the slots allow."""
+    if text.strip().lower() == "max":
         return 0.0
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'max'") from None
-    if not (value > 0 and math.isfinite(value)):
+    if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"{text!r} must be positive (or 0 / 'max': as fast as possible)")
     return value
-
-
-def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    def check(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-        return value
-
-    return check
-
-
-def _model(text: str) -> ModelGeometry:
-    try:
-        return resolve_model(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _dtype(text: str) -> str:
-    try:
-        dtype_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,18 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a trace in Mooncake's JSONL format (default: Mooncake's synthetic trace, shipped with the package)",
     )
-    ap.add_argument("--requests", type=_positive(int), help="replay only the first N requests (default: all)")
+    ap.add_argument("--requests", type=positive_int, help="replay only the first N requests (default: all)")
     ap.add_argument(
         "--model",
-        type=_model,
+        type=model_arg,
         default=resolve_model(DEFAULT_MODEL),
         help=f"the model whose KV cache a block holds: a preset name or 'layers=N,kv_heads=N,head_dim=N' "
         f"(default {DEFAULT_MODEL}); sizes the blocks and the prefill figures",
     )
-    ap.add_argument("--dtype", type=_dtype, help="the KV-cache dtype, overriding the model's (fp8, fp16, bf16, fp32)")
+    ap.add_argument(
+        "--dtype", type=dtype_arg, help="the KV-cache dtype, overriding the model's (fp8, fp16, bf16, fp32)"
+    )
     ap.add_argument(
         "--tokens-per-block",
-        type=_positive(int),
+        type=positive_int,
         default=MOONCAKE_TOKENS_PER_BLOCK,
         help=f"tokens per hash id of the trace (default {MOONCAKE_TOKENS_PER_BLOCK}, Mooncake's block)",
     )
@@ -155,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay at this many times the trace's pace (1: its own timestamps); 0 or 'max' (the default): "
         "each request as soon as a slot is free",
     )
-    ap.add_argument("--concurrency", type=_positive(int), default=4, help="requests in flight at most (default 4)")
+    ap.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at most (default 4)")
     ap.add_argument(
         "--endpoint",
         metavar="URL",
@@ -186,10 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--prefill-tps",
-        type=_positive(float),
+        type=positive_float,
         help="the prefill rate in tokens/s, for the prefill time the hits save (none by default: no preset has one)",
     )
-    ap.add_argument("--timeout", type=_positive(float), default=30.0, help="deadline of each call, s (default 30)")
+    ap.add_argument("--timeout", type=positive_float, default=30.0, help="deadline of each call, s (default 30)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is no TTY)")
     ap.add_argument("--json", type=Path, metavar="OUT", help="write every figure and the time series as JSON")
     ap.add_argument(

@@ -193,6 +193,7 @@ def _options(*argv: str) -> ReplayOptions:
         (["--set", "novalue"], "NAME=VALUE"),
         (["--speed", "-1"], "--speed"),
         (["--block-bytes", "10"], "at least 64"),
+        (["--quota", "12Q"], "argument --quota: '12Q' is not a size"),
         (["--requests", "0"], "--requests"),
         (["--trace", "/nonexistent.jsonl"], "not a file"),
     ],
@@ -213,6 +214,7 @@ def test_options_scale_the_blocks_and_read_the_speed() -> None:
     assert opts.model_block_bytes == 512 * 131072  # Llama-3.1-8B, 512 tokens
     assert opts.settings == {"frame_size": "64KiB"} and opts.quota == 8 << 20
     assert _options("--speed", "2.5").speed == 2.5
+    assert _options("--speed", "0.0").speed == _options("--speed", "MAX").speed == 0.0
     assert _options("--model", "layers=2,kv_heads=1,head_dim=8").block_bytes == 2 * 2 * 8 * 2 * 512
 
 
