@@ -283,7 +283,10 @@ def _target(opts: ReplayOptions, unique_blocks: int) -> Iterator[tuple[str, str,
 def execute(opts: ReplayOptions) -> int:
     from .daemon import tree_cpu_seconds
 
-    requests = load_trace(opts.trace, opts.requests)
+    try:
+        requests = load_trace(opts.trace, opts.requests)
+    except ValueError as e:
+        raise ValueError(f"argument --trace: {e}") from None
     cut = shape(requests)
     run_id = os.urandom(4).hex()
     say(

@@ -127,7 +127,8 @@ class Served:
 
 
 class Replayer:
-    """One request at a time through ``client``, its blocks ``blocks``."""
+    """What a request of the trace does, through ``client``, with the bytes of ``blocks``
+    (``serve``: each call one request; ``drive`` runs several at once)."""
 
     def __init__(self, client: AsyncClient, opts: ReplayOptions, blocks: BlockBytes, run_id: str) -> None:
         self.client, self.opts, self.blocks = client, opts, blocks
