@@ -1,12 +1,9 @@
 """Records as stored, opened here: the client side of ``GET /v1/records/{key}``.
 
 The daemon sends the stored frames that cover the bytes asked for, as they
-are on disk, after an envelope head (docs/API.md, "Records as stored")::
-
-    magic     4 bytes   b"KVE1"
-    meta_len  u32 LE
-    meta      JSON      the frame table and, for a sealed tenant, the record's own key
-    frames    the stored frames first..last, back to back
+are on disk, after an envelope head (docs/API.md, "Records as stored";
+its format: kvstore_client/wire/envelope.py, whose errors become the
+client's here, in :func:`client_errors`).
 
 This module checks each frame exactly as the daemon would and decodes it
 into the caller's buffer: its xxh3-64, then (sealed) AES-256-GCM under the
@@ -24,12 +21,9 @@ release the GIL).
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
-import struct
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import xxhash
@@ -37,124 +31,39 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvstore_client.errors import CorruptBlock, ProtocolError
-from kvstore_client.wire.codec import CODECS, decode_frame
-from kvstore_client.wire.errors import CorruptFrame
+from kvstore_client.wire import envelope
+from kvstore_client.wire.codec import decode_frame
+from kvstore_client.wire.envelope import RecordMeta as RecordMeta
+from kvstore_client.wire.envelope import StoredFrame as StoredFrame
+from kvstore_client.wire.errors import BadEnvelope, CorruptFrame, OtherRecord
 from kvstore_client.wire.sealing import TAG, FrameBinding, frame_nonce
 
-MAGIC = b"KVE1"
-HEAD = struct.Struct("<4sI")
-MAX_META = 8 << 20  # a frame table of 64 MiB of 4 KiB frames is ~0.8 MiB of JSON
 _local = threading.local()
 
 
-@dataclass(frozen=True, slots=True)
-class StoredFrame:
-    length: int  # stored bytes
-    codec: str
-    xxh3: int
-
-
-@dataclass(frozen=True, slots=True)
-class RecordMeta:
-    """What opens frames ``first``.. of one record, and which block bytes
-    ([start, end)) the caller wants from them."""
-
-    tenant: str
-    key: str
-    size: int
-    start: int
-    end: int
-    record_id: bytes
-    key_version: int
-    frame_size: int
-    frame_count: int
-    first: int
-    frames: tuple[StoredFrame, ...]
-    frame_key: bytes | None
-
-    @property
-    def stored_len(self) -> int:
-        return sum(f.length for f in self.frames)
-
-    def plain_bounds(self, j: int) -> tuple[int, int]:
-        """Block bytes [lo, hi) that frame ``first + j`` holds."""
-        lo = (self.first + j) * self.frame_size
-        return lo, min(self.size, lo + self.frame_size)
-
-
-def _field(doc: dict[str, Any], name: str, kind: type) -> Any:
-    v = doc.get(name)
-    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-        raise ProtocolError(f"record envelope: field {name!r} is missing or not {kind.__name__}")
-    return v
-
-
 def parse_meta(raw: bytes, key: str) -> RecordMeta:
-    """The envelope's meta, checked for consistency; ``key`` is the key asked
-    for (a record of another key is corrupt, whatever its frames say)."""
-    try:
-        doc = json.loads(raw)
-    except ValueError as e:
-        raise ProtocolError(f"record envelope: bad JSON: {e}") from None
-    return meta_of(doc, key)
+    """:func:`kvstore_client.wire.envelope.parse_meta`, with the client's errors."""
+    with client_errors():
+        return envelope.parse_meta(raw, key)
 
 
 def meta_of(doc: Any, key: str) -> RecordMeta:
-    """:func:`parse_meta` of meta already parsed (a read plan's ``record``)."""
-    if not isinstance(doc, dict):
-        raise ProtocolError("record envelope: meta is not an object")
-    if _field(doc, "key", str) != key:
-        raise CorruptBlock(f"asked for block {key} but the daemon sent a record of {doc['key']!r}")
-    frames = []
-    for f in _field(doc, "frames", list):
-        if not isinstance(f, dict):
-            raise ProtocolError("record envelope: a frame entry is not an object")
-        codec = _field(f, "codec", str)
-        if codec not in CODECS:
-            raise ProtocolError(f"record envelope: unknown frame codec {codec!r} (a newer daemon: upgrade the client)")
-        try:
-            digest = int(_field(f, "xxh3", str), 16)
-        except ValueError:
-            raise ProtocolError("record envelope: a frame's xxh3 is not hex") from None
-        frames.append(StoredFrame(_field(f, "len", int), codec, digest))
-    fk = doc.get("frame_key")
+    """:func:`kvstore_client.wire.envelope.meta_of` (a read plan's ``record``), with the client's errors."""
+    with client_errors():
+        return envelope.meta_of(doc, key)
+
+
+@contextmanager
+def client_errors(where: str = "", status: int | None = None) -> Iterator[None]:
+    """The envelope's errors as the client's, in one place: a record of
+    another key is corrupt, anything else that breaks the envelope a
+    protocol error. ``where`` prefixes the message (the block, say)."""
     try:
-        frame_key = None if fk is None else base64.b64decode(str(fk), validate=True)
-        record_id = bytes.fromhex(_field(doc, "record_id", str))
-    except (ValueError, binascii.Error):
-        raise ProtocolError("record envelope: frame_key or record_id is not well formed") from None
-    meta = RecordMeta(
-        _field(doc, "tenant", str),
-        key,
-        _field(doc, "size", int),
-        _field(doc, "start", int),
-        _field(doc, "end", int),
-        record_id,
-        _field(doc, "key_version", int),
-        _field(doc, "frame_size", int),
-        _field(doc, "frame_count", int),
-        _field(doc, "first", int),
-        tuple(frames),
-        frame_key,
-    )
-    _check_layout(meta, bool(doc.get("sealed")))
-    return meta
-
-
-def _check_layout(m: RecordMeta, sealed: bool) -> None:
-    problem = None
-    if sealed != (m.frame_key is not None) or (m.frame_key is not None and len(m.frame_key) != 32):
-        problem = "a sealed record needs a 32-byte frame key, and only a sealed one has one"
-    elif len(m.record_id) != 16 or m.frame_size <= 0 or m.size <= 0:
-        problem = "record id, frame size or size out of range"
-    elif m.frame_count != -(-m.size // m.frame_size):
-        problem = f"{m.frame_count} frames cannot hold {m.size} bytes in frames of {m.frame_size}"
-    elif not 0 <= m.start < m.end <= m.size:
-        problem = f"range [{m.start}, {m.end}) is not within {m.size} bytes"
-    elif m.first != m.start // m.frame_size or m.first + len(m.frames) - 1 != (m.end - 1) // m.frame_size:
-        problem = "the frames sent do not cover the range"
-    if problem:
-        raise ProtocolError(f"record envelope of block {m.key}: {problem}")
+        yield
+    except OtherRecord as e:
+        raise CorruptBlock(f"{where}{e}", status=status) from None
+    except BadEnvelope as e:
+        raise ProtocolError(f"{where}{e}", status=status) from None
 
 
 class RecordOpener:

@@ -26,6 +26,7 @@ import pytest
 import xxhash
 from kvstore_client import AsyncClient, CorruptBlock
 from kvstore_client import record as client_record
+from kvstore_client.wire import envelope
 
 from kvstore.engine.crypto import MasterKey
 from kvstore.transport.http.app import make_app
@@ -132,9 +133,9 @@ async def _put(session: aiohttp.ClientSession, base: str, token: str, key: str, 
 
 
 def _split(env: bytes) -> tuple[dict[str, Any], bytes]:
-    magic, n = client_record.HEAD.unpack_from(env)
-    assert magic == b"KVE1"
-    return json.loads(env[8 : 8 + n]), env[8 + n :]
+    at = envelope.HEAD.size
+    n = envelope.meta_len(env[:at])
+    return json.loads(env[at : at + n]), env[at + n :]
 
 
 def _open(meta: dict[str, Any], frames: bytes, key: str) -> bytes:

@@ -58,6 +58,7 @@ class RecordReader:
         arrives, into ``dest(n)`` (n: the bytes to come). Returns n; raises
         ServerDecodes when the block must be read with GET instead."""
         from kvstore_client import record
+        from kvstore_client.wire import envelope
 
         headers = {"Range": f"bytes={rng[0]}-{rng[1] - 1}"} if rng else {}
         async with s.get(f"/v1/records/{key}", headers=headers) as r:
@@ -71,19 +72,12 @@ class RecordReader:
                 raise err
             await check(r, ok=(200,))
             try:
-                magic, meta_len = record.HEAD.unpack(await r.content.readexactly(record.HEAD.size))
-                if magic != record.MAGIC and magic[:3] == record.MAGIC[:3]:
-                    raise ProtocolError(
-                        f"block {key}: record envelope {magic!r} is a newer daemon's; this client reads "
-                        f"{record.MAGIC!r} only: upgrade kvstore-client",
-                        status=r.status,
-                    )
-                if magic != record.MAGIC or meta_len > record.MAX_META:
-                    raise ProtocolError(f"block {key}: not a record envelope", status=r.status)
+                with record.client_errors(f"block {key}: ", r.status):
+                    meta_len = envelope.meta_len(await r.content.readexactly(envelope.HEAD.size))
                 meta = record.parse_meta(await r.content.readexactly(meta_len), key)
                 if rng is not None and (meta.start, meta.end) != (rng[0], min(rng[1], meta.size)):
                     raise ProtocolError(f"block {key}: the record sent covers [{meta.start}, {meta.end}), not {rng}")
-                if r.content_length is not None and r.content_length != record.HEAD.size + meta_len + meta.stored_len:
+                if r.content_length is not None and r.content_length != envelope.HEAD.size + meta_len + meta.stored_len:
                     raise ProtocolError(f"block {key}: Content-Length does not match the record envelope")
                 if self._decode == "auto" and meta.frame_key is None and all(f.codec == "raw" for f in meta.frames):
                     # A direct tenant: the daemon sends its blocks with sendfile and

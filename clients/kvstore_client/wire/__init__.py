@@ -6,6 +6,10 @@ stays installable alone.
 
 - :mod:`.keys`: the key grammar;
 - :mod:`.batchframe`: the batch framing of ``/v1/batch/put`` and ``/v1/batch/get``;
+- :mod:`.envelope`: the record envelope of ``GET /v1/records/{key}`` (needs
+  the decode extra, as the codecs);
+- :mod:`.sealing`: how sealed frames are bound to their record, and the
+  additional data of everything sealed;
 - :mod:`.codec`: the frame codecs (raw, zstd, zstd over byte planes; needs
   ``kvstore-client[decode]``: zstandard, numpy);
 - :mod:`.nixl_loader`: loading NIXL's Python API and making an agent;

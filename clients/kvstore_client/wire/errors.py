@@ -3,7 +3,7 @@
 Each message says where (the item, the byte offset) and what was expected.
 The daemon and the client map these to their own errors in one place each
 (kvstore/transport/batchframe.py and kvstore/engine/codec.py; the client's
-reads/batch.py and keys.py).
+reads/batch.py, keys.py and record.py).
 """
 
 from __future__ import annotations
@@ -27,3 +27,16 @@ class TooLarge(BadFraming):
 
 class CorruptFrame(WireError):
     """A stored frame that does not decode to its plaintext."""
+
+
+class BadEnvelope(WireError):
+    """A record envelope (``GET /v1/records/{key}``) that breaks its format."""
+
+
+class NewerEnvelope(BadEnvelope):
+    """A record envelope of a later release: its magic is ``KVE`` and another version."""
+
+
+class OtherRecord(WireError):
+    """A record envelope of another block than the one asked for: corrupt,
+    whatever its frames say."""

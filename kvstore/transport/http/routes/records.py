@@ -11,23 +11,17 @@ A record's key is handed out only where no one else can read it: over TLS,
 a unix socket, or a loopback connection (``403 insecure_transport``
 elsewhere). The answer is ``Cache-Control: no-store``.
 
-The envelope (docs/API.md, "Records as stored")::
-
-    magic     4 bytes   b"KVE1"
-    meta_len  u32 LE    bytes of meta
-    meta      JSON      what opens the frames (record_meta below)
-    frames    bytes     stored frames first..last, back to back
+The envelope (docs/API.md, "Records as stored") is the client's wire
+format, defined once: kvstore_client/wire/envelope.py.
 """
 
 from __future__ import annotations
 
-import base64
 import ipaddress
-import json
-import struct
 from typing import Any
 
 from aiohttp import web
+from kvstore_client.wire.envelope import RecordMeta, StoredFrame, meta_doc, pack_head
 
 from kvstore.engine.api import CODEC_NAMES, StoredFrames
 from kvstore.errors import InsecureTransport
@@ -37,8 +31,6 @@ from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_
 from kvstore.transport.http.routes.blocks import etag, head_anywhere, send_bytes, take_read
 
 routes = web.RouteTableDef()
-ENVELOPE_MAGIC = b"KVE1"
-ENVELOPE_HEAD = struct.Struct("<4sI")
 RECORD_TYPE = "application/vnd.kvstore.record"
 
 
@@ -68,29 +60,22 @@ def record_meta(tenant: str, key: str, size: int, start: int, end: int, f: Store
     """What a client needs to check and open frames ``f.first``..``f.last``
     and cut bytes [start, end) of the block from them."""
     h = f.header
-    return {
-        "tenant": tenant,
-        "key": key,
-        "size": size,
-        "start": start,
-        "end": end,
-        "record_id": h.record_id.hex(),
-        "key_version": h.key_version,
-        "frame_size": h.frame_size,
-        "frame_count": len(h.frames),
-        "first": f.first,
-        "frames": [
-            {"len": e.stored_len, "codec": CODEC_NAMES[e.codec], "xxh3": f"{e.checksum:016x}"}
-            for e in h.frames[f.first : f.last + 1]
-        ],
-        "sealed": h.sealed,
-        "frame_key": None if f.frame_key is None else base64.b64encode(f.frame_key).decode(),
-    }
-
-
-def envelope_head(meta: dict[str, Any]) -> bytes:
-    raw = json.dumps(meta, separators=(",", ":")).encode()
-    return ENVELOPE_HEAD.pack(ENVELOPE_MAGIC, len(raw)) + raw
+    frames = tuple(StoredFrame(e.stored_len, CODEC_NAMES[e.codec], e.checksum) for e in h.frames[f.first : f.last + 1])
+    meta = RecordMeta(
+        tenant=tenant,
+        key=key,
+        size=size,
+        start=start,
+        end=end,
+        record_id=h.record_id,
+        key_version=h.key_version,
+        frame_size=h.frame_size,
+        frame_count=len(h.frames),
+        first=f.first,
+        frames=frames,
+        frame_key=f.frame_key,
+    )
+    return meta_doc(meta)
 
 
 @routes.get("/v1/records/{key}", allow_head=False)
@@ -115,6 +100,6 @@ async def get_record(request: web.Request) -> web.StreamResponse:
     try:
         headers["ETag"] = etag(rec.frames.header.record_id.hex())  # the record sent, written again or not
         meta = record_meta(tenant, key, rec.frames.header.logical_size, rec.start, rec.end, rec.frames)
-        return await send_bytes(request, rec.body, 200, headers, head=envelope_head(meta), content_type=RECORD_TYPE)
+        return await send_bytes(request, rec.body, 200, headers, head=pack_head(meta), content_type=RECORD_TYPE)
     finally:
         rec.release()
