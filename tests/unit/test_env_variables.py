@@ -20,7 +20,7 @@ SCANNED = ["kvstore", "clients", "bench", "deploy", "tests", "server.py", "docs"
 # The tests of this check, which name misspelled variables on purpose.
 MISSPELLING = {
     ROOT / "tests" / "unit" / "test_env_variables.py",
-    ROOT / "tests" / "http" / "test_reliability2.py",
+    ROOT / "tests" / "http" / "test_daemon_edges.py",
     ROOT / "tests" / "integration" / "test_fsck.py",
 }
 

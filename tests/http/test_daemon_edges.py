@@ -1,5 +1,12 @@
-"""Regression tests of issue 24 ("Reliability II"), items 4-9, each named
-after its defect and run on a real daemon (one or two worker processes)."""
+"""The daemon at its edges, on a real daemon of one or two worker processes:
+unusual and malformed requests (deep nesting, Expect, HTTP versions, query
+parameters, request line and header limits and timeouts, several ranges,
+Last-Event-ID) get their documented answer on every worker, never a
+traceback; a start-up that cannot go on ends in one line naming why; a
+reader's relays to the writer are bounded and end with it.
+
+Each test is named after the defect it pins; its docstring cites the item of
+issue 24 ("Reliability II") that reported it."""
 
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ async def _quiet(daemon: Daemon) -> None:
     assert "Traceback" not in daemon.output and " ERROR " not in daemon.output, daemon.output[-3000:]
 
 
-# -- item 4 -------------------------------------------------------------------
+# -- deeply nested block identities and JSON bodies ----------------------------
 
 
 async def test_nested_block_identity_answered_500_with_a_traceback(daemon: Daemon) -> None:
@@ -90,7 +97,7 @@ async def test_nested_block_identity_answered_500_with_a_traceback(daemon: Daemo
     await _quiet(daemon)
 
 
-# -- item 5 -------------------------------------------------------------------
+# -- Expect and 100-continue ---------------------------------------------------
 
 
 async def test_expect_header_echoed_in_text_plain_417_before_authentication(daemon: Daemon) -> None:
@@ -172,7 +179,7 @@ async def test_100_continue_sent_before_authentication(daemon: Daemon) -> None:
     await _quiet(daemon)
 
 
-# -- item 6 -------------------------------------------------------------------
+# -- HTTP versions, Last-Event-ID and query parameters -------------------------
 
 
 async def test_http2_and_http09_requests_served(daemon: Daemon) -> None:
@@ -261,7 +268,7 @@ async def test_lax_query_parameters_read_as_something_else(daemon: Daemon) -> No
     await _quiet(daemon)
 
 
-# -- item 7 -------------------------------------------------------------------
+# -- start-up that cannot go on ------------------------------------------------
 
 
 def _server(data_dir: Path, port: int, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
@@ -333,7 +340,7 @@ def test_misspelled_variable_ignored_silently(daemon: Daemon, tmp_path: Path) ->
     daemon.stop()
 
 
-# -- item 8 -------------------------------------------------------------------
+# -- relays to the writer, request timeouts and request line limits ------------
 
 
 async def _reader_conns(port: int, n: int) -> tuple[list[Conn], int]:
@@ -460,7 +467,7 @@ async def test_over_long_request_line_answered_431(daemon: Daemon) -> None:
     await _quiet(daemon)
 
 
-# -- item 9 -------------------------------------------------------------------
+# -- admin answers, several ranges, readers' logs and relayed streams ----------
 
 
 async def test_created_tenant_answered_no_tokens_beside_its_token(daemon: Daemon) -> None:
