@@ -14,7 +14,8 @@ import contextlib
 import io
 import json
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -86,6 +87,19 @@ async def _put(api: Api, token: str, key: str, data: bytes) -> None:
 
 def _comparable(r: Reply) -> tuple[int, dict[str, str], bytes]:
     return r.status, {k: v for k, v in r.headers.items() if k != "date"}, r.body
+
+
+async def until(what: str, ready: Callable[[], bool | Awaitable[bool]], timeout_s: float = 15.0) -> None:
+    """Wait for ``ready()`` to hold, polling, and fail naming ``what`` after
+    ``timeout_s``: a test waits for the condition itself, never for a fixed
+    time that a loaded machine may not meet (or that wastes a fast one's)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = ready()
+        if got if isinstance(got, bool) else await got:
+            return
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.02)
 
 
 async def test_every_request_shape_gets_the_routes_answer(lane: Lane) -> None:
@@ -214,7 +228,9 @@ async def test_a_client_that_stops_reading_gets_everything_in_order_later(lane: 
             for i in range(n)
         )
         await conn.send(raw)
-        await asyncio.sleep(0.5)  # not reading: the transport pauses writing; the rest waits for aiohttp
+        # Kept: the point of the test is a client that stops reading for a while
+        # (the transport pauses writing; the rest waits for aiohttp).
+        await asyncio.sleep(0.5)
         for i in range(n):
             r = await conn.read_reply(timeout=30)
             assert r.status == 200 and r.body == blocks[i % 3], i
@@ -257,7 +273,8 @@ async def test_reads_under_compaction_and_deletes_never_send_wrong_bytes(lane: L
         if i % 6 == 0:
             await store.compact("direct")
     await store.compact("direct")
-    await asyncio.sleep(0.2)
+    done = seen["ok"] + seen["missing"]
+    await until("30 reads after the last compaction", lambda: seen["ok"] + seen["missing"] >= done + 30)
     stop.set()
     await asyncio.gather(*readers)
     assert seen["ok"] > 30 and seen["missing"] > 0, seen
@@ -270,6 +287,7 @@ async def test_the_daemon_answers_on_the_lane_under_uvloop(tmp_path: Path) -> No
     """server.py (uvloop, whose transports are not asyncio.Transport
     subclasses) takes the lane, and ``fast_lane = false`` turns it off."""
     from tests.http.conftest import Daemon, daemon_env
+    from tests.http.test_daemon import _ready
 
     for on in ("true", "false"):
         (tmp_path / on).mkdir()
@@ -279,14 +297,7 @@ async def test_the_daemon_answers_on_the_lane_under_uvloop(tmp_path: Path) -> No
         try:
             async with aiohttp.ClientSession() as session:
                 api = Api(daemon.base, session, server_config(tmp_path))
-                for _ in range(200):
-                    try:
-                        async with session.get(daemon.base + "/readyz") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.05)
+                await _ready(daemon.base, session)
                 token = await api.tenant("direct", "direct")
                 data = os.urandom(1 << 20)
                 await _put(api, token, "k", data)
@@ -387,7 +398,10 @@ async def test_a_scrub_makes_every_worker_check_a_damaged_segment_again(tmp_path
     async with _two_workers(tmp_path) as (daemon, session, api, token):
         data = os.urandom(300_000)
         await _put(api, token, "k", data)
-        await asyncio.sleep(SWEEP_WAIT_S)  # the reader's first sweep is over: only a scrub makes the next
+        # Kept: the reader worker's first sweep (SWEEP_INTERVAL_S after it
+        # starts) forgets verified frames, and no answer shows that it has
+        # run; once it has, only a scrub makes the next.
+        await asyncio.sleep(SWEEP_WAIT_S)
         conns = await worker_connections("127.0.0.1", daemon.port)
         try:
             for role, conn in conns.items():
@@ -405,10 +419,14 @@ async def test_a_scrub_makes_every_worker_check_a_damaged_segment_again(tmp_path
             async with session.post(daemon.base + "/v1/admin/verify", headers=api.auth(ADMIN)) as r:
                 report = await r.json()
             assert r.status == 200 and report["errors"], report
-            await asyncio.sleep(SWEEP_WAIT_S)  # a reader worker looks again when the epoch moves
-            for role, conn in conns.items():
-                r = await conn.request("GET", "/v1/blocks/k", {**api.auth(token), "Range": "bytes=0-999"})
-                assert r.status == 500 and r.code == "corruption", (role, r.status, r.body[:200])
+            for role, conn in conns.items():  # a reader worker looks again when the epoch moves
+
+                async def refused(conn: Conn = conn) -> bool:
+                    r = await conn.request("GET", "/v1/blocks/k", {**api.auth(token), "Range": "bytes=0-999"})
+                    assert r.status in (206, 500), (r.status, r.body[:200])  # served as on disk until it looks
+                    return r.status == 500 and r.code == "corruption"
+
+                await until(f"the {role} refuses the damaged block", refused)
         finally:
             for conn in conns.values():
                 await conn.close()
@@ -569,8 +587,7 @@ async def test_a_put_body_that_stalls_ends_short_or_is_dropped_gives_everything_
         conn = await Conn.open("127.0.0.1", port)  # stalls
         try:
             await conn.send(head(f"stall{int(on)}") + b"x" * 1000)
-            await asyncio.sleep(0.2)
-            assert _budget(api) == (length, 1)
+            await until("the stalled body's budget and slot taken", lambda: _budget(api) == (length, 1))
             r = await conn.read_reply(timeout=10)
             answers[on].append((r.status, r.json()["error"]["code"], r.json()["error"]["message"]))
             assert await conn.reader.read() == b""  # closed after the answer
@@ -586,7 +603,7 @@ async def test_a_put_body_that_stalls_ends_short_or_is_dropped_gives_everything_
             await conn.close()
         conn = await Conn.open("127.0.0.1", port)  # goes away
         await conn.send(head(f"gone{int(on)}") + b"x" * 1000)
-        await asyncio.sleep(0.2)
+        await until("the dropped body's budget and slot taken", lambda: _budget(api) == (length, 1))
         await conn.close()
         body = os.urandom(300_000)
         conn = await Conn.open("127.0.0.1", port)  # whole, then a half-close
@@ -598,11 +615,7 @@ async def test_a_put_body_that_stalls_ends_short_or_is_dropped_gives_everything_
             assert await conn.reader.read() == b""
         finally:
             await conn.close()
-        for _ in range(50):
-            if _budget(api) == (0, 0):
-                break
-            await asyncio.sleep(0.05)
-        assert _budget(api) == (0, 0), on
+        await until(f"the body budget and slots back (lane {on})", lambda: _budget(api) == (0, 0))
         for key, status in (("stall", 404), ("short", 404), ("gone", 404), ("whole", 200)):
             async with api.session.get(api.url(f"/v1/blocks/{key}{int(on)}"), headers=api.auth(token)) as g:
                 assert g.status == status, (on, key)
@@ -636,14 +649,14 @@ async def test_puts_on_two_workers_are_stored_once_and_read_back_everywhere(tmp_
         finally:
             for conn in conns.values():
                 await conn.close()
-        for _ in range(50):  # a worker's /metrics merges the other's figures a moment later
+
+        async def lane_puts() -> bool:  # a worker's /metrics merges the other's figures a moment later
             async with session.get(daemon.base + "/metrics") as r:
                 text = await r.text()
             puts = [ln for ln in text.splitlines() if ln.startswith('kvstore_http_fast_lane_total{method="PUT"}')]
-            if puts and float(puts[0].split()[-1]) >= 10:
-                break
-            await asyncio.sleep(0.1)
-        assert puts and float(puts[0].split()[-1]) >= 10, puts  # the writer's lane took every PUT
+            return bool(puts) and float(puts[0].split()[-1]) >= 10
+
+        await until("the writer's lane counted every PUT", lane_puts)
 
 
 @contextlib.asynccontextmanager
