@@ -14,7 +14,9 @@ there is nothing to reset at start-up (the rates are momentary). A change
 takes the table's ``fcntl`` lock (a process that dies
 holding it loses it), so a reservation is atomic across workers. Stamps are
 ``CLOCK_MONOTONIC``, one clock for every process of a boot; a stamp from
-another boot reads as a full bucket.
+another boot (later than now) reads as a full bucket. Every stamp is read
+from the table's ``clock`` (``time.monotonic`` unless a test gives another),
+so the arithmetic can be checked without waiting on real time.
 
 A bucket holds :data:`BURST_S` of its rate. A reservation takes its tokens
 at once, going into debt if there are too few, and is told how long to wait
@@ -35,7 +37,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -82,9 +84,12 @@ def shared_table() -> int:
 class RateTable:
     """The buckets, in the table every worker maps (``fd``: from
     :func:`shared_table`), or in this process's memory (``fd`` None: one
-    worker, nothing to share)."""
+    worker, nothing to share). ``clock`` gives every stamp, in seconds; the
+    workers sharing a table must share its clock (``CLOCK_MONOTONIC`` is one
+    clock for every process of a boot)."""
 
-    def __init__(self, fd: int | None) -> None:
+    def __init__(self, fd: int | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._fd = -1
         if fd is None:
             self._map = mmap.mmap(-1, _SIZE)
@@ -147,7 +152,7 @@ class RateTable:
         with self._locked():
             off = self._slot(tenant)
             fields = list(_SLOT.unpack_from(self._map, off))
-            tokens, stamp, now = float(fields[1 + i]), float(fields[4 + i]), time.monotonic()
+            tokens, stamp, now = float(fields[1 + i]), float(fields[4 + i]), self._clock()
             if (tokens < 0 and stamp < 0) or stamp > now:  # new, or a stamp of another boot
                 tokens, stamp = burst, now
             tokens = min(burst, tokens + (now - stamp) * rate)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import time
 from collections import Counter
 
 import pytest
@@ -30,25 +29,75 @@ def test_policy_parsing_and_defaults() -> None:
     assert stored_overrides(None) == {}
 
 
+class Clock:
+    """A clock that moves only when a test moves it: the buckets' arithmetic
+    checked exactly, whatever the machine's speed (RateTable's ``clock``)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_a_bucket_passes_its_burst_then_makes_reservations_wait() -> None:
-    table = RateTable(None)
+    table = RateTable(None, clock=Clock())
     rate = 1000.0
     assert table.take("t", "read", rate * BURST_S, rate, 0.0) == 0.0  # the burst
-    wait = table.take("t", "read", 100, rate, 10.0)  # in debt: told to wait for it
-    assert 0.09 <= wait <= 0.11
-    again = table.take("t", "read", 100, rate, 10.0)  # queued behind the first
-    assert again >= wait + 0.09
-    refused = table.take("t", "read", 100, rate, 0.05)  # would wait too long: nothing taken
-    assert refused < 0 and -refused >= again
+    assert table.take("t", "read", 100, rate, 10.0) == pytest.approx(0.1)  # in debt: told to wait for it
+    assert table.take("t", "read", 100, rate, 10.0) == pytest.approx(0.2)  # queued behind the first
+    assert table.take("t", "read", 100, rate, 0.25) == pytest.approx(-0.3)  # would wait too long: nothing taken
+    assert table.take("t", "read", 100, rate, 10.0) == pytest.approx(0.3)  # (so this one waits as long)
     assert table.take("t", "write", 100, rate, 0.0) == 0.0  # another kind, another bucket
     assert table.take("u", "read", 100, rate, 0.0) == 0.0  # another tenant
     table.close()
 
 
 def test_a_block_larger_than_the_bucket_passes_when_it_is_full() -> None:
-    table = RateTable(None)
+    clock = Clock()
+    table = RateTable(None, clock=clock)
     assert table.take("t", "write", 10_000, 1000.0, 0.0) == 0.0  # ten seconds of the rate, at once
-    assert table.take("t", "write", 1, 1000.0, 1.0) < 0  # then ten seconds of debt
+    assert table.take("t", "write", 1, 1000.0, 1.0) == pytest.approx(-9.501)  # then the debt, and the one
+    clock.advance(9.5)
+    assert table.take("t", "write", 1, 1000.0, 1.0) == pytest.approx(0.001)  # the debt paid at the rate
+    table.close()
+
+
+def test_a_bucket_refills_at_its_rate_up_to_its_burst() -> None:
+    clock = Clock()
+    table = RateTable(None, clock=clock)
+    rate = 1000.0
+    assert table.take("t", "read", rate * BURST_S, rate, 0.0) == 0.0
+    clock.advance(0.25)
+    assert table.take("t", "read", 250, rate, 0.0) == 0.0  # a quarter second of the rate came back
+    assert table.take("t", "read", 1, rate, 0.0) < 0  # and no more
+    clock.advance(3600)  # an idle hour refills the burst, not an hour of the rate
+    assert table.take("t", "read", rate * BURST_S, rate, 0.0) == 0.0
+    assert table.take("t", "read", 1, rate, 0.0) < 0
+    table.close()
+
+
+def test_what_is_given_back_refills_up_to_the_burst() -> None:
+    table = RateTable(None, clock=Clock())
+    rate = 1000.0
+    assert table.take("t", "read", 100, rate, 0.0) == 0.0
+    table.give_back("t", "read", 10_000, rate)  # more than was taken: the bucket is full, no fuller
+    assert table.take("t", "read", rate * BURST_S, rate, 0.0) == 0.0
+    assert table.take("t", "read", 1, rate, 0.0) < 0
+    table.close()
+
+
+def test_a_stamp_from_another_boot_reads_as_a_full_bucket() -> None:
+    clock = Clock(now=50_000.0)
+    table = RateTable(None, clock=clock)
+    assert table.take("t", "read", 500, 1000.0, 0.0) == 0.0
+    assert table.take("t", "read", 500, 1000.0, 0.0) < 0  # spent
+    clock.now = 3.0  # CLOCK_MONOTONIC of a boot since: the stamp is in its future
+    assert table.take("t", "read", 500, 1000.0, 0.0) == 0.0
+    table.close()
 
 
 def _spend_the_burst(fd: int, rate: float) -> None:
@@ -93,18 +142,22 @@ def test_the_shared_table_is_memory_not_a_file() -> None:
     os.close(w)
 
 
-def test_over_a_window_a_tenant_gets_its_rate_plus_the_burst() -> None:
-    """Reservations as fast as they are allowed for a while: what passed is
-    at most rate * (elapsed + BURST_S) + one request."""
-    table = RateTable(None)
+@pytest.mark.parametrize("tick", [0.0001, 0.001, 0.013, 0.2])
+def test_over_a_window_a_tenant_gets_its_rate_plus_the_burst(tick: float) -> None:
+    """Reservations as fast as they are allowed, at every ``tick`` of the
+    clock for two seconds: over the ``elapsed`` seconds from the first to
+    the last, what passed is rate * (elapsed + BURST_S) within one request,
+    however often the tenant asks."""
+    clock = Clock()
+    table = RateTable(None, clock=clock)
     rate, n, passed = 200_000.0, 10_000, 0
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 0.5:
-        if table.take("t", "read", n, rate, 0.0) == 0.0:
+    start = clock.now
+    for _ in range(round(2.0 / tick) + 1):
+        while table.take("t", "read", n, rate, 0.0) == 0.0:
             passed += n
-    elapsed = time.monotonic() - t0
-    assert passed <= rate * (elapsed + BURST_S) + n
-    assert passed >= rate * BURST_S  # the burst at least
+        elapsed = clock.now - start
+        clock.advance(tick)
+    assert rate * (elapsed + BURST_S) - n <= passed <= rate * (elapsed + BURST_S) + n
 
 
 async def test_the_fair_gate_shares_slots_by_weight() -> None:
