@@ -14,8 +14,7 @@ import contextlib
 import io
 import json
 import os
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -28,6 +27,7 @@ from kvstore.transport.http.bodies import BUDGET
 from kvstore.transport.http.connection import KVServer
 from tests.http.conftest import ADMIN, Api, Daemon, KVTestServer, daemon_env, free_port, server_config
 from tests.http.rawhttp import Conn, Reply
+from tests.polling import until
 
 BLOCK = 300_000  # several 64 KiB frames
 SHAPES: list[tuple[str, dict[str, str]]] = [
@@ -87,19 +87,6 @@ async def _put(api: Api, token: str, key: str, data: bytes) -> None:
 
 def _comparable(r: Reply) -> tuple[int, dict[str, str], bytes]:
     return r.status, {k: v for k, v in r.headers.items() if k != "date"}, r.body
-
-
-async def until(what: str, ready: Callable[[], bool | Awaitable[bool]], timeout_s: float = 15.0) -> None:
-    """Wait for ``ready()`` to hold, polling, and fail naming ``what`` after
-    ``timeout_s``: a test waits for the condition itself, never for a fixed
-    time that a loaded machine may not meet (or that wastes a fast one's)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = ready()
-        if got if isinstance(got, bool) else await got:
-            return
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        await asyncio.sleep(0.02)
 
 
 async def test_every_request_shape_gets_the_routes_answer(lane: Lane) -> None:
