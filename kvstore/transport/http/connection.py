@@ -27,29 +27,12 @@ the kvstore API (``gate_expect``) it takes ``Expect`` away from aiohttp and
 leaves it on the request (:data:`EXPECT`) for the gate, which answers it
 after authentication (kvstore/transport/http/middleware.py).
 
-aiohttp hooks relied on (3.14; tests/http/test_hostile.py fails if they change):
-
-- ``RequestHandler.handle_error(request, status, exc, message)`` builds the
-  answer to a parser error (status 400, ``exc`` the parser's exception) and to
-  an exception escaping the handler (500); it is public but undocumented.
-- ``web.Server.__call__`` is the protocol factory, building a
-  ``RequestHandler(server, loop=server._loop, **server._kwargs)``; the runner
-  makes its server build ours instead. There is no public hook for the
-  protocol class.
-- ``RequestHandler._messages`` (requests parsed, not yet started: pairs of a
-  ``RawRequestMessage`` or an ``_ErrInfo`` and the body) and ``._waiter``
-  (pending while the connection waits for a request), read by
-  :meth:`KVRequestHandler.data_received` and :meth:`~KVRequestHandler.eof_received`;
-  an ``_ErrInfo(status, exc, message)`` put in ``_messages`` is answered with
-  ``handle_error(request, status, exc, message)`` in its turn, as aiohttp
-  does for its parser's errors.
-- ``LineTooLong.args[1]`` is the limit that was passed: ``max_line_size`` for
-  the request target, ``max_field_size`` for a header field (the two limits
-  differ by design so that the answer can tell them apart: 414 or 431).
-- ``web.Server.request_factory`` builds each request from the parsed message
-  (``RawRequestMessage._replace`` gives a copy with other headers).
-- ``BaseProtocol._buffer_paused`` and ``._reading_paused``: aiohttp's own
-  holds on the transport's reading (:attr:`KVRequestHandler.reading_held`).
+This module is the one place that touches anything private of aiohttp
+(the fast lane reaches the parser's queue only through
+:class:`KVRequestHandler`'s methods). What it relies on is listed in
+:data:`AIOHTTP_RELIED_ON`; tests/http/test_aiohttp_fence.py checks each
+entry against the installed aiohttp and names the one that changed, and
+pyproject.toml bounds aiohttp to the minor versions that test passed on.
 """
 
 from __future__ import annotations
@@ -61,15 +44,16 @@ from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
-from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
+from aiohttp.http import HttpRequestParser, HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine, HttpProcessingError, InvalidURLError, LineTooLong
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
-from aiohttp.web_protocol import RequestHandler, _ErrInfo
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvstore.transport.http.appkeys import CONFIG, EXPECT, METRICS
 from kvstore.transport.http.fastlane import BulkQueue, FastLane
+from kvstore.transport.http.respond import reset_transport
 
 log = logging.getLogger("kvstore.http")
 
@@ -78,12 +62,48 @@ log = logging.getLogger("kvstore.http")
 MAX_LINE_SIZE = 8192  # the request target (path and query)
 MAX_FIELD_SIZE = 8190  # one header field, name and value
 MAX_HEADERS = 128  # header fields per request
+# A request body aiohttp buffers before it stops reading (its read_bufsize:
+# high water twice this). Over a read of the transport (256 KiB) so that the
+# parser never keeps a PUT's first bytes back (see can_bypass).
+MAX_BODY_BUFFER = 1 << 20
 PARSER_LIMITS: dict[str, int] = {
     "max_line_size": MAX_LINE_SIZE,
     "max_field_size": MAX_FIELD_SIZE,
     "max_headers": MAX_HEADERS,
 }
 
+
+# Everything of aiohttp's internals this module relies on: (where, name, what
+# for). tests/http/test_aiohttp_fence.py checks every entry.
+AIOHTTP_RELIED_ON: tuple[tuple[str, str, str], ...] = (
+    ("RequestHandler", "_messages", "the queue of parsed requests (a deque of (message or _ErrInfo, payload))"),
+    ("RequestHandler", "_waiter", "the future aiohttp's loop awaits while it waits for a request (None otherwise)"),
+    ("RequestHandler", "_force_close", "the connection closes now"),
+    ("RequestHandler", "_close", "the connection closes after the answer in progress"),
+    ("RequestHandler", "_parser", "the connection's HttpRequestParser, restarted after a body read around it"),
+    ("RequestHandler", "_msg_queue_resume_size", "the queue length below which a paused read resumes"),
+    ("RequestHandler", "_max_msg_queue_size", "the queue's limit, also the parser's"),
+    ("RequestHandler", "_resume_reading_if_drained", "resumes reading paused for the queue (as aiohttp's loop does)"),
+    ("RequestHandler", "_handle_request", "answers one request: (request, start_time, handler) -> (response, reset)"),
+    ("RequestHandler", "_next_keepalive_close_time", "when an idle connection closes (moved on after a lane answer)"),
+    ("RequestHandler", "_keepalive_timeout", "the keep-alive timeout"),
+    ("RequestHandler", "_loop", "the connection's event loop"),
+    ("BaseProtocol", "_buffer_paused", "reading paused for the queue"),
+    ("BaseProtocol", "_reading_paused", "reading paused for a body's buffer"),
+    ("BaseProtocol", "_drain_helper", "awaits the transport's buffer below its high water"),
+    ("web_protocol", "_ErrInfo", "an error answered in the queue's order: _ErrInfo(status, exc, message)"),
+    ("HttpRequestParser", "message_consumed", "frees a parser slot when a queued request is taken"),
+    (
+        "HttpRequestParser",
+        "__init__",
+        "(protocol, loop, limit, max_line_size=, max_field_size=, max_headers=, "
+        "payload_exception=, auto_decompress=, max_msg_queue_size=)",
+    ),
+    ("Server", "_kwargs", "the protocol's arguments, for building ours"),
+    ("Server", "__call__", "the protocol factory (no public hook for the protocol class)"),
+    ("AppRunner", "_make_server", "builds the runner's web.Server, whose class is swapped for KVServer"),
+    ("LineTooLong", "args[1]", "the limit that was passed: max_line_size (414) or max_field_size (431)"),
+)
 
 VERSIONS = (HttpVersion10, HttpVersion11)
 DEFAULT_HEADERS_TIMEOUT_S = 60.0  # for an app without a ServerConfig (request_timeout_s's default)
@@ -156,6 +176,11 @@ def _json_error(status: int, code: str, message: str) -> web.Response:
 class KVRequestHandler(RequestHandler):
     """aiohttp's protocol with kvstore's answers to what bypasses the app."""
 
+    # Slots, as aiohttp's own classes have: an attribute of aiohttp's that
+    # this class sets and that aiohttp renamed fails here, loudly, instead of
+    # becoming a new attribute that nothing reads.
+    __slots__ = ("_at_eof", "_headers_timeout_s", "_headers_timer", "_kv_app", "_lane", "_loop_started", "_receiving")
+
     def __init__(
         self, *args: Any, kv_app: web.Application | None = None, bulk: BulkQueue | None = None, **kwargs: Any
     ) -> None:
@@ -165,6 +190,7 @@ class KVRequestHandler(RequestHandler):
         self._lane = FastLane(self, kv_app, bulk) if bulk is not None and kv_app is not None else None
         self._receiving: StreamReader | None = None
         self._at_eof = False  # the client half-closed: what it sent is answered, then the connection closes
+        self._loop_started = False  # aiohttp's loop (start) has begun: before, the queue is the lane's to take
         self._headers_timer: asyncio.TimerHandle | None = None
         config = kv_app.get(CONFIG) if kv_app is not None else None
         # The time a request's line and headers have, from their first byte:
@@ -204,31 +230,128 @@ class KVRequestHandler(RequestHandler):
         return _json_error(500, "internal", "internal error")
 
     def data_received(self, data: bytes) -> None:
-        if data and self._lane is not None and not (self._force_close or self._close):
-            self._lane.feed(data)  # (aiohttp calls this with no bytes to resume its parser: that is its own)
+        lane = self._lane
+        if lane is not None and lane.receiving:
+            data = lane.body_bytes(data)  # a PUT's body, around the parser (fastlane.py)
+            if not data:
+                return
+        self._parse(data)
+        if lane is not None and not lane.off:
+            lane.offer()  # the requests at the head it answers; then aiohttp is woken for the rest
         else:
-            self.to_aiohttp(data)
+            self.wake()
 
-    def to_aiohttp(self, data: bytes) -> None:
-        """Bytes for aiohttp's parser (from the fast lane: whole requests, or
-        the rest of a body)."""
+    def _parse(self, data: bytes) -> None:
+        """aiohttp's parser (llhttp) takes ``data``: the requests it completes
+        join the queue, but aiohttp's loop is not woken for them yet (the
+        fast lane may take those at the head first; then :meth:`wake`). A
+        request in an HTTP version this server does not speak is answered
+        505 in its turn instead of being served."""
+        waiter, self._waiter = self._waiter, None
         before = len(self._messages)
-        super().data_received(data)
-        # What the parser added (nothing else takes from the queue meanwhile):
-        # a request in an HTTP version this server does not speak is answered
-        # 505 in its turn instead of being served.
+        try:
+            super().data_received(data)
+        finally:
+            self._waiter = waiter
         for i in range(before, len(self._messages)):
             message = self._messages[i][0]
             if not isinstance(message, _ErrInfo) and message.version not in VERSIONS:
                 self._messages[i] = (_ErrInfo(status=505, exc=UnsupportedVersion(), message=""), EMPTY_PAYLOAD)
-        if self._messages:
+        if len(self._messages) > before:
             self._receiving = self._messages[-1][1]  # the body of the latest request parsed
         self._time_headers(bool(data), len(self._messages) > before)
 
+    async def start(self) -> None:
+        """aiohttp's loop over the queued requests. It begins a turn of the
+        event loop after the connection is made, by which time the fast lane
+        may have taken the first requests and hold one (a GET waiting in the
+        bulk queue): then it first waits, as it would for a request, until
+        :meth:`wake` (nothing is answered out of order)."""
+        self._loop_started = True
+        lane = self._lane
+        if lane is not None and (lane.holding or not self._messages):
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        await super().start()
+
+    def wake(self) -> None:
+        """aiohttp's loop takes the queued requests, if it waits for one; at
+        a half-close with nothing left to answer, the connection closes."""
+        waiter = self._waiter
+        if self._messages:
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        elif self._at_eof and waiter is not None and not waiter.done() and self.transport is not None:
+            self.transport.close()  # (what is written still goes out first)
+
+    # -- for the fast lane: the queue's head while aiohttp is idle ------------
+
+    def next_message(self) -> tuple[RawRequestMessage, StreamReader] | None:
+        """The request at the head of the queue, if aiohttp waits for one
+        (idle, not closing) and it is a parsed request (not an error)."""
+        waiter = self._waiter
+        idle = not self._loop_started or (waiter is not None and not waiter.done())
+        if not self._messages or not idle or self._force_close or self._close:
+            return None
+        message, payload = self._messages[0]
+        if isinstance(message, _ErrInfo):
+            return None
+        return message, payload
+
+    def take_message(self) -> None:
+        """The fast lane takes the head of the queue: as aiohttp's loop
+        does, a parser slot is freed and reading resumes once the queue
+        has drained (aiohttp's bound on what a connection may queue)."""
+        self._messages.popleft()
+        if self._parser is not None:
+            self._parser.message_consumed()
+        if self._buffer_paused and len(self._messages) <= self._msg_queue_resume_size:
+            self._resume_reading_if_drained()
+
+    def give_back(self, message: RawRequestMessage, payload: StreamReader, body: bytes) -> None:
+        """A request the fast lane took and does not answer after all: at the
+        head of the queue again, for aiohttp (``body``: what the lane read
+        of its payload, which the route reads again)."""
+        if body:
+            payload = StreamReader(self, MAX_BODY_BUFFER, loop=self._loop)
+            payload.feed_data(body)
+            payload.feed_eof()
+        self._messages.appendleft((message, payload))
+
+    def can_bypass(self, payload: StreamReader) -> bool:
+        """Whether the rest of ``payload``'s body (the request just taken)
+        may be read around the parser, which then restarts at the next
+        request: nothing was parsed after it, and the parser holds nothing
+        unparsed (it keeps bytes back only once a body passes its high
+        water, or the queue its limit)."""
+        return (
+            not self._messages
+            and payload.total_bytes < MAX_BODY_BUFFER
+            and not self._buffer_paused
+            and not self._reading_paused
+        )
+
+    def restart_parser(self) -> None:
+        """A new parser for the connection, at the start of a request: the
+        body the fast lane read around the old one has ended."""
+        self._parser = HttpRequestParser(
+            self,
+            self._loop,
+            MAX_BODY_BUFFER,
+            max_line_size=self.max_line_size,
+            max_field_size=self.max_field_size,
+            max_headers=self.max_headers,
+            payload_exception=RequestPayloadError,
+            auto_decompress=False,
+            max_msg_queue_size=self._max_msg_queue_size,
+        )
+
     async def _handle_request(self, request: BaseRequest, start_time: float | None, request_handler: Any) -> Any:
-        """aiohttp's; the fast lane learns when an answer of aiohttp's is out
-        (its requests after it may then be answered), or that the connection
-        closes after it (nothing more is answered there)."""
+        """aiohttp's; at a half-close, the connection closes after the last
+        answer, and the fast lane takes nothing more once it is closing."""
         lane = self._lane
         try:
             resp, reset = await super()._handle_request(request, start_time, request_handler)
@@ -238,37 +361,46 @@ class KVRequestHandler(RequestHandler):
             raise
         if self._at_eof and not self._messages:
             self.close()  # the last request the client sent before its half-close is answered
-        if lane is not None:
-            if reset or not resp.keep_alive or self._force_close or self._close:
-                lane.off = True
-            else:
-                lane.outstanding -= 1
-                if lane.outstanding <= 0:
-                    self._loop.call_soon(lane.resume)
+        if lane is not None and (reset or not resp.keep_alive or self._force_close or self._close):
+            lane.off = True
+        await self._taken()
         return resp, reset
+
+    async def _taken(self) -> None:
+        """After an answer, the next request waits until the client takes
+        what is buffered for it (the transport below its high water), for
+        up to ``request_timeout_s``; then the connection is reset and
+        counted as a disconnect. aiohttp writes an answer of less than 64
+        KiB without waiting, so a client that pipelined requests and read
+        no answer had them all answered into the daemon's memory (60,000
+        answers, 180 MB, in 8 s here); now it gets about one answer past
+        the transport's buffer, and aiohttp's queue of 32 requests stops
+        reading it."""
+        if not self.writing_paused or self.transport is None or self._force_close:
+            return
+        try:
+            async with asyncio.timeout(self._headers_timeout_s):
+                await self._drain_helper()
+        except TimeoutError:
+            log.debug("a client read nothing for %s s: connection reset", self._headers_timeout_s)
+            self._count("kvstore_http_client_disconnects_total", route="connection")
+            if self.transport is not None:
+                reset_transport(self.transport)
+        except ConnectionError:
+            pass
 
     async def shutdown(self, timeout: float | None = 15.0) -> None:
         """aiohttp's, after the fast lane's PUT in progress (aiohttp sees no
-        request in progress then, and would close the connection under it)."""
+        request in progress then, and would close the connection under it),
+        and without waiting for a client that does not read."""
         if self._lane is not None:
             await self._lane.drain(timeout)
+        if self.writing_paused and self.transport is not None:
+            # A client that does not read its answers holds nothing up at a
+            # stop: it is cut now (the old lane kept such a worker busy
+            # for minutes after SIGTERM).
+            reset_transport(self.transport)
         await super().shutdown(timeout)
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self._lane is not None:
-            self._loop.call_soon(self._lane.resume)
-
-    @property
-    def reading_held(self) -> bool:
-        """aiohttp holds the connection's reading itself: for its queue of
-        parsed requests (``_buffer_paused``) or for flow control
-        (``_reading_paused``); the fast lane must not resume it then."""
-        return bool(self._buffer_paused or self._reading_paused)
-
-    def headers_started(self) -> None:
-        """The fast lane holds the start of a request: its headers are timed as aiohttp's are."""
-        self._time_headers(True, False)
 
     def body_started(self) -> None:
         """The fast lane receives a PUT's body (bounded by request_timeout_s
@@ -328,17 +460,9 @@ class KVRequestHandler(RequestHandler):
         closes; a body being received ends here (a short body becomes ``400
         invalid_input``). An idle connection closes at once, as before."""
         if self._lane is not None and self._lane.flush():
-            return True  # the lane answers what it holds first, then closes (finish_at_eof)
+            self._at_eof = True  # the lane answers what it holds first, then wake() closes
+            return True
         return self._input_ended()
-
-    def finish_at_eof(self, rest: bytes) -> None:
-        """The fast lane's answer in progress at a half-close is out: what
-        the client sent after it (``rest``) is aiohttp's to answer, then the
-        connection closes."""
-        if rest:
-            self.to_aiohttp(rest)
-        if not self._input_ended() and self.transport is not None:
-            self.transport.close()  # nothing left to answer (what is written still goes out)
 
     def _input_ended(self) -> bool:
         """No more bytes will come: False if nothing is left to answer (the
@@ -389,7 +513,7 @@ class KVAppRunner(web.AppRunner):
         # auto_decompress off: a body is what the client sent, on every path.
         # The API refuses one in a content coding (415, middleware.py); the S3
         # gateway stores an object's bytes as sent, as S3 does.
-        super().__init__(app, **{**PARSER_LIMITS, "auto_decompress": False, **kwargs})
+        super().__init__(app, **{**PARSER_LIMITS, **kwargs, "read_bufsize": MAX_BODY_BUFFER, "auto_decompress": False})
         self._gate_expect = gate_expect
 
     async def _make_server(self) -> web.Server:

@@ -1,61 +1,55 @@
-"""The fast lane: GET, HEAD and PUT of a block, and lookups, answered from the
-connection's bytes, without the framework.
+"""The fast lane: GET, HEAD and PUT of a block, and lookups, answered without
+the framework's request and response objects.
 
 A ranged GET of 256 KiB cost the daemon about 0.5 ms of CPU through aiohttp
 (nginx: 0.08), most of it the framework's request and response objects, the
 middleware stack and the handler's awaits; the bytes themselves go with
-sendfile. This lane frames each request on a connection itself, and answers
-the requests it can answer completely on the spot, on the event loop:
+sendfile. The lane answers the requests it can answer completely on the
+spot, on the event loop. It frames nothing itself: every byte of a
+connection goes through aiohttp's parser (llhttp), whose limits and
+refusals apply to every request, and the lane takes the parsed requests at
+the head of the connection's queue while aiohttp waits for one
+(connection.py, which owns every use of aiohttp's internals). It takes:
 
-- ``GET`` or ``HEAD /v1/blocks/{key}`` over HTTP/1.1, no query, no body, no
-  ``Expect``, no ``Connection`` other than ``keep-alive``, one ``Host``, every
-  header field plain visible ASCII;
+- ``GET`` or ``HEAD /v1/blocks/{key}`` over HTTP/1.1 kept alive, no query,
+  no body, no ``Expect``, one ``Host``, the fields it reads present once and
+  in visible ASCII (:func:`hot_request`);
 - a tenant token the store knows, a key that passes the route's check, a
   block present in a direct tenant's segment already open in this process,
   its covering frames verified (verified.py: once per open file) within the
   inline budget; ``If-None-Match`` and ``Range`` as the route does;
 - the answer's status line and headers built in one buffer and written,
   then the bytes with sendfile (what the socket does not take at once goes
-  through the transport, in order);
+  through the transport, in order, and must be taken within
+  ``request_timeout_s``, as the route's answers must);
 - ``POST /v1/lookup`` without ``lease_s`` whose JSON arrived whole;
 - ``PUT /v1/blocks/{key}`` on the worker that writes, with a
   ``Content-Length`` of 1 to ``max_block_size``, a known token and a valid
   ``Kvstore-Block-Meta`` (if any), within the tenant's shares of the worker
-  (shares.py). From the blank line on, the connection's protocol is a
-  buffered protocol for the body's length (:class:`_BodyReader`): the
-  kernel reads the body straight into pooled page-aligned memory, never
-  past its end, and the segment write takes it from there with
-  ``O_DIRECT``; then the connection is aiohttp's protocol's again. Errors
-  after the body (the store's, ``408`` for a body that stalls, ``400`` for
-  one a half-close cut short) are the route's answers, written here.
+  (shares.py). What the parser has of the body is copied into pooled
+  page-aligned memory; the rest is read around the parser by a buffered
+  protocol (:class:`_BodyReader`): the kernel reads it straight into that
+  memory, never past its end, and the segment write takes it from there
+  with ``O_DIRECT``; then the connection's protocol and a new parser take
+  the next request. Errors after the body (the store's, ``408`` for a body
+  that stalls, ``400`` for one a half-close cut short) are the route's
+  answers, written here.
 
-Everything else goes to aiohttp unchanged, as whole requests: errors (401,
-404, 416, ...) are the route's own answers, and the hostile-input defences
-(parser limits, 408, 505, ...) are aiohttp's. To hand aiohttp whole requests
-the lane frames requests itself: the header block up to the blank line, then
-``Content-Length`` bytes of body (streamed on as they arrive). A connection
-whose bytes it cannot frame with certainty (``Transfer-Encoding``, a header
-block over :data:`MAX_HEAD` bytes, a malformed or duplicated
-``Content-Length``, anything but HTTP/1.1, bytes that are not a request line)
-is handed to aiohttp for the rest of its life.
-
-Order on a connection is kept: the lane answers only while aiohttp is idle
-(waiting for a request, none queued), and hands aiohttp every request that
-arrives while it is not; answers are written to the transport in order, and
-sendfile runs only when nothing is buffered before it. A client that stops
-reading makes the transport pause writing: from then on its requests go to
-aiohttp, whose writes wait with the request timeout.
+Every other request, and any the lane cannot finish (401, 404, 416, a
+block not yet verified, a limit to wait for), is aiohttp's: the parsed
+request is put back at the head of the queue and aiohttp answers it and
+what follows it. Order on a connection is kept: the lane answers only at
+the head while aiohttp is idle, a GET waiting in the bulk queue holds what
+follows it, and a client that stops reading (the transport paused for
+writing) gets aiohttp's pace from then on. The parser's queue (32
+requests) bounds what a client that does not read can make the daemon
+hold.
 
 The lane keeps every guarantee of the route: authentication, tenant
 isolation (the index is keyed by the token's tenant), checksums before any
 byte leaves, leases (a read holds its segment until the bytes are handed
 to the kernel or the transport), ``/metrics`` (the same request, byte and
 lookup counters), and the route's status codes and headers.
-
-aiohttp internals relied on (besides connection.py's): ``RequestHandler._waiter``,
-``._messages``, ``._force_close``, ``._close``, ``._keepalive_timeout`` and
-``._next_keepalive_close_time`` (moved on after each answer, as aiohttp does
-after its own, so a busy connection is not closed as idle).
 """
 
 from __future__ import annotations
@@ -68,9 +62,10 @@ import time
 from collections import deque
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
-from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion11, RawRequestMessage
+from aiohttp.streams import StreamReader
 
 from kvstore.buffers import POOL, AlignedBuffer
 from kvstore.errors import InvalidInput, KVStoreError, Overloaded, RequestTimeout
@@ -92,25 +87,34 @@ from kvstore.transport.statuses import http_status
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from kvstore.transport.http.connection import KVRequestHandler
-
 log = logging.getLogger("kvstore.http")
-MAX_HEAD = 4096  # a hot request's line and headers are far shorter; longer ones are aiohttp's
-MAX_WAITING = 64 << 10  # requests held for their turn; past it they go to aiohttp as they come
-MAX_HOT_FIELDS = 64  # header fields of a request the lane answers; more (aiohttp allows 128) are the route's
 MAX_LOOKUP_BODY = 64 << 10  # a lookup's JSON (max_lookup_keys keys); bigger ones are the route's
 BULK_SLICE_S = 0.0005  # bulk answers made per turn of the event loop, at most about this long
 _JSON = b"application/json"
 _JSON_TYPES = frozenset({_JSON, b"application/json; charset=utf-8", b"application/json;charset=utf-8"})
 ROUTE = "/v1/blocks/{key}"
 LOOKUP = "/v1/lookup"
-_PREFIX = b"/v1/blocks/"
+ROUTE_PREFIX = "/v1/blocks/"
+# The fields the lane reads: present twice, or with a byte that is not
+# visible ASCII, the request is the route's.
+_READ = frozenset(
+    {
+        b"host",
+        b"expect",
+        b"content-encoding",
+        b"connection",
+        b"content-length",
+        b"content-type",
+        b"authorization",
+        b"range",
+        b"if-none-match",
+        b"kvstore-block-meta",
+    }
+)
 _JSON_ANSWER = "Content-Type: application/json; charset=utf-8\r\n"
 _PUTS: set[asyncio.Task[None]] = set()  # the lane's puts in progress (held: the loop keeps weak references)
 _OCTETS = "Content-Type: application/octet-stream\r\n"
-_TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 tchar+
 _NOT_PLAIN_RE = re.compile(rb"[^\t\x20-\x7e]")  # a byte outside HTAB and visible ASCII + SP
-_CLOSE_RE = re.compile(rb"\r\nconnection:[ \t]*close[ \t]*\r\n", re.IGNORECASE)
 
 
 class _Date:
@@ -127,19 +131,49 @@ class _Date:
         return cls.value
 
 
+class Connection(Protocol):
+    """What the lane needs of its connection (connection.py's
+    KVRequestHandler, which owns every use of aiohttp's internals)."""
+
+    transport: asyncio.Transport | None
+
+    @property
+    def writing_paused(self) -> bool: ...
+
+    def next_message(self) -> tuple[RawRequestMessage, StreamReader] | None: ...
+
+    def take_message(self) -> None: ...
+
+    def give_back(self, message: RawRequestMessage, payload: StreamReader, body: bytes) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def restart_parser(self) -> None: ...
+
+    def can_bypass(self, payload: StreamReader) -> bool: ...
+
+    def body_started(self) -> None: ...
+
+    def answered(self) -> None: ...
+
+    def force_close(self) -> None: ...
+
+    def eof_received(self) -> bool: ...
+
+    def connection_lost(self, exc: BaseException | None) -> None: ...
+
+    def pause_writing(self) -> None: ...
+
+    def resume_writing(self) -> None: ...
+
+
 class FastLane:
-    """One connection's framing, and the requests it answers itself."""
+    """The requests of one connection that the lane answers itself."""
 
     __slots__ = (
         "_app",
-        "_body_left",
-        "_buf",
         "_bulk",
-        "_checked",
-        "_close_after",
-        "_eof",
-        "_paused",
-        "_poisoned",
+        "_offering",
         "_proto",
         "_pushed",
         "_queued",
@@ -147,203 +181,101 @@ class FastLane:
         "_stall",
         "_upload",
         "off",
-        "outstanding",
     )
 
-    def __init__(self, proto: KVRequestHandler, app: web.Application, bulk: BulkQueue) -> None:
+    def __init__(self, proto: Connection, app: web.Application, bulk: BulkQueue) -> None:
         self._proto = proto
         self._app = app
         self._bulk = bulk
-        self._buf = b""
-        self._body_left = 0  # bytes of a forwarded request's body still to pass on
         self._queued = False  # a GET of this connection waits in the bulk queue
         self._upload: _Upload | None = None  # a PUT the lane receives or stores
-        self._eof = False  # the client half-closed while a PUT was being stored
-        self._paused = False  # the lane stopped reading the connection (see _flow)
-        self._checked = 0  # _buf's complete requests up to here are framed as aiohttp's parser takes them
-        self._poisoned: int | None = None  # a read from here on in _buf would fail aiohttp's parser (see pump)
-        self._close_after = False  # the client half-closed behind the GET in the bulk queue
+        self._offering = False  # offer() is running (aiohttp may re-enter through the parser)
         self._stall: asyncio.TimerHandle | None = None  # the check that the client takes its answers (_taken)
         self._sending = 0  # bytes in the transport's buffer at the last check
         self._pushed = 0  # bytes the lane wrote to the transport since then
-        self.outstanding = 0  # requests handed to aiohttp and not yet answered
-        self.off = False  # the rest of the connection is aiohttp's
+        self.off = False  # the connection closes, or shuts down: the lane takes nothing more
 
-    def feed(self, data: bytes) -> None:
-        """The connection's new bytes: answered here, or handed to aiohttp
-        (``proto.to_aiohttp``) as whole requests or the rest of a body."""
+    @property
+    def connection(self) -> Connection:
+        return self._proto
+
+    def body_bytes(self, data: bytes) -> bytes:
+        """Bytes the transport read for the connection while a PUT's body is
+        being received: the body's (the transport may have read some before
+        the body reader took over), and what follows it, returned."""
         up = self._upload
-        # A body's bytes come through the body reader; any the transport had
-        # already read before it took over are the body's too, never a request.
-        if up is not None and up.left and data:
-            n = up.take(data)
-            data = bytes(memoryview(data)[n:]) if n < len(data) else b""
-            if not up.left:
-                self._store(up)
-        if self.off:
-            self._flow()
-            if data:
-                self._proto.to_aiohttp(data)
-            return
-        if self._body_left:
-            n = min(self._body_left, len(data))
-            self._body_left -= n
-            self._proto.to_aiohttp(data[:n])
-            data = data[n:]
-        if data:
-            held = len(self._buf)
-            buf = self._buf = self._buf + data if self._buf else data
-            # One request alone in the read (the common case) is framed once, by pump.
-            if self._poisoned is None and not (held == 0 and buf.find(b"\r\n\r\n") == len(buf) - 4):
-                upto = _framed_upto(buf, self._checked)
-                if upto is None:
-                    self._poisoned = held
-                else:
-                    self._checked = upto
-        self.pump()
+        if up is None or not up.left or not data:
+            return data
+        n = up.take(data)
+        if not up.left:
+            self._store(up)
+        return bytes(memoryview(data)[n:]) if n < len(data) else b""
 
-    def pump(self) -> None:
-        """Work through the buffered requests in order: answer control calls
-        (HEAD, 304s, lookups) at once and queue GETs for the bulk queue, while
-        aiohttp has nothing outstanding and the client reads; hand the
-        others to aiohttp; stop at a request that must wait its turn."""
-        if self._poisoned is not None and not self._body_left and not self.off and not self._holding():
-            # A read that aiohttp's parser would refuse whole: aiohttp gets
-            # the connection's bytes as it would have had them (what came
-            # before that read, then the read), runs what it takes, and
-            # answers the rest with its 400.
-            self.off = True
-            buf, at, self._buf, self._poisoned = self._buf, self._poisoned, b"", None
-            for part in (buf[:at], buf[at:]):
-                if part:
-                    self._proto.to_aiohttp(part)
-            self._flow()
+    @property
+    def receiving(self) -> bool:
+        """A PUT's body is being received (the parser does not see it)."""
+        return self._upload is not None and self._upload.left > 0
+
+    def offer(self) -> None:
+        """Take the requests aiohttp's parser put at the head of the
+        connection's queue that the lane answers, while aiohttp is idle:
+        control calls (HEAD, 304s, lookups) answered at once, a GET queued
+        for the bulk queue, a PUT received; then aiohttp is woken for what
+        is left (in order: the lane stops at the first request it does not
+        answer). The parser's limits apply to every request, and its queue
+        bounds what a client that does not read its answers can send."""
+        if self._offering:
             return
-        buf, out, hot = self._buf, [], True
-        while buf and not self._body_left and not self.off and not self._holding():
-            end = buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
-            if end < 0:
-                if len(buf) > MAX_HEAD or not _plausible(buf):
-                    self.off = True  # aiohttp's from here on (it answers 431, 400, ...)
-                    out.append(buf)
-                    buf = b""
-                break
-            framed = _frame(buf[: end + 4])
-            if framed is None:
-                self.off = True
-                out.append(buf)
-                buf = b""
-                break
-            body_len, req = framed
-            take = end + 4 + body_len
-            if req is not None and req.method == "POST":
-                if len(buf) < take:
-                    req = None  # its body is still coming: the route reads it
-                else:
-                    req.body = buf[end + 4 : take]
-            if req is not None and hot:
-                if out or not self._idle():
-                    if len(buf) <= MAX_WAITING:
-                        break  # after what aiohttp answers first (resume)
-                    hot = False  # a client pipelining without reading: aiohttp's pace from here
-                elif req.method == "GET" and (req.if_none_match is None or req.range is not None):
-                    req.raw = buf[:take]
-                    buf = buf[take:]
+        self._offering = True
+        proto = self._proto
+        try:
+            while not self.off and not self.holding and not proto.writing_paused:
+                head = proto.next_message()
+                if head is None:
+                    break
+                message, payload = head
+                req = hot_request(message, payload)
+                if req is None:
+                    break
+                proto.take_message()
+                if req.method == "GET" and (req.if_none_match is None or req.range is not None):
                     self._queued = True
                     self._bulk.add(self, req)
-                    break
                 elif req.method == "PUT":
-                    if self._receive(req, buf[end + 4 : take]):
-                        buf = buf[take:]
+                    if not self._receive(req):
+                        proto.give_back(message, payload, b"")
                         break
-                elif self._answer(req):
-                    buf = buf[take:]
-                    continue
-            out.append(buf[:take])
-            self.outstanding += 1
-            self._body_left = max(0, take - len(buf))
-            buf = buf[take:]
-        self._checked = max(0, self._checked - (len(self._buf) - len(buf)))
-        if self._poisoned is not None:
-            self._poisoned = max(0, self._poisoned - (len(self._buf) - len(buf)))
-        self._buf = buf
-        if out:
-            self._proto.to_aiohttp(b"".join(out))
-        if buf and not self._holding() and buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4) < 0 and not self._body_left:
-            self._proto.headers_started()  # a request still arriving: timed as aiohttp's are
-        self._flow()
-
-    def _flow(self) -> None:
-        """Bound what waits here. While a request of the connection is held (a
-        GET in the bulk queue, a PUT whose body is in and being stored), the
-        bytes after it wait in ``_buf``; past MAX_WAITING the lane stops
-        reading the connection, as aiohttp stops past its message limit, and
-        reads again once they have gone on. A client that pipelines without
-        reading its answers used to be read without bound (hundreds of MB)."""
-        transport = self._proto.transport
-        if transport is None:
-            return
-        up = self._upload
-        held = self._queued or (up is not None and not up.left)  # (never while a body is being received)
-        if held and not self.off and len(self._buf) > MAX_WAITING:
-            if transport.is_reading():  # (aiohttp may have resumed it meanwhile: paused again)
-                self._paused = True
-                transport.pause_reading()
-        elif self._paused:  # only a pause of the lane's own is undone here,
-            self._paused = False
-            if not transport.is_reading() and not self._proto.reading_held:  # (nor one of aiohttp's)
-                transport.resume_reading()
+                elif not self._answer(req):
+                    proto.give_back(message, payload, req.body)
+                    break
+        finally:
+            self._offering = False
+        if not self.holding:
+            proto.wake()
 
     def answer_queued(self, req: _Hot) -> None:
         """The bulk queue's turn for this connection's GET."""
         self._queued = False
         if self.off:
-            self._flow()
-            return  # the connection closed meanwhile, or is aiohttp's
-        if not self._answer(req):
-            self.outstanding += 1
-            self._proto.to_aiohttp(req.raw)
-        if self._close_after:  # the client half-closed behind it: aiohttp answers the rest, then closes
-            self.off = True
-            rest, self._buf = self._buf, b""
-            self._proto.finish_at_eof(rest)
+            return  # the connection closed meanwhile
+        if not self._answer(req):  # aiohttp's to answer, and what follows it
+            self._proto.give_back(req.message, req.payload, b"")
+            self._proto.wake()
             return
-        self.pump()
-
-    def resume(self) -> None:
-        """aiohttp answered what it had, or the client read: go on."""
-        if self._buf and not self.off and not self._holding():
-            self.pump()
+        self.offer()
 
     def flush(self) -> bool:
-        """The client sent its last bytes: aiohttp answers what is buffered.
-        True when the lane answers first what it holds and then closes the
-        connection itself: a PUT (one whose body ended short is answered
-        400 and the connection closed now), or the GET in the bulk queue,
-        after which aiohttp answers the rest (``finish_at_eof``)."""
+        """The client sent its last bytes. True when the lane answers first
+        what it holds (a PUT: one whose body ended short is answered 400 and
+        the connection closed now; the GET in the bulk queue); aiohttp then
+        answers the rest, and the connection closes (connection.py)."""
         up = self._upload
-        if up is not None:
-            if up.left:
-                self._end_upload(up, reuse=True)
-                self._answer_error(InvalidInput(f"body ended after {up.pos} of {up.length} bytes (Content-Length)"), up)
-                self._proto.force_close()
-                return True
-            self._eof = True
+        if up is not None and up.left:
+            self._end_upload(up, reuse=True)
+            self._answer_error(InvalidInput(f"body ended after {up.pos} of {up.length} bytes (Content-Length)"), up)
+            self._proto.force_close()
             return True
-        buf, self._buf = self._buf, b""
-        self._checked, self._poisoned = 0, None
-        if self._queued:
-            # The GET in the bulk queue is answered in its turn, then aiohttp
-            # answers what followed it, then the connection closes: every
-            # request is answered, as on aiohttp's path (the lane used to
-            # answer as many as the timing allowed).
-            self._buf = buf
-            self._close_after = True
-            return True
-        self.off = True
-        if buf:
-            self._proto.to_aiohttp(buf)
-        return False
+        return self.holding
 
     def lost(self) -> None:
         """The connection is gone: a body being received is dropped (a PUT
@@ -365,21 +297,11 @@ class FastLane:
         while self._upload is not None and (deadline is None or loop.time() < deadline):
             await asyncio.sleep(0.01)
 
-    def _holding(self) -> bool:
+    @property
+    def holding(self) -> bool:
         """A request of this connection is in the lane's hands (a GET in the
         bulk queue, a PUT received or stored): what follows waits for it."""
         return self._queued or self._upload is not None
-
-    def _idle(self) -> bool:
-        p = self._proto
-        return (
-            self.outstanding <= 0
-            and not self._holding()
-            and not p._messages
-            and not p._force_close
-            and not p._close
-            and not p.writing_paused
-        )
 
     def _answer(self, req: _Hot) -> bool:
         """Answer ``req`` here; False (nothing sent, nothing counted) to leave it to aiohttp."""
@@ -477,6 +399,8 @@ class FastLane:
             tenant = store.authenticate(req.token) if req.token else None
             if tenant is None:
                 return False
+            if not req.body:
+                req.body = req.payload.read_nowait(-1)  # (whole: hot_request saw its end; given back if need be)
             body = parse_json(req.body)
             if "lease_s" in body:
                 return False  # locks: the route's (and the writer's)
@@ -494,7 +418,7 @@ class FastLane:
         self._finish("POST", "200", t0, tenant, LOOKUP)
         return True
 
-    def _receive(self, req: _Hot, first: bytes) -> bool:
+    def _receive(self, req: _Hot) -> bool:
         """Take ``PUT /v1/blocks/{key}``: its body is received into pooled
         aligned memory as it arrives (no framework, no join), then stored.
         False (nothing taken, nothing counted) to leave it to the route:
@@ -517,6 +441,8 @@ class FastLane:
         store = app[STORE]
         if not 0 < req.length <= store.config.max_block_size:
             return False
+        if not req.payload.is_eof() and not self._proto.can_bypass(req.payload):
+            return False  # the parser holds part of its body back: the route reads it
         try:
             tenant = store.authenticate(req.token)
             meta = BlockMeta.from_header(req.meta) if req.meta is not None else None
@@ -541,13 +467,15 @@ class FastLane:
             return False
         state["inflight"] += 1
         up = self._upload = _Upload(tenant, req.key, meta, req.length, t0)
-        up.take(first)
+        up.take(req.payload.read_nowait(-1))  # what the parser had of the body
         self._proto.body_started()
         if up.left:
             up.timer = asyncio.get_running_loop().call_later(config.request_timeout_s, self._body_late)
             # The rest of the body is read by the kernel straight into the
             # aligned memory (a buffered protocol: no bytes objects, no copy),
-            # never past its end; then the connection is aiohttp's protocol's again.
+            # never past its end; then the connection is aiohttp's protocol's
+            # again, with a parser that starts at the next request.
+            up.bypassed = True
             up.reader = _BodyReader(self, up)
             transport.set_protocol(up.reader)
         else:
@@ -564,10 +492,13 @@ class FastLane:
         reader, up.reader = up.reader, None
         transport = self._proto.transport
         if reader is not None and transport is not None and transport.get_protocol() is reader:
-            transport.set_protocol(self._proto)
+            transport.set_protocol(cast(asyncio.BaseProtocol, self._proto))
 
     def _store(self, up: _Upload) -> None:
         """The whole body is in: store it (a task: the put awaits its group commit)."""
+        if up.bypassed:  # the parser saw the body's start only: the next byte begins a request
+            up.bypassed = False
+            self._proto.restart_parser()
         self._restore(up)
         if up.timer is not None:
             up.timer.cancel()
@@ -597,12 +528,8 @@ class FastLane:
         finally:
             self._end_upload(up, reuse)  # (cancelled, the loop closing: nothing more is answered)
         self._respond(status, head, doc, up)
-        if self._eof:  # the client half-closed: aiohttp answers what came before it, then the connection closes
-            self.off = True
-            rest, self._buf = self._buf, b""
-            self._proto.finish_at_eof(rest)
-        elif not self.off:
-            self.pump()
+        if not self.off:
+            self.offer()  # what followed it (and at a half-close, the connection closes once all is answered)
 
     def _body_late(self) -> None:
         """The body did not arrive within request_timeout_s: 408, and the
@@ -789,22 +716,22 @@ class _BodyReader(asyncio.BufferedProtocol):
             self.lane.body_in(up)
 
     def eof_received(self) -> bool | None:
-        return self.lane._proto.eof_received()
+        return self.lane.connection.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lane._proto.connection_lost(exc)
+        self.lane.connection.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        self.lane._proto.pause_writing()
+        self.lane.connection.pause_writing()
 
     def resume_writing(self) -> None:
-        self.lane._proto.resume_writing()
+        self.lane.connection.resume_writing()
 
 
 class _Upload:
     """A PUT's body, received into pooled page-aligned memory as it arrives."""
 
-    __slots__ = ("buf", "key", "length", "meta", "pos", "reader", "t0", "tenant", "timer")
+    __slots__ = ("buf", "bypassed", "key", "length", "meta", "pos", "reader", "t0", "tenant", "timer")
 
     def __init__(self, tenant: str, key: str, meta: BlockMeta | None, length: int, t0: float) -> None:
         self.tenant, self.key, self.meta, self.length, self.t0 = tenant, key, meta, length, t0
@@ -812,6 +739,7 @@ class _Upload:
         self.pos = 0
         self.timer: asyncio.TimerHandle | None = None
         self.reader: _BodyReader | None = None
+        self.bypassed = False  # the body goes around the parser (the body reader)
 
     @property
     def left(self) -> int:
@@ -828,132 +756,95 @@ class _Upload:
 
 class _Hot:
     """A request the lane may answer: GET or HEAD of ``key``, a lookup (POST,
-    its ``body``), or a PUT of ``key`` (``length`` bytes of body, ``meta``)."""
+    its ``body``), or a PUT of ``key`` (``length`` bytes of body, ``meta``);
+    with the parser's ``message`` and ``payload``, handed back to aiohttp
+    should the lane not answer it after all."""
 
-    __slots__ = ("body", "if_none_match", "key", "length", "meta", "method", "range", "raw", "token")
+    __slots__ = (
+        "body",
+        "if_none_match",
+        "key",
+        "length",
+        "message",
+        "meta",
+        "method",
+        "payload",
+        "range",
+        "token",
+    )
 
-    def __init__(self, method: str, key: str) -> None:
+    def __init__(self, method: str, key: str, message: RawRequestMessage, payload: StreamReader) -> None:
         self.method = method
         self.key = key
+        self.message = message
+        self.payload = payload
         self.token = ""
         self.range: str | None = None
         self.if_none_match: str | None = None
         self.body = b""
-        self.raw = b""  # the whole request, for aiohttp should the lane not answer it after all
         self.length = 0
         self.meta: str | None = None
 
 
-def _plausible(buf: bytes) -> bool:
-    """Whether ``buf`` (no blank line yet) may begin an HTTP/1.1 request: a
-    method token, a space, then ``/``. Anything else is aiohttp's to refuse now."""
-    if b"\n" in buf.replace(b"\r\n", b""):
-        return False  # a bare LF: aiohttp's 400, now
-    sp = buf.find(b" ", 0, 24)
-    if sp < 0:
-        return len(buf) < 24 and _TOKEN_RE.fullmatch(buf) is not None
-    return _TOKEN_RE.fullmatch(buf[:sp]) is not None and buf[sp + 1 : sp + 2] in (b"/", b"")
+def hot_request(message: RawRequestMessage, payload: StreamReader) -> _Hot | None:
+    """The request as the lane answers it, or None for the route's.
 
-
-def _frame(head: bytes) -> tuple[int, _Hot | None] | None:
-    """(body length, the request if the lane may answer it) for a request's
-    line and headers ending in the blank line; None when the connection
-    cannot be framed with certainty from here (aiohttp's for good)."""
-    lines = head[:-4].split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[2] != b"HTTP/1.1" or _TOKEN_RE.fullmatch(parts[0]) is None:
+    ``message`` is what aiohttp's parser (llhttp) made of the request's
+    bytes: its framing, limits and refusals are the parser's alone. The
+    lane takes only plain requests: HTTP/1.1 kept alive, no upgrade, no
+    chunked or encoded body, no ``Expect``, one ``Host``, and the fields it
+    reads present once and in visible ASCII; anything else is the route's,
+    which gives it the documented meaning."""
+    if message.version != HttpVersion11 or message.should_close or message.upgrade or message.chunked:
         return None
-    method, target = parts[0], parts[1]
-    if not target.startswith(b"/"):
-        return None
-    length: int | None = None
     fields: dict[bytes, bytes] = {}
-    plain = True
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or _TOKEN_RE.fullmatch(name) is None:
-            return None  # folding, whitespace before the colon, no colon: aiohttp's 400
+    for name, value in message.raw_headers:
         low = name.lower()
-        value = value.strip(b" \t")
-        if low == b"content-length":
-            if length is not None or not value.isdigit() or len(value) > 18:
-                return None
-            length = int(value)
-        elif low in (b"transfer-encoding", b"upgrade"):
-            return None
         if low in fields or _NOT_PLAIN_RE.search(value) is not None:
-            plain = False  # a repeated field, a control or non-ASCII byte: the route decides what it means
+            if low in _READ:
+                return None  # a repeated field, a control or non-ASCII byte: the route decides what it means
+            continue
         fields[low] = value
-    body = length or 0
     if (
-        not plain
-        or b"host" not in fields
+        b"host" not in fields
         or b"expect" in fields
-        or fields.get(b"connection", b"keep-alive").lower() != b"keep-alive"
-        # The route's, which gives them one meaning on every path and worker:
-        # a body in a content coding is refused (415), and aiohttp's parser
-        # applies its header limits (431) and its refusal of hixie-76
-        # WebSocket handshakes, whose body no Content-Length frames.
         or b"content-encoding" in fields
-        or b"sec-websocket-key1" in fields
-        or len(lines) > MAX_HOT_FIELDS
+        or fields.get(b"connection", b"keep-alive").lower() != b"keep-alive"
     ):
-        return body, None
-    if method == b"POST" and target == b"/v1/lookup":
+        return None
+    length = fields.get(b"content-length")
+    body = int(length) if length is not None else 0  # (the parser checked it: one decimal number)
+    method, target = message.method, message.path
+    if method == "POST" and target == LOOKUP:
         if not 0 < body <= MAX_LOOKUP_BODY or fields.get(b"content-type", _JSON).lower() not in _JSON_TYPES:
-            return body, None
-        hot = _Hot("POST", "")
+            return None
+        if not payload.is_eof():
+            return None  # its body is still coming: the route reads it
+        hot = _Hot("POST", "", message, payload)
         hot.token = _bearer(fields)
-        return body, hot
-    put = method == b"PUT"
-    if (bool(body) != put) or method not in (b"GET", b"HEAD", b"PUT") or not target.startswith(_PREFIX):
-        return body, None
-    raw_key = target[len(_PREFIX) :]
-    if not raw_key or any(c in b"%?#/" for c in raw_key) or raw_key in (b".", b".."):
-        return body, None
-    key = raw_key.decode("latin-1")
+        return hot
+    put = method == "PUT"
+    if (bool(body) != put) or method not in ("GET", "HEAD", "PUT") or not target.startswith(ROUTE_PREFIX):
+        return None
+    key = target[len(ROUTE_PREFIX) :]
+    if not key or any(c in "%?#/" for c in key) or key in (".", ".."):
+        return None
     try:
         (validate_client_key if put else validate_key)(key)
     except KVStoreError:
-        return body, None
-    hot = _Hot(method.decode(), key)
+        return None
+    hot = _Hot(method, key, message, payload)
     hot.token = _bearer(fields)
     if put:
         hot.length = body
         meta = fields.get(b"kvstore-block-meta")
         hot.meta = None if meta is None else meta.decode("latin-1")
-        return body, hot
+        return hot
     rng = fields.get(b"range")
     hot.range = None if rng is None else rng.decode("latin-1")
     inm = fields.get(b"if-none-match")
     hot.if_none_match = None if inm is None else inm.decode("latin-1")
-    return body, hot
-
-
-def _framed_upto(buf: bytes, at: int) -> int | None:
-    """Where the complete requests of ``buf`` from ``at`` (a request's
-    start) end, if aiohttp's parser, given those bytes, would take every
-    one: each framed, no bytes after one with ``Connection: close``, and
-    what follows them a plausible start of a request; None if not. aiohttp
-    drops every request of a read in which its parser fails and answers one
-    400; the lane, which answers requests as it frames them, must not run
-    the first of such a read (a PUT stored, then the 400)."""
-    while at < len(buf):
-        end = buf.find(b"\r\n\r\n", at, at + MAX_HEAD + 4)
-        if end < 0:
-            rest = buf[at:]
-            return at if len(rest) > MAX_HEAD or _plausible(rest) else None  # (a long one: pump hands it on)
-        head = buf[at : end + 4]
-        framed = _frame(head)
-        if framed is None:
-            return None
-        nxt = end + 4 + framed[0]
-        if nxt < len(buf) and _CLOSE_RE.search(head) is not None:
-            return None  # llhttp: "data after Connection: close"
-        if nxt > len(buf):
-            return at  # its body is still coming
-        at = nxt
-    return at
+    return hot
 
 
 def _bearer(fields: dict[bytes, bytes]) -> str:
