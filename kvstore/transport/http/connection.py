@@ -284,8 +284,8 @@ class KVRequestHandler(RequestHandler):
         if self._messages:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
-        elif self._at_eof and waiter is not None and not waiter.done() and self.transport is not None:
-            self.transport.close()  # (what is written still goes out first)
+        elif self._at_eof and self.transport is not None and (not self._loop_started or (waiter and not waiter.done())):
+            self.transport.close()  # idle, nothing left: (what is written still goes out first)
 
     # -- for the fast lane: the queue's head while aiohttp is idle ------------
 
