@@ -1,29 +1,39 @@
 """kvstore: a storage engine and daemon for LLM KV-cache blocks.
 
-The tree shows the architecture:
+The tree shows the architecture (ARCHITECTURE.md draws the layers and
+follows a PUT, a GET and a segment through them):
 
 - ``engine/``: the storage engine. ``format`` (bytes on disk), ``codec``
   (zstd, byte planes), ``crypto`` (AES-GCM, key wrapping), ``record``,
-  ``segment`` and ``segcache`` (files), ``lifecycle`` (a segment's states and
-  leases), ``appender`` (group commit, one owner per open segment), ``index``
-  (LMDB), ``registry`` (tenants and their keys), ``recovery``, ``compactor``,
-  ``retention`` and ``access`` (quotas, TTL, LRU), ``reader`` (the read path),
-  ``verify`` (scrub), and ``store``, which puts them together.
-- ``tier/``: the object tier (G4). ``base`` (the protocol), one module per
-  backend (``local``, ``s3``), ``layout`` (object names), ``mirror`` (uploads),
-  ``remote`` (reads from the tier), ``space`` and ``tiering`` (local space,
-  eviction, rehydration).
+  ``segment`` and ``segcache`` (files), ``directio`` (O_DIRECT writes),
+  ``lifecycle`` (a segment's phases and leases), ``appender`` (group commit,
+  one owner per open segment), ``index`` (LMDB), ``registry`` (tenants and
+  their keys), ``recovery``, ``compactor``, ``retention`` and ``access``
+  (quotas, TTL, LRU), ``reserve`` (room for removals on a full disk),
+  ``reader``, ``verified`` and ``decoded`` (the read path and its caches),
+  ``verify`` (scrub), the object tier's engine side (``object_tier``,
+  ``layout``, ``mirror``, ``remote``, ``space``, ``residency``), and
+  ``store`` with its parts (``store_core``, ``store_read``, ``store_write``,
+  ``store_write_plans``, ``store_tenants``, ``store_maintenance``); other
+  packages import it only through ``api``.
+- ``tier/``: the object tier's backends (G4), leaves: ``base`` (the
+  protocol), ``local``, ``s3``.
 - ``transport/``: how bytes leave the daemon. HTTP (``http/``: the app and
-  its middleware, request bodies, RFC 9110 ranges, forwarding between
-  workers, the connection layer, ``routes/``), the S3 gateway's HTTP
-  (``s3/``), NIXL (``nixl/``), the batch framing.
+  its middleware, the connection layer (the only module that touches
+  aiohttp's internals) and the fast lane, request bodies, RFC 9110 ranges,
+  forwarding between workers, QoS, ``routes/``), the S3 gateway (``s3/``),
+  NIXL (``nixl/``), the batch framing, the errors' statuses.
 - ``buckets/``: the S3 gateway's lasting state: its SQLite catalog of
   buckets, objects and uploads, kept as record blocks of the tenants and
-  rebuilt from them (``catalog``, ``records``, ``recovery``, ``objects``).
+  rebuilt from them.
+- ``qos/`` (policies, node-wide token buckets, the fair gate, shares),
+  ``events/`` (residency events and their publishers), ``fleet/`` (nodes on
+  one bucket: membership, placement, takeover).
 - At the top: what every part shares (``errors``, ``config``, ``metrics``,
-  ``names``, ``redaction``), the daemon's own (``server_config``,
-  ``sdnotify``, ``tuning``, ``workers``: how many processes ``auto`` starts)
-  and the offline checker (``fsck``).
+  ``names``, ``redaction``, ``tasks``, ``buffers``), the daemon (``cli``:
+  the ``kvstore`` command, ``daemon``: workers, listeners, the supervisor,
+  ``server_config``, ``settings_doc``, ``sdnotify``, ``tuning``,
+  ``workers``) and the offline checker (``fsck``).
 """
 
 __version__ = "0.1.0"
