@@ -50,11 +50,19 @@ READ_ATTEMPTS = 4  # a block that keeps moving under a read (compaction) is retr
 
 
 class StoreReads(StoreCore):
+    def _live(self, t: Tenant, key: str, now: int | None = None) -> IndexEntry | None:
+        """``key``'s index entry if the block is present and unexpired: the
+        one place a read decides that (every read, lookup and listing)."""
+        entry = self._index.get(t.name, key)
+        if entry is None or (t.ttl_s and self._retention.expired(t, key, entry, now)):
+            return None
+        return entry
+
     async def _entry(self, tenant: str, key: str) -> IndexEntry:
         t = self._tenant(tenant)
         validate_key(key)
-        entry = self._index.get(tenant, key)
-        if entry is None or (t.ttl_s and self._retention.expired(t, key, entry)):
+        entry = self._live(t, key)
+        if entry is None:
             self.metrics.inc("kvstore_lookups_total", result="miss")
             raise NotFound(f"key {key!r} not found")
         self.metrics.inc("kvstore_lookups_total", result="hit")
@@ -65,11 +73,8 @@ class StoreReads(StoreCore):
         """:meth:`head` of a present, unexpired block, on the calling thread,
         counting nothing: a fast path's first look (it counts the hit with
         :meth:`count_hit` once it answers; a miss is the route's)."""
-        t = self._tenant(tenant)
-        entry = self._index.get(tenant, key)
-        if entry is None or (t.ttl_s and self._retention.expired(t, key, entry)):
-            return None
-        return BlockInfo.of(key, entry)
+        entry = self._live(self._tenant(tenant), key)
+        return None if entry is None else BlockInfo.of(key, entry)
 
     def count_hit(self, tenant: str, key: str) -> None:
         """A read found the block (:meth:`peek`): counted and touched as :meth:`head` does."""
@@ -391,8 +396,7 @@ class StoreReads(StoreCore):
     async def exists(self, tenant: str, key: str) -> bool:
         t = self._tenant(tenant)
         validate_key(key)
-        entry = self._index.get(tenant, key)
-        return entry is not None and not (t.ttl_s and self._retention.expired(t, key, entry))
+        return self._live(t, key) is not None
 
     async def lookup(self, tenant: str, keys: Sequence[str], tokens_per_block: int = 0) -> LookupResult:
         """Which of a chain of keys are present, and how many from the start
@@ -495,11 +499,7 @@ class StoreReads(StoreCore):
 
     def _present_unexpired(self, t: Tenant, keys: list[str]) -> list[bool]:
         now = now_ms()
-        out = []
-        for k in keys:
-            e = self._index.get(t.name, k)
-            out.append(e is not None and not self._retention.expired(t, k, e, now))
-        return out
+        return [self._live(t, k, now) is not None for k in keys]
 
     async def list_keys(
         self, tenant: str, prefix: str = "", start_after: str | None = None, limit: int = 1000

@@ -60,13 +60,29 @@ class Node:
         self.token = json.loads(doc)["token"]
         assert _call(daemon.base, "PUT", f"/v1/blocks/{KEY}", self.token, BLOCK)[0] == 201
         assert _call(daemon.base, "GET", f"/v1/blocks/{KEY}", self.token) == (200, BLOCK)  # verified: lane-ready
+        status, doc = _call(
+            daemon.base, "POST", "/v1/admin/tenants", ADMIN, json.dumps({"name": "u", "policy": "direct"}).encode()
+        )
+        assert status == 201, doc
+        self.other = json.loads(doc)["token"]  # a second tenant, which holds no block
 
-    def exchange(self, raw: bytes, half_close: bool, expect: int) -> list[tuple[int, str | None]]:
-        """Send ``raw`` in one write, then read the answers until the daemon
-        closes, or ``expect`` of them and then a short quiet (for answers
-        beyond those): their (status, error code) in order."""
+    def exchange(
+        self, raw: bytes, half_close: bool, expect: int, bytewise: bool = False
+    ) -> list[tuple[int, str | None]]:
+        """Send ``raw`` in one write (``bytewise``: a byte per write), then
+        read the answers until the daemon closes, or ``expect`` of them and
+        then a short quiet (for answers beyond those): their (status, error
+        code) in order."""
         with socket.create_connection(("127.0.0.1", self.daemon.port)) as s:
-            s.sendall(raw)
+            if bytewise:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for i in range(len(raw)):
+                    try:
+                        s.send(raw[i : i + 1])
+                    except (BrokenPipeError, ConnectionResetError):
+                        break  # the daemon refused what came so far and closed
+            else:
+                s.sendall(raw)
             if half_close:
                 s.shutdown(socket.SHUT_WR)
             s.settimeout(30)
@@ -129,11 +145,15 @@ def _request(node: Node, method: str, path: str, *lines: str, body: bytes = b"",
 
 
 def _same(
-    nodes: dict[str, Node], make: Callable[[Node], bytes], expect: int = 1, half_close: bool = False
+    nodes: dict[str, Node],
+    make: Callable[[Node], bytes],
+    expect: int = 1,
+    half_close: bool = False,
+    bytewise: bool = False,
 ) -> list[tuple[int, str | None]]:
     """Both daemons' answers to the bytes ``make(node)`` builds (``expect``
     of them, or more); asserted equal."""
-    got = {name: node.exchange(make(node), half_close, expect) for name, node in nodes.items()}
+    got = {name: node.exchange(make(node), half_close, expect, bytewise) for name, node in nodes.items()}
     assert got["lane"] == got["route"], got
     return got["lane"]
 
@@ -214,3 +234,148 @@ def test_a_half_close_after_pipelined_requests_answers_them_all(nodes: dict[str,
         half_close=True,
     )
     assert [status for status, _ in mixed] == [404, 201, 200]
+
+
+def _raw(*lines: str, body: bytes = b"") -> Callable[[Node], bytes]:
+    """A request written out line by line ({token} and {other}: the two
+    tenants' tokens), ended by the blank line, then ``body``."""
+
+    def make(node: Node) -> bytes:
+        text = "\r\n".join(lines).format(token=node.token, other=node.other, key=KEY)
+        return text.encode("latin-1") + b"\r\n\r\n" + body
+
+    return make
+
+
+def _then(*makers: Callable[[Node], bytes]) -> Callable[[Node], bytes]:
+    return lambda node: b"".join(m(node) for m in makers)
+
+
+GET = _raw("GET /v1/blocks/{key} HTTP/1.1", "Host: x", "Authorization: Bearer {token}")
+GET_OTHER = _raw("GET /v1/blocks/{key} HTTP/1.1", "Host: x", "Authorization: Bearer {other}")
+STATS = _raw("GET /v1/stats HTTP/1.1", "Host: x", "Authorization: Bearer {other}")
+LOOKUP_BODY = json.dumps({"keys": [KEY, "nope"]}).encode()
+LOOKUP = _raw(
+    "POST /v1/lookup HTTP/1.1",
+    "Host: x",
+    "Authorization: Bearer {token}",
+    "Content-Type: application/json",
+    f"Content-Length: {len(LOOKUP_BODY)}",
+    body=LOOKUP_BODY,
+)
+AUTH = "Authorization: Bearer {token}"
+
+# (name, the bytes, answers expected at least): CL/TE combinations, duplicated
+# and malformed Content-Length, obs-fold, bare CR/LF, NUL, odd request lines,
+# and pipelined mixes of hot and routed requests from two tenants.
+CORPUS: list[tuple[str, Callable[[Node], bytes], int]] = [
+    (
+        "cl and te",
+        _raw(
+            "PUT /v1/blocks/s1 HTTP/1.1",
+            "Host: x",
+            AUTH,
+            "Content-Length: 5",
+            "Transfer-Encoding: chunked",
+            body=b"5\r\nhello\r\n0\r\n\r\n",
+        ),
+        1,
+    ),
+    (
+        "te then cl",
+        _raw(
+            "PUT /v1/blocks/s2 HTTP/1.1",
+            "Host: x",
+            AUTH,
+            "Transfer-Encoding: chunked",
+            "Content-Length: 3",
+            body=b"5\r\nhello\r\n0\r\n\r\n",
+        ),
+        1,
+    ),
+    (
+        "te gzip, chunked",
+        _raw("PUT /v1/blocks/s3 HTTP/1.1", "Host: x", AUTH, "Transfer-Encoding: gzip, chunked", body=b"0\r\n\r\n"),
+        1,
+    ),
+    (
+        "te chunked, identity",
+        _raw("PUT /v1/blocks/s4 HTTP/1.1", "Host: x", AUTH, "Transfer-Encoding: chunked, identity", body=b"0\r\n\r\n"),
+        1,
+    ),
+    (
+        "te xchunked",
+        _raw("PUT /v1/blocks/s5 HTTP/1.1", "Host: x", AUTH, "Transfer-Encoding: xchunked", body=b"0\r\n\r\n"),
+        1,
+    ),
+    ("space before colon", _raw("PUT /v1/blocks/s6 HTTP/1.1", "Host: x", AUTH, "Content-Length : 5", body=b"hello"), 1),
+    (
+        "cl twice, same",
+        _raw("PUT /v1/blocks/s7 HTTP/1.1", "Host: x", AUTH, "Content-Length: 5", "Content-Length: 5", body=b"hello"),
+        1,
+    ),
+    (
+        "cl twice, different",
+        _raw("PUT /v1/blocks/s8 HTTP/1.1", "Host: x", AUTH, "Content-Length: 5", "Content-Length: 6", body=b"hello!"),
+        1,
+    ),
+    ("cl plus sign", _raw("PUT /v1/blocks/s9 HTTP/1.1", "Host: x", AUTH, "Content-Length: +5", body=b"hello"), 1),
+    ("cl hex", _raw("PUT /v1/blocks/s10 HTTP/1.1", "Host: x", AUTH, "Content-Length: 0x5", body=b"hello"), 1),
+    ("cl negative", _raw("PUT /v1/blocks/s11 HTTP/1.1", "Host: x", AUTH, "Content-Length: -5", body=b"hello"), 1),
+    ("cl list", _raw("PUT /v1/blocks/s12 HTTP/1.1", "Host: x", AUTH, "Content-Length: 5, 5", body=b"hello"), 1),
+    (
+        "cl short, then a request",
+        _raw(
+            "PUT /v1/blocks/s13 HTTP/1.1",
+            "Host: x",
+            AUTH,
+            "Content-Length: 2",
+            body=b"hiGET /v1/blocks/k HTTP/1.1\r\nHost: x\r\n\r\n",
+        ),
+        2,
+    ),
+    ("obs-fold", _raw("GET /v1/blocks/{key} HTTP/1.1", "Host: x", AUTH, "X-A: a", " b"), 1),
+    ("obs-fold in auth", _raw("GET /v1/blocks/{key} HTTP/1.1", "Host: x", "Authorization: Bearer", " {token}"), 1),
+    ("bare lf", lambda n: f"GET /v1/blocks/{KEY} HTTP/1.1\nHost: x\n{AUTH.format(token=n.token)}\n\n".encode(), 1),
+    ("bare cr in a value", _raw("GET /v1/blocks/{key} HTTP/1.1", "Host: x", AUTH, "X-A: a\rb"), 1),
+    ("nul in a value", _raw("GET /v1/blocks/{key} HTTP/1.1", "Host: x", AUTH, "X-A: a\x00b"), 1),
+    ("nul in the path", _raw("GET /v1/blocks/k\x00 HTTP/1.1", "Host: x", AUTH), 1),
+    ("no host", _raw("GET /v1/blocks/{key} HTTP/1.1", AUTH), 1),
+    ("two hosts", _raw("GET /v1/blocks/{key} HTTP/1.1", "Host: x", "Host: y", AUTH), 1),
+    ("http/1.0", _raw("GET /v1/blocks/{key} HTTP/1.0", "Host: x", AUTH), 1),
+    ("absolute form", _raw("GET http://x/v1/blocks/{key} HTTP/1.1", "Host: x", AUTH), 1),
+    ("lowercase method", _raw("get /v1/blocks/{key} HTTP/1.1", "Host: x", AUTH), 1),
+    ("two spaces", _raw("GET  /v1/blocks/{key} HTTP/1.1", "Host: x", AUTH), 1),
+    ("two tokens", _raw("GET /v1/blocks/{key} HTTP/1.1", "Host: x", AUTH, "Authorization: Bearer {other}"), 1),
+    ("pipelined, two tenants", _then(GET, GET_OTHER, STATS, GET, LOOKUP, GET_OTHER), 6),
+    ("hot, routed, hot", _then(GET, STATS, GET, STATS, LOOKUP), 5),
+    ("hot then broken", _then(GET, LOOKUP, _raw("GET /v1/blocks/{key} HTTP/1.1", "Host: x", "X-A: a", " b")), 1),
+    (
+        "lookup then a smuggled request in its body",
+        _then(
+            _raw(
+                "POST /v1/lookup HTTP/1.1",
+                "Host: x",
+                AUTH,
+                "Content-Type: application/json",
+                f"Content-Length: {len(LOOKUP_BODY)}",
+                body=LOOKUP_BODY + b"GET /v1/blocks/k HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer x\r\n\r\n",
+            )
+        ),
+        2,
+    ),
+]
+
+
+@pytest.mark.parametrize("bytewise", [False, True], ids=["whole", "bytewise"])
+@pytest.mark.parametrize(("name", "make", "expect"), CORPUS, ids=[c[0] for c in CORPUS])
+def test_the_smuggling_corpus_gets_the_same_answers_on_both_paths(
+    nodes: dict[str, Node], name: str, make: Callable[[Node], bytes], expect: int, bytewise: bool
+) -> None:
+    """Every request of the corpus, sent whole and a byte at a time, gets
+    the same answers in the same order with the lane and without it, and a
+    tenant never reads another's block."""
+    answers = _same(nodes, make, expect, bytewise=bytewise)
+    assert answers, f"{name}: no answer at all"
+    if name == "pipelined, two tenants":
+        assert [status for status, _ in answers] == [200, 404, 200, 200, 200, 404]

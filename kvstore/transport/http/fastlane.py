@@ -800,10 +800,8 @@ def hot_request(message: RawRequestMessage, payload: StreamReader) -> _Hot | Non
     fields: dict[bytes, bytes] = {}
     for name, value in message.raw_headers:
         low = name.lower()
-        if low in fields or _NOT_PLAIN_RE.search(value) is not None:
-            if low in _READ:
-                return None  # a repeated field, a control or non-ASCII byte: the route decides what it means
-            continue
+        if low in _READ and (low in fields or _NOT_PLAIN_RE.search(value) is not None):
+            return None  # a repeated field, a control or non-ASCII byte: the route decides what it means
         fields[low] = value
     if (
         b"host" not in fields
