@@ -148,6 +148,10 @@ class StoreConfig:
     # Tenants created without them get these (0: none); PATCH changes them.
     default_quota_bytes: int = 0
     default_ttl_s: int = 0
+    # Admission (engine/admission.py): the keys whose offers are counted per
+    # tenant with admit_after > 1 (about 180 bytes each, in the writer's
+    # memory); past it the longest tracked are forgotten first.
+    admission_keys: int = 500_000
     # QoS of tenants that do not set their own (kvstore/qos/policy.py): weight
     # under contention, and node-wide limits (0: none).
     default_qos_weight: int = 100
@@ -276,6 +280,12 @@ class StoreConfig:
             self.default_ttl_s,
             "must be 0 (none) or seconds up to 10 years",
         )
+        need(
+            1 <= self.admission_keys <= 100_000_000,
+            "admission_keys",
+            self.admission_keys,
+            "must be 1 to 100000000 (keys counted per tenant)",
+        )
         need(1 <= self.default_qos_weight <= 1000, "default_qos_weight", self.default_qos_weight, "must be 1 to 1000")
         for name in ("default_read_bytes_per_s", "default_write_bytes_per_s", "default_requests_per_s"):
             need(0 <= getattr(self, name) <= 1 << 50, name, getattr(self, name), "must be 0 (no limit) or a rate")
@@ -349,6 +359,7 @@ STORE_PARSERS: dict[str, Parser] = {
             "s3_refresh_s",
             "rehydrate_reads",
             "default_ttl_s",
+            "admission_keys",
             "default_qos_weight",
             "default_requests_per_s",
             "ttl_sweep_s",

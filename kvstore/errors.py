@@ -60,6 +60,31 @@ class TenantExists(KVStoreError):
     code = "tenant_exists"
 
 
+class NotAdmitted(KVStoreError):
+    """Not a failure: a put the tenant's admission declined (``admit_after``:
+    the block is stored only at its N-th offer within ``admit_window_s``;
+    engine/admission.py). Nothing was stored, and retrying at once would
+    only count another offer. Raised rather than returned so that a
+    transport that does not know it answers it as the route does (HTTP
+    ``202``, no ETag) instead of taking the block for stored."""
+
+    code = "not_admitted"
+
+    def __init__(self, key: str, offers: int, admit_after: int, window_s: int) -> None:
+        super().__init__(
+            f"block {key!r} not stored: offer {offers} of the {admit_after} its tenant's admit_after asks "
+            f"within {window_s} s"
+        )
+        self.key = key
+        self.offers = offers
+        self.admit_after = admit_after
+
+    def answer(self) -> dict[str, object]:
+        """What a client is told (the body of ``PUT /v1/blocks/{key}``'s
+        ``202``; a batch, write plan or NIXL item adds its ``status``)."""
+        return {"key": self.key, "admitted": False, "offers": self.offers, "admit_after": self.admit_after}
+
+
 # -- configuration and start-up ---------------------------------------------
 
 

@@ -6,6 +6,7 @@ the types they take and answer.
 
 from __future__ import annotations
 
+from kvstore.engine.admission import DEFAULT_ADMIT_WINDOW_S, MAX_ADMIT_AFTER
 from kvstore.engine.compactor import CompactionReport
 from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.engine.format import CODEC_NAMES, FrameEntry
@@ -19,6 +20,8 @@ from kvstore.engine.verify import VerifyReport
 
 __all__ = [
     "CODEC_NAMES",
+    "DEFAULT_ADMIT_WINDOW_S",
+    "MAX_ADMIT_AFTER",
     "BlockInfo",
     "CompactionReport",
     "DirectExtent",

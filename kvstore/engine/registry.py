@@ -24,6 +24,7 @@ from kvstore_client.wire.sealing import aad
 
 from kvstore import __version__
 from kvstore.config import COMPRESSIONS, DURABILITY_CLASSES, Compression, DurabilityClass
+from kvstore.engine.admission import DEFAULT_ADMIT_WINDOW_S
 from kvstore.engine.crypto import MasterKey, new_data_key
 from kvstore.errors import (
     InvalidInput,
@@ -98,6 +99,10 @@ class Tenant:
     # QoS fields set on the tenant (kvstore/qos/policy.py); the others follow
     # the store's defaults.
     qos: dict[str, int] = field(default_factory=dict)
+    # Admission (engine/admission.py): a block it does not hold is stored at
+    # its admit_after-th offer within admit_window_s of the first; 1: every time.
+    admit_after: int = 1
+    admit_window_s: int = DEFAULT_ADMIT_WINDOW_S
 
     @property
     def sealed(self) -> bool:
@@ -117,6 +122,8 @@ class Tenant:
             "frame_size": self.frame_size or None,
             "events_topic": self.events_topic or None,
             "qos": dict(self.qos),
+            "admit_after": self.admit_after,
+            "admit_window_s": self.admit_window_s,
             "tokens": [{"id": tid, "created_ns": t["created_ns"]} for tid, t in sorted(self.tokens.items())],
             "s3_keys": [{"access_key_id": k, "created_ns": v["created_ns"]} for k, v in sorted(self.s3_keys.items())],
         }
@@ -215,6 +222,8 @@ class Registry:
                 events_topic=str(t.get("events_topic") or ""),
                 s3_keys=dict(t.get("s3_secrets", {})),
                 qos=stored_overrides(t.get("qos")),
+                admit_after=int(t.get("admit_after") or 1),
+                admit_window_s=int(t.get("admit_window_s") or DEFAULT_ADMIT_WINDOW_S),
             )
             self._tenants[name] = tenant
             for version, wrapped in tenant.wrapped_keys.items():
@@ -348,6 +357,8 @@ class Registry:
         frame_size: int = 0,
         events_topic: str = "",
         qos: dict[str, int] | None = None,
+        admit_after: int = 1,
+        admit_window_s: int = DEFAULT_ADMIT_WINDOW_S,
     ) -> Tenant:
         validate_tenant(name)
         if policy not in POLICIES:
@@ -373,6 +384,8 @@ class Registry:
                 frame_size=frame_size,
                 events_topic=events_topic,
                 qos=dict(qos or {}),
+                admit_after=admit_after,
+                admit_window_s=admit_window_s,
             )
             self._deleted.pop(_name_digest(name), None)
             if policy == "sealed":
@@ -446,10 +459,13 @@ class Registry:
         frame_size: int | None = None,
         events_topic: str | None = None,
         qos: dict[str, int | None] | None = None,
+        admit_after: int | None = None,
+        admit_window_s: int | None = None,
     ) -> Tenant:
         """Change the tenant's quota, TTL, frame size of new records, events
-        topic and QoS fields (None: leave as is; 0 or "": none, the store's
-        frame size, the tenant's name; a QoS field None: the store's default)."""
+        topic, QoS fields and admission (None: leave as is; 0 or "": none,
+        the store's frame size, the tenant's name; a QoS field None: the
+        store's default)."""
         with self._lock:
             t = self.get(name)
             if qos:
@@ -462,6 +478,10 @@ class Registry:
                 t.ttl_s = ttl_s
             if frame_size is not None:
                 t.frame_size = frame_size
+            if admit_after is not None:
+                t.admit_after = admit_after
+            if admit_window_s is not None:
+                t.admit_window_s = admit_window_s
             self._save()
             return t
 

@@ -20,6 +20,7 @@ from kvstore_client.wire.sealing import aad
 
 from kvstore.config import StoreConfig
 from kvstore.engine.access import AccessLog
+from kvstore.engine.admission import Admission
 from kvstore.engine.appender import Appender, OpenSegment
 from kvstore.engine.compactor import Compactor
 from kvstore.engine.crypto import MasterKey, open_small, seal_small, small_version
@@ -101,6 +102,9 @@ class StoreCore:
         self.reserve: SpaceReserve | None = None  # the writer's (reserve.py)
         self.leases = Leases()
         self.access = AccessLog()
+        # Offers of new blocks, for tenants with admit_after > 1: counted by
+        # the writer, which every write reaches (admission.py).
+        self.admission = Admission(config.admission_keys, self.metrics)
         self.decoded = DecodedCache(config.decoded_cache_bytes, self.metrics)
         self._background = True
         self.events: EventBus | None = None  # set by the daemon where events are on (the writer)

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from kvstore.config import FRAME_SIZE_RULE, valid_frame_size
 from kvstore.engine.access import Touches
+from kvstore.engine.admission import DEFAULT_ADMIT_WINDOW_S, MAX_ADMIT_AFTER, MAX_ADMIT_WINDOW_S
 from kvstore.engine.appender import OpenSegment
 from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.engine.recovery import trash
@@ -68,6 +69,8 @@ class StoreTenants(StoreCore):
         frame_size: int | None = None,
         events_topic: str | None = None,
         qos: dict[str, int | None] | None = None,
+        admit_after: int | None = None,
+        admit_window_s: int | None = None,
     ) -> dict[str, Any]:
         """``durability``: persistent (never dropped before it is in the object
         tier) or ephemeral (may be dropped when the disk is full); default the
@@ -77,7 +80,10 @@ class StoreTenants(StoreCore):
         frames it covers); None or 0 for the store's ``frame_size``.
         ``events_topic``: the ZMQ topic of its residency events (None or "":
         its name). ``qos``: the QoS fields it sets (kvstore/qos/policy.py; the
-        others, and those None, follow the ``default_qos_*`` settings)."""
+        others, and those None, follow the ``default_qos_*`` settings).
+        ``admit_after``: a block it does not hold is stored only at its
+        ``admit_after``-th offer within ``admit_window_s`` seconds
+        (engine/admission.py); None: 1 (every time), and 3600 s."""
         self._check_writable()
         validate_tenant(name)
         if compression is None and policy == "sealed":
@@ -87,10 +93,24 @@ class StoreTenants(StoreCore):
         ttl = self.config.default_ttl_s if ttl_s is None else _limit("ttl_s", ttl_s)
         fs = _frame_size(frame_size or 0)
         topic = _topic(events_topic or "")
+        after = 1 if admit_after is None else _admit_after(admit_after)
+        window = DEFAULT_ADMIT_WINDOW_S if admit_window_s is None else _admit_window(admit_window_s)
         await self._run(trash, self._seg_root, name)  # files of a deleted incarnation, if any are left
         own = apply_changes({}, qos or {})
         await self._change_registry(
-            False, self._registry.create, name, policy, compression, durability, quota, ttl, fs, topic, own
+            False,
+            self._registry.create,
+            name,
+            policy,
+            compression,
+            durability,
+            quota,
+            ttl,
+            fs,
+            topic,
+            own,
+            after,
+            window,
         )
         self._tails[name] = OpenSegment(None)
         return self.tenant(name)
@@ -103,18 +123,29 @@ class StoreTenants(StoreCore):
         frame_size: int | None = None,
         events_topic: str | None = None,
         qos: dict[str, int | None] | None = None,
+        admit_after: int | None = None,
+        admit_window_s: int | None = None,
     ) -> dict[str, Any]:
-        """Change a tenant's quota, TTL, frame size, events topic and QoS fields (None: unchanged; 0:
-        none, or the store's frame size). A lower quota is enforced at once, a
-        shorter TTL on the next read and sweep; a frame size applies to the
-        records written from now on (each record keeps the one it has)."""
+        """Change a tenant's quota, TTL, frame size, events topic, QoS fields
+        and admission (None: unchanged; 0: none, or the store's frame size).
+        A lower quota is enforced at once, a shorter TTL on the next read and
+        sweep; a frame size applies to the records written from now on (each
+        record keeps the one it has); admission to the next put (offers
+        counted so far still count, under the new window; ``admit_after``
+        1 drops them)."""
         self._check_writable()
         await self._known(name)
         quota = None if quota_bytes is None else _limit("quota_bytes", quota_bytes)
         ttl = None if ttl_s is None else _limit("ttl_s", ttl_s)
         fs = None if frame_size is None else _frame_size(frame_size)
         topic = None if events_topic is None else _topic(events_topic)
-        t = await self._change_registry(True, self._registry.set_limits, name, quota, ttl, fs, topic, qos)
+        after = None if admit_after is None else _admit_after(admit_after)
+        window = None if admit_window_s is None else _admit_window(admit_window_s)
+        t = await self._change_registry(
+            True, self._registry.set_limits, name, quota, ttl, fs, topic, qos, after, window
+        )
+        if t.admit_after == 1:
+            self.admission.forget_tenant(name)
         await self._retention.enforce(t)
         return self.tenant(name)
 
@@ -180,6 +211,7 @@ class StoreTenants(StoreCore):
             await self._maintain(self._life.tenant_deleted, name)
             self._cache.forget_tenant(name)  # closed once the reads in progress end
             self.access.forget_tenant(name)
+            self.admission.forget_tenant(name)
             self._residency.tenant_deleted(name, incarnation)
             moved = await self._run(trash, self._seg_root, name)
             self._tails.pop(name, None)
@@ -324,6 +356,20 @@ def _topic(value: str) -> str:
         or not all(c.isprintable() and not c.isspace() for c in value)
     ):
         raise InvalidInput("field 'events_topic' must be up to 256 bytes of printable text without spaces, or null")
+    return value
+
+
+def _admit_after(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ADMIT_AFTER:
+        raise InvalidInput(
+            f"field 'admit_after' must be an integer from 1 (store every block) to {MAX_ADMIT_AFTER}; got {value!r}"
+        )
+    return value
+
+
+def _admit_window(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ADMIT_WINDOW_S:
+        raise InvalidInput(f"field 'admit_window_s' must be an integer from 1 to {MAX_ADMIT_WINDOW_S}; got {value!r}")
     return value
 
 

@@ -2,9 +2,11 @@
 
 A put is checked, serialized with other writes of its key (first write wins:
 a second put of a key is a no-op; a delete waits for a put in flight on the
-same key), admitted by local space and the tenant's quota, encoded (frames
-compressed and sealed on the thread pool, in parallel for big blocks) and
-handed to the tenant's appender, which answers once it is durable.
+same key), counted against the tenant's admission (``admit_after``:
+admission.py; a block not admitted raises NotAdmitted, nothing written),
+admitted by local space and the tenant's quota, encoded (frames compressed
+and sealed on the thread pool, in parallel for big blocks) and handed to
+the tenant's appender, which answers once it is durable.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvstore.engine.types import BlockInfo, Stored
 from kvstore.errors import (
     BlockTooLarge,
     InvalidInput,
+    NotAdmitted,
     StorageFull,
 )
 from kvstore.events.model import BlockMeta
@@ -67,7 +70,9 @@ class StoreWrites(StoreCore):
         indexed with it and told in its residency events.
 
         Returns once the write is durable under the configured policy. The
-        caller must not change ``data`` until then.
+        caller must not change ``data`` until then. Raises NotAdmitted (a
+        decision, not a failure: nothing written) for a new block its
+        tenant's admission declines (admission.py).
         """
         t = self._tenant(tenant)
         validate_key(key)
@@ -80,6 +85,7 @@ class StoreWrites(StoreCore):
                 self.metrics.inc("kvstore_puts_total", result="exists")
                 self.access.touch(tenant, key)  # written again: it is still wanted
                 return Stored(False, BlockInfo.of(key, existing))
+            counted = self.admission.check(t, key, len(view))
             await self._residency.admit(len(view))
             record = await self._encode(t, key, view)
             ident = self._ident_blob(t, key, meta) if meta is not None else None
@@ -90,6 +96,8 @@ class StoreWrites(StoreCore):
                     self._residency.filled()
                     raise
             self._residency.space.wrote(record.length)
+            if counted:
+                self.admission.stored(t, key, len(view))
             self._stored(tenant, "put", "local", [key], [len(view)], [meta or BlockMeta.of_key(key)])
             self.metrics.inc("kvstore_puts_total", result="created")
             self.metrics.inc("kvstore_bytes_in_total", len(view))
@@ -100,16 +108,24 @@ class StoreWrites(StoreCore):
 
     async def put_many(
         self, tenant: str, items: Iterable[tuple[str, Data]], metas: Sequence[BlockMeta | None] | None = None
-    ) -> list[Stored]:
+    ) -> list[Stored | NotAdmitted]:
         """Put several blocks (``metas``: their engine identities, in order);
         they share group-commit batches. Fails as a whole on the first
-        invalid item, before writing anything."""
+        invalid item, before writing anything; a block its tenant's
+        admission declines is its NotAdmitted, in its place."""
         self._tenant(tenant)
         checked = [(validate_key(k), self._check_data(d)) for k, d in items]
         ids = list(metas) if metas is not None else [None] * len(checked)
         if len(ids) != len(checked):
             raise ValueError(f"{len(checked)} items but {len(ids)} identities")
-        return list(await asyncio.gather(*(self.put(tenant, k, d, m) for (k, d), m in zip(checked, ids, strict=True))))
+
+        async def one(key: str, data: memoryview, meta: BlockMeta | None) -> Stored | NotAdmitted:
+            try:
+                return await self.put(tenant, key, data, meta)
+            except NotAdmitted as e:
+                return e
+
+        return list(await asyncio.gather(*(one(k, d, m) for (k, d), m in zip(checked, ids, strict=True))))
 
     async def delete(self, tenant: str, key: str) -> bool:
         """Delete ``key`` (a durable tombstone). False when it was absent."""

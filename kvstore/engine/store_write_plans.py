@@ -9,7 +9,9 @@ Three steps, each its own call:
    tenant's appender reserve room for the record at the end of the open
    segment: allocated on disk, marked with a pad record (format.py), so a
    scan steps over it whatever happens next. A key that exists is answered
-   as a put of it would be (``created`` False, nothing to write).
+   as a put of it would be (``created`` False, nothing to write), and so is
+   a new key its tenant's admission declines (NotAdmitted, nothing to
+   write: the offer is counted here, where the client would write it).
 2. The client writes each block's bytes at ``offset`` of the segment file
    (a descriptor the transport passes; only its own tenant's file), padded
    with zeros to ``length``, from host memory or GPU memory.
@@ -74,6 +76,7 @@ from kvstore.errors import (
     CorruptionError,
     InvalidInput,
     KVStoreError,
+    NotAdmitted,
     NotPlannable,
     RecordRejected,
     StorageFull,
@@ -146,6 +149,10 @@ class WritePlan:
     quota: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     app: Appender | None = None
     ended: bool = False
+    #: keys with nothing to write: the tenant's admission declined them
+    declined: dict[str, NotAdmitted] = field(default_factory=dict)
+    #: planned keys admission counted (admission.py): told once stored
+    counted: set[str] = field(default_factory=set)
 
 
 class StoreWritePlans(StoreCore):
@@ -192,6 +199,13 @@ class StoreWritePlans(StoreCore):
                 if existing is not None:
                     self.access.touch(tenant, key)
                     plan.existing[key] = Stored(False, BlockInfo.of(key, existing))
+                    self._release(tenant, key, plan.claims.pop(key))
+                    continue
+                try:
+                    if self.admission.check(t, key, size):
+                        plan.counted.add(key)
+                except NotAdmitted as e:
+                    plan.declined[key] = e
                     self._release(tenant, key, plan.claims.pop(key))
                     continue
                 kv = t.key_version if client_seals else None
@@ -293,6 +307,8 @@ class StoreWritePlans(StoreCore):
                         out[key] = Stored(False, BlockInfo.of(key, now)) if now is not None else WritePlanNotFound(key)
                         continue
                     out[key] = Stored(True, BlockInfo.of(key, entry))
+                    if key in plan.counted:
+                        self.admission.stored(plan.tenant, key, entry.logical_size)
                     stored_keys.append(key)
                     sizes.append(entry.logical_size)
                     metas.append(plan.metas.get(key) or BlockMeta.of_key(key))
@@ -318,7 +334,9 @@ class StoreWritePlans(StoreCore):
         plan = self.write_plan(tenant, plan_id)
         w = plan.writes.get(key)
         if w is None:
-            raise InvalidInput(f"key {key!r} is not in write plan {plan_id} (or it exists: nothing to write)")
+            raise InvalidInput(
+                f"key {key!r} is not in write plan {plan_id} (or it exists, or was not admitted: nothing to write)"
+            )
         if not 0 < len(data) <= w.length:
             raise InvalidInput(f"block {key!r}: {len(data)} bytes do not fit the {w.length} reserved for it")
         try:

@@ -10,6 +10,8 @@ unmapped is a 500.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvstore.errors import (
     AgentTaken,
     AgentUnknown,
@@ -28,6 +30,7 @@ from kvstore.errors import (
     LengthRequired,
     NixlDisabled,
     NodeAlive,
+    NotAdmitted,
     NotFound,
     NotPlannable,
     Overloaded,
@@ -56,6 +59,7 @@ from kvstore.errors import (
 )
 
 STATUS: dict[type[KVStoreError], int] = {
+    NotAdmitted: 202,  # a decision, not a failure: nothing stored, no ETag
     InvalidInput: 400,
     InvalidRange: 416,
     BlockTooLarge: 413,
@@ -107,3 +111,12 @@ def http_status(e: KVStoreError) -> int:
         if status is not None:
             return status
     return 500
+
+
+def item_answer(key: str, e: KVStoreError) -> dict[str, Any]:
+    """A batch, write-plan or NIXL item whose block was not stored: its
+    status and the error (a block not admitted: the ``202`` and its offers,
+    as ``PUT /v1/blocks/{key}`` answers them)."""
+    if isinstance(e, NotAdmitted):
+        return {"key": key, "status": http_status(e), **e.answer()}
+    return {"key": key, "status": http_status(e), "error": {"code": e.code, "message": str(e)}}

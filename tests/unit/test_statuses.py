@@ -8,7 +8,15 @@ from __future__ import annotations
 import inspect
 
 import kvstore.errors
-from kvstore.errors import CorruptionError, InvalidKey, KVStoreError, NotFound, StorageFull, TenantNotFound
+from kvstore.errors import (
+    CorruptionError,
+    InvalidKey,
+    KVStoreError,
+    NotAdmitted,
+    NotFound,
+    StorageFull,
+    TenantNotFound,
+)
 from kvstore.transport.statuses import STATUS, http_status
 
 
@@ -25,7 +33,8 @@ def test_engine_errors_carry_no_http_status() -> None:
 def test_every_error_maps_to_a_status_as_its_nearest_base() -> None:
     for cls in _error_classes():
         status = http_status(cls.__new__(cls))
-        assert 400 <= status <= 599, cls
+        # NotAdmitted is a decision, not a failure (nothing stored; issue 41): 202.
+        assert 400 <= status <= 599 or (cls is NotAdmitted and status == 202), cls
     assert http_status(InvalidKey("x")) == 400  # InvalidInput's
     assert http_status(TenantNotFound("x")) == 404  # NotFound's
     assert http_status(StorageFull("x")) == 507
