@@ -3,7 +3,9 @@
 Which statuses are worth a retry (:data:`RETRYABLE_STATUSES`) and which count
 against an endpoint's circuit breaker (:data:`BREAKER_STATUSES`) are decided
 here, once. A 404 is not an error: it is :class:`Miss`, which the caller
-turns into ``None`` (or ``False``), and tries the key's next owner.
+turns into ``None`` (or ``False``), and tries the key's next owner. Nor is
+a put's ``202`` (:data:`NOT_ADMITTED`): the tenant's admission declined the
+block, nothing was stored, and a retry would only count another offer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ from kvstore_client.errors import ProtocolError, ServerError
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504, 507})
 BREAKER_STATUSES = frozenset({502, 503, 504})
 MAX_RETRY_AFTER_S = 3600  # a larger Retry-After is read as this (the call's deadline bounds it anyway)
+NOT_ADMITTED = 202  # a put its tenant's admission (admit_after) declined: not stored, not a failure
+_PUT_RANK = {201: 3, 200: 2, NOT_ADMITTED: 1}
+PUT_RESULTS = frozenset(_PUT_RANK)
+
+
+def best(old: int | None, new: int) -> int:
+    """The better of two results of one block's put (replicas, transports):
+    201 (stored now) over 200 (there already) over 202 (not admitted)."""
+    return new if old is None or _PUT_RANK[new] > _PUT_RANK[old] else old
 
 
 class Miss(Exception):

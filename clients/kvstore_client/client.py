@@ -26,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
+from kvstore_client.answers import NOT_ADMITTED
 from kvstore_client.bodies import writable_view
 from kvstore_client.breaker import CircuitBreaker
 from kvstore_client.decoding import Decode, DecodePool, decode_allowed, decode_available
@@ -334,12 +335,16 @@ class AsyncClient:
         """Store ``data`` under ``key`` on its owner(s); True if at least one stored
         it (or already had it: first write wins). ``meta``: the engine's
         identity of the block (``block_hash``, ``parent_block_hash``,
-        ``token_ids``, ``block_size``, ...), told in the residency events."""
-        result = await self._guard("put", False, self._writes.put(key, data, meta))
+        ``token_ids``, ``block_size``, ...), told in the residency events.
+        False, without a failure, when its tenant's admission (``admit_after``)
+        declined it: counted in ``stats["puts_not_admitted"]``."""
+        result = await self._guard("put", None, self._writes.put(key, data, meta))
         self.stats["puts"] += 1
-        if not result:
+        if result == NOT_ADMITTED:
+            self.stats["puts_not_admitted"] += 1
+        elif result is None:
             self.stats["put_failures"] += 1
-        return result
+        return result in (200, 201)
 
     async def delete(self, key: str) -> bool:
         """Delete ``key`` from its owners; True if any had it."""
@@ -570,8 +575,10 @@ class AsyncClient:
         metas: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[bool]:
         """Store many blocks with ``/v1/batch/put``; per item, whether it is
-        stored. ``metas``: each item's engine identity (as ``put``), or None."""
-        return [s is not None for s in await self.put_many_detail(items, metas)]
+        stored (False for a block its tenant's admission declined, see
+        :meth:`put_many_detail`). ``metas``: each item's engine identity (as
+        ``put``), or None."""
+        return [s in (200, 201) for s in await self.put_many_detail(items, metas)]
 
     async def put_many_detail(
         self,
@@ -579,7 +586,9 @@ class AsyncClient:
         metas: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[int | None]:
         """:meth:`put_many`, per item: 201 (this call stored it), 200 (it was
-        stored already: first write wins), or None (failed)."""
+        stored already: first write wins), 202 (not stored, not a failure:
+        its tenant's admission, ``admit_after``, declined it; counted in
+        ``stats["puts_not_admitted"]``) or None (failed)."""
         items = list(items)
         if metas is not None and len(metas) != len(items):
             raise ValueError(f"{len(items)} items but {len(metas)} metas")
@@ -587,6 +596,7 @@ class AsyncClient:
         result = await self._guard("put_many", failed, self._writes.put_many(items, metas))
         self.stats["puts"] += len(items)
         self.stats["put_failures"] += result.count(None)
+        self.stats["puts_not_admitted"] += result.count(NOT_ADMITTED)
         return result
 
 

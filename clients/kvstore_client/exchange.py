@@ -53,6 +53,7 @@ STAT_NAMES = (
     "breaker_trips",
     "puts",
     "put_failures",
+    "puts_not_admitted",  # blocks its tenant's admission (admit_after) declined: not stored, not failures
 )
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import aiohttp
 import xxhash
 
-from kvstore_client.answers import check, json_answer
+from kvstore_client.answers import NOT_ADMITTED, best, check, json_answer
 from kvstore_client.bodies import BuffersPayload
 from kvstore_client.errors import KVStoreClientError, ProtocolError, ServerError
 from kvstore_client.exchange import Exchange
@@ -213,7 +213,7 @@ def _settle(answer: Any, pos_of: Mapping[str, int], ok: list[int | None], stats:
     for key, i in pos_of.items():
         res = done.get(key)
         if res is not None and res.get("status") in (200, 201):
-            ok[i] = max(ok[i] or 0, int(res["status"]))
+            ok[i] = best(ok[i], int(res["status"]))
             stats["plan_writes"] += 1
         else:
             left.append(i)
@@ -294,11 +294,14 @@ class UnixPlanWriter:
             for i in idx:
                 key = items[i][0]
                 b = by_key.get(key)
+                if b is not None and b.get("status") == NOT_ADMITTED:  # nothing to write, anywhere
+                    ok[i] = best(ok[i], NOT_ADMITTED)
+                    continue
                 if b is None or b.get("status") != 200:
                     left.append(i)
                     continue
                 if b.get("exists"):
-                    ok[i] = max(ok[i] or 0, 200)
+                    ok[i] = best(ok[i], 200)
                     continue
                 if int(b["size"]) != sizes[i]:
                     raise KVStoreClientError(f"write plan for {key} has size {b['size']}", code="protocol")
@@ -401,11 +404,14 @@ class UploadPlanWriter:
             for i in idx:
                 key = items[i][0]
                 b = by_key.get(key)
+                if b is not None and b.get("status") == NOT_ADMITTED:  # nothing to write, anywhere
+                    ok[i] = best(ok[i], NOT_ADMITTED)
+                    continue
                 if b is None or b.get("status") != 200 or ("record" not in b and not b.get("exists")):
                     left.append(i)
                     continue
                 if b.get("exists"):
-                    ok[i] = max(ok[i] or 0, 200)
+                    ok[i] = best(ok[i], 200)
                     continue
                 stored, frames = await asyncio.to_thread(seal_block, views[i], b, self._pool())
                 body = BuffersPayload(stored, "application/octet-stream")

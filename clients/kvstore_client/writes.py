@@ -1,8 +1,10 @@
 """Writes: ``put`` and ``put_many`` to every owner of a key (replicas), and ``delete``.
 
 First write wins on the daemon: an item's result is 201 (this call stored
-it), 200 (it was stored already) or None (failed), the best over its
-replicas. ``put_many`` writes through a write plan on a ``unix:`` owner
+it), 200 (it was stored already), 202 (not stored: the tenant's admission,
+``admit_after``, declined it; not a failure, and not retried: a retry would
+only count another offer) or None (failed), the best over its replicas
+(:func:`best`). ``put_many`` writes through a write plan on a ``unix:`` owner
 (write_plans.py), else sends one ``/v1/batch/put`` per owner (per
 ``max_batch_keys`` items), or, with ``transport="nixl"``, one NIXL write
 per owner, falling back to HTTP.
@@ -18,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from kvstore_client.answers import check, json_answer
+from kvstore_client.answers import NOT_ADMITTED, PUT_RESULTS, best, check, json_answer
 from kvstore_client.bodies import BuffersPayload
 from kvstore_client.errors import KVStoreClientError
 from kvstore_client.exchange import Exchange
@@ -54,20 +56,26 @@ class Writes:
         self._max_batch_keys = max_batch_keys
         self._strict = strict
 
-    async def put(self, key: str, data: BufferLike, meta: Mapping[str, Any] | None) -> bool:
+    async def put(self, key: str, data: BufferLike, meta: Mapping[str, Any] | None) -> int | None:
+        """The best result over the key's owners (201, 200, 202), None
+        when none answered one (and not all failed: else their error)."""
         check_key(key)
         if memoryview(data).nbytes == 0:
             raise KVStoreClientError("blocks are 1 byte or more", code="invalid_input")
         deadline = self._x.deadline()
         headers = {META_HEADER: meta_header(meta)} if meta is not None else None
+        result: int | None = None
 
         async def fn(s: aiohttp.ClientSession) -> bool:
+            nonlocal result
             body = BuffersPayload([data], "application/octet-stream")
             async with s.put(f"/v1/blocks/{key}", data=body, headers=headers) as r:
-                await check(r, ok=(200, 201))
-                return True
+                await check(r, ok=(200, 201, NOT_ADMITTED))
+                result = best(result, r.status)
+                return r.status != NOT_ADMITTED
 
-        return await self._x.on_all_owners(self._shards.owners(key), fn, deadline)
+        stored = await self._x.on_all_owners(self._shards.owners(key), fn, deadline)
+        return result if stored or result == NOT_ADMITTED else None
 
     async def delete(self, key: str) -> bool:
         check_key(key)
@@ -183,10 +191,10 @@ class Writes:
 
 
 def _stored(ok: list[int | None], i: int, res: Any) -> None:
-    """Record item ``i``'s put result: 201 (stored now) over 200 (there
-    already) over None (failed), across replicas."""
-    if isinstance(res, dict) and res.get("status") in (200, 201):
-        ok[i] = max(ok[i] or 0, int(res["status"]))
+    """Record item ``i``'s put result (a batch or NIXL item): the best
+    across replicas (:func:`best`); None (failed) if none stored it."""
+    if isinstance(res, dict) and res.get("status") in PUT_RESULTS:
+        ok[i] = best(ok[i], int(res["status"]))
 
 
 def meta_json(meta: Mapping[str, Any]) -> bytes:

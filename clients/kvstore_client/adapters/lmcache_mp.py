@@ -360,7 +360,8 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         try:
             views = [memoryview(o.byte_array) for o in objects]
             statuses = await self.client.put_many_detail(zip([kvstore_key(k) for k in keys], views, strict=True))
-            nbytes = sum(v.nbytes for v, st in zip(views, statuses, strict=True) if st is not None)
+            # 202: its tenant's admission declined it (admit_after): not stored, not a failure.
+            nbytes = sum(v.nbytes for v, st in zip(views, statuses, strict=True) if st in (200, 201))
             result = L2StoreResult(None not in statuses, nbytes)
             if None in statuses:
                 self.failures["store"] += 1

@@ -99,6 +99,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore_client.adapters._common import CLIENT_SETTINGS, PLAN_SETTINGS, LoopThread, Settings, load_planner
 from kvstore_client.adapters.planner import LoadPlan, ReadLimit, told_recompute
+from kvstore_client.answers import NOT_ADMITTED
 from kvstore_client.client import AsyncClient
 from kvstore_client.keys import block_keys, model_fingerprint
 from kvstore_client.prefix import process_bandwidth
@@ -264,6 +265,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "load_failed_blocks",
                 "saved_blocks",
                 "save_failed_blocks",
+                "save_not_admitted_blocks",  # the tenant's admission (admit_after) declined them: not failures
                 "dropped_save_blocks",
                 "planned_recompute_blocks",
             ),
@@ -920,19 +922,22 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         blocks = len(items) // len(self._groups)
         ids = metas if any(m is not None for m in metas) else None
-        fut = self._loop.submit(self._save_client.put_many([(k, b.numpy()) for k, b in items], ids))
+        fut = self._loop.submit(self._save_client.put_many_detail([(k, b.numpy()) for k, b in items], ids))
         with self._lock:
             self._pending_saves.add(fut)
 
-        def finished(f: concurrent.futures.Future[list[bool]]) -> None:
+        def finished(f: concurrent.futures.Future[list[int | None]]) -> None:
             with self._lock:
                 self._pending_saves.discard(f)
                 self._pending_save_bytes -= nbytes
-            ok = f.result() if not f.cancelled() and f.exception() is None else [False] * len(items)
+            done = f.result() if not f.cancelled() and f.exception() is None else [None] * len(items)
             g = len(self._groups)
-            saved = sum(all(ok[i : i + g]) for i in range(0, len(ok), g))  # an engine block: all its groups
+            groups = [done[i : i + g] for i in range(0, len(done), g)]  # an engine block: all its groups
+            saved = sum(all(st in (200, 201) for st in grp) for grp in groups)
+            declined = sum(None not in grp and NOT_ADMITTED in grp for grp in groups)
             self.stats["saved_blocks"] += saved
-            self.stats["save_failed_blocks"] += blocks - saved
+            self.stats["save_not_admitted_blocks"] += declined
+            self.stats["save_failed_blocks"] += blocks - saved - declined
 
         fut.add_done_callback(finished)
 
