@@ -41,6 +41,9 @@ async def test_answers_match_the_description(api: Api) -> None:
     spec = Spec.load()
     token = await api.tenant("alice")
     t, admin = api.auth(token), api.auth(ADMIN)
+    # A tenant that stores a block at its second offer (admit_after): 202s. Connection:
+    # close takes the PUT off the fast lane, to the route (its body: test_admission.py).
+    carol = {**api.auth(await api.tenant("carol", admit_after=2)), "Connection": "close"}
     batch = batchframe.encode_put_stream([("b1", b"1" * 100), ("b2", b"2" * 50)])
     calls: list[tuple[str, str, str, dict[str, str], bytes, int]] = [
         ("PUT", "/v1/blocks/{key}", "/v1/blocks/k1", t, b"x" * 1000, 201),
@@ -48,6 +51,8 @@ async def test_answers_match_the_description(api: Api) -> None:
         ("PUT", "/v1/blocks/{key}", "/v1/blocks/k%2F1", t, b"x", 400),
         ("PUT", "/v1/blocks/{key}", "/v1/blocks/k1", {}, b"x", 401),
         ("PUT", "/v1/blocks/{key}", "/v1/blocks/k2", t, b"", 400),
+        ("PUT", "/v1/blocks/{key}", "/v1/blocks/c1", carol, b"c" * 100, 202),
+        ("POST", "/v1/batch/put", "/v1/batch/put", carol, batch, 200),
         ("GET", "/v1/blocks/{key}", "/v1/blocks/k1", t, b"", 200),
         ("GET", "/v1/blocks/{key}", "/v1/blocks/k1", {**t, "Range": "bytes=0-9"}, b"", 206),
         ("GET", "/v1/blocks/{key}", "/v1/blocks/k1", {**t, "Range": "bytes=5000-"}, b"", 416),
@@ -138,6 +143,8 @@ async def test_answers_match_the_description(api: Api) -> None:
         ("POST", "/v1/admin/verify", "/v1/admin/verify?deep=true", admin, b"", 200),
         ("PATCH", "/v1/admin/tenants/{name}", "/v1/admin/tenants/alice", admin, b'{"quota_bytes": 65536}', 200),
         ("PATCH", "/v1/admin/tenants/{name}", "/v1/admin/tenants/alice", admin, b'{"ttl_s": null}', 200),
+        ("PATCH", "/v1/admin/tenants/{name}", "/v1/admin/tenants/carol", admin, b'{"admit_window_s": 60}', 200),
+        ("PATCH", "/v1/admin/tenants/{name}", "/v1/admin/tenants/carol", admin, b'{"admit_after": 0}', 400),
         ("PATCH", "/v1/admin/tenants/{name}", "/v1/admin/tenants/alice", admin, b"{}", 400),
         ("PATCH", "/v1/admin/tenants/{name}", "/v1/admin/tenants/nobody", admin, b'{"ttl_s": 60}', 404),
         ("PUT", "/v1/blocks/{key}", "/v1/blocks/over-quota", t, b"q" * 70_000, 507),

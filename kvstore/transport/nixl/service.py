@@ -58,7 +58,7 @@ from kvstore.server_config import ServerConfig
 from kvstore.transport.nixl.agent import make_agent, ucx_devices
 from kvstore.transport.nixl.devices import Discovery
 from kvstore.transport.nixl.memory import Memory, Piece, Region, view
-from kvstore.transport.statuses import http_status
+from kvstore.transport.statuses import http_status, item_answer
 
 log = logging.getLogger("kvstore.nixl")
 INLINE_VERIFY_BYTES = 4 << 20  # blocks up to this size are checked on the event loop
@@ -317,8 +317,8 @@ class XferService:
                         await self._store.put(tenant, validate_client_key(key), data[off : off + n], meta)
                     ).created
                     results.append({"key": key, "status": 201 if created else 200, "size": n, "created": created})
-                except KVStoreError as e:
-                    results.append({"key": key, "status": http_status(e), "error": {"code": e.code, "message": str(e)}})
+                except KVStoreError as e:  # NotAdmitted among them: a 202 item (the bytes were pulled, not written)
+                    results.append(item_answer(key, e))
             self.counts["writes"] += 1
             self.counts["write_bytes"] += total
             self._store.metrics.inc("kvstore_nixl_bytes_total", total, op="write", source="staging")
@@ -372,11 +372,11 @@ class XferService:
         results: list[dict[str, Any]] = []
         total = 0
         for key, (_, _, n, _) in zip(keys, blocks, strict=True):
-            res = empty if n <= 0 else done[key] if key in done else plan.existing[key]
+            res: Stored | KVStoreError = empty
+            if n > 0:
+                res = done[key] if key in done else plan.declined.get(key) or plan.existing[key]
             if isinstance(res, KVStoreError):
-                results.append(
-                    {"key": key, "status": http_status(res), "error": {"code": res.code, "message": str(res)}}
-                )
+                results.append(item_answer(key, res))
                 continue
             results.append({"key": key, "status": 201 if res.created else 200, "size": n, "created": res.created})
             total += n if res.created else 0

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from kvstore import __version__
 from kvstore.config import DURABILITY_CLASSES
-from kvstore.engine.api import load_master_key
+from kvstore.engine.api import DEFAULT_ADMIT_WINDOW_S, load_master_key
 from kvstore.errors import InvalidInput, MasterKeyError
 from kvstore.names import validate_tenant
 from kvstore.qos.policy import parse_qos
@@ -42,11 +42,12 @@ async def create_tenant(request: web.Request) -> web.Response:
         raise InvalidInput("field 'compression' must be a string")
     if durability is not None and durability not in DURABILITY_CLASSES:
         raise InvalidInput(f"field 'durability' must be one of {', '.join(DURABILITY_CLASSES)}")
-    unknown = set(body) - {"name", "policy", "compression", "durability", "events_topic", "qos", *LIMITS}
+    unknown = set(body) - {"name", "policy", "compression", "durability", "events_topic", "qos", *LIMITS, *ADMISSION}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
     limits = _limits(body)
     qos = parse_qos(body["qos"]) if "qos" in body else None
+    admit_after, admit_window_s = _admission(body)
     store = store_of(request)
     tenant = await store.create_tenant(
         name,
@@ -58,6 +59,8 @@ async def create_tenant(request: web.Request) -> web.Response:
         limits.get("frame_size"),
         _topic(body),
         qos,
+        admit_after,
+        admit_window_s,
     )
     token_id, token = await store.issue_token(name)
     # The tenant as it is now: its "tokens" list the one just issued (it was
@@ -98,6 +101,21 @@ def _limits(body: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+ADMISSION = ("admit_after", "admit_window_s")
+
+
+def _admission(body: dict[str, Any]) -> tuple[Any, Any]:
+    """``admit_after`` and ``admit_window_s`` as the body sets them (null:
+    1, every block stored; and DEFAULT_ADMIT_WINDOW_S), None where absent;
+    the store checks them (400 naming the field)."""
+    after, window = body.get("admit_after"), body.get("admit_window_s")
+    if after is None and "admit_after" in body:
+        after = 1
+    if window is None and "admit_window_s" in body:
+        window = DEFAULT_ADMIT_WINDOW_S
+    return after, window
+
+
 def _topic(body: dict[str, Any]) -> str | None:
     """``events_topic``: a string, or null for the tenant's name ("")."""
     value = body.get("events_topic")
@@ -130,27 +148,32 @@ async def get_tenant(request: web.Request) -> web.Response:
 async def patch_tenant(request: web.Request) -> web.Response:
     """Change a tenant's ``quota_bytes``, ``ttl_s``, ``frame_size``,
     ``events_topic`` (null: none, the store's frame size, the tenant's name;
-    absent: unchanged) and ``qos`` fields (each named is changed; null: the
-    store's default). A lower quota is enforced before the answer; a QoS
-    change applies to the next request, on every worker."""
+    absent: unchanged), ``qos`` fields (each named is changed; null: the
+    store's default), ``admit_after`` and ``admit_window_s`` (null: 1, and
+    the default window). A lower quota is enforced before the answer; a QoS
+    or admission change applies to the next request, on every worker."""
     require_admin(request)
     name = request.match_info["name"]
     body = await json_body(request)
-    unknown = set(body) - {*LIMITS, "events_topic", "qos"}
+    unknown = set(body) - {*LIMITS, "events_topic", "qos", *ADMISSION}
+    changeable = "quota_bytes, ttl_s, frame_size, events_topic, qos, admit_after and/or admit_window_s"
     if unknown:
-        raise InvalidInput(
-            f"unknown field(s): {', '.join(sorted(unknown))}; "
-            "PATCH changes quota_bytes, ttl_s, frame_size, events_topic and qos"
-        )
+        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}; PATCH changes {changeable}")
     if not body:
-        raise InvalidInput(
-            "the body names nothing to change: expected quota_bytes, ttl_s, frame_size, events_topic and/or qos"
-        )
+        raise InvalidInput(f"the body names nothing to change: expected {changeable}")
     limits = _limits(body)
     topic = _topic(body) if "events_topic" in body else None
     qos = parse_qos(body["qos"]) if "qos" in body else None
+    admit_after, admit_window_s = _admission(body)
     await store_of(request).set_limits(
-        name, limits.get("quota_bytes"), limits.get("ttl_s"), limits.get("frame_size"), topic, qos
+        name,
+        limits.get("quota_bytes"),
+        limits.get("ttl_s"),
+        limits.get("frame_size"),
+        topic,
+        qos,
+        admit_after,
+        admit_window_s,
     )
     return web.json_response(await _tenant_with_usage(request, name))
 

@@ -27,18 +27,11 @@ from kvstore.transport.http.counting import count_bytes
 from kvstore.transport.http.qos import QOS
 from kvstore.transport.http.respond import error_body, send
 from kvstore.transport.http.routes.fleet import adopted_store
-from kvstore.transport.statuses import http_status
+from kvstore.transport.statuses import http_status, item_answer
 
 BATCH_TYPE = "application/x-kvstore-batch"  # docs/batch-framing.md
 routes = web.RouteTableDef()
 _WINDOW = 4
-
-
-def _result(key: str, status: int, error: KVStoreError | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"key": key, "status": status}
-    if error is not None:
-        out["error"] = {"code": error.code, "message": str(error)}
-    return out
 
 
 @routes.post("/v1/batch/put")
@@ -56,9 +49,9 @@ async def batch_put(request: web.Request) -> web.Response:
         while len(pending) > upto:
             key, task = pending.pop(0)
             try:
-                results.append(_result(key, 201 if (await task).created else 200))
-            except KVStoreError as e:
-                results.append(_result(key, http_status(e), e))
+                results.append({"key": key, "status": 201 if (await task).created else 200})
+            except KVStoreError as e:  # NotAdmitted among them: a 202 item, nothing stored
+                results.append(item_answer(key, e))
 
     def stored(held: Held) -> Callable[[asyncio.Task[Stored]], None]:
         # the block's bytes are no longer held (a cancelled put's memory is not reused)
@@ -77,7 +70,7 @@ async def batch_put(request: web.Request) -> web.Response:
             except InvalidInput as e:
                 body.release(body.take())
                 await settle(0)
-                results.append(_result(key, http_status(e), e))
+                results.append(item_answer(key, e))
                 continue
             try:
                 validate_client_key(key)
@@ -86,7 +79,7 @@ async def batch_put(request: web.Request) -> web.Response:
             except (InvalidInput, RateLimited) as e:
                 body.release(body.take())
                 await settle(0)
-                results.append(_result(key, http_status(e), e))
+                results.append(item_answer(key, e))
                 continue
             task = asyncio.ensure_future(store.put(tenant, key, data, meta))
             task.add_done_callback(stored(body.take()))

@@ -15,7 +15,7 @@ import uuid
 from aiohttp import web
 
 from kvstore.engine.api import BlockInfo, DirectExtent, Store
-from kvstore.errors import InvalidInput, NotFound, TenantNotFound
+from kvstore.errors import InvalidInput, NotAdmitted, NotFound, TenantNotFound
 from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_client_key, validate_key
 from kvstore.transport.http.appkeys import config_of, store_of
@@ -30,6 +30,7 @@ from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_
 from kvstore.transport.http.respond import send
 from kvstore.transport.http.routes.fleet import adopted_store, with_adopted
 from kvstore.transport.http.sendfile import send_extent
+from kvstore.transport.statuses import http_status
 
 routes = web.RouteTableDef()
 
@@ -46,7 +47,10 @@ async def put_block(request: web.Request) -> web.Response:
     raw_meta = request.headers.get(META_HEADER)
     meta = BlockMeta.from_header(raw_meta) if raw_meta is not None else None
     async with block_body(request, store.config.max_block_size) as data:
-        stored = await store.put(tenant, key, data, meta)
+        try:
+            stored = await store.put(tenant, key, data, meta)
+        except NotAdmitted as e:  # its tenant's admit_after: nothing stored, no ETag
+            return web.json_response(e.answer(), status=http_status(e))
     return web.json_response(
         {"key": key, "size": stored.info.size, "created": stored.created},
         status=201 if stored.created else 200,

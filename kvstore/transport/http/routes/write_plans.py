@@ -49,7 +49,7 @@ from kvstore.transport.http.internal import on_private_socket
 from kvstore.transport.http.qos import QOS
 from kvstore.transport.http.routes.plans import PLANS, answer_with_fds, on_unix, unix_transport
 from kvstore.transport.http.routes.records import client_decode_allowed
-from kvstore.transport.statuses import http_status
+from kvstore.transport.statuses import item_answer
 
 routes = web.RouteTableDef()
 
@@ -182,6 +182,9 @@ async def _plan(request: web.Request, tenant: str, body: dict[str, Any]) -> dict
         if key in plan.existing:
             out.append({"key": key, "status": 200, "exists": True, "etag": plan.existing[key].info.etag})
             continue
+        if key in plan.declined:  # its tenant's admission: nothing to write
+            out.append(item_answer(key, plan.declined[key]))
+            continue
         w = plan.writes[key]
         if w.path not in paths:
             paths.append(w.path)
@@ -257,7 +260,7 @@ async def commit_plan(request: web.Request) -> web.Response:
         if isinstance(r, Stored):
             out.append({"key": key, "status": 201 if r.created else 200, "etag": r.info.etag})
         else:
-            out.append({"key": key, "status": http_status(r), "error": {"code": r.code, "message": str(r)}})
+            out.append(item_answer(key, r))
     return web.json_response({"blocks": out}, dumps=_dumps)
 
 
@@ -311,7 +314,9 @@ async def upload_block(request: web.Request) -> web.Response:
     plan_id = request.match_info["plan"]
     w = store.write_plan(tenant, plan_id).writes.get(key)  # 404 before the body is read
     if w is None:
-        raise InvalidInput(f"key {key!r} is not in write plan {plan_id} (or it exists: nothing to write)")
+        raise InvalidInput(
+            f"key {key!r} is not in write plan {plan_id} (or it exists, or was not admitted: nothing to write)"
+        )
     async with block_body(request, w.length) as data:
         await store.upload_planned(tenant, plan_id, key, data)
     return web.Response(status=204)
