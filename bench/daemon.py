@@ -96,12 +96,18 @@ class Daemon:
 
 @contextmanager
 def daemon(
-    settings: Mapping[str, str], flags: list[str] | None = None, policy: str = "direct", pass_env: str = "UCX_"
+    settings: Mapping[str, str],
+    flags: list[str] | None = None,
+    policy: str = "direct",
+    pass_env: str = "UCX_",
+    tenant: Mapping[str, Any] | None = None,
 ) -> Iterator[Daemon]:
     """``settings`` as KVSTORE_<NAME> variables; ``flags`` for ``kvstore serve``;
     the caller's variables starting with ``pass_env`` are passed on. One
     worker unless ``settings`` or ``flags`` say otherwise (not the default,
-    "auto": figures from machines with different CPU counts would differ)."""
+    "auto": figures from machines with different CPU counts would differ).
+    The tenant "bench" is created with ``policy`` and the fields of
+    ``tenant`` (e.g. ``admit_after``)."""
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir="/var/tmp"))
     admin = secrets.token_hex(16)
     key_file = root / "master.key"
@@ -120,7 +126,8 @@ def daemon(
         deadline = time.monotonic() + 60
         while True:
             try:
-                token = _admin(base, admin, "/v1/admin/tenants", {"name": "bench", "policy": policy})["token"]
+                body = {"name": "bench", "policy": policy, **(tenant or {})}
+                token = _admin(base, admin, "/v1/admin/tenants", body)["token"]
                 break
             except OSError as e:
                 if proc.poll() is not None or time.monotonic() > deadline:

@@ -10,7 +10,9 @@ Each request of the trace (``trace.py``: its arrival time and its chain of
    (``wrong_bytes``); the blocks loaded whole from the start of the chain
    are the request's hit;
 3. stores of the rest of the chain (``put_many_detail``; a block stored
-   already is a no-op that the daemon counts as a use).
+   already is a no-op that the daemon counts as a use; with
+   ``--admit-after N`` the daemon stores a block only at its N-th offer,
+   and the offers it declines are counted).
 
 Requests start at ``--speed`` times the trace's pace (0 or ``max``: as soon
 as one of the ``--concurrency`` slots is free), in the trace's order. Block
@@ -29,8 +31,8 @@ object tier, G4) over the run, against the blocks loaded: the rest of the
 hits were served from local disk or memory (G3).
 
 A daemon started here (no ``--endpoint``) runs on a fresh data directory with
-one worker and one tenant (``--policy``, ``--quota``, ``--set``) and is
-removed at the end; against ``--endpoint`` the run's keys are deleted at the
+one worker and one tenant (``--policy``, ``--quota``, ``--admit-after``,
+``--set``) and is removed at the end; against ``--endpoint`` the run's keys are deleted at the
 end unless ``--keep``, and the tier split counts every tenant of that daemon.
 """
 
@@ -90,6 +92,19 @@ def _speed(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'max'") from None
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"{text!r} must be positive (or 0 / 'max': as fast as possible)")
+    return value
+
+
+def _admit_after(text: str) -> int:
+    """``--admit-after``: 1 to MAX_ADMIT_AFTER, as the tenant setting takes it."""
+    from kvstore.engine.api import MAX_ADMIT_AFTER
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value <= MAX_ADMIT_AFTER:
+        raise argparse.ArgumentTypeError(f"{value} must be 1 to {MAX_ADMIT_AFTER}")
     return value
 
 
@@ -155,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the started daemon's tenant quota in bytes (e.g. 64MiB): its least recently used blocks go",
     )
     ap.add_argument(
+        "--admit-after",
+        type=_admit_after,
+        default=1,
+        metavar="N",
+        help="the started daemon's tenant stores a block only at its N-th offer within an hour "
+        "(its admit_after, 1 to 16; default 1: every block at its first)",
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -198,7 +221,12 @@ def _check_endpoint(args: argparse.Namespace, error: Callable[[str], Any]) -> No
         error(f"argument --endpoint: {args.endpoint!r} is not an http:// or https:// URL")
     if not (args.token or os.environ.get("KVSTORE_TOKEN")):
         error("argument --token: required with --endpoint (or set KVSTORE_TOKEN)")
-    for opt, given in (("--policy", args.policy), ("--quota", args.quota), ("--set", args.set)):
+    for opt, given in (
+        ("--policy", args.policy),
+        ("--quota", args.quota),
+        ("--admit-after", args.admit_after != 1),
+        ("--set", args.set),
+    ):
         if given:
             error(f"argument {opt}: only for a daemon this command starts (not with --endpoint)")
 
@@ -225,6 +253,7 @@ def build_options(args: argparse.Namespace, error: Callable[[str], Any]) -> Repl
         keep=args.keep,
         policy=args.policy or "sealed",
         quota=args.quota,
+        admit_after=args.admit_after,
         settings=_settings(args.set, error),
         prefill_tps=args.prefill_tps or model.prefill_tokens_per_s_8gpu,
         timeout=args.timeout,
@@ -275,8 +304,10 @@ def _target(opts: ReplayOptions, unique_blocks: int) -> Iterator[tuple[str, str,
     from .daemon import daemon
 
     _check_space(opts, unique_blocks, Path("/var/tmp"))
-    with daemon(_started_settings(opts), policy=opts.policy) as d:
-        say(f"started kvstore on {d.base} (data dir {d.root}/data), tenant 'bench', policy {opts.policy}")
+    tenant = {"admit_after": opts.admit_after} if opts.admit_after > 1 else None
+    with daemon(_started_settings(opts), policy=opts.policy, tenant=tenant) as d:
+        admits = f", admit_after {opts.admit_after}" if tenant else ""
+        say(f"started kvstore on {d.base} (data dir {d.root}/data), tenant 'bench', policy {opts.policy}{admits}")
         yield d.base, d.token, d.proc.pid
 
 

@@ -43,6 +43,8 @@ FORMULAS = {
     "latency": "client side: lookup = one lookup call; load = the get_many_into calls of a request's prefix "
     "(requests with a hit); store = its put_many calls",
     "bytes_written_per_token_served": "bytes of the blocks the replay stored anew / hit tokens",
+    "admission": "blocks_not_admitted = the offers (stores) the tenant's admit_after declined (202); "
+    "bytes_not_admitted = those x the block size: bytes not written",
     "prefill": "saved_s = hit tokens / prefill_tps (bench/ttft.py's linear prefill) - the loads' measured seconds",
 }
 
@@ -170,6 +172,7 @@ def figures(
     hit_ratio = hit_tokens / cut.tokens if cut.tokens else 0.0
     loaded = sum(s.loaded for s in served)
     stored = sum(s.stored for s in served)
+    declined = sum(s.declined for s in served)
     load_s = sum(s.load_s or 0.0 for s in served)
     samples = [] if done.metrics.failure is not None else done.metrics.samples  # a gap: no split, not a wrong one
     written = _delta(samples, "bytes_written")
@@ -197,6 +200,8 @@ def figures(
         "blocks_loaded": loaded,
         "blocks_stored": stored,
         "blocks_stored_before": sum(s.stored_before for s in served),
+        "blocks_not_admitted": declined,
+        "bytes_not_admitted": declined * opts.block_bytes,
         "bytes_loaded": loaded * opts.block_bytes,
         "bytes_stored": stored * opts.block_bytes,
         "bytes_written_per_token_served": stored * opts.block_bytes / hit_tokens if hit_tokens else None,
@@ -233,6 +238,7 @@ def _workload(opts: ReplayOptions, requests: Sequence[Request]) -> dict[str, Any
         "endpoint": opts.endpoint,
         "policy": None if opts.endpoint else opts.policy,
         "quota_bytes": opts.quota,
+        "admit_after": None if opts.endpoint else opts.admit_after,
         "settings": opts.settings,
     }
 
@@ -272,6 +278,14 @@ def _rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
         ("wrong bytes / errors", f"{doc['wrong_bytes']:,} / {errors}"),
         ("blocks held", "-" if cap is None else f"{cap:,}"),
         ("loaded / stored", f"{_size(doc['bytes_loaded'])} / {_size(doc['bytes_stored'])}"),
+    ]
+    admit_after = doc["workload"]["admit_after"]
+    if doc["blocks_not_admitted"] or admit_after not in (None, 1):
+        text = f"{doc['blocks_not_admitted']:,} offers, {_size(doc['bytes_not_admitted'])} not written"
+        rows.append(("not admitted" + (f" (admit_after {admit_after})" if admit_after else ""), text))
+    written = doc["daemon_bytes_written"]
+    rows += [
+        ("daemon bytes written", "-" if written is None else _size(written)),
         ("bytes written per token served", _f(doc["bytes_written_per_token_served"], ",.0f")),
     ]
     if doc["daemon_cpu_s"] is not None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 from kvstore_client import AsyncClient
+from kvstore_client.answers import NOT_ADMITTED
 
 from .models import ModelGeometry
 from .run import Progress, Recorder, error_kind, key_prefix, run_keys
@@ -61,6 +62,7 @@ class ReplayOptions:
     keep: bool
     policy: str
     quota: int | None
+    admit_after: int  # the started daemon's tenant's (1: every block stored at its first offer)
     settings: dict[str, str]
     prefill_tps: float | None
     timeout: float
@@ -117,6 +119,7 @@ class Served:
     loaded: int = 0  # of those, blocks loaded whole from the start: the hit
     stored: int = 0  # blocks this request stored anew
     stored_before: int = 0  # blocks it stored that were there already (a use, no write)
+    declined: int = 0  # blocks it offered that the tenant's admission declined (202: not stored)
     lookup_s: float | None = None
     load_s: float | None = None
     store_s: float | None = None
@@ -155,7 +158,7 @@ class Replayer:
                 s.load_s = time.perf_counter() - t
             if s.loaded < len(keys):
                 t = time.perf_counter()
-                s.stored, s.stored_before = await self._store(r.hash_ids[s.loaded :], keys[s.loaded :])
+                s.stored, s.stored_before, s.declined = await self._store(r.hash_ids[s.loaded :], keys[s.loaded :])
                 s.store_s = time.perf_counter() - t
         except asyncio.CancelledError:
             raise
@@ -177,18 +180,20 @@ class Replayer:
                 loaded += 1
         return loaded, wrong
 
-    async def _store(self, ids: Sequence[int], keys: list[str]) -> tuple[int, int]:
-        """(blocks stored anew, blocks that were there already)."""
-        new = before = 0
+    async def _store(self, ids: Sequence[int], keys: list[str]) -> tuple[int, int, int]:
+        """(blocks stored anew, blocks that were there already, blocks the
+        tenant's admission declined)."""
+        new = before = declined = 0
         for start in range(0, len(keys), self.window):
             part = range(start, min(len(keys), start + self.window))
             items = [(keys[i], self.blocks.of(ids[i])) for i in part]
             statuses = await self.client.put_many_detail(items)
             new += statuses.count(201)
             before += statuses.count(200)
+            declined += statuses.count(NOT_ADMITTED)
             if None in statuses:
                 raise RuntimeError(f"{statuses.count(None)} of {len(items)} blocks not stored")
-        return new, before
+        return new, before, declined
 
 
 async def drive(replayer: Replayer, requests: Sequence[Request], rec: Recorder) -> list[Served]:

@@ -135,6 +135,49 @@ def test_with_a_quota_the_hits_are_the_lru_references(served: Daemon, tmp_path: 
     assert doc["unbounded_token_hit_ratio"] == pytest.approx(_independent_hit_ratio(600), abs=1e-12)
 
 
+def _admitted_hit_ratio(requests: int, admit_after: int) -> tuple[float, int, int]:
+    """The independent count as above, with a tenant that stores a block at
+    its ``admit_after``-th offer: (hit ratio, blocks stored, offers declined).
+    A request offers each block after its leading blocks found."""
+    stored: set[int] = set()
+    offers: dict[int, int] = {}
+    hit = total = declined = 0
+    with TRACE.open() as f:
+        for line in list(f)[:requests]:
+            r = json.loads(line)
+            n = 0
+            while n < len(r["hash_ids"]) and r["hash_ids"][n] in stored:
+                n += 1
+            hit += min(n * 512, r["input_length"])
+            total += r["input_length"]
+            for h in r["hash_ids"][n:]:
+                if h in stored:
+                    continue
+                offers[h] = offers.get(h, 0) + 1
+                if offers[h] >= admit_after:
+                    stored.add(h)
+                else:
+                    declined += 1
+    return hit / total, len(stored), declined
+
+
+def test_admission_costs_the_first_reuse_and_spares_the_blocks_used_once(served: Daemon, tmp_path: Path) -> None:
+    """A tenant with admit_after 2 (issue 41): the measured hit ratio, the
+    blocks stored and the offers declined are the independent count's, and
+    the daemon wrote less than the tenant that stores every block."""
+    every = _replay(served.base, _tenant(served.base, "every"), tmp_path / "every.json", 300)
+    doc = _replay(served.base, _tenant(served.base, "second", admit_after=2), tmp_path / "second.json", 300)
+    _check_contract(doc, 300)
+    ratio, stored, declined = _admitted_hit_ratio(300, 2)
+    assert doc["token_hit_ratio"] == pytest.approx(ratio, abs=1e-12)
+    assert doc["blocks_stored"] == stored and doc["blocks_not_admitted"] == declined
+    assert doc["bytes_not_admitted"] == declined * 4096
+    assert 0 < doc["token_hit_ratio"] < every["token_hit_ratio"]
+    assert doc["blocks_stored"] < every["blocks_stored"] / 2  # most blocks of the trace are used once
+    assert doc["daemon_bytes_written"] < every["daemon_bytes_written"] / 2
+    assert every["blocks_not_admitted"] == 0
+
+
 def test_a_daemon_started_here_reports_its_cpu_and_is_removed(tmp_path: Path) -> None:
     """Without --endpoint: a daemon of its own (bench/daemon.py), its CPU counted,
     the chart drawn, the data directory gone afterwards."""

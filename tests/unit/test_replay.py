@@ -195,6 +195,9 @@ def _options(*argv: str) -> ReplayOptions:
         (["--block-bytes", "10"], "at least 64"),
         (["--quota", "12Q"], "argument --quota: '12Q' is not a size"),
         (["--requests", "0"], "--requests"),
+        (["--admit-after", "0"], "argument --admit-after: 0 must be 1 to 16"),
+        (["--admit-after", "two"], "argument --admit-after: 'two' is not an integer"),
+        (["--endpoint", "http://x:1", "--token", "t", "--admit-after", "2"], "--admit-after: only for a daemon"),
         (["--trace", "/nonexistent.jsonl"], "not a file"),
     ],
 )
@@ -216,6 +219,7 @@ def test_options_scale_the_blocks_and_read_the_speed() -> None:
     assert _options("--speed", "2.5").speed == 2.5
     assert _options("--speed", "0.0").speed == _options("--speed", "MAX").speed == 0.0
     assert _options("--model", "layers=2,kv_heads=1,head_dim=8").block_bytes == 2 * 2 * 8 * 2 * 512
+    assert _options().admit_after == 1 and _options("--admit-after", "3").admit_after == 3
 
 
 def test_replay_is_a_subcommand_with_its_own_help(capsys: pytest.CaptureFixture[str]) -> None:
