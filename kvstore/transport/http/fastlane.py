@@ -68,7 +68,7 @@ from aiohttp.http import SERVER_SOFTWARE, HttpVersion11, RawRequestMessage
 from aiohttp.streams import StreamReader
 
 from kvstore.buffers import POOL, AlignedBuffer
-from kvstore.errors import InvalidInput, KVStoreError, Overloaded, RequestTimeout
+from kvstore.errors import InvalidInput, KVStoreError, NotAdmitted, Overloaded, RequestTimeout
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_client_key, validate_key
 from kvstore.transport.http.appkeys import CONFIG, METRICS, STATE, STORE
@@ -515,6 +515,9 @@ class FastLane:
         try:
             async with transfer_slot(app, up.tenant):  # (the body is in: a slot of the fair gate for its store)
                 stored = await app[STORE].put(up.tenant, up.key, up.buf.view, up.meta)
+        except NotAdmitted as e:  # its tenant's admit_after: nothing stored, no ETag (routes/blocks.py)
+            reuse = True  # declined before the block was encoded: nothing refers to the memory
+            status, head, doc = http_status(e), "", json.dumps(e.answer()).encode()
         except KVStoreError as e:
             status, head, doc = self._error_answer(e)
         except Exception:  # the route's answer to the unexpected: a 500, logged
