@@ -379,3 +379,24 @@ def test_the_smuggling_corpus_gets_the_same_answers_on_both_paths(
     assert answers, f"{name}: no answer at all"
     if name == "pipelined, two tenants":
         assert [status for status, _ in answers] == [200, 404, 200, 200, 200, 404]
+
+
+@pytest.mark.parametrize("make", [STATS, GET, _then(GET, STATS)], ids=["routed", "hot", "hot then routed"])
+def test_a_half_close_is_answered_then_the_connection_closes(
+    nodes: dict[str, Node], make: Callable[[Node], bytes]
+) -> None:
+    """The client half-closes right after its request: the answer comes,
+    then the daemon closes its side at once, on both paths. (A half-close
+    that arrives while aiohttp is still finishing an answer is the race
+    tests/http/test_write_plans.py's test_plans_end_with_their_lease_or_their_connection
+    catches: that connection stayed open until the keep-alive timeout, and
+    the write plans it held with it.)"""
+    for node in nodes.values():
+        with socket.create_connection(("127.0.0.1", node.daemon.port)) as s:
+            s.sendall(make(node))
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(10)
+            data = b""
+            while chunk := s.recv(1 << 16):  # raises TimeoutError if the daemon keeps its side open
+                data += chunk
+        assert _answers(data), data[:200]

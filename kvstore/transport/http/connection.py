@@ -475,6 +475,8 @@ class KVRequestHandler(RequestHandler):
         if body is not None and not body.is_eof():
             body.feed_eof()
         self._at_eof = True
+        if not self._messages:
+            self.close()  # the request in progress is the last: aiohttp closes after its answer
         return True
 
 
