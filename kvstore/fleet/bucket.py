@@ -2,12 +2,16 @@
 
 Two kinds of objects, under the fleet's prefix:
 
-- ``fleet/members.json``: ``{"version": N, "nodes": {id: {"url",
-  "incarnation", "state", "changed_ns"}}}``, the one document every node
-  agrees on. A join, a rejoin and a death each read it, change it and write
-  it back with ``If-Match`` (``If-None-Match: *`` for the first), redoing the
-  change on a conflict: two nodes changing it at once both land, in turn,
-  and ``version`` grows by one per change.
+- ``fleet/members.json``: ``{"format": 1, "version": N, "nodes": {id:
+  {"url", "incarnation", "state", "changed_ns"}}}``, the one document every
+  node agrees on. ``format`` is the document's layout (absent: 1, as the
+  first release wrote it); a node meets a layout it does not know with
+  :class:`~kvstore.errors.NewerFormat` and changes nothing (a rolling
+  upgrade must not have an older node rewrite what a newer one wrote). A
+  join, a rejoin and a death each read it, change it and write it back
+  with ``If-Match`` (``If-None-Match: *`` for the first), redoing the change
+  on a conflict: two nodes changing it at once both land, in turn, and
+  ``version`` grows by one per change.
 - ``nodes/ID/heartbeat.json``: written by its node only (under its own
   prefix), every ``fleet_heartbeat_s``, with ``If-Match`` on the etag of its
   own last write: a conflict means another process wrote it, a newer
@@ -29,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvstore.errors import NodeAlive, TierConflict, TierError
+from kvstore.errors import NewerFormat, NodeAlive, TierConflict, TierError
 from kvstore.fleet.membership import Superseded
 from kvstore.fleet.view import ALIVE, DEAD, FleetView, Member
 from kvstore.tier.base import Tier
@@ -37,6 +41,8 @@ from kvstore.tier.base import Tier
 log = logging.getLogger("kvstore.fleet")
 
 MEMBERS = "fleet/members.json"
+MEMBERS_FORMAT = 1  # the members document's layout, written with every change
+MEMBERS_FORMATS_READ = (1,)
 MAX_TRIES = 50  # conditional writes of one change before giving up (each conflict means another node's change landed)
 
 
@@ -55,6 +61,14 @@ def load_doc(data: bytes, what: str) -> dict[str, Any]:
         raise TierError(f"{what} in the bucket is not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise TierError(f"{what} in the bucket is not a JSON object")
+    if what == MEMBERS:
+        found = doc.get("format", 1)
+        if isinstance(found, bool) or found not in MEMBERS_FORMATS_READ:
+            if NewerFormat.is_newer(found, MEMBERS_FORMATS_READ):
+                raise NewerFormat(
+                    f"the fleet's {MEMBERS}", found, MEMBERS_FORMATS_READ, restore=f"the bucket's {MEMBERS}"
+                )
+            raise TierError(f"{MEMBERS} in the bucket has format {found!r}, which no kvstore writes")
     return doc
 
 
@@ -79,6 +93,8 @@ async def change_object(
         new = change(doc)
         if new is None:
             return doc
+        if name == MEMBERS:
+            new["format"] = MEMBERS_FORMAT
         try:
             await tier.put_if(name, dump_doc(new), etag)
             return new

@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
-from kvstore.errors import Fenced, TierError
+from kvstore.errors import Fenced, NewerFormat, TierError
 from kvstore.fleet.membership import Membership, Superseded
 from kvstore.fleet.view import ALIVE, FleetView
 from kvstore.tasks import Background
@@ -87,7 +87,7 @@ class FleetNode:
             log.warning("fleet heartbeat of node %s failed: %s", self.node_id, e)
         try:
             view = await self.membership.observe()
-        except Superseded as e:
+        except (Superseded, NewerFormat) as e:  # a newer release's members document: not this node's to change
             self._supersede(str(e))
             return
         except TierError as e:

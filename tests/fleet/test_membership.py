@@ -6,12 +6,13 @@ node's fencing (kvstore/fleet/node.py) when its heartbeat cannot be written."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
 from kvstore_client.sharding import rank_endpoints
 
-from kvstore.errors import Fenced, NodeAlive, TierUnavailable
+from kvstore.errors import Fenced, NewerFormat, NodeAlive, TierUnavailable
 from kvstore.fleet.bucket import MEMBERS, BucketMembership
 from kvstore.fleet.membership import Superseded
 from kvstore.fleet.node import FleetNode
@@ -154,3 +155,56 @@ async def test_a_dead_node_is_forgotten_for_good(tier: Tier) -> None:
     view = await a.observe()
     assert view.member("b") is None and view.version == version + 1
     assert not await a.remove("b")  # no such node any more
+
+
+async def test_the_members_document_carries_its_format_and_a_newer_one_is_never_rewritten(tier: Tier) -> None:
+    """Every change writes ``format`` 1; a document without it (the first
+    release's) reads as 1; one in a later release's format stops a join and
+    an observation with NewerFormat naming the version, and is left exactly
+    as it was (rolling upgrades: an older node must not rewrite what a newer
+    one wrote). A running node that meets it stops writing."""
+    clock = Clock()
+    a = node(tier, "a", clock)
+    await a.join()
+    got = await tier.get(MEMBERS)
+    assert got is not None and json.loads(got[0])["format"] == 1
+    doc = json.loads(got[0])
+    del doc["format"]  # as the first release wrote it
+    await tier.put_bytes(MEMBERS, json.dumps(doc).encode())
+    assert [m.id for m in (await a.observe()).members] == ["a"]
+    b = node(tier, "b", clock)
+    await b.join()
+    got = await tier.get(MEMBERS)
+    assert got is not None and json.loads(got[0])["format"] == 1
+    newer = {**json.loads(got[0]), "format": 2, "something": "new"}
+    await tier.put_bytes(MEMBERS, json.dumps(newer).encode())
+    before = await tier.get(MEMBERS)
+    with pytest.raises(NewerFormat, match="format version 2"):
+        await node(tier, "c", clock).join()
+    with pytest.raises(NewerFormat):
+        await a.observe()
+    clock.now += 2 * DEAD_AFTER  # b would be declared dead: not by rewriting a newer document
+    with pytest.raises(NewerFormat):
+        await a.observe()
+    after = await tier.get(MEMBERS)
+    assert before is not None and after is not None and after[0] == before[0]
+
+
+async def test_a_running_node_that_meets_a_newer_members_document_stops_writing(tmp_path: Path) -> None:
+    tier = LocalTier(tmp_path / "bucket")
+    n = FleetNode(BucketMembership(tier, "a", "http://127.0.0.1:1", 0.6), heartbeat_s=0.1, dead_after_s=0.6)
+    await n.start()
+    try:
+        n.check_writable()
+        got = await tier.get(MEMBERS)
+        assert got is not None
+        await tier.put_bytes(MEMBERS, json.dumps({**json.loads(got[0]), "format": 7}).encode())
+        for _ in range(50):
+            if n.fenced():
+                break
+            await asyncio.sleep(0.05)
+        assert "format version 7" in n.fenced()
+        with pytest.raises(Fenced):
+            n.check_writable()
+    finally:
+        await n.close()
