@@ -367,6 +367,11 @@ CORPUS: list[tuple[str, Callable[[Node], bytes], int]] = [
 ]
 
 
+# Valid requests, then one the parser refuses: sent a byte at a time, how the
+# daemon's reads group the bytes decides how many are answered before the 400.
+TIMED = frozenset({"hot then broken"})
+
+
 @pytest.mark.parametrize("bytewise", [False, True], ids=["whole", "bytewise"])
 @pytest.mark.parametrize(("name", "make", "expect"), CORPUS, ids=[c[0] for c in CORPUS])
 def test_the_smuggling_corpus_gets_the_same_answers_on_both_paths(
@@ -375,6 +380,12 @@ def test_the_smuggling_corpus_gets_the_same_answers_on_both_paths(
     """Every request of the corpus, sent whole and a byte at a time, gets
     the same answers in the same order with the lane and without it, and a
     tenant never reads another's block."""
+    if bytewise and name in TIMED:
+        pytest.skip(
+            "a byte at a time, which valid requests share the parser's read with the broken one depends on "
+            "timing, and the parser runs none of that read's requests (F5): the number of answers before "
+            "the 400 is not fixed (the case is checked sent whole)"
+        )
     answers = _same(nodes, make, expect, bytewise=bytewise)
     assert answers, f"{name}: no answer at all"
     if name == "pipelined, two tenants":
