@@ -145,8 +145,7 @@ async def test_breaker_opens_then_closes_when_the_server_is_back(daemon: Daemon)
         assert c.breaker_state(daemon.url) == "open"
         for _ in range(100):
             assert await c.get("k") is None
-        assert time.monotonic() - opened < 0.1  # not even sent
-        assert c.stats["breaker_open"] == 100
+        assert c.stats["breaker_open"] == 100  # each refused by the open breaker: not even sent
         daemon.start()
         if time.monotonic() - opened < cooldown - 0.5:
             assert await c.get("k") is None  # back, but still within the cooldown: not asked
