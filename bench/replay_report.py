@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .plots import save_png
 from .replayer import Replayed, ReplayOptions, Sample, Served
 from .run import percentile
 from .sizing import fmt_bytes
@@ -360,7 +361,4 @@ def write_png(path: Path, figs: Figures) -> None:
     ax2.set_xlabel("second of the replay")
     ax2.legend(fontsize="small")
     ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
+    save_png(fig, path)

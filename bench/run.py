@@ -61,7 +61,7 @@ from kvstore_client.errors import KVStoreClientError, ServerError
 from .cli import RUN_BLOCKS, RUN_BLOCKS_ENDPOINT, RUN_BLOCKS_SHORT
 from .http_bench import DataSet, Kvstore, Nginx, Processes, free_port, sigterm_as_exit
 from .models import ModelGeometry
-from .plots import matplotlib_missing
+from .plots import matplotlib_missing, save_png
 from .samples import SAMPLES
 from .sizing import fmt_bytes, kv_bytes_per_token, tp_shard
 from .store_bench import GB, MEMORY_FS, default_base_dir, load_samples, mount_of
@@ -707,10 +707,7 @@ def write_png(path: Path, doc: dict[str, Any]) -> None:
     ax2.set_xlabel("second of the run")
     ax2.legend(fontsize="small")
     ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 # -- main --------------------------------------------------------------------------------------
