@@ -81,6 +81,11 @@ def parse_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     raise ConfigError(f"{name}={value!r}: expected one of {', '.join(choices)}")
 
 
+# seal_after_s on a fleet node that does not set it: a node's death loses at
+# most the blocks acknowledged in the last ~10 s plus an upload (docs/fleet.md),
+# for at most 360 segment objects an hour per tenant written to.
+FLEET_SEAL_AFTER_S = 10.0
+
 FRAME_SIZE_RULE = "must be a multiple of 4 KiB from 4 KiB to 64 MiB"
 
 
@@ -142,6 +147,11 @@ class StoreConfig:
     # Membership on etcd leases instead of the bucket (kvstore/fleet/etcd.py):
     # its v3 JSON gateway, e.g. http://etcd-0:2379; "": membership in the bucket.
     fleet_etcd_url: str = ""
+    # Seal (and so mirror) a tenant's open segment once its oldest unsealed
+    # record is this many seconds old (engine/sealer.py): what a node loses
+    # when it dies is bounded in time. None (unset): FLEET_SEAL_AFTER_S on a
+    # fleet node, off elsewhere; 0: off. Read it through :attr:`seal_after`.
+    seal_after_s: float | None = None
     # Start-up: delete the data of tenants the registry does not know, instead
     # of refusing to start (the registry was lost or replaced by an old copy).
     discard_unknown_tenants: bool = False
@@ -175,6 +185,15 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def seal_after(self) -> float:
+        """Seconds after which an open segment's oldest unsealed record gets
+        it sealed (0: never): ``seal_after_s``, or its default, which
+        depends on ``fleet``."""
+        if self.seal_after_s is not None:
+            return self.seal_after_s
+        return FLEET_SEAL_AFTER_S if self.fleet else 0.0
 
     def frame_size_of(self, tenant_frame_size: int) -> int:
         """The frame size new records of a tenant get (0: this store's)."""
@@ -269,6 +288,18 @@ class StoreConfig:
             "fleet_dead_after_s",
             self.fleet_dead_after_s,
             f"must be at least twice fleet_heartbeat_s ({self.fleet_heartbeat_s}) and at most 600",
+        )
+        need(
+            self.seal_after_s is None or self.seal_after_s == 0 or 0.1 <= self.seal_after_s <= 86_400,
+            "seal_after_s",
+            self.seal_after_s,
+            "must be 0 (off) or 0.1 to 86400 seconds",
+        )
+        need(
+            not self.seal_after_s or bool(self.s3_bucket or self.tier_dir),
+            "seal_after_s",
+            self.seal_after_s,
+            "needs s3_bucket or tier_dir: sealing early only bounds what is not yet in the object tier",
         )
         need(self.rehydrate_reads >= 0, "rehydrate_reads", self.rehydrate_reads, "must be 0 (never) or more")
         need(
@@ -382,7 +413,7 @@ STORE_PARSERS: dict[str, Parser] = {
         parse_text,
     ),
     **dict.fromkeys(("s3_readonly", "discard_unknown_tenants", "fleet"), parse_bool),
-    **dict.fromkeys(("fleet_heartbeat_s", "fleet_dead_after_s"), parse_float),
+    **dict.fromkeys(("fleet_heartbeat_s", "fleet_dead_after_s", "seal_after_s"), parse_float),
     "s3_addressing": _choice(S3_ADDRESSING),
     "default_durability": _choice(DURABILITY_CLASSES),
     "durability": _choice(("fsync", "interval")),
