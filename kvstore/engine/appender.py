@@ -4,9 +4,10 @@ every change to the tenant's index entries.
 Everything that changes a tenant's open segment or its block entries goes
 through its appender's queue, in order: puts and tombstones, records copied
 by compaction, entries dropped by eviction, quota or expiry, and seals (a
-flush asks the appender; it never touches the file itself). The appender's
-task runs one step at a time on the executor, so no two of these ever run at
-once on the same segment or interleave inside a batch.
+flush, a seal by age (``seal_after_s``) or a stop asks the appender; none
+touches the file itself). The appender's task runs one step at a time on
+the executor, so no two of these ever run at once on the same segment or
+interleave inside a batch.
 
 Each batch of records is written with one ``pwritev`` (``O_DIRECT`` where
 the filesystem takes it and ``direct_io`` is not off: directio.py), synced
@@ -85,6 +86,11 @@ class OpenSegment:
     footer: list[FooterEntry] = field(default_factory=list)
     next_id: int = 1
     synced_upto: int = ALIGN
+    # time.monotonic() when the open segment took its first record not yet
+    # sealed (None: nothing unsealed): the age seal_after_s is measured by
+    # (store_maintenance.seal_aged). Written by the appender's executor
+    # thread, read on the loop: one attribute, a moment stale at worst.
+    unsealed_since: float | None = None
 
 
 @dataclass(slots=True)
@@ -456,6 +462,7 @@ class Appender:
             raise _batch_error(e, f"writing a batch of {len(todo)} records to {seg.name}") from None
         self._tail.footer.extend(footer)
         self._dirty = not fsync
+        self._unsealed()
         self._metrics.observe("kvstore_batch_records", len(todo))
         self._metrics.inc("kvstore_bytes_written_total", nbytes)
         written = {id(item): op[1] for item, op in zip(todo, ops, strict=True)}
@@ -475,6 +482,7 @@ class Appender:
             # Recovery cuts this segment back to its indexed_upto and seals it.
             log.error("could not truncate %s back to %d (%s); abandoning it", seg.name, start, e)
             self._tail.segment = None
+            self._tail.unsealed_since = None
 
     def _interval_sync(self) -> None:
         seg = self._tail.segment
@@ -499,12 +507,19 @@ class Appender:
             self._draining[seg.segment_id] = _Draining(seg, self._tail.footer)
             self._tail.segment = None
             self._tail.footer = []
+            self._tail.unsealed_since = None
             return None
         self._seal(seg, self._tail.footer)
         self._tail.segment = None
         self._tail.footer = []
+        self._tail.unsealed_since = None
         self._dirty = False
         return seg.segment_id
+
+    def _unsealed(self) -> None:
+        """The open segment holds a record (or a reservation) that is not sealed yet."""
+        if self._tail.unsealed_since is None:
+            self._tail.unsealed_since = time.monotonic()
 
     def _seal(self, seg: SegmentFile, footer: list[FooterEntry]) -> None:
         end = seg.size
@@ -551,6 +566,7 @@ class Appender:
             self._undo(seg, start)
             raise _batch_error(e, f"reserving {total} bytes in {seg.name}") from None
         self._dirty = True  # the pads: synced with the next batch or commit
+        self._unsealed()
         self._pending[seg.segment_id] = self._pending.get(seg.segment_id, 0) + len(out)
         self._reserved.update(h.key for h in headers)
         return out

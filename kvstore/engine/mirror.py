@@ -146,16 +146,26 @@ class Mirror:
         if self._registry_uploaded < self._registry_version:
             self._registry_wake.set()
 
-    async def wait_drained(self, timeout: float) -> bool:
-        """True once nothing waits for upload (the registry included)."""
+    async def wait_drained(self, timeout: float, give_up_after: int = 0) -> bool:
+        """True once nothing waits for upload (the registry included); False
+        after ``timeout`` seconds, or, with ``give_up_after``, as soon as
+        every upload still waiting has failed that many times (a stop does
+        not wait out an unreachable tier)."""
         deadline = time.monotonic() + timeout
         while self._pending or self._registry_uploaded < self._registry_version:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or (give_up_after and self._failing(give_up_after)):
                 return False
             self._progress.clear()
             await wait_event(self._progress, min(left, 1.0))
         return True
+
+    def _failing(self, tries: int) -> bool:
+        """Whether every upload still waiting has failed ``tries`` times."""
+        registry_waits = self._registry_uploaded < self._registry_version
+        return all(up.attempts >= tries for up in self._pending.values()) and (
+            not registry_waits or self._registry_attempts >= tries
+        )
 
     # -- workers --------------------------------------------------------------
 
@@ -207,6 +217,7 @@ class Mirror:
         up.attempts += 1
         self._metrics.inc("kvstore_tier_errors_total", op="upload")
         delay = backoff(up.attempts)
+        self._progress.set()  # a waiter that gives up on failures looks again
         if up.attempts == 1 or up.attempts % 10 == 0:
             log.warning("upload of %s failed (attempt %d, retrying in %.1fs): %s", up.name, up.attempts, delay, e)
         if self._pending.get(up.key) is not up:
@@ -232,6 +243,7 @@ class Mirror:
             except (TierError, OSError) as e:
                 self._registry_attempts += 1
                 self._metrics.inc("kvstore_tier_errors_total", op="registry")
+                self._progress.set()
                 if self._registry_attempts == 1 or self._registry_attempts % 10 == 0:
                     log.warning("registry upload failed (attempt %d): %s", self._registry_attempts, e)
                 self._loop.call_later(backoff(self._registry_attempts), self._registry_wake.set)

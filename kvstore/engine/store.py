@@ -35,6 +35,7 @@ from kvstore.engine import directio
 from kvstore.engine.appender import OpenSegment
 from kvstore.engine.compactor import Compactor
 from kvstore.engine.crypto import MasterKey
+from kvstore.engine.format import ALIGN
 from kvstore.engine.index import Index
 from kvstore.engine.layout import tenant_prefix
 from kvstore.engine.lifecycle import Lifecycle
@@ -46,6 +47,7 @@ from kvstore.engine.residency import Listing, Residency, fetch_registry, list_bu
 from kvstore.engine.retention import Retention
 from kvstore.engine.store_maintenance import StoreMaintenance
 from kvstore.engine.store_read import StoreReads
+from kvstore.engine.store_sealing import StoreSealing
 from kvstore.engine.store_tenants import StoreTenants
 from kvstore.engine.store_write import StoreWrites
 from kvstore.engine.store_write_plans import StoreWritePlans
@@ -63,11 +65,13 @@ from kvstore.tier.base import Tier
 log = logging.getLogger("kvstore.engine.store")
 
 
-class Store(StoreTenants, StoreMaintenance, StoreReads, StoreWrites, StoreWritePlans):
-    """Open with :meth:`open`; close with :meth:`close` (drains queued writes).
+class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrites, StoreWritePlans):
+    """Open with :meth:`open`; close with :meth:`close` (drains queued writes;
+    with an object tier, seals and uploads the open segments first).
     Reads are in store_read.py, writes in store_write.py, tenants and their
     credentials in store_tenants.py, maintenance on demand in
-    store_maintenance.py; this file opens and closes the store."""
+    store_maintenance.py, sealing by age and at a stop in store_sealing.py;
+    this file opens and closes the store."""
 
     # -- life cycle -----------------------------------------------------------
 
@@ -202,6 +206,8 @@ class Store(StoreTenants, StoreMaintenance, StoreReads, StoreWrites, StoreWriteP
             self._residency.spawn(self._compactor.loop(), "compactor")
             self._residency.spawn(self._retention.checkpointer(), "access-checkpoints")
             self._residency.spawn(self._retention.sweeper(self.config.ttl_sweep_s), "ttl-sweeper")
+        if mirror is not None and self.config.seal_after > 0:
+            self._residency.spawn(self.sealer(self.config.seal_after), "sealer")
         if writer and not self.adopted:
             self._residency.spawn(self.write_plan_sweeper(), "write-plan-sweeper")
         if mirror is not None:
@@ -281,9 +287,12 @@ class Store(StoreTenants, StoreMaintenance, StoreReads, StoreWrites, StoreWriteP
                 "refused (507) until removals and compaction free space",
                 reserve.size,
             )
+        opened = time.monotonic()
         for tail in self._tails.values():
             if tail.segment is not None:
                 self._cache.register(tail.segment)
+                if tail.segment.size > ALIGN:  # records left unsealed by the last run: aged from now
+                    tail.unsealed_since = opened
         self._stale = self._stale_prefixes(listing) if listing is not None and not self.adopted else []
         r = self.recovery
         self.metrics.set("kvstore_recovery_records_replayed", r.records_replayed)
@@ -357,6 +366,9 @@ class Store(StoreTenants, StoreMaintenance, StoreReads, StoreWrites, StoreWriteP
             except (KVStoreError, OSError) as e:
                 log.error("last checkpoint of access times failed: %s", e)
         await self.abandon_all_write_plans()
+        mirror = self._residency.mirror if hasattr(self, "_residency") else None
+        if mirror is not None:
+            await self.seal_for_stop(mirror)
         for app in list(self._appenders.values()):
             await app.close()
         self._appenders.clear()

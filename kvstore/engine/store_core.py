@@ -156,6 +156,11 @@ class StoreCore:
             or self._registry.get(t.name).created_ns != t.created_ns
         ):
             raise TenantNotFound(f"tenant {t.name!r} was deleted while the request was in progress")
+        return self._appender_of(t)
+
+    def _appender_of(self, t: Tenant) -> Appender:
+        """Tenant ``t``'s appender, made on first use, without the checks of
+        :meth:`_appender` (the store's own close seals through it)."""
         app = self._appenders.get(t.name)
         if app is None:
             tail = self._tails.setdefault(t.name, OpenSegment(None))
