@@ -36,7 +36,8 @@ from typing import Any
 
 from kvstore.config import MiB, parse_size
 
-from .http_bench import CLK_TCK, Client, Kvstore, Processes
+from .harness import Client, Processes, percentile, pid_cpu_seconds
+from .http_bench import Kvstore
 from .samples import SAMPLES
 from .store_bench import load_samples
 
@@ -75,21 +76,9 @@ class Pass:
     notes: list[str] = field(default_factory=list)
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def _proc_io(pid: int) -> tuple[int, int]:
     fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
     return int(fields["read_bytes"]), int(fields["write_bytes"])
-
-
-def _proc_cpu(pid: int) -> float:
-    parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / CLK_TCK
 
 
 def _readers(
@@ -158,11 +147,11 @@ def one_pass(opts: Options, procs: Processes, root: Path, rep: int, readers: boo
         if readers:
             t0 = time.monotonic()
             lat, n = _readers(kv, token, live, opts.readers, lambda: time.monotonic() >= t0 + opts.duration, None)
-            p.base_p50, p.base_p99, p.base_rps = _pct(lat, 0.5), _pct(lat, 0.99), n / opts.duration
+            p.base_p50, p.base_p99, p.base_rps = percentile(lat, 0.5), percentile(lat, 0.99), n / opts.duration
 
         result: dict[str, Any] = {}
         window = [float("inf"), float("inf")]
-        io0, cpu0 = _proc_io(pid), _proc_cpu(pid)
+        io0, cpu0 = _proc_io(pid), pid_cpu_seconds(pid)
 
         def compact() -> None:
             window[0] = time.monotonic()
@@ -174,11 +163,11 @@ def one_pass(opts: Options, procs: Processes, root: Path, rep: int, readers: boo
         runner.start()
         lat, n = _readers(kv, token, live, opts.readers if readers else 0, lambda: not runner.is_alive(), window)
         runner.join()
-        io1, cpu1 = _proc_io(pid), _proc_cpu(pid)
+        io1, cpu1 = _proc_io(pid), pid_cpu_seconds(pid)
         if "error" in result:
             raise RuntimeError(f"compaction answered {result['error']}")
         p.seconds = window[1] - window[0]
-        p.during_p50, p.during_p99, p.during_rps = _pct(lat, 0.5), _pct(lat, 0.99), n / max(p.seconds, 1e-9)
+        p.during_p50, p.during_p99, p.during_rps = percentile(lat, 0.5), percentile(lat, 0.99), n / max(p.seconds, 1e-9)
         p.reclaimed, p.copied, p.segments = (
             result["bytes_reclaimed"],
             result["bytes_copied"],

@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from .harness import free_port
 
 
 def serve_command(data_dir: Path, *flags: str) -> list[str]:
@@ -43,35 +42,6 @@ def base_env() -> dict[str, str]:
     if "PYTHONPATH" in os.environ:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return env
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) of ``pid`` and its live descendants."""
-    children: dict[int, list[int]] = {}
-    stats: dict[int, list[str]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            f = Path(entry.path, "stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        stats[int(entry.name)] = f
-        children.setdefault(int(f[1]), []).append(int(entry.name))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        st = stats.get(p)
-        if st is not None:
-            total += int(st[11]) + int(st[12])
-        todo.extend(children.get(p, []))
-    return total / CLK_TCK
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _admin(base: str, token: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -113,7 +83,7 @@ def daemon(
     key_file = root / "master.key"
     key_file.write_bytes(os.urandom(32))
     key_file.chmod(0o600)
-    port = _port()
+    port = free_port()
     env = base_env() | {"KVSTORE_ADMIN_TOKEN": admin}
     env |= {"KVSTORE_MASTER_KEY_FILE": str(key_file), "KVSTORE_WORKERS": "1"}
     env |= {k: v for k, v in os.environ.items() if pass_env and k.startswith(pass_env)}

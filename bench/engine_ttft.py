@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from .http_bench import Kvstore, Processes
+    from .harness import Processes
+    from .http_bench import Kvstore
 
     with tempfile.TemporaryDirectory(prefix="kvstore-engine-ttft-") as tmp:
         root = Path(tmp)

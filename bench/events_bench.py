@@ -32,8 +32,8 @@ from kvstore_client import AsyncClient
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 
-from .daemon import _port, daemon
-from .nixl_bench import _pct
+from .daemon import daemon
+from .harness import free_port, percentile
 
 # The subscribers' process: an SSE stream and a ZMQ SUB socket, counted until
 # the stream has seen WANT events (or stayed quiet for 10 s); one JSON line out.
@@ -122,7 +122,7 @@ async def _round(c: AsyncClient, prefix: str, n: int, data: bytes, depth: int) -
     await asyncio.gather(*(put(k) for k in keys))
     put_s = time.perf_counter() - t0
     await asyncio.gather(*(get(k) for k in keys))
-    return {"put_mbps": n * len(data) / put_s / 1e6, "puts_per_s": n / put_s, "get_p99_ms": _pct(lat, 0.99) * 1e3}
+    return {"put_mbps": n * len(data) / put_s / 1e6, "puts_per_s": n / put_s, "get_p99_ms": percentile(lat, 0.99) * 1e3}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.blocks, args.depth, args.repeats, args.burst, args.in_process) < 1:
         p.error("--blocks, --depth, --repeats, --burst and --in-process must be at least 1")
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
-    zmq_ep = f"tcp://127.0.0.1:{_port()}"
+    zmq_ep = f"tcp://127.0.0.1:{free_port()}"
     # durability "interval": the figures are the daemon's work, not this disk's fsync latency.
     common = {"durability": "interval"}
     with daemon(common) as off, daemon(common | {"events_zmq": zmq_ep}) as on:

@@ -37,7 +37,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from typing import Any
 from kvstore.config import parse_size
 
 from .daemon import base_env, serve_command
+from .harness import free_port
 
 MOTO_HINT = "pip install 'moto[server]'"
 
@@ -91,12 +91,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _call(base: str, method: str, path: str, token: str, doc: Any = None) -> tuple[int, Any]:
     req = urllib.request.Request(base + path, data=None if doc is None else json.dumps(doc).encode(), method=method)
     req.add_header("Authorization", f"Bearer {token}")
@@ -132,7 +126,7 @@ class Fleet:
         self.envs: list[dict[str, str]] = []
         self.cmds: list[list[str]] = []
         for i in range(a.nodes):
-            port = _port()
+            port = free_port()
             base = f"http://127.0.0.1:{port}"
             env = base_env() | {
                 "KVSTORE_ADMIN_TOKEN": self.admin,
@@ -270,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=_port(), verbose=False)
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
     moto.start()
     host, port = moto.get_host_and_port()
     s3_url = f"http://{host}:{port}"

@@ -39,7 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .http_bench import Client, Kvstore, Processes
+from .harness import Client, Processes, percentile
+from .http_bench import Kvstore
 from .samples import GEMMA_BF16 as KV_SAMPLE
 
 KINDS = ("stalled-headers", "stalled-body", "idle", "slow-reader")
@@ -105,8 +106,7 @@ async def well_behaved(port: int, token: str, keys: list[str], clients: int, dur
 
     await asyncio.gather(*(client(i) for i in range(clients)))
     elapsed = time.perf_counter() - start
-    qs = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
-    return Phase(len(latencies), errors, elapsed, qs[49] * 1e3, qs[98] * 1e3)
+    return Phase(len(latencies), errors, elapsed, percentile(latencies, 0.5) * 1e3, percentile(latencies, 0.99) * 1e3)
 
 
 async def open_hostile(port: int, token: str, n: int) -> list[asyncio.StreamWriter]:

@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
-import http.client
 import json
 import os
 import platform
@@ -47,23 +46,22 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from kvstore.config import KiB, MiB, parse_size
 
 from .daemon import base_env, serve_command
+from .harness import Client, Processes, Reply, free_port, group_cpu_seconds, sigterm_as_exit
 from .samples import SAMPLES
 from .store_bench import GB, MEMORY_FS, default_base_dir, fmt, load_samples, mount_of
 
 NGINX = Path("/usr/sbin/nginx")
 INSTALL_HINT = "apt-get update && apt-get install -y nginx wrk"
 WORKERS_REFUSED = "only 1 worker process is supported"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 PEERS_GET = ("sealed", "sealed hot", "records", "direct", "nginx")
 HOT_BLOCKS = 16  # the "sealed hot" peer's blocks: 32 MiB, within the default decoded_cache_bytes
 PHASES = ("get", "range", "put", "lookup")
@@ -101,140 +99,7 @@ class Unavailable(Exception):
     """A peer or a worker count that cannot be measured here, with the reason."""
 
 
-# -- processes ----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Live processes whose process group is ``pgid`` (from /proc)."""
-    pids: list[int] = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields_ = stat.rpartition(")")[2].split()
-        if len(fields_) > 2 and int(fields_[2]) == pgid:
-            pids.append(int(entry.name))
-    return pids
-
-
-def group_cpu_seconds(pgid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of the live processes of a group, each with the
-    children it has reaped."""
-    user = system = 0
-    for pid in group_pids(pgid):
-        try:
-            f = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        user += int(f[11]) + int(f[13])  # utime + cutime
-        system += int(f[12]) + int(f[14])  # stime + cstime
-    return user / CLK_TCK, system / CLK_TCK
-
-
-class Processes:
-    """Every process this run starts, each the leader of its own process group
-    (``start_new_session``), so that stopping one stops its workers too."""
-
-    def __init__(self) -> None:
-        self._procs: list[subprocess.Popen[bytes]] = []
-
-    def spawn(self, cmd: Sequence[str], log: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        out: Any = subprocess.PIPE
-        with contextlib.ExitStack() as stack:
-            if log is not None:  # a file, not a pipe: a full pipe would stall a server
-                out = stack.enter_context(log.open("ab"))
-            proc = subprocess.Popen(
-                list(cmd),
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        self._procs.append(proc)
-        return proc
-
-    @staticmethod
-    def _signal_group(pgid: int, sig: int) -> None:
-        if group_pids(pgid):  # never signal a group id that nothing of ours holds any more
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-
-    def stop(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        """Signal the leader (a server stops its own workers, in its own order), wait
-        for it (SIGKILL the whole group on a timeout), then SIGKILL anything left
-        in its group."""
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sig)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._signal_group(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        self._signal_group(proc.pid, signal.SIGKILL)
-        if proc.stdout is not None:
-            proc.stdout.close()
-        with contextlib.suppress(ValueError):
-            self._procs.remove(proc)
-        return proc.returncode
-
-    def stop_all(self) -> None:
-        for proc in reversed(list(self._procs)):
-            with contextlib.suppress(Exception):
-                self.stop(proc, signal.SIGTERM, timeout=10)
-
-
 # -- HTTP helpers -------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Reply:
-    status: int
-    body: bytes
-    headers: dict[str, str]
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-class Client:
-    """A keep-alive HTTP/1.1 connection (one per thread)."""
-
-    def __init__(self, port: int, token: str = "") -> None:
-        self.port = port
-        self.token = token
-        self._conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-
-    def request(
-        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
-    ) -> Reply:
-        h = dict(headers or {})
-        if self.token:
-            h["Authorization"] = f"Bearer {self.token}"
-        for attempt in range(2):
-            try:
-                self._conn.request(method, path, body=body, headers=h)
-                r = self._conn.getresponse()
-                return Reply(r.status, r.read(), {k.lower(): v for k, v in r.getheaders()})
-            except (ConnectionError, http.client.HTTPException):
-                self._conn.close()  # a server may close an idle keep-alive connection; retry once
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        self._conn.close()
 
 
 def wait_http(proc: subprocess.Popen[bytes], port: int, path: str, timeout: float, log: Path | None, what: str) -> None:
@@ -1232,21 +1097,6 @@ def json_doc(
 
 
 # -- main -------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM (and SIGHUP) unwind like Ctrl-C, so that the finally blocks stop the servers."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def execute(opts: Options, json_path: Path | None) -> int:

@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import shutil
 import statistics
 import sys
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .daemon import daemon
+from .harness import cpu_seconds, pid_cpu_seconds
 from .s3_bench import cut_objects
 from .samples import SAMPLES, load_pool
 
@@ -125,15 +125,6 @@ def _wait_all(lm: Any, fd: int, tasks: list[int], poll: Callable[[], dict[int, A
     return done
 
 
-def _cpu_s(pid: int | None) -> float:
-    """CPU seconds (user + system) of ``pid``, or of this process."""
-    if pid is None:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _drop_caches() -> bool:
     try:
         os.sync()
@@ -157,12 +148,12 @@ def run_target(
     batches = [list(range(i, min(i + batch, len(chunks)))) for i in range(0, len(chunks), batch)]
     out: dict[str, float] = {}
 
-    cpu0, dcpu0, t0 = _cpu_s(None), _cpu_s(daemon_pid) if daemon_pid else 0.0, time.perf_counter()
+    cpu0, dcpu0, t0 = cpu_seconds(), pid_cpu_seconds(daemon_pid) if daemon_pid else 0.0, time.perf_counter()
     tasks = [adapter.submit_store_task([keys[i] for i in b], [objs[i] for i in b]) for b in batches]
     results = _wait_all(lm, adapter.get_store_event_fd(), tasks, adapter.pop_completed_store_tasks)
     out["store_s"] = time.perf_counter() - t0
-    out["store_cpu_s"] = _cpu_s(None) - cpu0
-    out["store_daemon_cpu_s"] = (_cpu_s(daemon_pid) - dcpu0) if daemon_pid else 0.0
+    out["store_cpu_s"] = cpu_seconds() - cpu0
+    out["store_daemon_cpu_s"] = (pid_cpu_seconds(daemon_pid) - dcpu0) if daemon_pid else 0.0
     if not all(results[t].is_successful() for t in tasks):
         raise SystemExit("a store task failed")
 
@@ -176,12 +167,12 @@ def run_target(
         raise SystemExit(f"lookup found {found.popcount()} of {len(keys)} chunks")
 
     dst = [memory_obj(lm, None, size) for _ in chunks]
-    cpu0, dcpu0, t0 = _cpu_s(None), _cpu_s(daemon_pid) if daemon_pid else 0.0, time.perf_counter()
+    cpu0, dcpu0, t0 = cpu_seconds(), pid_cpu_seconds(daemon_pid) if daemon_pid else 0.0, time.perf_counter()
     tasks = [adapter.submit_load_task([keys[i] for i in b], [dst[i] for i in b]) for b in batches]
     results = _wait_all(lm, adapter.get_load_event_fd(), tasks, lambda: _loads(adapter, tasks))
     out["load_s"] = time.perf_counter() - t0
-    out["load_cpu_s"] = _cpu_s(None) - cpu0
-    out["load_daemon_cpu_s"] = (_cpu_s(daemon_pid) - dcpu0) if daemon_pid else 0.0
+    out["load_cpu_s"] = cpu_seconds() - cpu0
+    out["load_daemon_cpu_s"] = (pid_cpu_seconds(daemon_pid) - dcpu0) if daemon_pid else 0.0
     adapter.submit_unlock(keys)
     loaded = sum(results[t].popcount() for t in tasks)
     wrong = sum(bytes(d.byte_array) != c for d, c in zip(dst, chunks, strict=True))

@@ -45,20 +45,10 @@ from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 
 from .daemon import daemon
+from .harness import percentile, pid_cpu_seconds
 from .samples import GEMMA_BF16 as SAMPLE
 
 GB = 1e9
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 async def _pass(
@@ -88,17 +78,17 @@ async def _pass(
             lat.append(time.perf_counter() - t0)
             assert got == [size] * len(part), f"{part}: {got}"
 
-    cpu0, t0 = _cpu_s(pid), time.perf_counter()
+    cpu0, t0 = pid_cpu_seconds(pid), time.perf_counter()
     if batch:
         await batches()
     else:
         await asyncio.gather(*(one(k) for k in keys))
-    wall, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
+    wall, cpu = time.perf_counter() - t0, pid_cpu_seconds(pid) - cpu0
     moved = size * len(keys) / GB
     return {
         "gbps": moved / wall,
-        "p50_ms": _pct(lat, 0.5) * 1e3,
-        "p99_ms": _pct(lat, 0.99) * 1e3,
+        "p50_ms": percentile(lat, 0.5) * 1e3,
+        "p99_ms": percentile(lat, 0.99) * 1e3,
         "gb_per_daemon_cpu_s": moved / cpu if cpu > 0 else float("inf"),
     }
 

@@ -42,7 +42,8 @@ from kvstore_client.plans import PlanConnection, PlannedBlock
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 
-from .daemon import _admin, _port, base_env, serve_command
+from .daemon import _admin, base_env, serve_command
+from .harness import free_port
 from .samples import GEMMA_BF16 as SAMPLE
 
 GB = 1e9
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     key_file = root / "master.key"
     key_file.write_bytes(os.urandom(32))
     key_file.chmod(0o600)
-    sock, port = str(root / "kv.sock"), _port()
+    sock, port = str(root / "kv.sock"), free_port()
     env = base_env() | {"KVSTORE_ADMIN_TOKEN": admin}
     env["KVSTORE_MASTER_KEY_FILE"] = str(key_file)
     cmd = serve_command(root / "data", "--compact-interval-s", "0", "--listen", f"127.0.0.1:{port}")

@@ -48,11 +48,9 @@ import argparse
 import asyncio
 import http.client
 import json
-import math
 import multiprocessing
 import os
 import re
-import resource
 import statistics
 import sys
 import time
@@ -64,6 +62,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, cast
+
+from .harness import cpu_seconds, percentile, tree_cpu_seconds
 
 MB = 1e6
 DEFAULT_LIMIT = 50_000_000  # bytes per second
@@ -99,15 +99,6 @@ def parse_retry_after(value: str | None, default: float = RETRY_AFTER_DEFAULT_S)
     if delay != delay or delay < 0:  # NaN or negative
         return default
     return min(delay, RETRY_AFTER_MAX_S)
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile (0 < q <= 1) of ``xs``; NaN when empty."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    rank = math.ceil(q * len(s) - 1e-9)  # the smallest rank with at least q of the values at or below it
-    return s[min(len(s), max(1, rank)) - 1]
 
 
 def parse_head(raw: bytes) -> tuple[int, dict[str, str]]:
@@ -457,15 +448,10 @@ async def _load(spec: LoadSpec, pipe: Connection) -> LoadResult:
     t0 = float(pipe.recv())  # blocks the loop, which has nothing to do yet
     for c in conns:
         c.window = (t0 + spec.window[0], t0 + spec.window[1])
-    cpu0 = _own_cpu()
+    cpu0 = cpu_seconds()
     await asyncio.gather(*(_one_connection(spec, i, t0, res, c, block) for i, c in enumerate(conns)))
-    res.client_cpu_s = _own_cpu() - cpu0
+    res.client_cpu_s = cpu_seconds() - cpu0
     return res
-
-
-def _own_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
 
 
 def _child(spec: LoadSpec, pipe: Connection) -> None:
@@ -507,8 +493,6 @@ class Measured:
 def run_loads(daemon_pid: int, specs: list[LoadSpec]) -> Measured:
     """Run ``specs`` at once, each in a process of its own, from one t0;
     the daemon's CPU seconds over the whole of it."""
-    from .daemon import tree_cpu_seconds
-
     ctx = multiprocessing.get_context("spawn")
     pipes: list[Connection] = []
     procs = []

@@ -37,14 +37,11 @@ from kvstore.config import StoreConfig, parse_size
 from kvstore.engine.crypto import MasterKey
 from kvstore.engine.store import Store
 
+from .harness import cpu_seconds
+
 
 def _counter(store: Store, name: str) -> float:
     return store.metrics.counter(name)
-
-
-def _cpu() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 async def _loaded(root: Path, blocks: int, size: int, **tenant: Any) -> Store:
@@ -60,7 +57,7 @@ async def _loaded(root: Path, blocks: int, size: int, **tenant: Any) -> Store:
 async def _measure(kind: str, root: Path, blocks: int, size: int, concurrency: int) -> dict[str, float]:
     store = await _loaded(root, blocks, size, ttl_s=1 if kind == "ttl" else None)
     try:
-        written0, cpu0 = _counter(store, "kvstore_bytes_written_total"), _cpu()
+        written0, cpu0 = _counter(store, "kvstore_bytes_written_total"), cpu_seconds()
         before = (await store.stats("t")).blocks
         if kind == "ttl":
             await asyncio.sleep(1.1)
@@ -81,7 +78,7 @@ async def _measure(kind: str, root: Path, blocks: int, size: int, concurrency: i
         seconds = time.perf_counter() - t0
         removed = before - (await store.stats("t")).blocks
         written = _counter(store, "kvstore_bytes_written_total") - written0
-        cpu = _cpu() - cpu0
+        cpu = cpu_seconds() - cpu0
         return {
             "removed": removed,
             "seconds": seconds,

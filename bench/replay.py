@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import dtype_arg, model_arg, positive_float, positive_int
+from .harness import sigterm_as_exit, tree_cpu_seconds
 from .models import ModelGeometry, resolve_model
 from .plots import matplotlib_missing
 from .replay_report import figures, render, write_json, write_png
@@ -312,8 +313,6 @@ def _target(opts: ReplayOptions, unique_blocks: int) -> Iterator[tuple[str, str,
 
 
 def execute(opts: ReplayOptions) -> int:
-    from .daemon import tree_cpu_seconds
-
     try:
         requests = load_trace(opts.trace, opts.requests)
     except ValueError as e:
@@ -349,8 +348,6 @@ def execute(opts: ReplayOptions) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .http_bench import sigterm_as_exit
-
     parser = build_parser()
     args = parser.parse_args(argv)
     opts = build_options(args, parser.error)

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .harness import percentile_or_none
 from .plots import save_png
 from .replayer import Replayed, ReplayOptions, Sample, Served
-from .run import percentile
 from .sizing import fmt_bytes
 from .trace import References, Request, shape, token_hit_ratio
 from .ttft import recompute_seconds
@@ -59,7 +59,12 @@ class Figures:
 def latency_ms(values: Sequence[float | None]) -> dict[str, float | int | None]:
     """p50, p99 and max in milliseconds (None when nothing was measured), and the count."""
     ms = sorted(v * 1e3 for v in values if v is not None)
-    return {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "max": ms[-1] if ms else None, "count": len(ms)}
+    return {
+        "p50": percentile_or_none(ms, 0.5),
+        "p99": percentile_or_none(ms, 0.99),
+        "max": ms[-1] if ms else None,
+        "count": len(ms),
+    }
 
 
 def _delta(samples: Sequence[Sample], name: str) -> float | None:

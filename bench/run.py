@@ -49,7 +49,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,8 @@ from kvstore_client import AsyncClient
 from kvstore_client.errors import KVStoreClientError, ServerError
 
 from .cli import RUN_BLOCKS, RUN_BLOCKS_ENDPOINT, RUN_BLOCKS_SHORT
-from .http_bench import DataSet, Kvstore, Nginx, Processes, free_port, sigterm_as_exit
+from .harness import Processes, free_port, percentile_or_none, sigterm_as_exit
+from .http_bench import DataSet, Kvstore, Nginx
 from .models import ModelGeometry
 from .plots import matplotlib_missing, save_png
 from .samples import SAMPLES
@@ -266,21 +267,14 @@ def error_kind(e: BaseException) -> str:
     return f"{type(e).__name__}"
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100 * len(sorted_values)) - 1))
-    return sorted_values[k]
-
-
 def latency_stats(values: list[float]) -> dict[str, float | int | None]:
     v = sorted(values)
     ms = [x * 1e3 for x in v]
     return {
         "count": len(v),
-        "p50_ms": percentile(ms, 50),
-        "p90_ms": percentile(ms, 90),
-        "p99_ms": percentile(ms, 99),
+        "p50_ms": percentile_or_none(ms, 0.5),
+        "p90_ms": percentile_or_none(ms, 0.9),
+        "p99_ms": percentile_or_none(ms, 0.99),
         "mean_ms": sum(ms) / len(ms) if ms else None,
     }
 
@@ -531,12 +525,12 @@ def summarize(rec: Recorder, elapsed: float, opts: RunOptions, reads_only: bool)
                 "ops_per_s": len(b) / span,
                 "gbps": sum(n for _, _, n in b) / span / GB,
                 "blocks_per_s": sum(1 for op, _, _ in b if op != "get_miss") / span,
-                "p50_ms": percentile(data_lat, 50),
-                "p99_ms": percentile(data_lat, 99),
-                "get_p50_ms": percentile(get_lat, 50),
-                "get_p99_ms": percentile(get_lat, 99),
-                "put_p50_ms": percentile(put_lat, 50),
-                "put_p99_ms": percentile(put_lat, 99),
+                "p50_ms": percentile_or_none(data_lat, 0.5),
+                "p99_ms": percentile_or_none(data_lat, 0.99),
+                "get_p50_ms": percentile_or_none(get_lat, 0.5),
+                "get_p99_ms": percentile_or_none(get_lat, 0.99),
+                "put_p50_ms": percentile_or_none(put_lat, 0.5),
+                "put_p99_ms": percentile_or_none(put_lat, 0.99),
             }
         )
     return {

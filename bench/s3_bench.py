@@ -66,7 +66,6 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -88,8 +87,8 @@ from botocore.config import Config
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 
-from .daemon import _admin, _port, daemon
-from .nixl_bench import _cpu_s, _pct
+from .daemon import _admin, daemon
+from .harness import cpu_seconds, free_port, free_ports, percentile, pid_cpu_seconds
 from .samples import SAMPLES, load_pool
 
 GB = 1e9
@@ -225,39 +224,6 @@ def find_weed(path: str | None = None) -> str | None:
 GRPC_OFFSET = 10000  # SeaweedFS's gRPC port = HTTP port + 10000 where one is not given
 
 
-def _port_pairs(n: int) -> list[tuple[int, int]]:
-    """``n`` pairs of free ports of 127.0.0.1, (p, p + 10000), all held until
-    every pair is found: ``weed mini``'s worker dials the admin server's HTTP
-    port + 10000 whatever ``-admin.port.grpc`` says, so every component gets
-    the gRPC port SeaweedFS would derive."""
-    held: list[socket.socket] = []
-    pairs: list[tuple[int, int]] = []
-    try:
-        for _ in range(200 * n):
-            if len(pairs) == n:
-                break
-            a = socket.socket()
-            a.bind(("127.0.0.1", 0))
-            port = int(a.getsockname()[1])
-            b = socket.socket()
-            try:
-                if port + GRPC_OFFSET > 65535:
-                    raise OSError("out of range")
-                b.bind(("127.0.0.1", port + GRPC_OFFSET))
-            except OSError:
-                a.close()
-                b.close()
-                continue
-            held += [a, b]
-            pairs.append((port, port + GRPC_OFFSET))
-        if len(pairs) < n:
-            raise SystemExit("could not find free port pairs for SeaweedFS")
-        return pairs
-    finally:
-        for sock in held:
-            sock.close()
-
-
 @dataclass
 class Weed:
     proc: subprocess.Popen[bytes]
@@ -276,7 +242,9 @@ def seaweedfs(weed: str, logs: Path | None = None) -> Iterator[Weed]:
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-weed-", dir="/var/tmp"))
     key_id, secret = "bench" + secrets.token_hex(8), secrets.token_hex(20)
     names = ("master", "volume", "filer", "s3", "admin")
-    ports = _port_pairs(len(names))
+    # ``weed mini``'s worker dials the admin server's HTTP port + 10000 whatever
+    # ``-admin.port.grpc`` says, so every component gets the gRPC port SeaweedFS would derive.
+    ports = [(p, p + GRPC_OFFSET) for p in free_ports(len(names), GRPC_OFFSET)]
     args = [weed, "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
     args += ["-admin.ui=false", "-webdav=false", "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
     args += [f"-filer.localSocket={root / 'filer.sock'}", f"-s3.localSocket={root / 's3.sock'}"]
@@ -371,7 +339,7 @@ def run_pass(
             return i, time.perf_counter() - t0, None, f"{phase}: {type(e).__name__}: {e}"
 
     n = len(bodies) if phase == "put" else len(reads)
-    srv0, cli0, t0 = _cpu_s(target.pid), time.process_time(), time.perf_counter()
+    srv0, cli0, t0 = pid_cpu_seconds(target.pid), cpu_seconds(), time.perf_counter()
     for i, dt, body, err in pool.map(one, range(n)):
         if err is not None:
             target.errors.append(err)
@@ -385,7 +353,7 @@ def run_pass(
             if i % verify_every == 0:
                 kept[i] = body
     wall = time.perf_counter() - t0
-    srv, cli = _cpu_s(target.pid) - srv0, time.process_time() - cli0
+    srv, cli = pid_cpu_seconds(target.pid) - srv0, cpu_seconds() - cli0
     for i, body in kept.items():  # off the clock
         target.compared += 1
         if body != expected(i):
@@ -396,8 +364,8 @@ def run_pass(
         "ops": len(lat),
         "ops_per_s": len(lat) / wall,
         "gbps": gb / wall,
-        "p50_ms": _pct(lat, 0.5) * 1e3 if lat else float("nan"),
-        "p99_ms": _pct(lat, 0.99) * 1e3 if lat else float("nan"),
+        "p50_ms": percentile(lat, 0.5) * 1e3,
+        "p99_ms": percentile(lat, 0.99) * 1e3,
         "server_cpu_s_per_gb": srv / gb if gb else float("nan"),
         "client_cpu_s_per_gb": cli / gb if gb else float("nan"),
         "server_cpu_ms_per_op": srv / len(lat) * 1e3 if lat else float("nan"),
@@ -547,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         pool = stack.enter_context(ThreadPoolExecutor(args.depth, thread_name_prefix="s3bench"))
         by_name: dict[str, Target] = {}
         if any(t != "seaweedfs" for t in wanted):
-            gw_port = _port()
+            gw_port = free_port()
             settings = {"s3_gateway_listen": f"127.0.0.1:{gw_port}", "durability": args.durability}
             d = stack.enter_context(daemon(settings, ["--max-block-size", str(max(size, 4 << 20))], policy="direct"))
             log = d.root / "kvstore.log"

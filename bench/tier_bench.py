@@ -56,6 +56,7 @@ from kvstore.engine.crypto import MasterKey
 from kvstore.engine.layout import segment_object
 from kvstore.engine.store import Store
 
+from .harness import free_port, percentile
 from .samples import SAMPLES
 from .store_bench import load_samples
 
@@ -65,13 +66,6 @@ class Pass:
     p50_ms: float
     p99_ms: float
     gbps: float
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -112,10 +106,7 @@ async def measure(n: int, conc: int, size: int, one: Callable[[int], Awaitable[N
     t0 = time.perf_counter()
     await asyncio.gather(*(timed(i) for i in range(n)))
     wall = time.perf_counter() - t0
-    lat.sort()
-    return Pass(
-        1000 * statistics.median(lat), 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], n * size / wall / 1e9
-    )
+    return Pass(1000 * percentile(lat, 0.5), 1000 * percentile(lat, 0.99), n * size / wall / 1e9)
 
 
 def median_pass(passes: list[Pass]) -> Pass:

@@ -56,7 +56,6 @@ import json
 import mmap
 import os
 import random
-import resource
 import shutil
 import signal
 import statistics
@@ -71,7 +70,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .daemon import Daemon, _admin, _port, daemon, tree_cpu_seconds
+from .daemon import Daemon, _admin, daemon
+from .harness import cpu_seconds, free_port, tree_cpu_seconds
 from .s3_bench import cut_objects, s3_client
 from .samples import SAMPLES, load_pool
 
@@ -100,11 +100,6 @@ class Target:
     note: str = ""
 
 
-def own_cpu_seconds() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
 class Clock:
     """Wall time, the daemon's CPU and this process's CPU over a ``with``
     block (sync or async code alike); :meth:`result` is the pass it timed."""
@@ -113,11 +108,11 @@ class Clock:
         self.pid, self.nbytes, self.requests = pid, nbytes, requests
 
     def __enter__(self) -> Clock:
-        self.d0, self.c0, self.t0 = tree_cpu_seconds(self.pid), own_cpu_seconds(), time.perf_counter()
+        self.d0, self.c0, self.t0 = tree_cpu_seconds(self.pid), cpu_seconds(), time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.t1, self.c1, self.d1 = time.perf_counter(), own_cpu_seconds(), tree_cpu_seconds(self.pid)
+        self.t1, self.c1, self.d1 = time.perf_counter(), cpu_seconds(), tree_cpu_seconds(self.pid)
 
     def result(self) -> Pass:
         return Pass(self.t1 - self.t0, self.nbytes, self.requests, self.d1 - self.d0, self.c1 - self.c0)
@@ -396,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sep:
             ap.error(f"--set {item!r}: expected NAME=VALUE")
         settings[name] = value
-    s3_port = _port()
+    s3_port = free_port()
     settings["s3_gateway_listen"] = f"127.0.0.1:{s3_port}"
     pool = load_pool(args.samples)
     rng = random.Random(7)
