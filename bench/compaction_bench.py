@@ -36,8 +36,8 @@ from typing import Any
 
 from kvstore.config import MiB, parse_size
 
+from .daemon import Kvstore
 from .harness import Client, Processes, percentile, pid_cpu_seconds
-from .http_bench import Kvstore
 from .samples import SAMPLES
 from .store_bench import load_samples
 

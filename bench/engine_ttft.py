@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    from .daemon import Kvstore
     from .harness import Processes
-    from .http_bench import Kvstore
 
     with tempfile.TemporaryDirectory(prefix="kvstore-engine-ttft-") as tmp:
         root = Path(tmp)

@@ -38,7 +38,6 @@ import secrets
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,8 +48,8 @@ from typing import Any
 
 from kvstore.config import parse_size
 
-from .daemon import base_env, serve_command
-from .harness import free_port
+from .daemon import Kvstore
+from .harness import Processes, free_port, free_ports
 
 MOTO_HINT = "pip install 'moto[server]'"
 
@@ -115,22 +114,23 @@ def _until(what: str, check: Any, timeout: float) -> float:
 
 
 class Fleet:
+    """``--nodes`` daemons (bench/daemon.py's :class:`Kvstore`) sharing a master
+    key and an admin token, each on a port chosen before any starts (its
+    advertised URL), with its data and log in ``root``/n<i>."""
+
     def __init__(self, a: argparse.Namespace, root: Path, s3_url: str, bucket: str) -> None:
         self.admin = secrets.token_hex(16)
         key = root / "master.key"
         key.write_bytes(os.urandom(32))
         key.chmod(0o600)
-        self.root = root
-        self.procs: list[subprocess.Popen[bytes] | None] = []
-        self.bases: list[str] = []
-        self.envs: list[dict[str, str]] = []
-        self.cmds: list[list[str]] = []
-        for i in range(a.nodes):
-            port = free_port()
-            base = f"http://127.0.0.1:{port}"
-            env = base_env() | {
-                "KVSTORE_ADMIN_TOKEN": self.admin,
-                "KVSTORE_MASTER_KEY_FILE": str(key),
+        self.procs = Processes()
+        self.ports = free_ports(a.nodes)
+        self.bases = [f"http://127.0.0.1:{port}" for port in self.ports]
+        self.nodes: list[Kvstore] = []
+        for i, base in enumerate(self.bases):
+            (root / f"n{i}").mkdir()
+            node = Kvstore(self.procs, root / f"n{i}", admin_token=self.admin, key_file=key, pass_env=())
+            node.env |= {
                 "KVSTORE_FLEET": "1",
                 "KVSTORE_NODE_ID": f"node-{i}",
                 "KVSTORE_ADVERTISE_URL": base,
@@ -148,31 +148,18 @@ class Fleet:
                 "AWS_CONFIG_FILE": "/dev/null",
                 "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
             }
-            cmd = serve_command(root / f"n{i}", "--listen", base[7:])
-            self.bases.append(base)
-            self.envs.append(env)
-            self.cmds.append(cmd)
-            self.procs.append(None)
+            self.nodes.append(node)
 
     def start(self, i: int) -> None:
-        with (self.root / f"n{i}.log").open("ab") as log:
-            self.procs[i] = subprocess.Popen(self.cmds[i], env=self.envs[i], stdout=log, stderr=subprocess.STDOUT)
+        self.nodes[i].start(None, port=self.ports[i])
 
     def kill(self, i: int) -> None:
-        p = self.procs[i]
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-            p.wait(30)
-        self.procs[i] = None
+        """SIGKILL: the node and its workers, without a word."""
+        self.nodes[i].stop(signal.SIGKILL, timeout=30)
 
     def stop(self) -> None:
-        for i, p in enumerate(self.procs):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    self.kill(i)
+        for node in self.nodes:
+            node.stop(signal.SIGTERM, timeout=30)
 
     def state(self, at: int, node: str) -> str:
         status, doc = _call(self.bases[at], "GET", "/v1/fleet", self.admin)

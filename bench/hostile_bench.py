@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .daemon import Kvstore
 from .harness import Client, Processes, percentile
-from .http_bench import Kvstore
 from .samples import GEMMA_BF16 as KV_SAMPLE
 
 KINDS = ("stalled-headers", "stalled-body", "idle", "slow-reader")

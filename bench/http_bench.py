@@ -54,14 +54,13 @@ from typing import Any
 
 from kvstore.config import KiB, MiB, parse_size
 
-from .daemon import base_env, serve_command
+from .daemon import Kvstore, Unavailable
 from .harness import Client, Processes, Reply, free_port, group_cpu_seconds, sigterm_as_exit
 from .samples import SAMPLES
 from .store_bench import GB, MEMORY_FS, default_base_dir, fmt, load_samples, mount_of
 
 NGINX = Path("/usr/sbin/nginx")
 INSTALL_HINT = "apt-get update && apt-get install -y nginx wrk"
-WORKERS_REFUSED = "only 1 worker process is supported"
 PEERS_GET = ("sealed", "sealed hot", "records", "direct", "nginx")
 HOT_BLOCKS = 16  # the "sealed hot" peer's blocks: 32 MiB, within the default decoded_cache_bytes
 PHASES = ("get", "range", "put", "lookup")
@@ -93,34 +92,6 @@ NOTES = [
 ]
 
 Figures = dict[str, float]
-
-
-class Unavailable(Exception):
-    """A peer or a worker count that cannot be measured here, with the reason."""
-
-
-# -- HTTP helpers -------------------------------------------------------------------------
-
-
-def wait_http(proc: subprocess.Popen[bytes], port: int, path: str, timeout: float, log: Path | None, what: str) -> None:
-    """Wait until ``GET path`` answers 200; raise if the process exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            text = log.read_text(errors="replace") if log is not None and log.exists() else ""
-            if WORKERS_REFUSED in text:
-                raise Unavailable(text.strip().splitlines()[-1])
-            raise RuntimeError(f"{what} exited with status {proc.returncode} before it was ready:\n{text[-3000:]}")
-        c = Client(port)
-        try:
-            if c.request("GET", path).status == 200:
-                return
-        except OSError:
-            pass
-        finally:
-            c.close()
-        time.sleep(0.05)
-    raise RuntimeError(f"{what} did not answer GET {path} with 200 within {timeout:g} s")
 
 
 # -- options ----------------------------------------------------------------------------
@@ -238,85 +209,7 @@ def make_dataset(opts: Options) -> DataSet:
     return DataSet(keys, distinct, offsets, sources)
 
 
-# -- the kvstore daemon ----------------------------------------------------------------
-
-
-@dataclass
-class Kvstore:
-    """``kvstore serve`` as a process on one data directory, restarted per worker count;
-    tenants and their tokens persist across restarts (they are in the store)."""
-
-    procs: Processes
-    root: Path
-    durability: str
-    admin_token: str = field(default_factory=lambda: os.urandom(24).hex())
-    tokens: dict[str, str] = field(default_factory=dict)
-    port: int = 0
-    proc: subprocess.Popen[bytes] | None = None
-    env: dict[str, str] = field(default_factory=dict, init=False)
-
-    def __post_init__(self) -> None:
-        key = self.root / "master.key"
-        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(os.urandom(32))
-        # The caller's KVSTORE_* settings reach the daemon (KVSTORE_SENDFILE=false, say).
-        passed = {k: v for k, v in os.environ.items() if k.startswith("KVSTORE_")}
-        self.env = {
-            **passed,
-            **base_env(),
-            "KVSTORE_ADMIN_TOKEN": self.admin_token,
-            "KVSTORE_MASTER_KEY_FILE": str(key),
-        }
-
-    @property
-    def log(self) -> Path:
-        return self.root / "kvstore.log"
-
-    def start(self, workers: int) -> None:
-        self.port = free_port()
-        cmd = serve_command(self.root / "data")
-        cmd += ["--listen", f"127.0.0.1:{self.port}", "--workers", str(workers), "--durability", self.durability]
-        with self.log.open("a") as f:
-            f.write(f"\n=== {' '.join(cmd)}\n")
-        self.proc = self.procs.spawn(cmd, self.log, self.env)
-        try:
-            wait_http(self.proc, self.port, "/readyz", 120, self.log, "kvstore")
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.procs.stop(self.proc, signal.SIGTERM, timeout=60)
-            self.proc = None
-
-    @property
-    def pgid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def admin(self, method: str, path: str, doc: dict[str, Any] | None = None) -> Reply:
-        c = Client(self.port, self.admin_token)
-        try:
-            body = None if doc is None else json.dumps(doc).encode()
-            return c.request(method, path, body, {"Content-Type": "application/json"} if body else None)
-        finally:
-            c.close()
-
-    def create_tenant(self, name: str, policy: str) -> str:
-        r = self.admin("POST", "/v1/admin/tenants", {"name": name, "policy": policy})
-        if r.status != 201:
-            raise RuntimeError(f"creating tenant {name!r}: HTTP {r.status}: {r.body[:500]!r}")
-        token: str = r.json()["token"]
-        self.tokens[name] = token
-        return token
-
-    def delete_tenant(self, name: str) -> None:
-        r = self.admin("DELETE", f"/v1/admin/tenants/{name}")
-        if r.status != 204:
-            raise RuntimeError(f"deleting tenant {name!r}: HTTP {r.status}: {r.body[:500]!r}")
-        self.tokens.pop(name, None)
+# -- loading and checking a peer -------------------------------------------------------
 
 
 def parallel(n_threads: int, items: Sequence[int], fn: Callable[[int, threading.local], None]) -> None:

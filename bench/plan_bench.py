@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import secrets
 import shutil
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,19 +39,10 @@ from kvstore_client.plans import PlanConnection, PlannedBlock
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 
-from .daemon import _admin, base_env, serve_command
-from .harness import free_port
+from .daemon import daemon
 from .samples import GEMMA_BF16 as SAMPLE
 
 GB = 1e9
-
-
-def _ready(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(base + "/readyz", timeout=5) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
 
 
 def _median(fn: Callable[[], int], repeats: int, before: Callable[[], None]) -> float:
@@ -83,25 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.blocks < 1 or args.batch < 1 or args.repeats < 1:
         p.error("--blocks, --batch and --repeats must be at least 1")
     root = Path(tempfile.mkdtemp(prefix="kvstore-plan-bench-", dir="/var/tmp"))
-    admin = secrets.token_hex(16)
-    key_file = root / "master.key"
-    key_file.write_bytes(os.urandom(32))
-    key_file.chmod(0o600)
-    sock, port = str(root / "kv.sock"), free_port()
-    env = base_env() | {"KVSTORE_ADMIN_TOKEN": admin}
-    env["KVSTORE_MASTER_KEY_FILE"] = str(key_file)
-    cmd = serve_command(root / "data", "--compact-interval-s", "0", "--listen", f"127.0.0.1:{port}")
-    cmd += ["--listen", f"unix:{sock}", "--workers", "1"]
-    with (root / "kvstore.log").open("ab") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    sock = str(root / "kv.sock")  # root: the unix socket's directory; the daemon has its own
+    stack = contextlib.ExitStack()
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while not _ready(base):  # the unix socket exists before the store is open: ask /readyz
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the daemon did not start: {(root / 'kvstore.log').read_text()[-2000:]}")
-            time.sleep(0.05)
-        token = _admin(base, admin, "/v1/admin/tenants", {"name": "bench", "policy": "direct"})["token"]
+        # /readyz, which daemon() waits for, answers once the store is open (the socket exists before).
+        token = stack.enter_context(daemon({}, ["--listen", f"unix:{sock}", "--workers", "1"])).token
         sample = SAMPLE.read_bytes()
         data = (sample * (size // len(sample) + 1))[:size]
         keys = [f"b{i:05d}" for i in range(args.blocks)]
@@ -170,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             conn.release(pl.lease)
         conn.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        stack.close()
         shutil.rmtree(root, ignore_errors=True)
     what = f"{args.blocks} direct blocks of {size} bytes, {args.batch} keys a plan, one thread"
     print(f"{what}; GB/s (median of {args.repeats}); a plan and its release: {plan_ms:.2f} ms")

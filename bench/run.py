@@ -59,8 +59,9 @@ from kvstore_client import AsyncClient
 from kvstore_client.errors import KVStoreClientError, ServerError
 
 from .cli import RUN_BLOCKS, RUN_BLOCKS_ENDPOINT, RUN_BLOCKS_SHORT
+from .daemon import Kvstore
 from .harness import Processes, free_port, percentile_or_none, sigterm_as_exit
-from .http_bench import DataSet, Kvstore, Nginx
+from .http_bench import DataSet, Nginx
 from .models import ModelGeometry
 from .plots import matplotlib_missing, save_png
 from .samples import SAMPLES

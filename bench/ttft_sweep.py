@@ -125,8 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    from .daemon import Kvstore
     from .harness import Processes
-    from .http_bench import Kvstore
 
     procs = Processes()
     with tempfile.TemporaryDirectory(prefix="kvstore-ttft-sweep-") as tmp:
