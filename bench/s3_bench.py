@@ -73,7 +73,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,7 +88,7 @@ from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 
 from .daemon import _admin, daemon
-from .harness import cpu_seconds, free_port, free_ports, percentile, pid_cpu_seconds
+from .harness import Processes, cpu_seconds, free_port, free_ports, percentile, pid_cpu_seconds
 from .samples import SAMPLES, load_pool
 
 GB = 1e9
@@ -254,17 +254,12 @@ def seaweedfs(weed: str, logs: Path | None = None) -> Iterator[Weed]:
     env |= {"AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret}
     version = subprocess.run([weed, "version"], capture_output=True, text=True, timeout=30, env=env).stdout.strip()
     log = root / "weed.log"
-    with log.open("ab") as out:
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    procs = Processes()
+    proc = procs.spawn(args, log, env)
     try:
         yield Weed(proc, f"http://127.0.0.1:{ports[names.index('s3')][0]}", key_id, secret, version, log)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(20)
-        with suppress(ProcessLookupError):  # whatever it left in its group
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        procs.stop(proc, signal.SIGTERM, timeout=20)  # and whatever it left in its group
         for _, grpc in ports:  # its gRPC sockets, named by port, outside -dir
             for sock in Path("/tmp").glob(f"seaweedfs-*-grpc-{grpc}.sock"):
                 sock.unlink(missing_ok=True)

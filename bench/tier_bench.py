@@ -35,6 +35,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -56,7 +57,7 @@ from kvstore.engine.crypto import MasterKey
 from kvstore.engine.layout import segment_object
 from kvstore.engine.store import Store
 
-from .harness import free_port, percentile
+from .harness import Processes, free_port, percentile
 from .samples import SAMPLES
 from .store_bench import load_samples
 
@@ -68,8 +69,8 @@ class Pass:
     gbps: float
 
 
-def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """An S3 server on 127.0.0.1 in its own process, and its URL."""
+def start_server(kind: str, workdir: Path, procs: Processes) -> tuple[subprocess.Popen[bytes], str]:
+    """An S3 server on 127.0.0.1 in its own process (group), and its URL."""
     if kind == "moto":
         port = free_port()
         cmd = [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)]
@@ -81,7 +82,7 @@ def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str
         data = workdir / "seaweedfs"
         data.mkdir()
         cmd = [exe, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = procs.spawn(cmd, Path(os.devnull))  # moto logs every request
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -89,7 +90,7 @@ def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str
                 return proc, f"http://127.0.0.1:{port}"
         except OSError:
             time.sleep(0.1)
-    proc.kill()
+    procs.stop(proc, signal.SIGKILL)
     raise RuntimeError(f"{kind} did not start")
 
 
@@ -124,13 +125,14 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"no bf16 sample in {SAMPLES} holds a {size}-byte block")
     blocks = [samples[i % len(samples)] for i in range(a.blocks)]
     proc = None
+    procs = Processes()
     endpoint = a.endpoint
     root = Path(tempfile.mkdtemp(prefix="kvstore-tier-bench-"))
     if endpoint is None:
         for var, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench")):
             os.environ[var] = value
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        proc, endpoint = start_server(a.server, root)
+        proc, endpoint = start_server(a.server, root, procs)
     bucket = a.bucket or f"kvstore-bench-{uuid.uuid4().hex[:10]}"
     client = boto3.client("s3", endpoint_url=endpoint, config=Config(max_pool_connections=64))
     try:
@@ -227,12 +229,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     finally:
         client.close()
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            procs.stop(proc, signal.SIGTERM, timeout=10)
         shutil.rmtree(root, ignore_errors=True)
 
 
