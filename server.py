@@ -1,4 +1,4 @@
-"""kvstore daemon, from a checkout: the same as ``kvstore serve`` (kvstore/daemon.py).
+"""kvstore daemon, from a checkout: the same as ``kvstore serve`` (kvstore/daemon/).
 
     .venv/bin/python server.py --data-dir DIR --listen HOST:PORT [--config FILE]
 

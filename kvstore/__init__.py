@@ -22,19 +22,27 @@ follows a PUT, a GET and a segment through them):
 - ``transport/``: how bytes leave the daemon. HTTP (``http/``: the app and
   its middleware, the connection layer (the only module that touches
   aiohttp's internals) and the fast lane, request bodies, RFC 9110 ranges,
-  forwarding between workers, QoS, ``routes/``), the S3 gateway (``s3/``),
+  forwarding between workers, the request's admission ticket, ``routes/``), the S3 gateway (``s3/``),
   NIXL (``nixl/``), the batch framing, the errors' statuses.
 - ``buckets/``: the S3 gateway's lasting state: its SQLite catalog of
   buckets, objects and uploads, kept as record blocks of the tenants and
   rebuilt from them.
-- ``qos/`` (policies, node-wide token buckets, the fair gate, shares),
+- ``qos/``: ``admission`` (the one object every transport asks: requests
+  in flight, the tenants' shares, their limits, the fair gate, the counts)
+  over ``policy``, ``buckets`` (node-wide token buckets), ``fair`` (the fair
+  gate), ``shares`` and ``limits``;
   ``events/`` (residency events and their publishers), ``fleet/`` (nodes on
   one bucket: membership, placement, takeover).
+- ``daemon/``: the composition root: ``main`` (``kvstore serve``),
+  ``supervisor`` (the workers), ``process`` (one process), ``listeners``,
+  ``node`` (the store, the admission, events, NIXL and the fleet, opened
+  and closed in one order; ``fleet``: a fleet node's parts) and ``app``
+  (the HTTP transport over the node).
 - At the top: what every part shares (``errors``, ``config``, ``metrics``,
-  ``names``, ``redaction``, ``tasks``, ``buffers``), the daemon (``cli``:
-  the ``kvstore`` command, ``daemon``: workers, listeners, the supervisor,
-  ``server_config``, ``settings_doc``, ``sdnotify``, ``tuning``,
-  ``workers``) and the offline checker (``fsck``).
+  ``names``, ``redaction``, ``tasks``, ``buffers``), the daemon's settings
+  and host (``cli``: the ``kvstore`` command, ``server_config``,
+  ``settings_doc``, ``sdnotify``, ``tuning``, ``workers``) and the offline
+  checker (``fsck``).
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """The ``kvstore`` command: one entry point for what the daemon's wheel installs.
 
-    kvstore serve [FLAGS]      run the daemon (kvstore/daemon.py; server.py in a checkout)
+    kvstore serve [FLAGS]      run the daemon (kvstore/daemon/; server.py in a checkout)
     kvstore fsck --data-dir D  check a stopped node's data directory (kvstore/fsck.py)
     kvstore --version
 

@@ -58,7 +58,9 @@ class StoreReads(StoreCore):
             return None
         return entry
 
-    async def _entry(self, tenant: str, key: str) -> IndexEntry:
+    def _entry(self, tenant: str, key: str) -> IndexEntry:
+        """``key``'s live entry, counted as a hit (its access touched), or
+        NotFound, counted as a miss: every read of a block starts here, once."""
         t = self._tenant(tenant)
         validate_key(key)
         entry = self._live(t, key)
@@ -69,27 +71,39 @@ class StoreReads(StoreCore):
         self.access.touch(tenant, key)
         return entry
 
-    def peek(self, tenant: str, key: str) -> BlockInfo | None:
-        """:meth:`head` of a present, unexpired block, on the calling thread,
-        counting nothing: a fast path's first look (it counts the hit with
-        :meth:`count_hit` once it answers; a miss is the route's)."""
-        entry = self._live(self._tenant(tenant), key)
-        return None if entry is None else BlockInfo.of(key, entry)
+    # -- a block read: resolve (now), then what can be sent now or completed --
 
-    def count_hit(self, tenant: str, key: str) -> None:
-        """A read found the block (:meth:`peek`): counted and touched as :meth:`head` does."""
-        self.metrics.inc("kvstore_lookups_total", result="hit")
-        self.access.touch(tenant, key)
+    def resolve(self, tenant: str, key: str) -> BlockInfo:
+        """A block read's first step, on the calling thread (an LMDB read,
+        never I/O): the block's head if it is present and unexpired, counted
+        as a hit, else NotFound, counted as a miss. What follows it takes the
+        result, so a read is looked up, checked for expiry and counted once,
+        whichever path finishes it: :meth:`sendable_now` for what needs no
+        I/O, :meth:`get_sendable` for the rest."""
+        return BlockInfo.of(key, self._entry(tenant, key))
 
-    def direct_extent_now(self, tenant: str, info: BlockInfo, start: int, end: int) -> DirectExtent | None:
-        """:meth:`get_sendable` of a direct block (``info`` from :meth:`peek`)
-        without awaiting anything: its segment already open here, its covering
-        frames verified (verified.py) or cheap to verify here. None, with
-        nothing held or counted, when the block needs more (a sealed block,
-        one in the object tier, a segment not open yet: the route's path)."""
-        entry, key = info.entry, info.key
-        if entry is None or not entry.flags & reader.REC_FLAG_DIRECT:
-            return None
+    def sendable_now(self, tenant: str, info: BlockInfo, start: int, end: int) -> DirectExtent | memoryview | None:
+        """Bytes [start, end) of a resolved block if they can be sent without
+        awaiting anything: a direct block's extent of a segment open here,
+        its covering frames verified (verified.py) or cheap to verify here
+        (the caller releases it once sent), or a sealed or compressed
+        block's plaintext from the decoded-blocks cache. None, with nothing
+        held or counted, when the read needs I/O: then :meth:`get_sendable`
+        with the same ``info`` completes it."""
+        return None if info.entry is None else self._sendable_now(tenant, info.key, info.entry, start, end)
+
+    def _sendable_now(
+        self, tenant: str, key: str, entry: IndexEntry, start: int, end: int
+    ) -> DirectExtent | memoryview | None:
+        if not entry.flags & reader.REC_FLAG_DIRECT:
+            generation = self._decodable(tenant, entry)
+            cached = (
+                None if generation is None else self.decoded.get(tenant, generation, entry.record_id, count_miss=False)
+            )
+            if cached is None:
+                return None
+            self.metrics.inc("kvstore_bytes_out_total", end - start)
+            return memoryview(cached).toreadonly()[start:end]
         seg = self._residency.local_now(tenant, entry)
         if seg is None:
             return None
@@ -104,7 +118,7 @@ class StoreReads(StoreCore):
             view = reader.direct_view(seg, entry, tenant, key, start, end)
         except CorruptionError:
             seg.release()
-            return None  # reported by the route's read
+            return None  # reported by the read that completes it
         except BaseException:
             seg.release()
             raise
@@ -112,7 +126,7 @@ class StoreReads(StoreCore):
         return DirectExtent(seg, entry.offset + entry.payload_offset + start, view)
 
     async def get(self, tenant: str, key: str) -> bytearray:
-        entry = await self._entry(tenant, key)
+        entry = self._entry(tenant, key)
         return _owned(await self._read(tenant, key, entry, 0, entry.logical_size))
 
     async def get_buffer(self, tenant: str, key: str, start: int = 0, end: int | None = None) -> bytearray | memoryview:
@@ -129,10 +143,15 @@ class StoreReads(StoreCore):
         """Bytes [start, end) of the block, to send on: for a direct block in
         a local segment, a :class:`DirectExtent` (the covering frames
         verified; the caller releases it once sent); otherwise as
-        :meth:`get_buffer`. ``info``: the block's :meth:`head` in the same
+        :meth:`get_buffer`. ``info``: the block's :meth:`resolve` in the same
         request, so the index is not asked twice (if the block moved or went
-        since, the read finds out and asks again, as it always does)."""
+        since, the read finds out and asks again, as it always does). The
+        read's completion: what :meth:`sendable_now` can send, it sends;
+        the rest awaits a segment, a thread or the object tier."""
         entry, start, end = await self._range(tenant, key, start, end, info)
+        now = self._sendable_now(tenant, key, entry, start, end)
+        if now is not None:
+            return now
         if entry.flags & reader.REC_FLAG_DIRECT:
             try:
                 seg = await self._residency.local(tenant, entry, key)
@@ -216,7 +235,7 @@ class StoreReads(StoreCore):
 
     async def _locate(self, t: Tenant, key: str) -> tuple[IndexEntry, SegmentFile]:
         """The index entry of a block and its local segment, acquired."""
-        entry = await self._entry(t.name, key)
+        entry = self._entry(t.name, key)
         try:
             seg = await self._residency.local(t.name, entry, key)
         except SegmentMoved:
@@ -236,7 +255,7 @@ class StoreReads(StoreCore):
     ) -> tuple[IndexEntry, int, int]:
         if start < 0 or (end is not None and end <= start):
             raise InvalidInput(f"range [{start}, {end}) is not a non-empty range of non-negative offsets")
-        entry = info.entry if info is not None and info.entry is not None else await self._entry(tenant, key)
+        entry = info.entry if info is not None and info.entry is not None else self._entry(tenant, key)
         size = entry.logical_size
         if start >= size:
             raise InvalidRange(f"range starts at {start}, past the end of a {size}-byte block", size)
@@ -352,21 +371,6 @@ class StoreReads(StoreCore):
         t = self._tenant(tenant)
         return (t.created_ns, t.key_version)
 
-    def cached_now(self, tenant: str, info: BlockInfo, start: int, end: int) -> memoryview | None:
-        """Bytes [start, end) of a sealed or compressed block (``info`` from
-        :meth:`peek`) from the decoded-blocks cache, on the calling thread;
-        None, counting nothing, when it is not there (the route's read
-        that follows counts the miss)."""
-        entry = info.entry
-        generation = None if entry is None else self._decodable(tenant, entry)
-        if entry is None or generation is None:
-            return None
-        cached = self.decoded.get(tenant, generation, entry.record_id, count_miss=False)
-        if cached is None:
-            return None
-        self.metrics.inc("kvstore_bytes_out_total", end - start)
-        return memoryview(cached).toreadonly()[start:end]
-
     async def _read_local(
         self, seg: SegmentFile, tenant: str, key: str, entry: IndexEntry, start: int, end: int, view_ok: bool
     ) -> bytearray | memoryview:
@@ -391,9 +395,14 @@ class StoreReads(StoreCore):
         return out
 
     async def head(self, tenant: str, key: str) -> BlockInfo:
-        return BlockInfo.of(key, await self._entry(tenant, key))
+        return self.resolve(tenant, key)
 
     async def exists(self, tenant: str, key: str) -> bool:
+        return self.holds(tenant, key)
+
+    def holds(self, tenant: str, key: str) -> bool:
+        """Whether the block is present and unexpired, on the calling thread,
+        counting nothing (the store's own bookkeeping, a takeover's lookups)."""
         t = self._tenant(tenant)
         validate_key(key)
         return self._live(t, key) is not None
@@ -401,20 +410,22 @@ class StoreReads(StoreCore):
     async def lookup(self, tenant: str, keys: Sequence[str], tokens_per_block: int = 0) -> LookupResult:
         """Which of a chain of keys are present, and how many from the start
         (``tokens_per_block``: the engine's, for the hit rate in tokens)."""
+        now = self.lookup_now(tenant, keys, tokens_per_block)
+        if now is not None:
+            return now
         t = self._tenant(tenant)
         _validate_keys(keys)
         if t.ttl_s:
             present = await self._run(self._present_unexpired, t, list(keys))
-        elif len(keys) <= INLINE_LOOKUP_KEYS:
-            present = self._index.contains(tenant, list(keys))
         else:
             present = await self._run(self._index.contains, tenant, list(keys))
         return self._looked_up(present, tokens_per_block)
 
     def lookup_now(self, tenant: str, keys: Sequence[str], tokens_per_block: int = 0) -> LookupResult | None:
-        """:meth:`lookup` on the calling thread when it needs nothing more
-        than the index (no TTL to check, at most INLINE_LOOKUP_KEYS keys);
-        None, counting nothing, otherwise. Raises as :meth:`lookup`."""
+        """A lookup's first step, on the calling thread, when it needs nothing
+        more than the index (no TTL to check, at most INLINE_LOOKUP_KEYS
+        keys); None, counting nothing, otherwise: then :meth:`lookup`
+        completes it on a thread. Raises as :meth:`lookup`."""
         t = self._tenant(tenant)
         if t.ttl_s or len(keys) > INLINE_LOOKUP_KEYS:
             return None

@@ -160,7 +160,7 @@ class Takeover:
         """The adopted store that holds ``key`` of ``tenant`` (None: none does)."""
         for store in self.adopted.values():
             try:
-                if store.peek(tenant, key) is not None:
+                if store.holds(tenant, key):
                     return store
             except KVStoreError:  # (its registry lacks the tenant: not there)
                 continue

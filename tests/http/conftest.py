@@ -20,9 +20,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 from aiohttp.web_runner import BaseRunner
 
+from kvstore.daemon.app import make_app
 from kvstore.engine.crypto import MasterKey
 from kvstore.server_config import ServerConfig, load
-from kvstore.transport.http.app import make_app
 from kvstore.transport.http.connection import KVAppRunner
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,8 +28,8 @@ from kvstore_client import AsyncClient, CorruptBlock
 from kvstore_client import record as client_record
 from kvstore_client.wire import envelope
 
+from kvstore.daemon.app import make_app
 from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http.app import make_app
 
 from ..conftest import kv_sample
 from .conftest import ADMIN, ROOT, Daemon, KVTestServer, free_port, server_config
@@ -246,7 +246,7 @@ from pathlib import Path
 import aiohttp
 from kvstore_client import AsyncClient
 from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http.app import make_app
+from kvstore.daemon.app import make_app
 from tests.http.conftest import ADMIN, KVTestServer, server_config
 
 DATA = bytes(range(256)) * 1000

@@ -16,15 +16,16 @@ import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
+from kvstore.daemon.app import make_app
 from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http.app import make_app
-from kvstore.transport.http.appkeys import METRICS, STATE, STORE
-from kvstore.transport.http.bodies import BUDGET
+from kvstore.transport.http.appkeys import METRICS, STORE
 from kvstore.transport.http.connection import KVServer
+from kvstore.transport.http.qos import ADMISSION
 from tests.http.conftest import ADMIN, Api, Daemon, KVTestServer, daemon_env, free_port, server_config
 from tests.http.rawhttp import Conn, Reply
 from tests.polling import until
@@ -535,7 +536,8 @@ def _budget(api: Api) -> tuple[int, int]:
     """(body bytes held against max_buffered_body_bytes, requests in flight) of the server."""
     assert api.server is not None
     app = api.server.app
-    return app[BUDGET].used, app[STATE]["inflight"]
+    admission = app[ADMISSION]
+    return admission.budget.used, admission.inflight
 
 
 @pytest.fixture
@@ -692,3 +694,50 @@ async def test_each_tenants_requests_and_bytes_are_counted_the_same_on_and_off_t
         assert metrics.counter("kvstore_tenant_bytes_total", tenant=t, direction="in") == BLOCK, t
         assert metrics.counter("kvstore_tenant_bytes_total", tenant=t, direction="out") == 2 * BLOCK + 100, t
     assert lane.answered("PUT") >= 1 and lane.answered("POST") >= 1
+
+
+async def test_a_read_the_lane_hands_over_is_looked_up_and_counted_once(
+    lane: Lane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39: a read the lane resolves and cannot finish (a sealed block
+    not in the decoded cache, a miss) goes on at the route from what the lane
+    found: one authentication, one index lookup, one hit or miss counted per
+    GET, on and off the lane alike. (The store's own methods, wrapped to
+    count their calls.)"""
+    api = lane.api
+    port = int(api.base.rsplit(":", 1)[1])
+    metrics = lane.server.app[METRICS]
+    store = lane.server.app[STORE]
+    calls = {"authenticate": 0, "resolve": 0}
+    for name in calls:
+        real = getattr(store, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(store, name, counted)
+    data = os.urandom(BLOCK)
+    counts: dict[bool, tuple[float, ...]] = {}
+    for on in (False, True):
+        lane.on(on)
+        token = await api.tenant(f"s-{int(on)}", "sealed")
+        await _put(api, token, "k", data)
+        hits = metrics.counter("kvstore_lookups_total", result="hit")
+        misses = metrics.counter("kvstore_lookups_total", result="miss")
+        before = dict(calls)
+        conn = await Conn.open("127.0.0.1", port)
+        try:
+            for _ in range(3):  # the first misses the decoded cache: the route decodes it
+                r = await conn.request("GET", "/v1/blocks/k", api.auth(token))
+                assert (r.status, r.body == data) == (200, True)
+            assert (await conn.request("GET", "/v1/blocks/absent", api.auth(token))).status == 404
+        finally:
+            await conn.close()
+        counts[on] = (
+            metrics.counter("kvstore_lookups_total", result="hit") - hits,
+            metrics.counter("kvstore_lookups_total", result="miss") - misses,
+            calls["authenticate"] - before["authenticate"],
+            calls["resolve"] - before["resolve"],
+        )
+    assert counts[True] == counts[False] == (3, 1, 4, 4), counts

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from kvstore_client.wire import batchframe
 
+from kvstore.daemon.app import make_app
 from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http.app import make_app
 from tests.http.conftest import ADMIN, Api, Daemon, KVTestServer, free_port, server_config
 from tests.http.rawhttp import Conn, Reply, worker_connections
 

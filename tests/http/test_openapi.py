@@ -11,8 +11,8 @@ from pathlib import Path
 from kvstore_client.wire import batchframe
 from openapi_spec_validator import validate
 
+from kvstore.daemon.app import make_app
 from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http.app import make_app
 from kvstore.transport.http.internal import PREFIX as INTERNAL_PREFIX
 from tests.http.conftest import ADMIN, Api, server_config
 from tests.http.openapi import Spec

@@ -25,9 +25,9 @@ from kvstore_client import AsyncClient
 from kvstore_client.errors import CorruptBlock, KVStoreClientError, ServerError
 from kvstore_client.plans import PlanConnection, parse_plan
 
+from kvstore.daemon.app import make_app
 from kvstore.engine.crypto import MasterKey
 from kvstore.engine.lifecycle import Leases
-from kvstore.transport.http.app import make_app
 from kvstore.transport.http.appkeys import STORE
 
 from ..conftest import kv_sample

@@ -14,8 +14,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from kvstore.daemon.app import make_app
 from kvstore.engine.crypto import MasterKey
-from kvstore.transport.http.app import make_app
 
 from ..conftest import kv_sample
 from .conftest import ADMIN, Api, Daemon, KVTestServer, free_port, server_config

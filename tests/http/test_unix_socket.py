@@ -17,10 +17,10 @@ import pytest
 from aiohttp import web
 from kvstore_client import AsyncClient
 
+from kvstore.daemon.app import make_app
 from kvstore.engine.crypto import MasterKey
 from kvstore.errors import ConfigError
 from kvstore.server_config import load
-from kvstore.transport.http.app import make_app
 from kvstore.transport.http.connection import KVAppRunner
 
 from .conftest import ADMIN, ROOT, Daemon, server_config

@@ -18,10 +18,14 @@ from kvstore_client.wire.batchframe import encode_put_stream
 
 from kvstore.buffers import POOL, address
 from kvstore.config import StoreConfig
+from kvstore.metrics import Metrics
+from kvstore.qos.admission import Admission
+from kvstore.qos.shares import BodyBudget
 from kvstore.server_config import ServerConfig
 from kvstore.transport import batchframe
 from kvstore.transport.http.appkeys import CONFIG
-from kvstore.transport.http.bodies import ALIGNED_MIN, BUDGET, BatchBody, BodyBudget, Held
+from kvstore.transport.http.bodies import ALIGNED_MIN, BatchBody, Held
+from kvstore.transport.http.qos import ADMISSION
 
 MiB = 1 << 20
 
@@ -35,8 +39,9 @@ def _request(tmp_path: Path, data: bytes, chunk_sizes: list[int]) -> tuple[Any, 
         content.feed_data(data[pos : pos + n])
         pos, i = pos + n, i + 1
     content.feed_eof()
-    budget = BodyBudget(64 * MiB)
-    app = {CONFIG: ServerConfig(store=StoreConfig(tmp_path)), BUDGET: budget}
+    admission = Admission(Metrics(), 16, 64 * MiB, 0)
+    app = {CONFIG: ServerConfig(store=StoreConfig(tmp_path)), ADMISSION: admission}
+    budget = admission.budget
     # (no tenant on it: the gate did not run, the body is held against the total only)
     return SimpleNamespace(content=content, app=app, get=lambda key, default=None: default), budget
 

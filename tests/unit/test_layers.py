@@ -75,3 +75,24 @@ def test_the_client_imports_nothing_of_the_daemon() -> None:
     for path in (ROOT / "clients" / "kvstore_client").rglob("*.py"):
         wrong = sorted(i for i in _imports(path) if i == "kvstore" or i.startswith("kvstore."))
         assert not wrong, f"{path}: {wrong}"
+
+
+COUNTED = ("kvstore_tenant_requests_total", "kvstore_http_bytes_in_total", "kvstore_http_bytes_out_total")
+
+
+def test_every_transport_is_admitted_through_one_object() -> None:
+    """Issue 39: the requests in flight, the tenants' shares, the QoS limits,
+    the fair gate and the counts are decided in kvstore/qos/admission.py
+    only; the transports hold a ticket, never the parts."""
+    parts = ("kvstore.qos.limits", "kvstore.qos.shares", "kvstore.qos.fair")
+    for module, imports in _kvstore_modules().items():
+        if module.startswith("kvstore.qos"):
+            continue
+        wrong = sorted(i for i in imports if i.startswith(parts))
+        assert not wrong, f"{module} imports {wrong}: go through kvstore.qos.admission"
+    for path in (ROOT / "kvstore").rglob("*.py"):
+        if path.name == "admission.py" and path.parent.name == "qos":
+            continue
+        text = path.read_text()
+        counted = [name for name in COUNTED if f'"{name}"' in text]
+        assert not counted, f"{path.relative_to(ROOT)} counts {counted}: count with a Ticket (kvstore.qos.admission)"

@@ -1,5 +1,5 @@
 """Tenants' shares of a worker's body budget and requests in flight
-(kvstore/transport/http/shares.py): a tenant alone may use most of them, a
+(kvstore/qos/shares.py): a tenant alone may use most of them, a
 tenant past its share leaves a quarter to the others, and what is given back
 is counted back exactly."""
 
@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import Overloaded
-from kvstore.transport.http.bodies import BodyBudget
-from kvstore.transport.http.shares import TenantSlots, within_share
+from kvstore.qos.shares import BodyBudget, TenantSlots, within_share
 
 
 def test_within_share() -> None:

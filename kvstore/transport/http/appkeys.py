@@ -7,11 +7,13 @@ them through these keys.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from kvstore.engine.api import Store
+from kvstore.engine.api import BlockInfo, Store
+from kvstore.errors import NotFound
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
 
@@ -19,6 +21,23 @@ STORE = web.AppKey("store", Store)
 CONFIG = web.AppKey("config", ServerConfig)
 METRICS = web.AppKey("metrics", Metrics)
 STATE = web.AppKey("state", dict[str, Any])
+# The tenant the request's bearer token names, once authenticated (auth.tenant_of).
+TENANT = web.RequestKey("tenant", str)
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """What the fast lane resolved of a block read it handed to the route
+    after all (a limit to wait for, a read that needs I/O): the block's head
+    (``info``), or the miss (``missing``), both counted already. The route
+    goes on from here; it does not look the block up again."""
+
+    key: str
+    info: BlockInfo | None = None
+    missing: NotFound | None = None
+
+
+RESOLVED = web.RequestKey("resolved", Resolved)
 # The request's Expect header, taken from aiohttp by the connection layer
 # (connection.KVAppRunner) and answered by the gate (middleware.gate_middleware).
 EXPECT = web.RequestKey("expect", str)

@@ -33,59 +33,17 @@ from kvstore.errors import (
     BodyTooLarge,
     InvalidInput,
     LengthRequired,
-    Overloaded,
     RequestTimeout,
     UnsupportedMediaType,
 )
 from kvstore.names import validate_key
 from kvstore.transport.http.appkeys import config_of
-from kvstore.transport.http.auth import known_tenant
-from kvstore.transport.http.counting import count_bytes
-from kvstore.transport.http.qos import QOS, transfer_slot
-from kvstore.transport.http.shares import Shares
+from kvstore.transport.http.qos import ticket_of
 
 JSON_MAX_BYTES = 4 << 20
 # The answer to a body aiohttp's parser could not decode (its message quotes the bytes).
 BAD_BODY_FRAMING = "malformed request body: bad chunked framing or content coding"
 _JSON_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})
-
-
-class BodyBudget(Shares):
-    """Bytes of request bodies held in memory by this process, against a
-    limit, and by each tenant, against its share of it (shares.py: half, or
-    one block's body at least, ``floor``; more while a quarter stays free for
-    the others). Used from the event loop only (no lock)."""
-
-    def __init__(self, limit: int, floor: int = 0) -> None:
-        super().__init__(limit, floor)
-        self.used = 0
-
-    def reserve(self, n: int, tenant: str | None = None) -> None:
-        """Count ``n`` more bytes (``tenant``'s, when a tenant's request holds
-        them), or raise Overloaded if they do not fit."""
-        if self.used + n > self.limit:
-            raise Overloaded(
-                f"request bodies buffered in memory are at the limit (max_buffered_body_bytes={self.limit}); retry"
-            )
-        if tenant is not None and not self.take(tenant, n, self.used):
-            raise Overloaded(
-                f"tenant {tenant!r} holds {self.held.get(tenant, 0)} bytes of request bodies in this worker; {n} more"
-                f" would pass its share of max_buffered_body_bytes={self.limit} ({self.share(tenant)}) while the rest"
-                " is kept for other tenants; retry"
-            )
-        self.used += n
-
-    def release(self, n: int, tenant: str | None = None) -> None:
-        self.used -= n
-        if tenant is not None:
-            self.give(tenant, n)
-
-
-BUDGET = web.AppKey("body_budget", BodyBudget)
-
-
-def budget_of(request: web.Request) -> BodyBudget:
-    return request.app[BUDGET]
 
 
 def check_length(request: web.Request, limit: int) -> int:
@@ -152,19 +110,17 @@ async def block_body(request: web.Request, limit: int) -> AsyncIterator[memoryvi
     back to the pool only when the block ends without an exception: a put
     that was cancelled may still have its bytes queued for a write."""
     length = check_length(request, limit)
-    budget, tenant = budget_of(request), known_tenant(request)
-    qos = request.app.get(QOS)
-    if qos is not None and tenant is not None:  # its write limit, before the body is read (qos.py)
-        await qos.take(tenant, "write", length)
-    budget.reserve(length, tenant)
+    ticket = ticket_of(request)
+    await ticket.reserve("write", length)  # its write limit, before the body is read
+    ticket.hold_body(length)
     try:
         buf = await _read_aligned(request, length)
-        count_bytes(request.app, "in", length, tenant)
-        async with transfer_slot(request.app, tenant):  # (for its store: the body is in)
+        ticket.moved("in", length)
+        async with ticket.transfer():  # (for its store: the body is in)
             yield buf.view
         buf.release()
     finally:
-        budget.release(length, tenant)
+        ticket.release_body(length)
 
 
 def _check_charset(request: web.Request) -> None:
@@ -232,13 +188,13 @@ async def json_body(request: web.Request) -> dict[str, Any]:
     if length is not None and length > JSON_MAX_BYTES:
         raise BodyTooLarge(f"JSON body is {length} bytes; the maximum is {JSON_MAX_BYTES}")
     held = JSON_MAX_BYTES if length is None else length
-    budget, tenant = budget_of(request), known_tenant(request)
-    budget.reserve(held, tenant)
+    ticket = ticket_of(request)
+    ticket.hold_body(held)
     try:
         raw = await (_read_chunked(request, JSON_MAX_BYTES) if length is None else _read_exactly(request, length))
         return parse_json(raw)
     finally:
-        budget.release(held, tenant)
+        ticket.release_body(held)
 
 
 ALIGNED_MIN = 64 << 10  # a batch item this big is received into aligned memory
@@ -264,17 +220,16 @@ class BatchBody:
     def __init__(self, request: web.Request) -> None:
         self._content = request.content
         self._seconds = config_of(request).request_timeout_s
-        self._budget = budget_of(request)
-        self._tenant = known_tenant(request)
+        self._ticket = ticket_of(request)
         self._unowned = Held()
 
     async def readexactly(self, n: int, /) -> bytes:
-        self._budget.reserve(n, self._tenant)
+        self._ticket.hold_body(n)
         try:
             async with asyncio.timeout(self._seconds):
                 data = await self._content.readexactly(n)
         except BaseException:
-            self._budget.release(n, self._tenant)
+            self._ticket.release_body(n)
             raise
         self._unowned.nbytes += n
         return data
@@ -282,12 +237,12 @@ class BatchBody:
     async def readblock(self, n: int, /) -> bytes | memoryview:
         if n < ALIGNED_MIN:
             return await self.readexactly(n)
-        self._budget.reserve(n, self._tenant)
+        self._ticket.hold_body(n)
         try:
             async with asyncio.timeout(self._seconds):
                 buf = await _receive_into(self._content, n)
         except BaseException:
-            self._budget.release(n, self._tenant)
+            self._ticket.release_body(n)
             raise
         self._unowned.nbytes += n
         self._unowned.buffers.append(buf)
@@ -302,7 +257,7 @@ class BatchBody:
         """Give ``held`` back: its bytes to the budget, its buffers to the pool
         (``reuse`` False: a put that was cancelled may still have its bytes
         queued for a write, so its memory is left to the collector)."""
-        self._budget.release(held.nbytes, self._tenant)
+        self._ticket.release_body(held.nbytes)
         if reuse:
             for buf in held.buffers:
                 buf.release()

@@ -51,7 +51,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvstore.transport.http.appkeys import CONFIG, EXPECT, METRICS
+from kvstore.transport.http.appkeys import CONFIG, EXPECT, METRICS, RESOLVED, TENANT, Resolved
 from kvstore.transport.http.fastlane import BulkQueue, FastLane
 from kvstore.transport.http.respond import reset_transport
 
@@ -179,7 +179,16 @@ class KVRequestHandler(RequestHandler):
     # Slots, as aiohttp's own classes have: an attribute of aiohttp's that
     # this class sets and that aiohttp renamed fails here, loudly, instead of
     # becoming a new attribute that nothing reads.
-    __slots__ = ("_at_eof", "_headers_timeout_s", "_headers_timer", "_kv_app", "_lane", "_loop_started", "_receiving")
+    __slots__ = (
+        "_at_eof",
+        "_handed",
+        "_headers_timeout_s",
+        "_headers_timer",
+        "_kv_app",
+        "_lane",
+        "_loop_started",
+        "_receiving",
+    )
 
     def __init__(
         self, *args: Any, kv_app: web.Application | None = None, bulk: BulkQueue | None = None, **kwargs: Any
@@ -192,6 +201,8 @@ class KVRequestHandler(RequestHandler):
         self._at_eof = False  # the client half-closed: what it sent is answered, then the connection closes
         self._loop_started = False  # aiohttp's loop (start) has begun: before, the queue is the lane's to take
         self._headers_timer: asyncio.TimerHandle | None = None
+        # The request the lane handed back, with what it resolved of it (its tenant, its block).
+        self._handed: tuple[RawRequestMessage, str | None, Resolved | None] | None = None
         config = kv_app.get(CONFIG) if kv_app is not None else None
         # The time a request's line and headers have, from their first byte:
         # the time its body has (request_timeout_s).
@@ -311,15 +322,32 @@ class KVRequestHandler(RequestHandler):
         if self._buffer_paused and len(self._messages) <= self._msg_queue_resume_size:
             self._resume_reading_if_drained()
 
-    def give_back(self, message: RawRequestMessage, payload: StreamReader, body: bytes) -> None:
+    def give_back(
+        self,
+        message: RawRequestMessage,
+        payload: StreamReader,
+        body: bytes,
+        tenant: str | None = None,
+        resolved: Resolved | None = None,
+    ) -> None:
         """A request the fast lane took and does not answer after all: at the
         head of the queue again, for aiohttp (``body``: what the lane read
-        of its payload, which the route reads again)."""
+        of its payload, which the route reads again). ``tenant`` and
+        ``resolved``: what the lane found of it, which its request carries
+        to the route (:meth:`handed`), so nothing is looked up twice."""
+        self._handed = (message, tenant, resolved) if tenant is not None else None
         if body:
             payload = StreamReader(self, MAX_BODY_BUFFER, loop=self._loop)
             payload.feed_data(body)
             payload.feed_eof()
         self._messages.appendleft((message, payload))
+
+    def handed(self, message: RawRequestMessage) -> tuple[str | None, Resolved | None]:
+        """What the lane resolved of ``message``, if it handed it back (else nothing)."""
+        handed, self._handed = self._handed, None
+        if handed is None or handed[0] is not message:
+            return None, None
+        return handed[1], handed[2]
 
     def can_bypass(self, payload: StreamReader) -> bool:
         """Whether the rest of ``payload``'s body (the request just taken)
@@ -538,12 +566,18 @@ class KVAppRunner(web.AppRunner):
                 writer: AbstractStreamWriter,
                 task: asyncio.Task[None],
             ) -> BaseRequest:
+                tenant, resolved = protocol.handed(message) if isinstance(protocol, KVRequestHandler) else (None, None)
                 expect = message.headers.getall("Expect", None) if message.headers else None
-                if expect is None:
-                    return factory(message, payload, protocol, writer, task)
-                request = factory(_without_expect(message), payload, protocol, writer, task)
+                request = factory(
+                    message if expect is None else _without_expect(message), payload, protocol, writer, task
+                )
                 if isinstance(request, web.Request):
-                    request[EXPECT] = ",".join(expect)
+                    if expect is not None:
+                        request[EXPECT] = ",".join(expect)
+                    if tenant is not None:  # the lane authenticated it: the gate does not again
+                        request[TENANT] = tenant
+                    if resolved is not None:  # and found its block (or not): the route goes on from there
+                        request[RESOLVED] = resolved
                 return request
 
             server.request_factory = make_request

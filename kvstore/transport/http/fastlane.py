@@ -68,20 +68,21 @@ from aiohttp.http import SERVER_SOFTWARE, HttpVersion11, RawRequestMessage
 from aiohttp.streams import StreamReader
 
 from kvstore.buffers import POOL, AlignedBuffer
-from kvstore.errors import InvalidInput, KVStoreError, NotAdmitted, Overloaded, RequestTimeout
+from kvstore.engine.api import DirectExtent
+from kvstore.errors import InvalidInput, KVStoreError, NotAdmitted, NotFound, Overloaded, RequestTimeout, Unauthorized
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_client_key, validate_key
-from kvstore.transport.http.appkeys import CONFIG, METRICS, STATE, STORE
-from kvstore.transport.http.bodies import BUDGET, keys_field, parse_json, tokens_per_block_field
-from kvstore.transport.http.counting import count_bytes, count_request
+from kvstore.qos.admission import Ticket
+from kvstore.transport.http.appkeys import CONFIG, METRICS, STORE, Resolved
+from kvstore.transport.http.auth import bearer
+from kvstore.transport.http.bodies import keys_field, parse_json, tokens_per_block_field
 from kvstore.transport.http.forward import WRITER
 from kvstore.transport.http.middleware import error_answered
-from kvstore.transport.http.qos import QOS, transfer_slot
+from kvstore.transport.http.qos import ADMISSION
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.respond import SEND_PIECE, error_body, reset_transport
 from kvstore.transport.http.routes.fleet import with_adopted
 from kvstore.transport.http.sendfile import sendfile_extent
-from kvstore.transport.http.shares import SLOTS
 from kvstore.transport.statuses import http_status
 
 if TYPE_CHECKING:
@@ -144,7 +145,14 @@ class Connection(Protocol):
 
     def take_message(self) -> None: ...
 
-    def give_back(self, message: RawRequestMessage, payload: StreamReader, body: bytes) -> None: ...
+    def give_back(
+        self,
+        message: RawRequestMessage,
+        payload: StreamReader,
+        body: bytes,
+        tenant: str | None = None,
+        resolved: Resolved | None = None,
+    ) -> None: ...
 
     def wake(self) -> None: ...
 
@@ -243,10 +251,10 @@ class FastLane:
                     self._bulk.add(self, req)
                 elif req.method == "PUT":
                     if not self._receive(req):
-                        proto.give_back(message, payload, b"")
+                        proto.give_back(message, payload, b"", req.tenant)
                         break
                 elif not self._answer(req):
-                    proto.give_back(message, payload, req.body)
+                    proto.give_back(message, payload, req.body, req.tenant, req.resolved)
                     break
         finally:
             self._offering = False
@@ -259,7 +267,7 @@ class FastLane:
         if self.off:
             return  # the connection closed meanwhile
         if not self._answer(req):  # aiohttp's to answer, and what follows it
-            self._proto.give_back(req.message, req.payload, b"")
+            self._proto.give_back(req.message, req.payload, b"", req.tenant, req.resolved)
             self._proto.wake()
             return
         self.offer()
@@ -306,8 +314,8 @@ class FastLane:
     def _answer(self, req: _Hot) -> bool:
         """Answer ``req`` here; False (nothing sent, nothing counted) to leave it to aiohttp."""
         app = self._app
-        state = app[STATE]
-        if not state["ready"] or state["inflight"] >= app[CONFIG].max_concurrency:
+        admission = app[ADMISSION]
+        if not admission.ready:
             return False
         transport = self._proto.transport  # (uvloop's are not asyncio.Transport subclasses: never isinstance)
         if transport is None or transport.is_closing() or not req.token:
@@ -317,31 +325,35 @@ class FastLane:
         if req.method == "POST":
             return self._answer_lookup(req, transport, t0)
         try:
-            tenant = store.authenticate(req.token)
-            info = None if tenant is None else store.peek(tenant, req.key)
+            tenant = req.tenant = store.authenticate(req.token)
+            if tenant is None:
+                return False  # 401: the route's answer
+            info = store.resolve(tenant, req.key)  # (counted: the route goes on from here)
+        except NotFound as e:
+            req.resolved = Resolved(req.key, missing=e)
+            return False  # the route's 404 (or a block a fleet node took over)
         except KVStoreError:
             return False
-        if tenant is None or info is None:
-            return False  # 401, 404: the route's answers
+        req.resolved = Resolved(req.key, info)
         size = info.size
         etag = f'"{info.etag}"'
         head = f"ETag: {etag}\r\nAccept-Ranges: bytes\r\n"
         if req.if_none_match is not None and etag_matches(req.if_none_match, etag):
-            if not self._admit(tenant):
-                return False  # a limit to wait for: the route's (qos.py)
-            store.count_hit(tenant, req.key)
+            ticket = admission.try_enter(tenant)
+            if ticket is None:
+                return False  # a limit to wait for: the route's (kvstore/qos/admission.py)
             self._write(
                 transport,
                 _close_head(f"HTTP/1.1 304 Not Modified\r\n{head}{_OCTETS if req.method == 'HEAD' else ''}"),
             )
-            self._finish(req.method, "304", t0, tenant)
+            self._finish(req.method, "304", t0, ticket)
             return True
         if req.method == "HEAD":
-            if not self._admit(tenant):
+            ticket = admission.try_enter(tenant)
+            if ticket is None:
                 return False
-            store.count_hit(tenant, req.key)
             self._write(transport, _close_head(f"HTTP/1.1 200 OK\r\n{head}{_OCTETS}Content-Length: {size}\r\n"))
-            self._finish("HEAD", "200", t0, tenant)
+            self._finish("HEAD", "200", t0, ticket)
             return True
         status, start, end = "200 OK", 0, size
         if req.range is not None:
@@ -354,19 +366,18 @@ class FastLane:
                 status, start, end = "206 Partial Content", r.start, r.end
                 head += f"Content-Range: {r.content_range(size)}\r\n"
         # A direct block's extent of its segment (sendfile), or a sealed one's
-        # plaintext from the decoded-blocks cache; else the route decodes it.
-        extent = store.direct_extent_now(tenant, info, start, end)
-        body = extent.view if extent is not None else store.cached_now(tenant, info, start, end)
-        if body is None or not self._admit(tenant):
+        # plaintext from the decoded-blocks cache; else the route completes the read.
+        now = store.sendable_now(tenant, info, start, end)
+        extent = now if isinstance(now, DirectExtent) else None
+        body = now.view if isinstance(now, DirectExtent) else now
+        ticket = admission.try_enter(tenant) if body is not None else None
+        if ticket is not None and not self._admit_read(ticket, end - start):
+            ticket.refuse()
+            ticket = None
+        if body is None or ticket is None:
             if extent is not None:
                 extent.release()
             return False
-        if not self._admit_read(tenant, end - start):
-            if extent is not None:
-                extent.release()
-            self._unadmit(tenant)
-            return False
-        store.count_hit(tenant, req.key)
         metrics = app[METRICS]
         count = len(body)
         try:
@@ -378,6 +389,7 @@ class FastLane:
                 except ConnectionResetError:
                     transport.abort()
                     metrics.inc("kvstore_http_client_disconnects_total", route=ROUTE)
+                    ticket.close()
                     return True
             if sent < count:
                 self._write(
@@ -386,17 +398,16 @@ class FastLane:
         finally:
             if extent is not None:
                 extent.release()
-            if QOS in app:  # its slot is held until the transport has sent the bytes it holds
-                app[QOS].hold_until_sent(tenant, transport)
-        count_bytes(self._app, "out", count, tenant)
-        self._finish("GET", status[:3], t0, tenant)
+            ticket.hold_until_sent(transport)  # its transfer slot: until the transport has sent what it holds
+        ticket.moved("out", count)
+        self._finish("GET", status[:3], t0, ticket)
         return True
 
     def _answer_lookup(self, req: _Hot, transport: asyncio.Transport, t0: float) -> bool:
         """``POST /v1/lookup`` without ``lease_s``: the route's checks and answer."""
-        app, store = self._app, self._app[STORE]
+        app, store, admission = self._app, self._app[STORE], self._app[ADMISSION]
         try:
-            tenant = store.authenticate(req.token) if req.token else None
+            tenant = req.tenant = store.authenticate(req.token) if req.token else None
             if tenant is None:
                 return False
             if not req.body:
@@ -408,14 +419,15 @@ class FastLane:
             r = store.lookup_now(tenant, keys, tokens_per_block_field(body))
         except KVStoreError:
             return False  # the route's 400s, with its messages
-        if r is None or not self._admit(tenant):
+        ticket = admission.try_enter(tenant) if r is not None else None
+        if r is None or ticket is None:
             return False
         present = with_adopted(app, tenant, list(keys), r.present)  # a dead node's blocks this node took over
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
         doc = json.dumps({"prefix": prefix, "present": present}).encode()
         head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: {len(doc)}\r\n"
         self._write(transport, _close_head(head) + doc)
-        self._finish("POST", "200", t0, tenant, LOOKUP)
+        self._finish("POST", "200", t0, ticket, LOOKUP)
         return True
 
     def _receive(self, req: _Hot) -> bool:
@@ -426,16 +438,9 @@ class FastLane:
         bad length or Kvstore-Block-Meta, the body budget or the requests
         in flight at their limits; those answers are the route's."""
         app = self._app
-        state, config = app[STATE], app[CONFIG]
+        admission, config = app[ADMISSION], app[CONFIG]
         transport = self._proto.transport
-        if (
-            not state["ready"]
-            or state["inflight"] >= config.max_concurrency
-            or WRITER in app
-            or transport is None
-            or transport.is_closing()
-            or not req.token
-        ):
+        if not admission.ready or WRITER in app or transport is None or transport.is_closing() or not req.token:
             return False
         t0 = time.perf_counter()
         store = app[STORE]
@@ -444,29 +449,25 @@ class FastLane:
         if not req.payload.is_eof() and not self._proto.can_bypass(req.payload):
             return False  # the parser holds part of its body back: the route reads it
         try:
-            tenant = store.authenticate(req.token)
+            tenant = req.tenant = store.authenticate(req.token)
             meta = BlockMeta.from_header(req.meta) if req.meta is not None else None
         except KVStoreError:
             return False
-        if tenant is None or not self._admit(tenant):
+        # Its admission as the route's (kvstore/qos/admission.py), without a
+        # wait: a request in flight, its write bytes, its body's memory.
+        ticket = admission.try_enter(tenant) if tenant is not None else None
+        if ticket is None:
             return False
-        qos = app.get(QOS)
-        if qos is not None and not qos.try_take(tenant, "write", req.length):  # (writes pass no gate: qos.py)
-            self._unadmit(tenant)
-            return False
-        try:
-            app[SLOTS].acquire(tenant)  # the tenant's shares of the worker (shares.py), as the route holds them
-        except Overloaded:
-            self._unadmit(tenant, req.length)
+        if not ticket.try_reserve("write", req.length):
+            ticket.refuse()
             return False
         try:
-            app[BUDGET].reserve(req.length, tenant)
+            ticket.hold_body(req.length)
         except Overloaded:
-            app[SLOTS].release(tenant)
-            self._unadmit(tenant, req.length)
+            ticket.give_back("write", req.length)
+            ticket.refuse()
             return False
-        state["inflight"] += 1
-        up = self._upload = _Upload(tenant, req.key, meta, req.length, t0)
+        up = self._upload = _Upload(ticket, req.key, meta, req.length, t0)
         up.take(req.payload.read_nowait(-1))  # what the parser had of the body
         self._proto.body_started()
         if up.left:
@@ -503,7 +504,7 @@ class FastLane:
         if up.timer is not None:
             up.timer.cancel()
             up.timer = None
-        count_bytes(self._app, "in", up.length, up.tenant)
+        up.ticket.moved("in", up.length)
         task = asyncio.get_running_loop().create_task(self._put(up))
         _PUTS.add(task)
         task.add_done_callback(_PUTS.discard)
@@ -513,7 +514,7 @@ class FastLane:
         app = self._app
         reuse = False
         try:
-            async with transfer_slot(app, up.tenant):  # (the body is in: a slot of the fair gate for its store)
+            async with up.ticket.transfer():  # (the body is in: a slot of the fair gate for its store)
                 stored = await app[STORE].put(up.tenant, up.key, up.buf.view, up.meta)
         except NotAdmitted as e:  # its tenant's admit_after: nothing stored, no ETag (routes/blocks.py)
             reuse = True  # declined before the block was encoded: nothing refers to the memory
@@ -556,41 +557,21 @@ class FastLane:
         if up.timer is not None:
             up.timer.cancel()
             up.timer = None
-        self._app[BUDGET].release(up.length, up.tenant)
-        self._app[SLOTS].release(up.tenant)
-        self._app[STATE]["inflight"] -= 1
+        up.ticket.release_body(up.length)
+        up.ticket.close()
         if reuse:
             up.buf.release()
 
-    def _admit(self, tenant: str) -> bool:
-        """Take one of ``tenant``'s requests (qos.py), if that needs no wait."""
-        qos = self._app.get(QOS)
-        if qos is None:
-            return True
-        return qos.try_take(tenant, "request", 1)
-
-    def _admit_read(self, tenant: str, n: int) -> bool:
-        """Take ``n`` bytes of ``tenant``'s reads and a slot of the fair
-        gate, if neither needs a wait (else nothing is taken)."""
-        qos = self._app.get(QOS)
-        if qos is None:
-            return True
-        if not qos.try_take(tenant, "read", n):
+    @staticmethod
+    def _admit_read(ticket: Ticket, n: int) -> bool:
+        """``n`` bytes of the tenant's reads and a slot of the fair gate, if
+        neither needs a wait (else nothing of them is taken)."""
+        if not ticket.try_reserve("read", n):
             return False
-        if not qos.gate.try_enter(tenant, qos.policy(tenant).weight):
-            qos.give_back(tenant, "read", n)
+        if not ticket.try_transfer():
+            ticket.give_back("read", n)
             return False
         return True
-
-    def _unadmit(self, tenant: str, write: int = 0) -> None:
-        """Give back what :meth:`_admit` took (and ``write`` bytes a PUT
-        took): the request goes to the route."""
-        qos = self._app.get(QOS)
-        if qos is None:
-            return
-        qos.give_back(tenant, "request", 1)
-        if write:
-            qos.give_back(tenant, "write", write)
 
     def _answer_error(self, e: KVStoreError, up: _Upload) -> None:
         self._respond(*self._error_answer(e), up)
@@ -608,7 +589,7 @@ class FastLane:
             reason = HTTPStatus(status).phrase
             line = f"HTTP/1.1 {status} {reason}\r\n{head}{_JSON_ANSWER}Content-Length: {len(doc)}\r\n"
             self._write(transport, _close_head(line) + doc)
-        self._finish("PUT", str(status), up.t0, up.tenant)
+        self._finish("PUT", str(status), up.t0, up.ticket)
 
     def _write(self, transport: asyncio.Transport, data: bytes | memoryview) -> None:
         """Every answer's bytes go out here: what the socket does not take at
@@ -648,12 +629,12 @@ class FastLane:
         reset_transport(transport)
         self._app[METRICS].inc("kvstore_http_client_disconnects_total", route=ROUTE)
 
-    def _finish(self, method: str, status: str, t0: float, tenant: str, route: str = ROUTE) -> None:
-        """An answer is out: counted as the route counts it, and the connection's timers told."""
+    def _finish(self, method: str, status: str, t0: float, ticket: Ticket, route: str = ROUTE) -> None:
+        """An answer is out: counted as the route counts it, what the request
+        held given back, and the connection's timers told."""
+        ticket.answered()
+        ticket.close()
         metrics = self._app[METRICS]
-        count_request(metrics, tenant)
-        if QOS in self._app:
-            self._app[QOS].served(tenant, "request", 1)
         metrics.inc("kvstore_http_requests_total", route=route, method=method, status=status)
         metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=method)
         metrics.inc("kvstore_http_fast_lane_total", method=method)
@@ -734,10 +715,18 @@ class _BodyReader(asyncio.BufferedProtocol):
 class _Upload:
     """A PUT's body, received into pooled page-aligned memory as it arrives."""
 
-    __slots__ = ("buf", "bypassed", "key", "length", "meta", "pos", "reader", "t0", "tenant", "timer")
+    __slots__ = ("buf", "bypassed", "key", "length", "meta", "pos", "reader", "t0", "tenant", "ticket", "timer")
 
-    def __init__(self, tenant: str, key: str, meta: BlockMeta | None, length: int, t0: float) -> None:
-        self.tenant, self.key, self.meta, self.length, self.t0 = tenant, key, meta, length, t0
+    def __init__(self, ticket: Ticket, key: str, meta: BlockMeta | None, length: int, t0: float) -> None:
+        assert ticket.tenant is not None
+        self.ticket, self.tenant, self.key, self.meta, self.length, self.t0 = (
+            ticket,
+            ticket.tenant,
+            key,
+            meta,
+            length,
+            t0,
+        )
         self.buf: AlignedBuffer = POOL.take(length)
         self.pos = 0
         self.timer: asyncio.TimerHandle | None = None
@@ -773,6 +762,8 @@ class _Hot:
         "method",
         "payload",
         "range",
+        "resolved",
+        "tenant",
         "token",
     )
 
@@ -782,6 +773,8 @@ class _Hot:
         self.message = message
         self.payload = payload
         self.token = ""
+        self.tenant: str | None = None  # what its token names, once authenticated: the route's too
+        self.resolved: Resolved | None = None  # what the lane found of its block: where the route goes on
         self.range: str | None = None
         self.if_none_match: str | None = None
         self.body = b""
@@ -853,6 +846,7 @@ def _bearer(fields: dict[bytes, bytes]) -> str:
     auth = fields.get(b"authorization")
     if auth is None:
         return ""
-    scheme, _, token = auth.decode("latin-1").partition(" ")
-    token = token.strip(" \t")
-    return token if scheme.lower() == "bearer" and token and " " not in token else ""
+    try:
+        return bearer(auth.decode("latin-1"))  # the routes' reading of it
+    except Unauthorized:
+        return ""

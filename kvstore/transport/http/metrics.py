@@ -35,7 +35,7 @@ from kvstore import __version__
 from kvstore.metrics import merged
 from kvstore.transport.http.appkeys import METRICS, STATE, STORE, config_of
 from kvstore.transport.http.auth import require_metrics_token
-from kvstore.transport.http.bodies import BUDGET
+from kvstore.transport.http.qos import ADMISSION
 
 SNAPSHOT_S = 0.5
 STALE_S = 5.0
@@ -124,8 +124,9 @@ async def metrics(request: web.Request) -> web.Response:
     m.set("kvstore_bytes_stored", stored, tier="g3")
     m.set("kvstore_bytes_logical", logical, tier="g3")
     m.set("kvstore_tenants", len(store.tenants()))
-    m.set("kvstore_http_inflight", app[STATE]["inflight"])
-    m.set("kvstore_http_buffered_body_bytes", app[BUDGET].used)
+    admission = app[ADMISSION]
+    m.set("kvstore_http_inflight", admission.inflight)
+    m.set("kvstore_http_buffered_body_bytes", admission.budget.used)
     _cache_gauges(app)
     directory = _directory(app)
     if directory is None:

@@ -28,14 +28,12 @@ from kvstore.errors import (
     WriterTimeout,
 )
 from kvstore.names import PATH_PARAMS
-from kvstore.transport.http.appkeys import CONFIG, EXPECT, METRICS, STATE, client_gone, route_of
+from kvstore.transport.http.appkeys import EXPECT, METRICS, client_gone, route_of
 from kvstore.transport.http.auth import is_admin, require_admin, tenant_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING
-from kvstore.transport.http.counting import count_request
 from kvstore.transport.http.forward import WRITER, forward, relayed
-from kvstore.transport.http.qos import BULK, QOS, transfer_slot
+from kvstore.transport.http.qos import ADMISSION, BULK, TICKET
 from kvstore.transport.http.respond import error_body, error_response
-from kvstore.transport.http.shares import SLOTS
 from kvstore.transport.statuses import http_status
 
 log = logging.getLogger("kvstore.http")
@@ -76,22 +74,22 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
     route = route_of(request)
     if route in _UNMETERED:
         return await handler(request)
-    state = request.app[STATE]
+    admission = request.app[ADMISSION]
     metrics = request.app[METRICS]
     t0 = time.perf_counter()
-    if state["inflight"] >= request.app[CONFIG].max_concurrency:
-        e = Overloaded(f"over {request.app[CONFIG].max_concurrency} requests in flight; retry")
+    try:
+        admission.begin()
+    except Overloaded as e:
         metrics.inc("kvstore_errors_total", code=e.code)
         metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=str(http_status(e)))
         return error_response(e, {"Retry-After": "1"})
-    state["inflight"] += 1
     status = "disconnected"  # what is left when the handler ends without a response
     try:
         resp = await handler(request)
         status = str(resp.status)
         return resp
     finally:
-        state["inflight"] -= 1
+        admission.end()
         metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=status)
         metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=request.method)
 
@@ -194,28 +192,24 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
         for name, value in request.match_info.items():
             PATH_PARAMS[name](value)
         refuse_content_coding(request)
-        if tenant is not None:
-            count_request(request.app[METRICS], tenant)
-            # Its share of the worker's requests in flight (shares.py), held
-            # until the answer: no tenant can take every slot.
-            request.app[SLOTS].acquire(tenant)
+    if tenant is None:
+        if matched and EXPECT in request:
+            await _answer_expect(request)
+        return await handler(request)
+    # Its admission (kvstore/qos/admission.py): its share of the worker's
+    # requests in flight, held until the answer (no tenant can take every
+    # slot), a request of its QoS, and for a bulk read a slot of the fair
+    # gate. A relayed request is the writer's to limit.
+    limited = not (WRITER in request.app and relayed(request))
+    bulk = (request.method, route_of(request)) in BULK
+    ticket = await request.app[ADMISSION].enter(tenant, limited=limited, bulk=bulk)
+    request[TICKET] = ticket
     try:
-        qos = request.app.get(QOS)
-        # Its QoS (qos.py): a request, then a slot of the fair gate for a
-        # bulk read; a relayed request is the writer's to limit.
-        bulk = None
-        if tenant is not None and qos is not None and not (WRITER in request.app and relayed(request)):
-            await qos.take(tenant, "request", 1)
-            qos.served(tenant, "request", 1)
-            if (request.method, route_of(request)) in BULK:
-                bulk = tenant
-        async with transfer_slot(request.app, bulk):
-            if matched and EXPECT in request:
-                await _answer_expect(request)
-            return await handler(request)
+        if EXPECT in request:
+            await _answer_expect(request)
+        return await handler(request)
     finally:
-        if tenant is not None:
-            request.app[SLOTS].release(tenant)
+        ticket.close()
 
 
 async def _answer_expect(request: web.Request) -> None:

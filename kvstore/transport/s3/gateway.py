@@ -33,9 +33,10 @@ from kvstore.buckets.catalog import Catalog
 from kvstore.engine.api import Store
 from kvstore.errors import KVStoreError
 from kvstore.metrics import Metrics
+from kvstore.qos.admission import Admission
 from kvstore.server_config import ServerConfig
 from kvstore.transport.http.appkeys import CONFIG, METRICS
-from kvstore.transport.http.qos import QOS, TenantQos, transfer_slot
+from kvstore.transport.http.qos import ADMISSION, TICKET
 from kvstore.transport.s3 import acl, bucket_ops, multipart_ops, object_ops
 from kvstore.transport.s3.call import Call, Settings, validate_object_key
 from kvstore.transport.s3.errors import S3Error, from_kvstore
@@ -226,19 +227,20 @@ async def handle(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     store = request.app[STORE]
     call, tenant = await _authenticate(request, settings, store)
-    qos = request.app.get(QOS)
-    if qos is None:
-        return await _serve(request, call)
-    # The tenant's QoS (kvstore/transport/http/qos.py), as on /v1: a request;
-    # a PUT's bytes before its body is read; a GET takes a slot of the fair
+    # The worker's admission (kvstore/qos/admission.py), as on /v1: the
+    # tenant's share of the requests in flight and a request of its QoS; a
+    # PUT's bytes before its body is read; an object GET a slot of the fair
     # gate. Over a limit: SlowDown (503), S3's way to say "slow down".
-    await qos.take(tenant, "request", 1)
-    qos.served(tenant, "request", 1)
-    if request.method == "PUT" and call.key is not None and request.content_length:
-        await qos.take(tenant, "write", request.content_length)
-        qos.served(tenant, "write", request.content_length)
-    async with transfer_slot(request.app, tenant if call.key is not None and request.method == "GET" else None):
+    bulk = call.key is not None and request.method == "GET"
+    ticket = await request.app[ADMISSION].enter(tenant, bulk=bulk)
+    request[TICKET] = ticket
+    try:
+        if request.method == "PUT" and call.key is not None and request.content_length:
+            await ticket.reserve("write", request.content_length)
+            ticket.served("write", request.content_length)
         return await _serve(request, call)
+    finally:
+        ticket.close()
 
 
 async def _serve(request: web.Request, call: Call) -> web.StreamResponse:
@@ -370,19 +372,22 @@ def settings_of(cfg: ServerConfig) -> Settings:
 
 
 def make_gateway_app(
-    store: Store, metrics: Metrics, cfg: ServerConfig, qos: TenantQos | None = None
+    store: Store, metrics: Metrics, cfg: ServerConfig, admission: Admission | None = None
 ) -> web.Application:
     """The gateway's application over an open store (the daemon's
-    configuration: its time limits and sendfile apply here too; ``qos``: the
-    worker's, so a tenant's limits and weight hold on both APIs together)."""
+    configuration: its time limits and sendfile apply here too; ``admission``:
+    the worker's, so a tenant's limits, weight and shares hold on both APIs
+    together)."""
     settings = settings_of(cfg)
     app = web.Application(middlewares=[s3_errors], client_max_size=1 << 20)
     app[STORE] = store
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[CONFIG] = cfg
-    if qos is not None:
-        app[QOS] = qos
+    if admission is None:  # a gateway of its own (tests): its own admission, without QoS
+        admission = Admission(metrics, cfg.max_concurrency, cfg.max_buffered_body_bytes, store.config.max_block_size)
+        admission.ready = True
+    app[ADMISSION] = admission
 
     async def catalog_ctx(app: web.Application) -> AsyncIterator[None]:
         catalog = Catalog(store.config.data_dir / "s3" / "catalog.sqlite3")

@@ -18,7 +18,7 @@ from kvstore.buckets.objects import Held
 from kvstore.engine.api import DirectExtent
 from kvstore.errors import InvalidRange, KVStoreError, NotFound
 from kvstore.transport.http.appkeys import config_of
-from kvstore.transport.http.qos import QOS
+from kvstore.transport.http.qos import ticket_of
 from kvstore.transport.http.ranges import parse_range
 from kvstore.transport.http.respond import send
 from kvstore.transport.http.sendfile import send_extent
@@ -274,10 +274,9 @@ async def _answer(call: Call, obj: ObjectRow, meta: dict[str, Any], head: bool) 
     headers["Content-Length"] = str(end - start)
     if head:
         return web.Response(status=code, headers=headers)
-    qos = call.request.app.get(QOS)
-    if qos is not None:  # the bytes from the tenant's read limit, before they are read
-        await qos.take(call.tenant, "read", end - start)
-        qos.served(call.tenant, "read", end - start)
+    ticket = ticket_of(call.request)  # the bytes from the tenant's read limit, before they are read
+    await ticket.reserve("read", end - start)
+    ticket.served("read", end - start)
     resp = web.StreamResponse(status=code, headers=headers)
     resp.content_length = end - start
     chunks = objects.read_range(call.store, call.tenant, obj.blocks, start, end)

@@ -18,7 +18,7 @@ from kvstore.redaction import SCRUBBER
 from kvstore.transport.http.appkeys import STATE, store_of
 from kvstore.transport.http.auth import require_admin
 from kvstore.transport.http.bodies import json_body
-from kvstore.transport.http.qos import QOS
+from kvstore.transport.http.qos import ADMISSION
 from kvstore.transport.http.query import query_bool, query_number, query_value
 from kvstore.transport.http.routes.xfer import XFER
 from kvstore.transport.nixl.devices import discover
@@ -42,7 +42,7 @@ async def create_tenant(request: web.Request) -> web.Response:
         raise InvalidInput("field 'compression' must be a string")
     if durability is not None and durability not in DURABILITY_CLASSES:
         raise InvalidInput(f"field 'durability' must be one of {', '.join(DURABILITY_CLASSES)}")
-    unknown = set(body) - {"name", "policy", "compression", "durability", "events_topic", "qos", *LIMITS, *ADMISSION}
+    unknown = set(body) - {"name", "policy", "compression", "durability", "events_topic", "qos", *LIMITS, *ADMIT_FIELDS}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
     limits = _limits(body)
@@ -70,9 +70,8 @@ async def create_tenant(request: web.Request) -> web.Response:
 
 
 def _rates(request: web.Request, name: str) -> dict[str, float]:
-    """The tenant's node-wide rates over the last few seconds (qos.py)."""
-    qos = request.app.get(QOS)
-    return qos.rates(name) if qos is not None else {}
+    """The tenant's node-wide rates over the last few seconds (kvstore/qos/admission.py)."""
+    return request.app[ADMISSION].rates(name)
 
 
 @routes.get("/v1/admin/tenants")
@@ -101,7 +100,7 @@ def _limits(body: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-ADMISSION = ("admit_after", "admit_window_s")
+ADMIT_FIELDS = ("admit_after", "admit_window_s")
 
 
 def _admission(body: dict[str, Any]) -> tuple[Any, Any]:
@@ -155,7 +154,7 @@ async def patch_tenant(request: web.Request) -> web.Response:
     require_admin(request)
     name = request.match_info["name"]
     body = await json_body(request)
-    unknown = set(body) - {*LIMITS, "events_topic", "qos", *ADMISSION}
+    unknown = set(body) - {*LIMITS, "events_topic", "qos", *ADMIT_FIELDS}
     changeable = "quota_bytes, ttl_s, frame_size, events_topic, qos, admit_after and/or admit_window_s"
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}; PATCH changes {changeable}")

@@ -23,8 +23,7 @@ from kvstore.transport import batchframe
 from kvstore.transport.http.appkeys import METRICS, config_of, store_of
 from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING, BatchBody, Held, json_body, keys_field
-from kvstore.transport.http.counting import count_bytes
-from kvstore.transport.http.qos import QOS
+from kvstore.transport.http.qos import ticket_of
 from kvstore.transport.http.respond import error_body, send
 from kvstore.transport.http.routes.fleet import adopted_store
 from kvstore.transport.statuses import http_status, item_answer
@@ -43,7 +42,7 @@ async def batch_put(request: web.Request) -> web.Response:
     results: list[dict[str, Any]] = []
     pending: list[tuple[str, asyncio.Task[Stored]]] = []
     body = BatchBody(request)
-    qos = request.app.get(QOS)
+    ticket = ticket_of(request)
 
     async def settle(upto: int) -> None:
         while len(pending) > upto:
@@ -60,7 +59,7 @@ async def batch_put(request: web.Request) -> web.Response:
     try:
         items = batchframe.read_put_items_meta(body, store.config.max_block_size, cfg.max_batch_keys)
         async for key, data, raw_meta in items:
-            count_bytes(request.app, "in", len(data), tenant)
+            ticket.moved("in", len(data))
             try:
                 meta = (
                     BlockMeta.from_json(raw_meta, f"item {len(pending) + len(results)} ({key}): meta")
@@ -74,8 +73,7 @@ async def batch_put(request: web.Request) -> web.Response:
                 continue
             try:
                 validate_client_key(key)
-                if qos is not None:  # the item's bytes from its tenant's write limit (qos.py)
-                    await qos.take(tenant, "write", len(data))
+                await ticket.reserve("write", len(data))  # the item's bytes from its tenant's write limit
             except (InvalidInput, RateLimited) as e:
                 body.release(body.take())
                 await settle(0)
@@ -113,7 +111,7 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
     store = store_of(request)
     keys = keys_field(await json_body(request), config_of(request).max_batch_keys)
     metrics = request.app[METRICS]
-    qos = request.app.get(QOS)
+    ticket = ticket_of(request)
     resp = web.StreamResponse(status=200, headers={"Content-Type": BATCH_TYPE})
     await resp.prepare(request)
     await resp.write(batchframe.MAGIC)
@@ -142,14 +140,15 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
             try:
                 data: bytes | bytearray | memoryview = await task
                 status = 200
-                if qos is not None:  # the item's bytes from its tenant's read limit (qos.py): else a 429 item
-                    await qos.take(tenant, "read", len(data))
+                await ticket.reserve(
+                    "read", len(data)
+                )  # the item's bytes from its tenant's read limit: else a 429 item
             except KVStoreError as e:
                 data, status = batchframe.error_payload(e.code, str(e)), http_status(e)
             await send(request, resp, batchframe.get_item_header(key, status, len(data)))
             await send(request, resp, data)
             if status == 200:
-                count_bytes(request.app, "out", len(data), tenant)
+                ticket.moved("out", len(data))
         await resp.write(batchframe.END)
     finally:
         for t in window:

@@ -18,13 +18,12 @@ from kvstore.engine.api import BlockInfo, DirectExtent, Store
 from kvstore.errors import InvalidInput, NotAdmitted, NotFound, TenantNotFound
 from kvstore.events.model import META_HEADER, BlockMeta
 from kvstore.names import validate_client_key, validate_key
-from kvstore.transport.http.appkeys import config_of, store_of
-from kvstore.transport.http.auth import known_tenant, tenant_of
+from kvstore.transport.http.appkeys import RESOLVED, config_of, store_of
+from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import block_body, json_body, keys_field, lease_field, tokens_per_block_field
-from kvstore.transport.http.counting import count_bytes
 from kvstore.transport.http.forward import WRITER
 from kvstore.transport.http.internal import share_lease
-from kvstore.transport.http.qos import QOS
+from kvstore.transport.http.qos import ticket_of
 from kvstore.transport.http.query import query_int, query_value
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.respond import send
@@ -69,7 +68,7 @@ async def get_block(request: web.Request) -> web.StreamResponse:
     header = request.headers.get("Range")
     ranges = parse_range(header, info.size)  # 416 when none is satisfiable
     one = ranges is not None and range_spec_count(header) == 1
-    await take_read(request, tenant, ranges[0].end - ranges[0].start if ranges is not None and one else info.size)
+    await take_read(request, ranges[0].end - ranges[0].start if ranges is not None and one else info.size)
     if ranges is not None and one:
         r = ranges[0]
         data = await store.get_sendable(tenant, key, r.start, r.end, info)  # one index lookup per GET
@@ -88,10 +87,17 @@ async def get_block(request: web.Request) -> web.StreamResponse:
 async def head_anywhere(request: web.Request, tenant: str, key: str) -> tuple[Store, BlockInfo]:
     """The store that holds the block and its head: this node's, or on a
     fleet node, a dead node's it took over (routes/fleet.py). Raises the
-    local store's NotFound where neither has it."""
+    local store's NotFound where neither has it. A read the fast lane
+    resolved and handed over goes on from what it found (connection.py)."""
     store = store_of(request)
+    resolved = request.get(RESOLVED)
     try:
-        return store, await store.head(tenant, key)
+        if resolved is not None and resolved.key == key:
+            if resolved.missing is not None:
+                raise resolved.missing
+            if resolved.info is not None:
+                return store, resolved.info
+        return store, store.resolve(tenant, key)
     except TenantNotFound:
         raise
     except NotFound:
@@ -101,11 +107,9 @@ async def head_anywhere(request: web.Request, tenant: str, key: str) -> tuple[St
         return other, await other.head(tenant, key)
 
 
-async def take_read(request: web.Request, tenant: str, n: int) -> None:
-    """``n`` bytes from the tenant's read limit before they are read (qos.py)."""
-    qos = request.app.get(QOS)
-    if qos is not None:
-        await qos.take(tenant, "read", n)
+async def take_read(request: web.Request, n: int) -> None:
+    """``n`` bytes from the tenant's read limit before they are read (kvstore/qos/admission.py)."""
+    await ticket_of(request).reserve("read", n)
 
 
 async def send_bytes(
@@ -120,7 +124,7 @@ async def send_bytes(
     the transport as it is (no copy into a payload object), or a local
     segment's extent with sendfile from its file."""
     size = len(head) + (len(data.view) if isinstance(data, DirectExtent) else len(data))
-    count_bytes(request.app, "out", size, known_tenant(request))
+    ticket_of(request).moved("out", size)
     resp = web.StreamResponse(status=status, headers={**headers, "Content-Type": content_type})
     resp.content_length = size
     await resp.prepare(request)

@@ -19,15 +19,12 @@ this route to it like every write.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.events.bus import EventBus, Gap
 from kvstore.events.model import Event
-from kvstore.events.zmq_pub import ZmqPublisher
-from kvstore.transport.http.appkeys import CONFIG, STORE
 from kvstore.transport.http.auth import is_admin, tenant_of
 from kvstore.transport.http.query import query_int
 from kvstore.transport.http.respond import send
@@ -35,32 +32,6 @@ from kvstore.transport.http.respond import send
 routes = web.RouteTableDef()
 EVENTS = web.AppKey("events", EventBus)
 KEEPALIVE_S = 15.0
-
-
-async def events_ctx(app: web.Application) -> AsyncIterator[None]:
-    """After the store opens: the bus (the store publishes to it) and, where
-    ``events_zmq`` is set, the ZMQ publisher."""
-    config, store = app[CONFIG], app[STORE]
-    bus = EventBus(config.events_backlog, config.events_queue, store.metrics)
-    app[EVENTS] = bus
-    store.events = bus
-    publisher = None
-    if config.events_zmq:
-        mediums = {"local": config.events_medium_local, "object": config.events_medium_object}
-        publisher = ZmqPublisher(
-            bus,
-            config.events_zmq,
-            config.events_zmq_replay,
-            "array" if config.events_encoding == "array" else "map",
-            mediums,
-            config.events_backlog,
-            store.metrics,
-        )
-        publisher.start()
-    yield
-    store.events = None
-    if publisher is not None:
-        await publisher.close()
 
 
 def sse_message(item: Event | Gap) -> str:

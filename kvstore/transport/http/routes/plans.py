@@ -69,7 +69,7 @@ from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import json_body, keys_field, lease_field
 from kvstore.transport.http.forward import WRITER, writer_url
 from kvstore.transport.http.internal import share_lease
-from kvstore.transport.http.qos import QOS
+from kvstore.transport.http.qos import ticket_of
 from kvstore.transport.http.respond import reset_connection, send
 from kvstore.transport.http.routes.fleet import adopted_store
 from kvstore.transport.http.routes.records import client_decode_allowed, record_meta
@@ -231,11 +231,8 @@ async def read_plan(request: web.Request) -> web.StreamResponse:
     store = store_of(request)
     planned = await store.plan_reads(tenant, keys)
     planned = [_taken_over(request.app, tenant, k, p) for k, p in zip(keys, planned, strict=True)]
-    qos = request.app.get(QOS)
-    if qos is not None:  # the client reads these bytes itself, after the answer: charged now (qos.py)
-        n = sum(p.size for p in planned if not isinstance(p, KVStoreError))
-        qos.charge(tenant, "read", n)
-        qos.served(tenant, "read", n)
+    # The client reads these bytes itself, after the answer: charged now.
+    ticket_of(request).charge("read", sum(p.size for p in planned if not isinstance(p, KVStoreError)))
     fds: list[int] = []
     try:
         if transport is None:

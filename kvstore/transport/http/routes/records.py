@@ -95,7 +95,7 @@ async def get_record(request: web.Request) -> web.StreamResponse:
     ranges = parse_range(header, info.size)
     one = ranges is not None and range_spec_count(header) == 1  # several range-specs: the whole block, as GET
     start, end = (ranges[0].start, ranges[0].end) if ranges is not None and one else (0, info.size)
-    await take_read(request, tenant, end - start)
+    await take_read(request, end - start)
     rec = await store.get_stored(tenant, key, start, end)
     try:
         headers["ETag"] = etag(rec.frames.header.record_id.hex())  # the record sent, written again or not

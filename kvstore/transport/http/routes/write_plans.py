@@ -46,7 +46,7 @@ from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import block_body, json_body, lease_field
 from kvstore.transport.http.forward import WRITER, writer_url
 from kvstore.transport.http.internal import on_private_socket
-from kvstore.transport.http.qos import QOS
+from kvstore.transport.http.qos import ticket_of
 from kvstore.transport.http.routes.plans import PLANS, answer_with_fds, on_unix, unix_transport
 from kvstore.transport.http.routes.records import client_decode_allowed
 from kvstore.transport.statuses import item_answer
@@ -76,13 +76,13 @@ async def write_plan(request: web.Request) -> web.StreamResponse:
     if not private and transport is None:
         return await _upload_plan(request, tenant)
     body = await _plan_body(request)
-    qos = request.app.get(QOS)
-    if qos is not None and WRITER not in request.app:  # the client writes the files itself: its bytes now (qos.py)
+    if WRITER not in request.app:  # the client writes the files itself: its bytes now
         blocks = body.get("blocks")
         sizes = [b.get("size") for b in blocks if isinstance(b, dict)] if isinstance(blocks, list) else []
         n = sum(s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and s > 0)
-        await qos.take(tenant, "write", n)
-        qos.served(tenant, "write", n)
+        ticket = ticket_of(request)
+        await ticket.reserve("write", n)
+        ticket.served("write", n)
     reserved = await _reserve(request, tenant, body)
     if isinstance(reserved, web.Response):
         return reserved

@@ -20,10 +20,8 @@ workers relay these routes to it like every write (see transport/http/forward.py
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -31,40 +29,15 @@ from aiohttp import web
 from kvstore.errors import InvalidInput, NixlDisabled
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_key
-from kvstore.tasks import Background
-from kvstore.transport.http.appkeys import CONFIG, STORE, config_of
+from kvstore.transport.http.appkeys import config_of
 from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import json_body, keys_field
-from kvstore.transport.http.qos import QOS
-from kvstore.transport.nixl.devices import discover
+from kvstore.transport.http.qos import ticket_of
 from kvstore.transport.nixl.service import XferService
 
 routes = web.RouteTableDef()
 XFER = web.AppKey("xfer", XferService)
-SWEEP_S = 1.0
 NAME_MAX = 256
-
-
-async def xfer_ctx(app: web.Application) -> AsyncIterator[None]:
-    """After the store opens, where ``nixl`` is on: the agent and its sweeper."""
-    config = app[CONFIG]
-    if not config.nixl:
-        yield
-        return
-    found = await asyncio.to_thread(discover)
-    service = XferService(app[STORE], config, found)
-    app[XFER] = service
-    bg = Background()
-
-    async def sweeper() -> None:
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            service.sweep()
-
-    bg.spawn(sweeper(), "nixl-sweeper")
-    yield
-    await bg.close()
-    service.close()
 
 
 def _service(request: web.Request) -> XferService:
@@ -131,11 +104,8 @@ async def xfer_read(request: web.Request) -> web.Response:
         raise InvalidInput("field 'checksums' must be true or false")
     release = _leases(body, "release", limit) if "release" in body else []
     answer = await service.read(tenant, agent, keys, checksums, release)
-    qos = request.app.get(QOS)
-    if qos is not None:  # the peer pulls these bytes after the answer: charged now (qos.py)
-        n = sum(int(b.get("size", 0)) for b in answer["blocks"] if b.get("status") == 200)
-        qos.charge(tenant, "read", n)
-        qos.served(tenant, "read", n)
+    # The peer pulls these bytes after the answer: charged now.
+    ticket_of(request).charge("read", sum(int(b.get("size", 0)) for b in answer["blocks"] if b.get("status") == 200))
     return web.json_response(answer)
 
 
@@ -198,9 +168,8 @@ async def xfer_write(request: web.Request) -> web.Response:
                 _uint(b, "dev", i, (1 << 32) - 1),
             )
         )
-    qos = request.app.get(QOS)
-    if qos is not None:  # the bytes from the tenant's write limit before they are pulled (qos.py)
-        n = sum(b[2] for b in blocks)
-        await qos.take(tenant, "write", n)
-        qos.served(tenant, "write", n)
+    ticket = ticket_of(request)  # the bytes from the tenant's write limit before they are pulled
+    n = sum(b[2] for b in blocks)
+    await ticket.reserve("write", n)
+    ticket.served("write", n)
     return web.json_response({"results": await service.write(tenant, agent, metadata, blocks, metas)})

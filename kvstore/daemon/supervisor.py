@@ -1,0 +1,158 @@
+"""The supervisor of a multi-worker daemon: one writer that owns the
+store's writes and readers that serve reads, sharing the listening sockets
+(bound here, inherited by each) and the tenants' QoS buckets."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+import uvloop
+
+from kvstore import sdnotify
+from kvstore.daemon.listeners import close_listeners, listeners, serving_on
+from kvstore.daemon.process import os_error, serve
+from kvstore.engine.api import MasterKey
+from kvstore.errors import KVStoreError
+from kvstore.qos.buckets import shared_table
+from kvstore.server_config import ServerConfig
+from kvstore.transport.http.unix import UnixListener
+from kvstore.tuning import die_with_parent
+
+log = logging.getLogger("kvstore.server")
+
+
+def _worker(
+    cfg: ServerConfig,
+    secret: bytes,
+    role: str,
+    sock: str,
+    ready: Connection,
+    supervisor: int,
+    bound: tuple[list[socket.socket], list[UnixListener]],
+    qos_table: int,
+) -> None:
+    """A worker process of a multi-worker daemon (forked by :func:`supervise`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops workers in order
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve() handles it: a reload never kills
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != supervisor:  # it died before prctl took effect
+        sys.exit(1)
+
+    def on_ready() -> None:
+        # SIGTERM from a supervisor that died while this worker was opening the
+        # store can be lost before the loop's handler is installed: look again.
+        if os.getppid() != supervisor:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        ready.send("ready")
+
+    try:
+        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready, bound, qos_table))
+    except KVStoreError as e:
+        print(f"kvstore {role}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        log.debug("%s: start-up failed", role, exc_info=e)
+        print(f"kvstore {role}: {os_error(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def supervise(cfg: ServerConfig, master: MasterKey) -> int:
+    """Run ``cfg.worker_count`` processes sharing the listening sockets (bound
+    here, inherited by each): one writer that owns the store's writes, and
+    readers that serve reads from the same files and forward writes to the
+    writer over a unix socket. Readers stop before the writer, so forwarded
+    writes in flight still land; if any worker dies, the rest are stopped and
+    the daemon exits (systemd restarts it)."""
+    ctx = multiprocessing.get_context("fork")  # before any thread or event loop exists here
+    # One listening socket per address, shared by every worker and by no other process.
+    qos_table = shared_table()  # the tenants' token buckets, in memory every worker maps
+    bound = listeners(cfg)
+    sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # mode 0700: only this user reaches the writer
+    sock = os.path.join(sock_dir, "writer.sock")
+    stopping = hangup = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    def on_hangup(signum: int, frame: object) -> None:
+        nonlocal hangup
+        hangup = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
+    procs: list[tuple[str, BaseProcess]] = []
+
+    def start(role: str) -> bool:
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_worker,
+            args=(cfg, master.secret, role, sock, child, os.getpid(), bound, qos_table),
+            name=f"kvstore-{role}",
+        )
+        p.start()
+        child.close()
+        procs.append((role, p))
+        while not stopping:
+            try:
+                if parent.poll(0.2):
+                    return bool(parent.recv() == "ready")
+            except (EOFError, OSError):  # it died before saying so (a start-up error, already printed)
+                return False
+            if not p.is_alive():
+                return False
+        return False
+
+    rc = 0
+    try:
+        ok = start("writer") and all(start("reader") for _ in range(cfg.worker_count - 1))
+        if not ok:
+            rc = 0 if stopping else 1
+        else:
+            where = serving_on(cfg)
+            print(f"kvstore serving on {where} with {cfg.worker_count} workers", flush=True)
+            sdnotify.notify("READY=1", f"STATUS=serving on {where} with {cfg.worker_count} workers")
+            interval = sdnotify.watchdog_interval()
+            while not stopping:
+                wait([p.sentinel for _, p in procs], timeout=min(interval or 1.0, 1.0))
+                dead = [f"{role} (pid {p.pid}, exit {p.exitcode})" for role, p in procs if not p.is_alive()]
+                if dead:
+                    log.error("worker died: %s; stopping the others", ", ".join(dead))
+                    rc = 1
+                    break
+                if hangup:  # each worker reloads what it serves with
+                    hangup = False
+                    log.info("SIGHUP: passed on to %d workers", len(procs))
+                    for _, p in procs:
+                        if p.pid is not None:
+                            os.kill(p.pid, signal.SIGHUP)
+                if interval is not None:
+                    sdnotify.notify("WATCHDOG=1")
+            sdnotify.notify("STOPPING=1")
+    finally:
+        for role in ("reader", "writer"):  # readers first: they forward writes to the writer
+            group = [p for r, p in procs if r == role]
+            for p in group:
+                if p.is_alive() and p.pid is not None:
+                    os.kill(p.pid, signal.SIGTERM)
+            for p in group:
+                p.join(cfg.shutdown_timeout_s + 10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        close_listeners(*bound)
+        os.close(qos_table)
+    log.info("stopped")
+    return rc
