@@ -44,8 +44,8 @@ STOP_UPLOAD_TIMEOUT_S = 8.0
 # A stop stops waiting once every upload left has failed this many times:
 # an unreachable tier is not waited out for the whole timeout.
 STOP_UPLOAD_TRIES = 3
-# The sealer looks this often at most (a quarter of seal_after_s below 4 s),
-# so a segment is sealed at most a quarter of seal_after_s late.
+# The sealer looks for newly opened segments this often at most (a quarter
+# of seal_after_s below 4 s): always before their seal is due.
 SEALER_POLL_S = 1.0
 
 
@@ -84,13 +84,18 @@ class StoreSealing(StoreCore):
         return sealed
 
     async def sealer(self, seal_after_s: float) -> None:
-        """The writer's background task: :meth:`seal_aged` every quarter of
-        ``seal_after_s`` (at most every ``SEALER_POLL_S``), until the store
-        closes. A fenced node seals nothing (its writes wait too)."""
-        interval = min(SEALER_POLL_S, seal_after_s / 4)
+        """The writer's background task, until the store closes: it wakes
+        when the oldest unsealed record turns ``seal_after_s`` old, and at
+        least every quarter of ``seal_after_s`` (``SEALER_POLL_S`` at most)
+        to notice segments opened since, so each seal comes on time, not a
+        poll late; then :meth:`seal_aged`. A fenced node seals nothing (its
+        writes wait too)."""
+        poll = min(SEALER_POLL_S, seal_after_s / 4)
         failing = False
         while True:
-            await asyncio.sleep(interval)
+            oldest = min((since for _, since in self._early_seal_candidates()), default=None)
+            due = poll if oldest is None or failing else oldest + seal_after_s - time.monotonic()
+            await asyncio.sleep(min(poll, max(0.01, due)))  # failing (fenced, a full disk): every poll
             try:
                 await self.seal_aged(seal_after_s)
             except StoreClosed:
