@@ -31,6 +31,7 @@ from kvstore.errors import Overloaded
 from kvstore.metrics import Metrics
 from kvstore.qos.buckets import Kind, RateTable
 from kvstore.qos.limits import QosSource, TenantQos
+from kvstore.qos.policy import Qos
 from kvstore.qos.shares import BodyBudget, TenantSlots
 
 Direction = Literal["in", "out"]
@@ -85,10 +86,9 @@ class Admission:
         self.slots.acquire(tenant)
         ticket = Ticket(self, tenant, limited)
         try:
-            qos = self.qos
-            if limited and qos is not None:
-                await qos.take(tenant, "request", 1)
-                qos.served(tenant, "request", 1)
+            if limited and self.qos is not None:
+                await ticket.reserve("request", 1)
+                ticket.served("request", 1)
                 if bulk:
                     await ticket._enter_gate()
         except BaseException:
@@ -108,8 +108,7 @@ class Admission:
             return None
         self.inflight += 1
         ticket = Ticket(self, tenant, True, in_flight=True)
-        qos = self.qos
-        if qos is not None and not qos.try_take(tenant, "request", 1):
+        if not ticket.try_reserve("request", 1):
             ticket.close()
             return None
         return ticket
@@ -138,7 +137,7 @@ class Ticket:
     Given back once by :meth:`close` (a fast-lane GET's transfer slot stays
     held until its bytes are sent: :meth:`hold_until_sent`)."""
 
-    __slots__ = ("_adm", "_gate", "_in_flight", "_slot", "limited", "tenant")
+    __slots__ = ("_adm", "_gate", "_in_flight", "_policy", "_slot", "limited", "tenant")
 
     def __init__(self, adm: Admission, tenant: str | None, limited: bool, in_flight: bool = False) -> None:
         self._adm = adm
@@ -147,43 +146,52 @@ class Ticket:
         self._in_flight = in_flight  # it holds one of the process's requests in flight
         self._slot = tenant is not None  # it holds one of the tenant's requests in flight
         self._gate = False  # it holds a slot of the fair gate
+        self._policy: Qos | None = None  # the tenant's QoS, taken once per request (_limits)
 
     def _qos(self) -> TenantQos | None:
         return self._adm.qos if self.limited else None
+
+    def _limits(self, qos: TenantQos, tenant: str) -> Qos:
+        """The tenant's QoS for this request: asked once (a change applies
+        from the tenant's next request)."""
+        policy = self._policy
+        if policy is None:
+            policy = self._policy = qos.policy(tenant)
+        return policy
 
     # -- the tenant's limits ---------------------------------------------------
 
     async def reserve(self, kind: Kind, n: int) -> None:
         """``n`` of the tenant's ``kind`` before they move, waiting up to
         ``qos_max_wait_ms`` (past that ``RateLimited``, nothing taken)."""
-        qos = self._qos()
-        if qos is not None and self.tenant is not None:
-            await qos.take(self.tenant, kind, n)
+        qos, tenant = self._qos(), self.tenant
+        if qos is not None and tenant is not None:
+            await qos.take(tenant, kind, n, self._limits(qos, tenant))
 
     def try_reserve(self, kind: Kind, n: int) -> bool:
         """``n`` of ``kind`` if that needs no wait (else False, nothing taken)."""
-        qos = self._qos()
-        return qos is None or self.tenant is None or qos.try_take(self.tenant, kind, n)
+        qos, tenant = self._qos(), self.tenant
+        return qos is None or tenant is None or qos.try_take(tenant, kind, n, self._limits(qos, tenant))
 
     def give_back(self, kind: Kind, n: int) -> None:
         """``n`` of ``kind`` reserved and not used."""
-        qos = self._qos()
-        if qos is not None and self.tenant is not None:
-            qos.give_back(self.tenant, kind, n)
+        qos, tenant = self._qos(), self.tenant
+        if qos is not None and tenant is not None:
+            qos.give_back(tenant, kind, n, self._limits(qos, tenant))
 
     def charge(self, kind: Kind, n: int) -> None:
         """``n`` of ``kind`` the client moves itself after the answer (a read
         plan's, a NIXL read's): taken now, in debt if need be, and served."""
-        qos = self._qos()
-        if qos is not None and self.tenant is not None:
-            qos.charge(self.tenant, kind, n)
+        qos, tenant = self._qos(), self.tenant
+        if qos is not None and tenant is not None:
+            qos.charge(tenant, kind, n, self._limits(qos, tenant))
         self.served(kind, n)
 
     def served(self, kind: Kind, n: int) -> None:
         """``n`` of ``kind`` served to the tenant (its fair-gate service and the node's counts)."""
-        qos = self._adm.qos
-        if qos is not None and self.tenant is not None:
-            qos.served(self.tenant, kind, n)
+        qos, tenant = self._adm.qos, self.tenant
+        if qos is not None and tenant is not None:
+            qos.served(tenant, kind, n, self._limits(qos, tenant) if kind != "request" else None)
 
     def moved(self, direction: Direction, n: int) -> None:
         """``n`` bytes of blocks received (``in``) or sent (``out``): the
@@ -213,9 +221,9 @@ class Ticket:
     # -- the fair gate ---------------------------------------------------------
 
     async def _enter_gate(self) -> None:
-        qos = self._qos()
-        if qos is not None and self.tenant is not None and not self._gate:
-            await qos.enter(self.tenant)
+        qos, tenant = self._qos(), self.tenant
+        if qos is not None and tenant is not None and not self._gate:
+            await qos.enter(tenant, self._limits(qos, tenant))
             self._gate = True
 
     def _leave_gate(self) -> None:
@@ -241,10 +249,10 @@ class Ticket:
 
     def try_transfer(self) -> bool:
         """A slot of the fair gate if one is free for the tenant now."""
-        qos = self._qos()
-        if qos is None or self.tenant is None or self._gate:
+        qos, tenant = self._qos(), self.tenant
+        if qos is None or tenant is None or self._gate:
             return True
-        if not qos.gate.try_enter(self.tenant, qos.policy(self.tenant).weight):
+        if not qos.gate.try_enter(tenant, self._limits(qos, tenant).weight):
             return False
         self._gate = True
         return True

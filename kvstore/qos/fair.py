@@ -43,6 +43,7 @@ class FairGate:
         self._vtime = 0.0
         self._finish: dict[str, float] = {}  # tenant -> virtual time of the service charged to it
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
+        self._alone = max(1, slots - int(slots * HEADROOM))  # the share of a tenant alone in the gate
 
     def waiting(self, tenant: str) -> int:
         q = self._waiting.get(tenant)
@@ -61,7 +62,10 @@ class FairGate:
     def share(self, tenant: str) -> int:
         """The slots ``tenant`` may hold: its weight's part among the tenants
         in the gate, at least one, at most all but HEADROOM of them."""
-        active = self.held.keys() | self._waiting.keys() | {tenant}
+        held = self.held
+        if not self._waiting and (not held or (len(held) == 1 and tenant in held)):
+            return self._alone  # the only tenant in the gate (the usual case: no sets, no sums)
+        active = held.keys() | self._waiting.keys() | {tenant}
         total = sum(self._weight.get(t, 100) for t in active)
         part = int(self.slots * self._weight.get(tenant, 100) / total)
         return max(1, min(part, self.slots - int(self.slots * HEADROOM)))

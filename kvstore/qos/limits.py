@@ -80,25 +80,27 @@ class TenantQos:
 
     # -- the limits -------------------------------------------------------------
 
-    def _rate(self, tenant: str, kind: Kind) -> int:
+    # (``policy``: the tenant's, as one request took it at its start; None: asked now.)
+
+    def _rate(self, tenant: str, kind: Kind, policy: Qos | None = None) -> int:
         """The tenant's limit of ``kind`` per second (0: none)."""
-        rate: int = getattr(self.policy(tenant), _RATE_FIELD[kind])
+        rate: int = getattr(policy or self.policy(tenant), _RATE_FIELD[kind])
         return rate
 
-    def try_take(self, tenant: str, kind: Kind, n: int) -> bool:
+    def try_take(self, tenant: str, kind: Kind, n: int, policy: Qos | None = None) -> bool:
         """Take ``n`` of ``kind`` if that needs no wait (the fast lane, which never waits)."""
-        rate = self._rate(tenant, kind)
+        rate = self._rate(tenant, kind, policy)
         return not rate or self.table.take(tenant, kind, n, rate, 0.0) == 0.0
 
-    def give_back(self, tenant: str, kind: Kind, n: int) -> None:
-        rate = self._rate(tenant, kind)
+    def give_back(self, tenant: str, kind: Kind, n: int, policy: Qos | None = None) -> None:
+        rate = self._rate(tenant, kind, policy)
         if rate:
             self.table.give_back(tenant, kind, n, rate)
 
-    async def take(self, tenant: str, kind: Kind, n: int) -> None:
+    async def take(self, tenant: str, kind: Kind, n: int, policy: Qos | None = None) -> None:
         """Take ``n`` of ``kind``, waiting for them up to ``qos_max_wait_ms``;
         past that, ``RateLimited`` (429) and nothing taken."""
-        rate = self._rate(tenant, kind)
+        rate = self._rate(tenant, kind, policy)
         if not rate:
             return
         wait = self.table.take(tenant, kind, n, rate, self.max_wait_s)
@@ -111,18 +113,18 @@ class TenantQos:
         if wait:
             await self._waiting(tenant, asyncio.sleep(wait))
 
-    def charge(self, tenant: str, kind: Kind, n: int) -> None:
+    def charge(self, tenant: str, kind: Kind, n: int, policy: Qos | None = None) -> None:
         """``n`` of ``kind`` moved without a reservation: taken now, in debt
         if need be (the tenant's next requests wait for it)."""
-        rate = self._rate(tenant, kind)
+        rate = self._rate(tenant, kind, policy)
         if rate:
             self.table.take(tenant, kind, n, rate, math.inf)
 
     # -- the fair gate --------------------------------------------------------
 
-    async def enter(self, tenant: str) -> None:
+    async def enter(self, tenant: str, policy: Qos | None = None) -> None:
         """A slot of the fair gate, waiting by weight (at most ``request_timeout_s``: then 503)."""
-        weight = self.policy(tenant).weight
+        weight = (policy or self.policy(tenant)).weight
         if self.gate.try_enter(tenant, weight):
             return
         timeout = self.slot_timeout_s
@@ -169,14 +171,14 @@ class TenantQos:
 
     # -- what was served ------------------------------------------------------
 
-    def served(self, tenant: str, kind: Kind, n: int) -> None:
+    def served(self, tenant: str, kind: Kind, n: int, policy: Qos | None = None) -> None:
         """``n`` of ``kind`` served for ``tenant``: its fair-gate service and the node's counts."""
         counts = self._served.get(tenant)
         if counts is None:
             counts = self._served[tenant] = [0, 0, 0]
         counts[KINDS.index(kind)] += n
         if kind != "request":
-            self.gate.charge(tenant, self.policy(tenant).weight, n)
+            self.gate.charge(tenant, (policy or self.policy(tenant)).weight, n)
 
     def flush(self, tenants: list[str] | None) -> None:
         """Add what this worker served to the node's counts; with ``tenants``

@@ -53,8 +53,11 @@ class Shares:
         """``tenant``'s share: its weight's part of the limit among the tenants
         holding some (TENANT_SHARE of it at most while it is alone, so that a
         tenant arriving finds room), ``floor`` at least."""
+        held = self.held
+        if not held or (len(held) == 1 and tenant in held):
+            return self.per_tenant  # alone: TENANT_SHARE of it (no weights to ask)
         w = self.weight_of(tenant)
-        total = w + sum(self.weight_of(t) for t in self.held if t != tenant)
+        total = w + sum(self.weight_of(t) for t in held if t != tenant)
         part = self.limit * (TENANT_SHARE if total == w else w / total)
         return max(int(part), self.floor)
 
