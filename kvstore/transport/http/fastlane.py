@@ -116,6 +116,7 @@ _JSON_ANSWER = "Content-Type: application/json; charset=utf-8\r\n"
 _PUTS: set[asyncio.Task[None]] = set()  # the lane's puts in progress (held: the loop keeps weak references)
 _OCTETS = "Content-Type: application/octet-stream\r\n"
 _NOT_PLAIN_RE = re.compile(rb"[^\t\x20-\x7e]")  # a byte outside HTAB and visible ASCII + SP
+_NOT_A_KEY_RE = re.compile(r"[%?#/]")  # a path the route decodes or splits first: the route's
 
 
 class _Date:
@@ -821,7 +822,7 @@ def hot_request(message: RawRequestMessage, payload: StreamReader) -> _Hot | Non
     if (bool(body) != put) or method not in ("GET", "HEAD", "PUT") or not target.startswith(ROUTE_PREFIX):
         return None
     key = target[len(ROUTE_PREFIX) :]
-    if not key or any(c in "%?#/" for c in key) or key in (".", ".."):
+    if not key or _NOT_A_KEY_RE.search(key) is not None or key in (".", ".."):
         return None
     try:
         (validate_client_key if put else validate_key)(key)
