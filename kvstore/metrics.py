@@ -1,7 +1,10 @@
 """Process-local metrics: counters and histograms, rendered as Prometheus text.
 
 Thread-safe (the executor threads record fsync latency and batch sizes).
-With several worker processes, each one's :meth:`Metrics.snapshot` is
+The thread that made the :class:`Metrics` (the event loop's, which records
+most of them: every request counts several) records into series of its
+own without taking the lock; every reading adds them in. With several
+worker processes, each one's :meth:`Metrics.snapshot` is
 merged into one exposition by :func:`merged` (see transport/http/metrics.py).
 """
 
@@ -43,6 +46,34 @@ class _Histogram:
         self.total += v
         self.count += 1
 
+    def copy(self) -> _Histogram:
+        out = _Histogram(self.buckets)
+        out.counts, out.total, out.count = list(self.counts), self.total, self.count
+        return out
+
+    def add(self, other: _Histogram) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.total += other.total
+        self.count += other.count
+
+
+_KEYS: dict[tuple[str, Labels], tuple[str, Labels]] = {}  # (name, labels as given) -> the series' key
+_KEYS_MAX = 65536
+
+
+def _key(name: str, labels: dict[str, str]) -> tuple[str, Labels]:
+    """A series' key: its labels sorted by name (remembered: a request counts
+    the same few series again and again)."""
+    if not labels:
+        return name, ()
+    given = (name, tuple(labels.items()))
+    key = _KEYS.get(given)
+    if key is None:
+        if len(_KEYS) >= _KEYS_MAX:
+            _KEYS.clear()
+        key = _KEYS[given] = (name, tuple(sorted(given[1])))
+    return key
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -50,38 +81,74 @@ class Metrics:
         self._counters: dict[tuple[str, Labels], float] = defaultdict(float)
         self._gauges: dict[tuple[str, Labels], float] = {}
         self._hists: dict[tuple[str, Labels], _Histogram] = {}
+        # The making thread's own counters and histograms: written by it
+        # alone, without the lock; read by copying (one C-level step).
+        self._owner = threading.get_ident()
+        self._own_counters: dict[tuple[str, Labels], float] = {}
+        self._own_hists: dict[tuple[str, Labels], _Histogram] = {}
 
     def inc(self, name: str, value: float = 1, **labels: str) -> None:
+        key = _key(name, labels)
+        if threading.get_ident() == self._owner:
+            own = self._own_counters
+            own[key] = own.get(key, 0.0) + value
+            return
         with self._lock:
-            self._counters[(name, tuple(sorted(labels.items())))] += value
+            self._counters[key] += value
 
     def set(self, name: str, value: float, **labels: str) -> None:
         with self._lock:
             self._gauges[(name, tuple(sorted(labels.items())))] = value
 
     def observe(self, name: str, value: float, **labels: str) -> None:
-        key = (name, tuple(sorted(labels.items())))
+        key = _key(name, labels)
+        if threading.get_ident() == self._owner:
+            own = self._own_hists
+            h = own.get(key)
+            if h is None:
+                h = own[key] = _Histogram(_buckets_for(name))
+            h.observe(value)
+            return
         with self._lock:
             h = self._hists.get(key)
             if h is None:
                 h = self._hists[key] = _Histogram(_buckets_for(name))
             h.observe(value)
 
+    def _tables(
+        self,
+    ) -> tuple[dict[tuple[str, Labels], float], dict[tuple[str, Labels], float], dict[tuple[str, Labels], _Histogram]]:
+        """Every series as it is now: the locked ones with the owner's added in (copies)."""
+        own_counters = dict(self._own_counters)  # (a dict's copy is one step under the GIL)
+        own_hists = dict(self._own_hists)
+        with self._lock:
+            counters = dict(self._counters)
+            gauges = dict(self._gauges)
+            hists = {k: h.copy() for k, h in self._hists.items()}
+        for k, v in own_counters.items():
+            counters[k] = counters.get(k, 0.0) + v
+        for k, h in own_hists.items():
+            into = hists.get(k)
+            if into is None:
+                hists[k] = h.copy()
+            else:
+                into.add(h)
+        return counters, gauges, hists
+
     def snapshot(self) -> dict[str, Any]:
         """Everything recorded, as JSON-able lists (for another process to merge)."""
-        with self._lock:
-            return {
-                "counters": [[n, list(map(list, ls)), v] for (n, ls), v in self._counters.items()],
-                "gauges": [[n, list(map(list, ls)), v] for (n, ls), v in self._gauges.items()],
-                "hists": [
-                    [n, list(map(list, ls)), list(h.buckets), list(h.counts), h.total, h.count]
-                    for (n, ls), h in self._hists.items()
-                ],
-            }
+        counters, gauges, hists = self._tables()
+        return {
+            "counters": [[n, list(map(list, ls)), v] for (n, ls), v in counters.items()],
+            "gauges": [[n, list(map(list, ls)), v] for (n, ls), v in gauges.items()],
+            "hists": [
+                [n, list(map(list, ls)), list(h.buckets), list(h.counts), h.total, h.count]
+                for (n, ls), h in hists.items()
+            ],
+        }
 
     def counter(self, name: str, **labels: str) -> float:
-        with self._lock:
-            return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
+        return self._tables()[0].get(_key(name, labels), 0.0)
 
     def without_label(self, label: str) -> Metrics:
         """A copy whose series lack ``label``: those that differed only in it
@@ -91,45 +158,43 @@ class Metrics:
         def drop(labels: Labels) -> Labels:
             return tuple(kv for kv in labels if kv[0] != label)
 
-        with self._lock:
-            for (name, labels), v in self._counters.items():
-                out._counters[(name, drop(labels))] += v
-            for (name, labels), v in self._gauges.items():
-                key = (name, drop(labels))
-                out._gauges[key] = out._gauges.get(key, 0.0) + v
-            for (name, labels), h in self._hists.items():
-                key = (name, drop(labels))
-                into = out._hists.get(key)
-                if into is None:
-                    into = out._hists[key] = _Histogram(h.buckets)
-                into.counts = [a + b for a, b in zip(into.counts, h.counts, strict=True)]
-                into.total += h.total
-                into.count += h.count
+        counters, gauges, hists = self._tables()
+        for (name, labels), v in counters.items():
+            out._counters[(name, drop(labels))] += v
+        for (name, labels), v in gauges.items():
+            key = (name, drop(labels))
+            out._gauges[key] = out._gauges.get(key, 0.0) + v
+        for (name, labels), h in hists.items():
+            key = (name, drop(labels))
+            into = out._hists.get(key)
+            if into is None:
+                into = out._hists[key] = _Histogram(h.buckets)
+            into.add(h)
         return out
 
     def render(self) -> str:
         """Prometheus text exposition format 0.0.4."""
         lines: list[str] = []
-        with self._lock:
-            for kind, table in (("counter", self._counters), ("gauge", self._gauges)):
-                seen: set[str] = set()
-                for (name, labels), v in sorted(table.items()):
-                    if name not in seen:
-                        lines.append(f"# TYPE {name} {kind}")
-                        seen.add(name)
-                    lines.append(f"{name}{_fmt(labels)} {_num(v)}")
-            seen = set()
-            for (name, labels), h in sorted(self._hists.items()):
+        counters, gauges, hists = self._tables()
+        for kind, table in (("counter", counters), ("gauge", gauges)):
+            seen: set[str] = set()
+            for (name, labels), v in sorted(table.items()):
                 if name not in seen:
-                    lines.append(f"# TYPE {name} histogram")
+                    lines.append(f"# TYPE {name} {kind}")
                     seen.add(name)
-                cum = 0
-                for bound, c in zip((*h.buckets, float("inf")), h.counts, strict=True):
-                    cum += c
-                    le = "+Inf" if bound == float("inf") else _num(bound)
-                    lines.append(f"{name}_bucket{_fmt((*labels, ('le', le)))} {cum}")
-                lines.append(f"{name}_sum{_fmt(labels)} {_num(h.total)}")
-                lines.append(f"{name}_count{_fmt(labels)} {h.count}")
+                lines.append(f"{name}{_fmt(labels)} {_num(v)}")
+        seen = set()
+        for (name, labels), h in sorted(hists.items()):
+            if name not in seen:
+                lines.append(f"# TYPE {name} histogram")
+                seen.add(name)
+            cum = 0
+            for bound, c in zip((*h.buckets, float("inf")), h.counts, strict=True):
+                cum += c
+                le = "+Inf" if bound == float("inf") else _num(bound)
+                lines.append(f"{name}_bucket{_fmt((*labels, ('le', le)))} {cum}")
+            lines.append(f"{name}_sum{_fmt(labels)} {_num(h.total)}")
+            lines.append(f"{name}_count{_fmt(labels)} {h.count}")
         return "\n".join(lines) + "\n"
 
 
