@@ -405,6 +405,12 @@ class TierNotFound(TierError):
     code = "tier_not_found"
 
 
+class BucketNotFound(TierError):
+    """The tier's bucket does not exist (S3's ``NoSuchBucket``): no object
+    can be in it, and none can be written. Not an absent object: a read
+    that finds no bucket raises this, never answers "no such object"."""
+
+
 class TierConflict(TierError):
     """A conditional write lost: the object changed (or appeared, or went)
     since the etag the writer read (S3's 412 Precondition Failed). Read it

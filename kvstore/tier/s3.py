@@ -35,7 +35,7 @@ from botocore.exceptions import (
     IncompleteReadError,
 )
 
-from kvstore.errors import TierConflict, TierError, TierNotFound, TierRangeError, TierUnavailable
+from kvstore.errors import BucketNotFound, TierConflict, TierError, TierNotFound, TierRangeError, TierUnavailable
 from kvstore.tier.base import ObjectInfo, check_range, source_size, validate_object_name, validate_prefix
 
 MiB = 1 << 20
@@ -192,7 +192,7 @@ class S3Tier:
                 try:
                     resp = self._client.put_object(Bucket=self.bucket, Key=key, Body=data, **cond)
                 except ClientError as e:
-                    if _error_code(e) in _NOT_FOUND_CODES or _status(e) == 404:  # If-Match, and the object went
+                    if _absent(e):  # If-Match, and the object went
                         raise TierConflict(f"conditional write of {name!r}: the object is gone") from e
                     raise
                 return str(resp.get("ETag", "")).strip('"')
@@ -207,7 +207,7 @@ class S3Tier:
                 try:
                     resp = self._client.get_object(Bucket=self.bucket, Key=key)
                 except ClientError as e:
-                    if _error_code(e) in _NOT_FOUND_CODES or _status(e) == 404:
+                    if _absent(e):
                         return None
                     raise
                 body = resp["Body"]
@@ -282,7 +282,7 @@ class S3Tier:
                 try:
                     resp = self._client.head_object(Bucket=self.bucket, Key=key)
                 except ClientError as e:
-                    if _error_code(e) in _NOT_FOUND_CODES or _status(e) == 404:
+                    if _absent(e):
                         return None
                     raise
                 return ObjectInfo(name, int(resp["ContentLength"]), str(resp.get("ETag", "")).strip('"'))
@@ -342,6 +342,14 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
+def _absent(e: ClientError) -> bool:
+    """The object is not there (a 404), its bucket is (a missing bucket is
+    S3's 404 too, with the code NoSuchBucket: an error, not an absence;
+    a HEAD's 404 carries no code and cannot tell them apart)."""
+    code = _error_code(e)
+    return code != "NoSuchBucket" and (code in _NOT_FOUND_CODES or _status(e) == 404)
+
+
 @contextmanager
 def _map_error(name: str) -> Iterator[None]:
     """The one place where boto3/botocore errors become tier errors."""
@@ -355,7 +363,7 @@ def _map_error(name: str) -> Iterator[None]:
             code, status = _error_code(e), _status(e)
             what = f"S3 {e.operation_name} of {name!r}: {code or status}"
             if code == "NoSuchBucket":
-                raise TierError(f"{what}: the bucket does not exist") from raised
+                raise BucketNotFound(f"{what}: the bucket does not exist") from raised
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
                 # (S3 answers 409 when another conditional write of the key is in flight)
                 raise TierConflict(f"{what}: the object changed since it was read") from raised
