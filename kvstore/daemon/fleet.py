@@ -18,6 +18,7 @@ from kvstore.errors import BucketNotFound, ConfigError
 from kvstore.fleet.bucket import BucketMembership
 from kvstore.fleet.etcd import Etcd, EtcdMembership
 from kvstore.fleet.membership import Membership
+from kvstore.fleet.metrics import FleetGauges
 from kvstore.fleet.node import FleetNode
 from kvstore.fleet.registry import FleetRegistry, adopt_at_start
 from kvstore.fleet.takeover import Takeover
@@ -79,8 +80,12 @@ async def fleet_membership(node: Node, master: MasterKey) -> AsyncIterator[None]
     node.takeover = takeover
     if node.xfer is not None:  # NIXL reads of a dead node's blocks: staged from the bucket
         node.xfer.adopted = takeover.store_for
+    gauges = FleetGauges(member, takeover, store.metrics)  # /metrics: members, fenced, adopted blocks
+    await gauges.record()
+    member.listeners.append(gauges.on_view)
     tasks = Background()
     tasks.spawn(registry.run(cfg.s3_refresh_s), "fleet-registry")
+    tasks.spawn(gauges.run(cfg.fleet_heartbeat_s), "fleet-metrics")
     try:
         yield
     finally:

@@ -10,4 +10,6 @@
 - :mod:`registry`: the tenant registry shared by the fleet (every change a
   conditional write of one object, redone on conflict).
 - :mod:`identity`: the node's id (kept in the data directory) and URL.
+- :mod:`metrics`: the fleet's gauges in ``/metrics`` (members, fenced,
+  blocks taken over), kept by the node's writer.
 """

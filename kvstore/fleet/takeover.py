@@ -78,9 +78,11 @@ class Takeover:
         returned, in the background (opening a dead node's part of the bucket
         reads its segments' footers: the heartbeat loop must not wait for it)."""
         self.view = new
-        self._tasks.spawn(self._apply(new), f"takeover-v{new.version}")
+        self._tasks.spawn(self._apply(new, asyncio.get_running_loop().time()), f"takeover-v{new.version}")
 
-    async def _apply(self, new: FleetView) -> None:
+    async def _apply(self, new: FleetView, seen: float) -> None:
+        """``seen``: when this node learned of ``new`` (the loop's clock),
+        from which a takeover's duration counts."""
         async with self._lock:
             if new is not self.view:
                 return  # a newer view is on its way
@@ -93,7 +95,7 @@ class Takeover:
                     continue
                 held = m.id in self.adopted
                 if m.state == DEAD and not held:
-                    await self._adopt(m.id, m.incarnation)
+                    await self._adopt(m.id, m.incarnation, seen)
                 elif held and (m.state == ALIVE or m.incarnation != self._incarnation.get(m.id)):
                     await self._hand_back(m.id, "handed_back")
 
@@ -103,20 +105,34 @@ class Takeover:
         base = Path(self.config.data_dir) / ADOPTED
         if base.exists():
             await asyncio.to_thread(shutil.rmtree, base, True)  # the fleet says afresh what to adopt
-        await self._apply(view)
+        await self._apply(view, asyncio.get_running_loop().time())
 
-    async def _adopt(self, node_id: str, incarnation: int) -> None:
-        t0 = asyncio.get_running_loop().time()
+    async def _adopt(self, node_id: str, incarnation: int, seen: float) -> None:
+        """Open ``node_id``'s part of the bucket and serve it. Its duration,
+        from ``seen`` (when this node learned the node was dead: a wait for
+        an earlier takeover counts) until its blocks are served, goes to
+        ``kvstore_fleet_takeover_seconds``; a failed one counts in
+        ``kvstore_fleet_takeovers_failed_total`` (and the node stays in
+        ``kvstore_fleet_takeover_pending``, kvstore/fleet/metrics.py)."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         d = self._dir(node_id)
         try:
             store = await Store.open(adopted_config(self.config, node_id, d), self.master)
         except KVStoreError as e:
             log.warning("cannot take over node %s's blocks: %s", node_id, e)
+            self.local.metrics.inc("kvstore_fleet_takeovers_failed_total")
             return
         self.adopted[node_id] = store
         self._incarnation[node_id] = incarnation
-        took = asyncio.get_running_loop().time() - t0
-        log.warning("took over node %s's blocks in the bucket (opened in %.2f s)", node_id, took)
+        now = loop.time()
+        self.local.metrics.observe("kvstore_fleet_takeover_seconds", now - seen)
+        log.warning(
+            "took over node %s's blocks in the bucket (opened in %.2f s, %.2f s after it was seen dead)",
+            node_id,
+            now - t0,
+            now - seen,
+        )
         await self._tell(store, "stored", "takeover")
 
     async def _hand_back(self, node_id: str, cause: str) -> None:
