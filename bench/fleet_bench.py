@@ -11,7 +11,9 @@ one bucket (docs/fleet.md). Then:
 3. It kills node-1 with SIGKILL and records two times:
    - until a survivor declares node-1 dead;
    - until every one of node-1's blocks reads back byte-exact through the
-     client: full takeover.
+     client: full takeover;
+   and prints each survivor's own ``kvstore_fleet_takeover_seconds`` (from
+   its seeing node-1 dead to serving its blocks).
 4. It reads node-1's blocks again, now from the survivors (ranged GETs on
    the bucket).
 
@@ -30,9 +32,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
+import importlib
 import json
-import logging
 import os
 import secrets
 import shutil
@@ -43,15 +44,35 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvstore.config import parse_size
 
+from . import moto_s3
 from .daemon import Kvstore
 from .harness import Processes, free_port, free_ports
 
-MOTO_HINT = "pip install 'moto[server]'"
+MOTO = "moto[server]>=5"  # as pyproject.toml's test and bench extras name it
+MOTO_HINT = f"pip install '{MOTO}'"
+
+
+def missing_moto(importer: Callable[[str], object] = importlib.import_module) -> str:
+    """Nothing ("") if moto's S3 server imports; else one line: the missing module and
+    the command that installs it with this interpreter's pip (the
+    environment that runs the bench is the one that needs it). moto without
+    its ``server`` extra imports, its server does not (no flask): the
+    server's module is what is tried."""
+    try:
+        importer("moto.server")
+    except ImportError as e:
+        missing = getattr(e, "name", None) or "moto.server"
+        return (
+            f"kvstore-bench fleet: needs moto's S3 server (no module {missing!r}); install it with: "
+            f"{sys.executable} -m pip install '{MOTO}'"
+        )
+    return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +123,21 @@ def _call(base: str, method: str, path: str, token: str, doc: Any = None) -> tup
         return e.code, None
     except OSError:
         return 0, None
+
+
+def _metric(base: str, token: str, series: str) -> float | None:
+    """One series of ``base``'s /metrics (None: not there)."""
+    req = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == series:
+            return float(value)
+    return None
 
 
 def _until(what: str, check: Any, timeout: float) -> float:
@@ -220,6 +256,11 @@ async def _run(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
             await asyncio.sleep(0.02)
         t_full = time.monotonic() - t_kill
         print(f"killed node-1: declared dead after {t_dead:.2f} s, every block served again after {t_full:.2f} s")
+        # Each survivor's own count, from seeing node-1 dead to serving its blocks (kvstore/fleet/takeover.py).
+        survivors = [b for b in fleet.bases if b != victim]
+        takeovers = [_metric(b, fleet.admin, "kvstore_fleet_takeover_seconds_sum") for b in survivors]
+        said = ", ".join("-" if t is None else f"{t:.2f} s" for t in takeovers)
+        print(f"the survivors' kvstore_fleet_takeover_seconds: {said}")
         via, via_rounds = await _read_rate(kv, theirs, blocks, a.rounds)
         print(f"node-1's blocks read through the survivors: {via:.1f} MB/s ({via / own:.2f} x on their own node)")
     return {
@@ -233,6 +274,7 @@ async def _run(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
         "victim_blocks": len(theirs),
         "declared_dead_s": t_dead,
         "full_takeover_s": t_full,
+        "survivors_takeover_s": takeovers,
         "own_node_mb_s": own,
         "own_node_rounds": own_rounds,
         "survivors_mb_s": via,
@@ -244,21 +286,13 @@ async def _run(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    if importlib.util.find_spec("moto") is None:  # before any daemon starts
-        print(f"kvstore-bench fleet: needs moto's S3 server, which is not installed ({MOTO_HINT})", file=sys.stderr)
+    missing = missing_moto()  # before any daemon starts
+    if missing:
+        print(missing, file=sys.stderr)
         return 2
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    moto.start()
-    host, port = moto.get_host_and_port()
-    s3_url = f"http://{host}:{port}"
+    moto, s3_url = moto_s3.start(free_port())  # (conditional PUTs atomic, as on S3)
     bucket = f"kvstore-fleet-bench-{secrets.token_hex(4)}"
-    boto3.client(
-        "s3", endpoint_url=s3_url, region_name="us-east-1", aws_access_key_id="bench", aws_secret_access_key="bench"
-    ).create_bucket(Bucket=bucket)
+    moto_s3.ensure_bucket(s3_url, bucket)
     root = Path(tempfile.mkdtemp(prefix="kvstore-fleet-bench-", dir="/var/tmp"))
     fleet = Fleet(a, root, s3_url, bucket)
     try:

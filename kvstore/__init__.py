@@ -15,7 +15,8 @@ follows a PUT, a GET and a segment through them):
   ``verify`` (scrub), the object tier's engine side (``object_tier``,
   ``layout``, ``mirror``, ``remote``, ``space``, ``residency``), and
   ``store`` with its parts (``store_core``, ``store_read``, ``store_write``,
-  ``store_write_plans``, ``store_tenants``, ``store_maintenance``); other
+  ``store_write_plans``, ``store_tenants``, ``store_maintenance``,
+  ``store_sealing`` (``seal_after_s``: open segments sealed by age)); other
   packages import it only through ``api``.
 - ``tier/``: the object tier's backends (G4), leaves: ``base`` (the
   protocol), ``local``, ``s3``.
