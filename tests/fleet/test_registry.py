@@ -2,12 +2,16 @@
 stores on one tier: admin changes racing on both nodes all land, tokens
 issued or revoked on one apply on the other after a pull, a tenant deleted
 on one is dropped by the other, and a node with another master key cannot
-take the fleet's registry."""
+take the fleet's registry. The heartbeat's check: a HEAD while nothing
+changed, the document when another node changed it, and a revision that
+grows with every change."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,19 +19,47 @@ import pytest
 
 from kvstore.config import StoreConfig
 from kvstore.engine.api import MasterKey, Store
-from kvstore.errors import MasterKeyError, NotFound, TenantNotFound
-from kvstore.fleet.registry import REGISTRY, FleetRegistry, adopt_at_start
+from kvstore.errors import MasterKeyError, NotFound, TenantNotFound, TierUnavailable
+from kvstore.fleet.registry import REGISTRY, VERSION_METRIC, FleetRegistry, adopt_at_start
 from kvstore.tier import LocalTier
+from kvstore.tier.base import ObjectInfo
 
 
-async def _node(tmp_path: Path, name: str, master: MasterKey) -> Store:
+class CountingTier(LocalTier):
+    """A local tier that counts whole reads, and can be cut (every call
+    fails as an unreachable bucket does: the fault a partition injects)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gets = 0
+        self.cut = False
+
+    def _reach(self) -> None:
+        if self.cut:
+            raise TierUnavailable("the bucket cannot be reached (cut by the test)")
+
+    async def get(self, name: str) -> tuple[bytes, str] | None:
+        self._reach()
+        self.gets += 1
+        return await super().get(name)
+
+    async def head(self, name: str) -> ObjectInfo | None:
+        self._reach()
+        return await super().head(name)
+
+    async def put_if(self, name: str, data: bytes, etag: str | None) -> str:
+        self._reach()
+        return await super().put_if(name, data, etag)
+
+
+async def _node(tmp_path: Path, name: str, master: MasterKey, tier: LocalTier | None = None) -> Store:
     cfg = StoreConfig.from_env(
         tmp_path / name, env={}, tier_dir=str(tmp_path / "bucket"), fleet=True, node_id=name, segment_size="1MiB"
     )
-    tier = LocalTier(tmp_path / "bucket")
+    tier = tier or LocalTier(tmp_path / "bucket")
     await adopt_at_start(tier, cfg.data_dir / "registry.json", master)
     store = await Store.open(cfg, master)
-    reg = FleetRegistry(tier, store.registry_document, store.adopt_registry)
+    reg = FleetRegistry(tier, store.registry_document, store.adopt_registry, store.metrics)
     await reg.pull()
     store.fleet_registry = reg
     return store
@@ -131,3 +163,64 @@ async def test_registry_changes_from_another_node_while_writes_and_reads_go_on(p
     for key, data in acked.items():
         assert bytes(await a.get("busy", key)) == data
     assert _names(a) == _names(b) == sorted(["busy", *(f"other{i}" for i in range(1, 10, 2))])
+
+
+def _registry(s: Store) -> FleetRegistry:
+    assert isinstance(s.fleet_registry, FleetRegistry)
+    return s.fleet_registry
+
+
+def _version_gauge(s: Store) -> float | None:
+    return next((v for n, _, v in s.metrics.snapshot()["gauges"] if n == VERSION_METRIC), None)
+
+
+async def test_the_heartbeats_check_reads_the_document_only_when_it_changed(tmp_path: Path, master: MasterKey) -> None:
+    """check() is a HEAD while the fleet's registry stays as this node took
+    it, and takes the document once another node changed it: a token issued
+    on node a passes on node b after b's next check, and a revoked one is
+    refused after the next; each check confirms the registry (``confirmed``)."""
+    tier_b = CountingTier(tmp_path / "bucket")
+    a = await _node(tmp_path, "a", master)
+    b = await _node(tmp_path, "b", master, tier_b)
+    try:
+        reg_b = _registry(b)
+        gets = tier_b.gets
+        before = time.monotonic()
+        for _ in range(5):
+            assert await reg_b.check() is False
+        assert tier_b.gets == gets  # five HEADs, no document read
+        assert reg_b.confirmed >= before
+        await a.create_tenant("x", "sealed")
+        tid, token = await a.issue_token("x")
+        akid, _secret = await a.issue_s3_key("x")
+        assert b.authenticate(token) is None and b.s3_credentials(akid) is None  # (b has not checked yet)
+        assert await reg_b.check() is True
+        assert tier_b.gets == gets + 1  # one document, for three changes
+        assert b.authenticate(token) == "x" and b.s3_credentials(akid) is not None
+        await a.revoke_token("x", tid)
+        await a.revoke_s3_key("x", akid)
+        assert await reg_b.check() is True
+        assert b.authenticate(token) is None and b.s3_credentials(akid) is None
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_the_fleets_document_counts_its_changes_in_a_revision(pair: tuple[Store, Store], tmp_path: Path) -> None:
+    """Every change written, on either node, adds one to the bucket's
+    document's ``revision``; each node exports the revision it holds
+    (``kvstore_fleet_registry_version``), and a node's own registry file
+    never carries it."""
+    a, b = pair
+    start = _registry(a).revision
+    assert start >= 1 and _version_gauge(a) == start  # the first node's registry, written as revision 1
+    await a.create_tenant("x", "direct")
+    await b.create_tenant("y", "direct")  # (b takes a's change first: one after the other)
+    await a.issue_token("y")
+    doc = json.loads((tmp_path / "bucket" / REGISTRY).read_bytes())
+    assert doc["revision"] == start + 3
+    assert _registry(a).revision == start + 3 and _version_gauge(a) == start + 3
+    await _registry(b).check()
+    assert _registry(b).revision == start + 3 and _version_gauge(b) == start + 3
+    for name in ("a", "b"):
+        assert "revision" not in json.loads((tmp_path / name / "registry.json").read_bytes())
