@@ -56,23 +56,25 @@ async def fleet_bucket(cfg: StoreConfig, master: MasterKey) -> AsyncIterator[Tie
 @contextlib.asynccontextmanager
 async def fleet_membership(node: Node, master: MasterKey) -> AsyncIterator[None]:
     """Once the store is open: the registry kept in step with the fleet's,
-    then join (heartbeats, membership), writes fenced by it, and dead nodes'
-    blocks taken over."""
+    then join (heartbeats, membership, the registry checked each heartbeat),
+    writes and tenant operations fenced by it, and dead nodes' blocks taken
+    over."""
     cfg, tier = node.config.store, node.fleet_tier
     if not cfg.fleet or tier is None:
         yield
         return
     store = node.store
-    registry = FleetRegistry(tier, store.registry_document, store.adopt_registry)
+    registry = FleetRegistry(tier, store.registry_document, store.adopt_registry, store.metrics)
     await registry.pull()  # (this node's registry becomes the fleet's where the bucket has none)
     store.fleet_registry = registry
-    member = FleetNode(membership_for(cfg, tier), cfg.fleet_heartbeat_s, cfg.fleet_dead_after_s)
+    member = FleetNode(membership_for(cfg, tier), cfg.fleet_heartbeat_s, cfg.fleet_dead_after_s, registry)
     try:
         await member.start()
     except BaseException:
         await member.close()
         raise
     store.fence = member.check_writable
+    store.tenant_fence = member.check_tenants
     node.fleet = member
     takeover = Takeover(store, cfg, master, normalize(cfg.advertise_url))
     await takeover.start(member.view)
@@ -84,7 +86,7 @@ async def fleet_membership(node: Node, master: MasterKey) -> AsyncIterator[None]
     await gauges.record()
     member.listeners.append(gauges.on_view)
     tasks = Background()
-    tasks.spawn(registry.run(cfg.s3_refresh_s), "fleet-registry")
+    tasks.spawn(registry.run(cfg.s3_refresh_s), "fleet-registry")  # a backstop: step() checks every heartbeat
     tasks.spawn(gauges.run(cfg.fleet_heartbeat_s), "fleet-metrics")
     try:
         yield

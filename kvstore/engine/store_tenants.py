@@ -28,6 +28,12 @@ MASTER_KEY_HINT = "master-key.path"  # where the last rotation's new key file is
 
 
 class StoreTenants(StoreCore):
+    # A fleet node (set by the daemon, kvstore/fleet/node.py): bearer tokens
+    # and S3 keys are refused while it raises (Fenced: the node cannot
+    # confirm that its registry is the fleet's newest, so one revoked on
+    # another node might pass here).
+    tenant_fence: Callable[[], None] | None = None
+
     def refresh(self) -> None:
         """A reader: pick up the writer's registry changes (tenants, tokens,
         keys), following a master-key rotation through the path it left."""
@@ -278,8 +284,11 @@ class StoreTenants(StoreCore):
         return True
 
     def authenticate(self, token: str) -> str | None:
-        """The tenant a bearer token names, or None (unknown, revoked, deleted)."""
+        """The tenant a bearer token names, or None (unknown, revoked, deleted);
+        Fenced while the tenant fence is up (a fleet node, ``tenant_fence``)."""
         self._check_open()
+        if self.tenant_fence is not None:
+            self.tenant_fence()
         self.refresh()
         name = self._registry.tenant_for_token(token)
         return None if name is None or name in self._deleting else name
@@ -308,8 +317,11 @@ class StoreTenants(StoreCore):
 
     def s3_credentials(self, access_key_id: str) -> tuple[str, str, int] | None:
         """(tenant, secret access key, the tenant's incarnation) of an S3
-        access key id; None if unknown, revoked or its tenant deleted."""
+        access key id; None if unknown, revoked or its tenant deleted;
+        Fenced while the tenant fence is up (``tenant_fence``)."""
         self._check_open()
+        if self.tenant_fence is not None:
+            self.tenant_fence()
         self.refresh()
         found = self._registry.s3_secret(access_key_id)
         if found is None or found[0] in self._deleting:

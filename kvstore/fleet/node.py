@@ -14,6 +14,16 @@ dead: a partitioned node never serves writes as if it were alone. The check
 reads the monotonic clock at each write (it runs on while a process is
 stopped), so a process resumed after SIGSTOP refuses writes at once, until
 its loop has written a heartbeat and rejoined.
+
+**The tenant registry.** Each heartbeat also checks the fleet's registry
+(:meth:`~kvstore.fleet.registry.FleetRegistry.check`: the object's etag, and
+the document when it changed), beside the heartbeat and the observation, so
+a tenant change made on any node is in force here within one heartbeat (and
+the check's time) of its admin call's answer. A node that has not confirmed
+its registry for ``dead_after_s - heartbeat_s`` (the write fence's bound:
+the bucket, or the node, is away) refuses tenant operations
+(:meth:`FleetNode.tenants_fenced`): a token or S3 key revoked on another
+node works here at most that long after its revocation answered.
 """
 
 from __future__ import annotations
@@ -23,11 +33,15 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from kvstore.errors import Fenced, NewerFormat, TierError
+from kvstore.errors import Fenced, KVStoreError, NewerFormat, TierError
 from kvstore.fleet.membership import Membership, Superseded
 from kvstore.fleet.view import ALIVE, FleetView
 from kvstore.tasks import Background
+
+if TYPE_CHECKING:
+    from kvstore.fleet.registry import FleetRegistry
 
 log = logging.getLogger("kvstore.fleet")
 
@@ -35,8 +49,17 @@ Listener = Callable[[FleetView, FleetView], Awaitable[None]]
 
 
 class FleetNode:
-    def __init__(self, membership: Membership, heartbeat_s: float, dead_after_s: float) -> None:
+    def __init__(
+        self,
+        membership: Membership,
+        heartbeat_s: float,
+        dead_after_s: float,
+        registry: FleetRegistry | None = None,
+    ) -> None:
+        """``registry``: the fleet's tenant registry, checked every heartbeat
+        (None: no tenants to keep in step, as in membership's own tests)."""
         self.membership = membership
+        self.registry = registry
         self.node_id = membership.node_id
         self.heartbeat_s = heartbeat_s
         self.fence_after_s = dead_after_s - heartbeat_s
@@ -45,6 +68,8 @@ class FleetNode:
         self._last_beat = -math.inf  # monotonic: the last heartbeat written
         self._superseded = ""
         self._rejoining = False  # silent past fence_after_s: fenced until a heartbeat and a look at the members
+        self._registry_stale = False  # logged as refusing tenant operations: log again when it confirms
+        self._registry_error = ""  # the last failure of a registry check logged ("": it succeeded)
         self._tasks = Background()
 
     async def start(self) -> None:
@@ -67,7 +92,35 @@ class FleetNode:
             await self.step()
 
     async def step(self) -> None:
-        """One heartbeat and one observation (the loop's body)."""
+        """One heartbeat and one observation, and beside them one check of
+        the fleet's registry (the loop's body)."""
+        await asyncio.gather(self._beat_and_observe(), self._check_registry())
+
+    async def _check_registry(self) -> None:
+        if self.registry is None:
+            return
+        try:
+            await self.registry.check()
+            self._registry_error = ""
+        except KVStoreError as e:  # the bucket away; a document it cannot take (a newer release's format)
+            if str(e) != self._registry_error:  # (once, not every heartbeat)
+                self._registry_error = str(e)
+                log.warning("node %s cannot take the fleet's tenant registry: %s", self.node_id, e)
+        except Exception:
+            log.exception("node %s: taking the fleet's tenant registry failed", self.node_id)
+        why = self.tenants_fenced()
+        if why and not self._registry_stale:
+            self._registry_stale = True
+            log.warning("refusing tenant operations: %s", why)
+        elif not why and self._registry_stale:
+            self._registry_stale = False
+            log.warning(
+                "node %s confirmed the fleet's tenant registry (revision %d): serving tenants again",
+                self.node_id,
+                self.registry_version,
+            )
+
+    async def _beat_and_observe(self) -> None:
         silent = time.monotonic() - self._last_beat
         if silent > self.fence_after_s and not self._rejoining:
             self._rejoining = True
@@ -139,3 +192,36 @@ class FleetNode:
         why = self.fenced()
         if why:
             raise Fenced(f"this node refuses writes: {why}")
+
+    # -- the tenant registry -------------------------------------------------------
+
+    @property
+    def registry_version(self) -> int:
+        """The revision of the fleet's registry this node holds (0: none known)."""
+        return self.registry.revision if self.registry is not None else 0
+
+    def tenants_fenced(self) -> str:
+        """Why this node may not serve tenant operations now ("" when it may):
+        it has not confirmed for ``fence_after_s`` that its registry is the
+        fleet's newest, so a token or key revoked on another node might still
+        pass here. Reads the clock only (no side effect), like :meth:`fenced`."""
+        if self.registry is None:
+            return ""
+        if self._superseded:
+            return f"{self._superseded}; it no longer checks the fleet's tenant registry"
+        age = time.monotonic() - self.registry.confirmed
+        if age <= self.fence_after_s:
+            return ""
+        since = "since it started" if math.isinf(age) else f"for {age:.1f} s"
+        return (
+            f"node {self.node_id} has not confirmed the fleet's tenant registry {since} (more than "
+            f"fleet_dead_after_s - fleet_heartbeat_s = {self.fence_after_s:g} s): a token or S3 key changed "
+            "on another node might not be in force here"
+        )
+
+    def check_tenants(self) -> None:
+        """The store's tenant fence (``store.tenant_fence``): :class:`Fenced`
+        while :meth:`tenants_fenced` says why."""
+        why = self.tenants_fenced()
+        if why:
+            raise Fenced(f"this node refuses tenant operations: {why}")

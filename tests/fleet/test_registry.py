@@ -3,8 +3,9 @@ stores on one tier: admin changes racing on both nodes all land, tokens
 issued or revoked on one apply on the other after a pull, a tenant deleted
 on one is dropped by the other, and a node with another master key cannot
 take the fleet's registry. The heartbeat's check: a HEAD while nothing
-changed, the document when another node changed it, and a revision that
-grows with every change."""
+changed, the document when another node changed it, a revision that grows
+with every change; and a node that cannot check refuses tenant operations
+(its tenant fence, kvstore/fleet/node.py) until it can again."""
 
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ import pytest
 
 from kvstore.config import StoreConfig
 from kvstore.engine.api import MasterKey, Store
-from kvstore.errors import MasterKeyError, NotFound, TenantNotFound, TierUnavailable
+from kvstore.errors import Fenced, MasterKeyError, NotFound, TenantNotFound, TierUnavailable
+from kvstore.fleet.bucket import BucketMembership
+from kvstore.fleet.node import FleetNode
 from kvstore.fleet.registry import REGISTRY, VERSION_METRIC, FleetRegistry, adopt_at_start
 from kvstore.tier import LocalTier
 from kvstore.tier.base import ObjectInfo
+
+from ..polling import until
 
 
 class CountingTier(LocalTier):
@@ -224,3 +229,39 @@ async def test_the_fleets_document_counts_its_changes_in_a_revision(pair: tuple[
     assert _registry(b).revision == start + 3 and _version_gauge(b) == start + 3
     for name in ("a", "b"):
         assert "revision" not in json.loads((tmp_path / name / "registry.json").read_bytes())
+
+
+async def test_a_node_that_cannot_check_the_registry_refuses_tenant_operations(
+    tmp_path: Path, master: MasterKey
+) -> None:
+    """The tenant fence: a node whose checks fail (the bucket cut) serves
+    its tenants until ``dead_after_s - heartbeat_s`` after its last
+    confirmation, then refuses bearer tokens and S3 keys (Fenced, naming
+    the registry), and serves them again after a check that succeeds."""
+    tier = CountingTier(tmp_path / "bucket")
+    a = await _node(tmp_path, "a", master, tier)
+    member = FleetNode(BucketMembership(tier, "a", "http://a", 0.4), 0.2, 0.4, _registry(a))  # fence after 0.2 s
+    a.tenant_fence = member.check_tenants
+    try:
+        await a.create_tenant("x", "direct")
+        _tid, token = await a.issue_token("x")
+        akid, _secret = await a.issue_s3_key("x")
+        assert member.tenants_fenced() == "" and a.authenticate(token) == "x"
+        tier.cut = True
+        with pytest.raises(TierUnavailable):
+            await _registry(a).check()
+        await until("the tenant fence", lambda: member.tenants_fenced() != "", 5)
+        assert "has not confirmed the fleet's tenant registry" in member.tenants_fenced()
+        with pytest.raises(Fenced, match="refuses tenant operations"):
+            a.authenticate(token)
+        with pytest.raises(Fenced):
+            a.authenticate("kvs_unknown")  # a stale registry cannot say a token is unknown either
+        with pytest.raises(Fenced):
+            a.s3_credentials(akid)
+        tier.cut = False
+        await _registry(a).check()
+        assert member.tenants_fenced() == ""
+        assert a.authenticate(token) == "x" and a.s3_credentials(akid) is not None
+    finally:
+        a.tenant_fence = None
+        await a.close()
