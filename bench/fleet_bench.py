@@ -257,7 +257,13 @@ async def _run(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
         t_full = time.monotonic() - t_kill
         print(f"killed node-1: declared dead after {t_dead:.2f} s, every block served again after {t_full:.2f} s")
         # Each survivor's own count, from seeing node-1 dead to serving its blocks (kvstore/fleet/takeover.py).
+        # One survivor may have served them all before the other finished its own: wait for both (30 s at most).
         survivors = [b for b in fleet.bases if b != victim]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+            _metric(b, fleet.admin, "kvstore_fleet_takeover_seconds_count") for b in survivors
+        ):
+            time.sleep(0.1)
         takeovers = [_metric(b, fleet.admin, "kvstore_fleet_takeover_seconds_sum") for b in survivors]
         said = ", ".join("-" if t is None else f"{t:.2f} s" for t in takeovers)
         print(f"the survivors' kvstore_fleet_takeover_seconds: {said}")
