@@ -73,6 +73,7 @@ def test_dashboard_queries_name_exported_metrics() -> None:
     for name in (
         "kvstore_fleet_members",
         "kvstore_fleet_fenced",
+        "kvstore_fleet_registry_version",
         "kvstore_fleet_adopted_blocks",
         "kvstore_fleet_takeover_seconds_bucket",
     ):
