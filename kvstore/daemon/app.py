@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from kvstore.daemon.node import Node, open_node
+from kvstore.daemon.node import Node, Shared, open_node
 from kvstore.engine.api import MasterKey
 from kvstore.server_config import ServerConfig
 from kvstore.transport.http.app import http_app
-from kvstore.transport.http.appkeys import METRICS, STORE
+from kvstore.transport.http.appkeys import FOLLOWER, METRICS, STORE
 from kvstore.transport.http.qos import ADMISSION
 from kvstore.transport.http.routes.events import EVENTS
 from kvstore.transport.http.routes.fleet import FLEET, FLEET_TIER, TAKEOVER
@@ -25,17 +25,16 @@ def make_app(
     master: MasterKey,
     role: str = "single",
     writer_socket: str | None = None,
-    qos_table: int | None = None,
+    shared: Shared | None = None,
 ) -> web.Application:
     """The HTTP application of a process of ``role`` ("single": the only
     process; "writer": owns the writes of a multi-worker daemon; "reader":
     serves reads, forwards writes to the writer listening on
     ``writer_socket``), its node opened on start-up and closed last.
-    ``qos_table``: the workers' shared QoS buckets
-    (:func:`kvstore.qos.buckets.shared_table`); None: this process's own."""
+    ``shared``: what the workers of one daemon share (node.Shared)."""
 
     async def node_ctx(app: web.Application) -> AsyncIterator[None]:
-        async with open_node(config, master, role, qos_table) as node:
+        async with open_node(config, master, role, shared) as node:
             attach(app, node)
             yield
 
@@ -59,3 +58,5 @@ def attach(app: web.Application, node: Node) -> None:
         app[TAKEOVER] = node.takeover
     if node.fleet_tier is not None:
         app[FLEET_TIER] = node.fleet_tier
+    if node.follower is not None:
+        app[FOLLOWER] = node.follower

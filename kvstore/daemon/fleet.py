@@ -5,8 +5,10 @@ process's): a reader worker follows the writer's store."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -15,12 +17,14 @@ from kvstore_client.sharding import normalize
 from kvstore.config import StoreConfig
 from kvstore.engine.api import MasterKey, tier_from_config
 from kvstore.errors import BucketNotFound, ConfigError
+from kvstore.fleet import shared
 from kvstore.fleet.bucket import BucketMembership
 from kvstore.fleet.etcd import Etcd, EtcdMembership
 from kvstore.fleet.membership import Membership
 from kvstore.fleet.metrics import FleetGauges
 from kvstore.fleet.node import FleetNode
 from kvstore.fleet.registry import FleetRegistry, adopt_at_start
+from kvstore.fleet.shared import FleetFollower, FleetState
 from kvstore.fleet.takeover import Takeover
 from kvstore.tasks import Background
 from kvstore.tier.base import Tier
@@ -29,6 +33,8 @@ if TYPE_CHECKING:
     from kvstore.daemon.node import Node
 
 log = logging.getLogger("kvstore.fleet")
+PUBLISH_S = 0.5  # how often the writer publishes its fleet state to the readers
+STALE_HEARTBEATS = 3  # a state older than this many heartbeats reads as fenced on the readers
 
 
 @contextlib.asynccontextmanager
@@ -119,3 +125,57 @@ def etcd_prefix(cfg: StoreConfig) -> str:
     where = f"s3/{cfg.s3_bucket}" if cfg.s3_bucket else f"dir/{cfg.tier_dir.strip('/')}"
     prefix = cfg.s3_prefix.strip("/")
     return f"/kvstore/{where}/{prefix}/" if prefix else f"/kvstore/{where}/"
+
+
+@contextlib.asynccontextmanager
+async def publish_state(node: Node, fd: int | None) -> AsyncIterator[None]:
+    """A fleet node's writer with reader workers (``fd``: the shared page,
+    kvstore/fleet/shared.py): its fleet state published every half
+    heartbeat, so the readers answer ``/readyz``, tenant operations and
+    reads of taken-over blocks as it would."""
+    member = node.fleet
+    if fd is None or member is None:
+        yield
+        return
+
+    def state() -> FleetState:
+        takeover = node.takeover
+        return FleetState(
+            fenced=member.fenced(),
+            tenants_fenced=member.tenants_fenced(),
+            takeovers=len(takeover.adopted) if takeover is not None else 0,
+            registry_version=member.registry_version,
+            stamp=time.monotonic(),
+            fence_at=member.fence_at(),
+            tenants_fence_at=member.tenants_fence_at(),
+        )
+
+    async def publisher() -> None:
+        while True:
+            try:
+                shared.publish(fd, state())
+            except Exception:
+                log.exception("publishing the fleet state to the reader workers failed")
+            await asyncio.sleep(PUBLISH_S)
+
+    shared.publish(fd, state())
+    tasks = Background()
+    tasks.spawn(publisher(), "fleet-state")
+    try:
+        yield
+    finally:
+        await tasks.close()
+
+
+@contextlib.asynccontextmanager
+async def follow_state(node: Node, fd: int) -> AsyncIterator[None]:
+    """A fleet node's reader worker: the writer's fleet state, read from the
+    shared page; its tenant operations refused while the writer's are."""
+    cfg = node.config.store
+    follower = node.follower = FleetFollower(fd, stale_after_s=STALE_HEARTBEATS * cfg.fleet_heartbeat_s + PUBLISH_S)
+    node.store.tenant_fence = follower.check_tenants
+    try:
+        yield
+    finally:
+        node.store.tenant_fence = None
+        follower.close()

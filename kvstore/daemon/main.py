@@ -72,10 +72,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         scrubber.add_key(master.secret)
         check_data_dir(cfg.store.data_dir)
         cfg = fleet_identity.resolve(cfg)  # a fleet node's id and URL, once, before any fork
-        if cfg.store.fleet:
-            if cfg.workers not in (AUTO, 1):
-                raise ConfigError(f"workers={cfg.workers!r}: a fleet node (fleet = true) runs one worker for now")
-            cfg = replace(cfg, workers=1)
         if cfg.workers == AUTO:  # resolved once, here, before any fork
             auto = workers.machine_workers(cfg)
             log.info("%s", auto)

@@ -32,6 +32,7 @@ from kvstore.engine.api import MasterKey, Store
 from kvstore.events.bus import EventBus
 from kvstore.events.zmq_pub import ZmqPublisher
 from kvstore.fleet.node import FleetNode
+from kvstore.fleet.shared import FleetFollower
 from kvstore.fleet.takeover import Takeover
 from kvstore.qos.admission import Admission
 from kvstore.qos.buckets import RateTable
@@ -45,6 +46,17 @@ log = logging.getLogger("kvstore.node")
 FLUSH_S = 1.0  # how often a worker adds what it served to the node's counts
 SWEEP_S = 1.0  # how often NIXL's expired leases and registrations are swept
 ROLES = ("single", "writer", "reader")
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What the supervisor of several workers shares with each one it forks
+    (memfds, made before the fork): the tenants' QoS buckets
+    (kvstore/qos/buckets.py) and the writer's fleet state for the readers
+    (kvstore/fleet/shared.py). None: this process's own (one worker)."""
+
+    qos: int | None = None
+    fleet: int | None = None
 
 
 @dataclass
@@ -61,6 +73,7 @@ class Node:
     fleet: FleetNode | None = None
     takeover: Takeover | None = None
     fleet_tier: Tier | None = None
+    follower: FleetFollower | None = None  # a reader worker's view of the writer's fleet state
 
     @property
     def reader(self) -> bool:
@@ -69,11 +82,10 @@ class Node:
 
 @contextlib.asynccontextmanager
 async def open_node(
-    config: ServerConfig, master: MasterKey, role: str = "single", qos_table: int | None = None
+    config: ServerConfig, master: MasterKey, role: str = "single", shared: Shared | None = None
 ) -> AsyncIterator[Node]:
     """The node of a process of ``role``, open for the ``async with`` block
-    (module doc). ``qos_table``: the workers' shared QoS buckets
-    (:func:`kvstore.qos.buckets.shared_table`); None: this process's own."""
+    (module doc). ``shared``: what the workers share (:class:`Shared`)."""
     if role not in ROLES:
         raise ValueError(f"role={role!r}: expected single, writer or reader")
     reader = role == "reader"
@@ -86,11 +98,15 @@ async def open_node(
             store.metrics, config.max_concurrency, config.max_buffered_body_bytes, config.store.max_block_size
         )
         node = Node(config, role, store, admission, fleet_tier=tier)
-        await stack.enter_async_context(_qos(node, qos_table))
+        shared = shared or Shared()
+        await stack.enter_async_context(_qos(node, shared.qos))
         if not reader:  # one event bus and one NIXL agent, the writer's: readers relay to them
             await stack.enter_async_context(_events(node))
             await stack.enter_async_context(_xfer(node))
             await stack.enter_async_context(fleet.fleet_membership(node, master))
+            await stack.enter_async_context(fleet.publish_state(node, shared.fleet))
+        elif config.store.fleet and shared.fleet is not None:
+            await stack.enter_async_context(fleet.follow_state(node, shared.fleet))
         admission.ready = True
         try:
             yield node

@@ -15,6 +15,7 @@ from aiohttp import web
 from kvstore import sdnotify
 from kvstore.daemon.app import NODE, make_app
 from kvstore.daemon.listeners import bind_tcp, close_listeners, listeners, serving_on
+from kvstore.daemon.node import Shared
 from kvstore.engine.api import MasterKey
 from kvstore.errors import ConfigError
 from kvstore.server_config import ServerConfig
@@ -45,10 +46,10 @@ async def serve(
     writer_socket: str | None = None,
     on_ready: Callable[[], None] | None = None,
     bound: tuple[list[socket.socket], list[UnixListener]] | None = None,
-    qos_table: int | None = None,
+    shared: Shared | None = None,
 ) -> None:
     """Run one server process until SIGTERM/SIGINT. ``role`` and
-    ``qos_table`` as in make_app. ``bound``: the listening sockets
+    ``shared`` as in make_app. ``bound``: the listening sockets
     (:func:`listeners`), bound by the supervisor and shared by its workers
     (None: bound, and closed or removed at exit, here).
 
@@ -62,7 +63,7 @@ async def serve(
     tcp, unix = listeners(cfg) if bound is None else bound
     try:
         gw_tcp = bind_tcp("s3_gateway_listen", *gateway) if gateway is not None else []
-        await _serve_on(cfg, master, role, writer_socket, on_ready, tls, tcp, gw_tcp, unix, qos_table)
+        await _serve_on(cfg, master, role, writer_socket, on_ready, tls, tcp, gw_tcp, unix, shared)
     finally:
         if bound is None:  # this process's own: the supervisor closes what it bound
             close_listeners(tcp, unix)
@@ -79,10 +80,10 @@ async def _serve_on(
     tcp: list[socket.socket],
     gw_tcp: list[socket.socket],
     unix_socks: list[UnixListener],
-    qos_table: int | None,
+    shared: Shared | None,
 ) -> None:
     """:func:`serve` once every address is bound."""
-    app = make_app(cfg, master, role, writer_socket, qos_table)
+    app = make_app(cfg, master, role, writer_socket, shared)
     runner = KVAppRunner(
         app,
         keepalive_timeout=cfg.keepalive_timeout_s,

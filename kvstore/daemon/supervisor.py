@@ -19,9 +19,11 @@ import uvloop
 
 from kvstore import sdnotify
 from kvstore.daemon.listeners import close_listeners, listeners, serving_on
+from kvstore.daemon.node import Shared
 from kvstore.daemon.process import os_error, serve
 from kvstore.engine.api import MasterKey
 from kvstore.errors import KVStoreError
+from kvstore.fleet.shared import shared_state
 from kvstore.qos.buckets import shared_table
 from kvstore.server_config import ServerConfig
 from kvstore.transport.http.unix import UnixListener
@@ -38,7 +40,7 @@ def _worker(
     ready: Connection,
     supervisor: int,
     bound: tuple[list[socket.socket], list[UnixListener]],
-    qos_table: int,
+    shared: Shared,
 ) -> None:
     """A worker process of a multi-worker daemon (forked by :func:`supervise`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops workers in order
@@ -56,7 +58,7 @@ def _worker(
         ready.send("ready")
 
     try:
-        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready, bound, qos_table))
+        uvloop.run(serve(cfg, MasterKey(secret), role, sock, on_ready, bound, shared))
     except KVStoreError as e:
         print(f"kvstore {role}: {e}", file=sys.stderr)
         sys.exit(2)
@@ -75,7 +77,8 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
     the daemon exits (systemd restarts it)."""
     ctx = multiprocessing.get_context("fork")  # before any thread or event loop exists here
     # One listening socket per address, shared by every worker and by no other process.
-    qos_table = shared_table()  # the tenants' token buckets, in memory every worker maps
+    # The tenants' token buckets, and a fleet node's state, in memory every worker maps.
+    shared = Shared(shared_table(), shared_state() if cfg.store.fleet else None)
     bound = listeners(cfg)
     sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # mode 0700: only this user reaches the writer
     sock = os.path.join(sock_dir, "writer.sock")
@@ -98,7 +101,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_worker,
-            args=(cfg, master.secret, role, sock, child, os.getpid(), bound, qos_table),
+            args=(cfg, master.secret, role, sock, child, os.getpid(), bound, shared),
             name=f"kvstore-{role}",
         )
         p.start()
@@ -118,7 +121,11 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
     try:
         ok = start("writer") and all(start("reader") for _ in range(cfg.worker_count - 1))
         if not ok:
-            rc = 0 if stopping else 1
+            # A worker that could not start said why on one line and exited 2
+            # (a setting, a missing bucket, the host's doing): so does the daemon.
+            last = procs[-1][1]  # the one that did not start
+            last.join(10)
+            rc = 0 if stopping else 2 if last.exitcode == 2 else 1
         else:
             where = serving_on(cfg)
             print(f"kvstore serving on {where} with {cfg.worker_count} workers", flush=True)
@@ -153,6 +160,8 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
                     p.join()
         shutil.rmtree(sock_dir, ignore_errors=True)
         close_listeners(*bound)
-        os.close(qos_table)
+        for fd in (shared.qos, shared.fleet):
+            if fd is not None:
+                os.close(fd)
     log.info("stopped")
     return rc

@@ -188,6 +188,17 @@ class FleetNode:
             return f"node {self.node_id} is not alive in the fleet's membership (yet)"
         return ""
 
+    def fence_at(self) -> float:
+        """When (monotonic) this node refuses writes unless a heartbeat lands
+        first: its last heartbeat + ``fence_after_s`` (the reader workers
+        compute the fence from it, with no lag: kvstore/fleet/shared.py)."""
+        return self._last_beat + self.fence_after_s
+
+    def tenants_fence_at(self) -> float:
+        """When (monotonic) this node refuses tenant operations unless it
+        confirms the fleet's registry first (never, without a registry)."""
+        return self.registry.confirmed + self.fence_after_s if self.registry is not None else math.inf
+
     def check_writable(self) -> None:
         why = self.fenced()
         if why:

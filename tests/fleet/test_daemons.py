@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ from .proxy import CuttableProxy
 HEARTBEAT_S = 0.5
 DEAD_AFTER_S = 2.5
 REFRESH_S = 1
+WORKERS = int(os.environ.get("KVSTORE_TEST_FLEET_WORKERS", "2"))  # per node: the writer and readers that follow it
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Fleet:
                 "PYTHONPATH": str(ROOT),
                 "KVSTORE_ADMIN_TOKEN": ADMIN,
                 "KVSTORE_MASTER_KEY_FILE": str(key),
-                "KVSTORE_WORKERS": "1",
+                "KVSTORE_WORKERS": str(WORKERS),
                 "KVSTORE_SEGMENT_SIZE": "1MiB",
                 "KVSTORE_S3_ENDPOINT": proxy.url,
                 "KVSTORE_S3_BUCKET": s3.bucket,
@@ -104,7 +104,7 @@ class Fleet:
                 **{"KVSTORE_" + k.upper(): v for k, v in settings.items()},
             }
             (tmp / f"n{i}").mkdir()
-            d = Daemon(tmp / f"n{i}" / "data", port, env)
+            d = Daemon(tmp / f"n{i}" / "data", port, env, own_group=True)  # SIGKILL/SIGSTOP: every worker
             if sock_dir is not None:
                 d.extra = ["--listen", f"unix:{sock_dir / f'n{i}.sock'}", "--unix-socket-mode", "0666"]
             self.nodes.append(d)
@@ -142,8 +142,7 @@ class Fleet:
     def stop(self) -> None:
         for d in self.nodes:
             if d.proc is not None:
-                with contextlib.suppress(OSError):
-                    os.kill(d.proc.pid, signal.SIGCONT)
+                d.signal_all(signal.SIGCONT)
                 d.stop(signal.SIGKILL)
         for p in self.proxies:
             p.close()
@@ -195,6 +194,12 @@ def test_a_node_cut_from_the_bucket_refuses_writes_by_itself_and_rejoins(fleet: 
     assert r.status == 503 and r.body["error"]["code"] == "fenced", r
     # (that PUT may have met the tenant fence, which can come up to a heartbeat before the write fence)
     until("node-2 not ready", lambda: call(n2.base, "GET", "/readyz").status == 503, 2)
+    # Every worker says so (a reader from its writer's published state, within half a heartbeat).
+    until(
+        "every worker of node-2 not ready",
+        lambda: all(call(n2.base, "GET", "/readyz").status == 503 for _ in range(10)),
+        3,
+    )
     ready = call(n2.base, "GET", "/readyz")
     assert ready.status == 503 and ready.body["error"]["code"] == "fenced", ready
     # Reads stop too, once it cannot confirm the fleet's tenant registry either (issue 40: a stale
@@ -207,7 +212,9 @@ def test_a_node_cut_from_the_bucket_refuses_writes_by_itself_and_rejoins(fleet: 
         lambda: call(n2.base, "PUT", f"/v1/blocks/after{next(keys)}", token, data=b"z" * 1000).status == 201,
         4 * DEAD_AFTER_S,
     )
-    assert call(n2.base, "GET", "/readyz").status == 200
+    until(
+        "every worker of node-2 ready", lambda: all(call(n2.base, "GET", "/readyz").status == 200 for _ in range(10)), 3
+    )
     until("node-2 alive again", lambda: fleet.member(n0, "node-2")["state"] == "alive", 4 * DEAD_AFTER_S)
     assert fleet.member(n0, "node-2")["incarnation"] == 2
 
@@ -215,11 +222,11 @@ def test_a_node_cut_from_the_bucket_refuses_writes_by_itself_and_rejoins(fleet: 
 def test_a_stopped_node_rejoins_after_sigcont(fleet: Fleet) -> None:
     n0, n1, _ = fleet.nodes
     assert n1.proc is not None
-    os.kill(n1.proc.pid, signal.SIGSTOP)
+    n1.signal_all(signal.SIGSTOP)  # every worker: the node, frozen
     try:
         until("node-1 declared dead", lambda: fleet.member(n0, "node-1")["state"] == "dead", 4 * DEAD_AFTER_S)
     finally:
-        os.kill(n1.proc.pid, signal.SIGCONT)
+        n1.signal_all(signal.SIGCONT)
     until("node-1 alive again", lambda: fleet.member(n0, "node-1")["state"] == "alive", 4 * DEAD_AFTER_S)
     assert fleet.member(n0, "node-1")["incarnation"] == 2
     assert call(n1.base, "GET", "/readyz").status == 200
@@ -383,6 +390,18 @@ async def test_survivors_serve_a_dead_nodes_flushed_blocks_and_let_go_when_it_re
             await asyncio.sleep(0.2)
         for k in theirs:
             assert await kv.get(k) == blocks[k]
+        # Every worker of a survivor answers them: a connection of its own per
+        # read lands on either worker, and a reader relays to its writer, the
+        # only one that holds node-1's blocks (kvstore/fleet/shared.py).
+        for d in (n0, n2):
+            pids = {call(d.base, "GET", "/healthz").body["pid"] for _ in range(20)}
+            assert len(pids) == WORKERS, pids
+            ours = [k for k in theirs if rank_endpoints(sorted([n0.base, n2.base]), k)[0] == d.base]
+            assert ours
+            for k in ours:
+                for _ in range(4):
+                    assert call(d.base, "GET", f"/v1/blocks/{k}", token).body == blocks[k]
+                    assert call(d.base, "POST", "/v1/lookup", token, doc={"keys": [k]}).body["present"] == [True]
         assert await kv.lookup_detail(theirs) == [True] * len(theirs)
         assert await kv.lookup([*theirs, "never-written"]) == len(theirs)
         present, locks = await kv.lookup_and_lock(theirs, lease_s=30)  # LMCache MP's lookups

@@ -115,6 +115,10 @@ class Daemon:
     # fills the data directory's filesystem puts it elsewhere: a log on a full
     # disk would fail the daemon's last flush at exit (status 120).
     log_dir: Path | None = None
+    # Its own process group (a daemon of several workers as one node): SIGKILL,
+    # SIGSTOP and SIGCONT (signal_all) then reach every worker, as a machine's
+    # crash or a frozen container would, not the supervisor alone.
+    own_group: bool = False
 
     @property
     def base(self) -> str:
@@ -125,7 +129,9 @@ class Daemon:
         cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(self.data_dir)]
         cmd += ["--listen", f"127.0.0.1:{self.port}", *self.extra]
         with self.log.open("ab") as log:  # a file, not a pipe: a full pipe would stall the server
-            self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=self.own_group
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -137,9 +143,22 @@ class Daemon:
                 time.sleep(0.05)
         raise TimeoutError("server did not start listening")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    def signal_all(self, sig: int) -> None:
+        """``sig`` to the daemon: to its whole group when it has one of its own."""
         assert self.proc is not None
-        if self.proc.poll() is None:
+        if self.own_group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+        elif self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """SIGTERM: to the supervisor, which stops its workers in order;
+        SIGKILL: to every process of the daemon (its group, if it has one)."""
+        assert self.proc is not None
+        if sig == signal.SIGKILL:
+            self.signal_all(sig)
+        elif self.proc.poll() is None:
             self.proc.send_signal(sig)
         rc = self.proc.wait(timeout)
         self.output = self.log.read_text()

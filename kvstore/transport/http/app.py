@@ -50,6 +50,9 @@ async def readyz(request: web.Request) -> web.Response:
     why = fleet.fenced(request.app)
     if why:
         return web.json_response(error_body("fenced", f"this node refuses writes: {why}"), status=503)
+    why = fleet.tenants_fenced(request.app)
+    if why:
+        return web.json_response(error_body("fenced", f"this node refuses tenant operations: {why}"), status=503)
     if is_admin(request):
         return web.json_response({"status": "ready", "recovery": request.app[STORE].recovery.as_dict()})
     return web.json_response({"status": "ready"})

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from kvstore.engine.api import BlockInfo, Store
 from kvstore.errors import NotFound
+from kvstore.fleet.shared import FleetFollower
 from kvstore.metrics import Metrics
 from kvstore.server_config import ServerConfig
 
@@ -21,6 +22,8 @@ STORE = web.AppKey("store", Store)
 CONFIG = web.AppKey("config", ServerConfig)
 METRICS = web.AppKey("metrics", Metrics)
 STATE = web.AppKey("state", dict[str, Any])
+# A fleet node's reader worker: its writer's fleet state (kvstore/fleet/shared.py).
+FOLLOWER = web.AppKey("fleet_follower", FleetFollower)
 # The tenant the request's bearer token names, once authenticated (auth.tenant_of).
 TENANT = web.RequestKey("tenant", str)
 

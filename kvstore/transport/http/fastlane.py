@@ -76,7 +76,7 @@ from kvstore.qos.admission import Ticket
 from kvstore.transport.http.appkeys import CONFIG, METRICS, STORE, Resolved
 from kvstore.transport.http.auth import bearer
 from kvstore.transport.http.bodies import keys_field, parse_json, tokens_per_block_field
-from kvstore.transport.http.forward import WRITER
+from kvstore.transport.http.forward import WRITER, serving_takeovers
 from kvstore.transport.http.middleware import error_answered
 from kvstore.transport.http.qos import ADMISSION
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
@@ -407,6 +407,8 @@ class FastLane:
     def _answer_lookup(self, req: _Hot, transport: asyncio.Transport, t0: float) -> bool:
         """``POST /v1/lookup`` without ``lease_s``: the route's checks and answer."""
         app, store, admission = self._app, self._app[STORE], self._app[ADMISSION]
+        if serving_takeovers(app):
+            return False  # a reader worker while its writer holds dead nodes' blocks: the writer's (forward.py)
         try:
             tenant = req.tenant = store.authenticate(req.token) if req.token else None
             if tenant is None:

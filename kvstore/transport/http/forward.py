@@ -28,7 +28,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from yarl import URL
 
 from kvstore.errors import InvalidInput, KVStoreError, Overloaded, StoreClosed, WriterTimeout
-from kvstore.transport.http.appkeys import STATE, client_gone, config_of, route_of, store_of
+from kvstore.transport.http.appkeys import FOLLOWER, STATE, client_gone, config_of, route_of, store_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING, check_length
 from kvstore.transport.http.query import query_number
 from kvstore.transport.http.respond import send
@@ -77,14 +77,37 @@ LOCAL_ROUTES = frozenset(
     }
 )
 
+# Reads that may find a block of a dead node this fleet node took over: only
+# the writer holds those stores, so while it holds any, readers relay these.
+ADOPTED_READS = frozenset(
+    {
+        ("GET", "/v1/blocks/{key}"),
+        ("HEAD", "/v1/blocks/{key}"),
+        ("GET", "/v1/records/{key}"),
+        ("POST", "/v1/lookup"),
+        ("POST", "/v1/batch/get"),
+        ("POST", "/v1/read-plan"),
+    }
+)
+
 
 def relayed(request: web.Request) -> bool:
     """Whether the writer must answer ``request``: a matched route that is not
-    one of the reads every worker serves. Unmatched paths and methods are
-    answered where they arrive (the same 404/405 the writer would give)."""
+    one of the reads every worker serves, or on a fleet node one that may
+    find a block the writer took over from a dead node while it serves any.
+    Unmatched paths and methods are answered where they arrive (the same
+    404/405 the writer would give)."""
     if request.match_info.http_exception is not None:
         return False
-    return (request.method, route_of(request)) not in LOCAL_ROUTES
+    route = (request.method, route_of(request))
+    return route not in LOCAL_ROUTES or (route in ADOPTED_READS and serving_takeovers(request.app))
+
+
+def serving_takeovers(app: web.Application) -> bool:
+    """On a fleet node's reader worker: whether its writer serves blocks of
+    dead nodes now (kvstore/fleet/shared.py)."""
+    follower = app.get(FOLLOWER)
+    return follower is not None and follower.takeovers() > 0
 
 
 def writer_url(request: web.Request) -> URL:

@@ -13,6 +13,7 @@ from kvstore.fleet.node import FleetNode
 from kvstore.fleet.takeover import Takeover
 from kvstore.names import validate_node_id
 from kvstore.tier.base import Tier
+from kvstore.transport.http.appkeys import FOLLOWER
 from kvstore.transport.http.auth import is_admin, require_admin, tenant_of
 from kvstore.transport.http.query import query_bool
 
@@ -37,9 +38,24 @@ def with_adopted(app: web.Application, tenant: str, keys: list[str], present: li
 
 
 def fenced(app: web.Application) -> str:
-    """Why this fleet node refuses writes ("" if it does not, or is not in a fleet)."""
+    """Why this fleet node refuses writes ("" if it does not, or is not in a
+    fleet): the writer worker's own view, or on a reader worker the writer's
+    as it published it (kvstore/fleet/shared.py)."""
     node = app.get(FLEET)
-    return node.fenced() if node is not None else ""
+    if node is not None:
+        return node.fenced()
+    follower = app.get(FOLLOWER)
+    return follower.fenced() if follower is not None else ""
+
+
+def tenants_fenced(app: web.Application) -> str:
+    """Why this fleet node refuses tenant operations ("" if it does not): it
+    cannot confirm the fleet's tenant registry (kvstore/fleet/node.py)."""
+    node = app.get(FLEET)
+    if node is not None:
+        return node.tenants_fenced()
+    follower = app.get(FOLLOWER)
+    return follower.tenants_fenced() if follower is not None else ""
 
 
 @routes.get("/v1/fleet")
