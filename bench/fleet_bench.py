@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--etcd-url", default="", help="membership on this etcd (fleet_etcd_url) instead of the bucket (default)"
     )
     p.add_argument("--rounds", type=int, default=3, help="read rounds per measurement (default 3)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes per node (default 2)")
+    p.add_argument(
+        "--changes", type=int, default=5, help="tenant changes timed across the fleet, each kind (default 5)"
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON here")
     return p
 
@@ -106,6 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(e))
     if a.nodes < 2 or a.blocks < a.nodes or a.rounds < 1 or not 1 <= a.size <= 64 << 20:
         p.error("--nodes >= 2, --blocks >= --nodes, --rounds >= 1, --block-size 1 B to 64 MiB")
+    if a.workers < 1 or a.changes < 0:
+        p.error("--workers >= 1, --changes >= 0")
     if a.dead_after_s < 2 * a.heartbeat_s:
         p.error("argument --dead-after-s: at least twice --heartbeat-s")
     return a
@@ -160,6 +166,7 @@ class Fleet:
         key.write_bytes(os.urandom(32))
         key.chmod(0o600)
         self.procs = Processes()
+        self.workers = a.workers
         self.ports = free_ports(a.nodes)
         self.bases = [f"http://127.0.0.1:{port}" for port in self.ports]
         self.nodes: list[Kvstore] = []
@@ -187,7 +194,7 @@ class Fleet:
             self.nodes.append(node)
 
     def start(self, i: int) -> None:
-        self.nodes[i].start(None, port=self.ports[i])
+        self.nodes[i].start(self.workers, port=self.ports[i])
 
     def kill(self, i: int) -> None:
         """SIGKILL: the node and its workers, without a word."""
@@ -218,10 +225,59 @@ async def _read_rate(kv: Any, keys: list[str], blocks: dict[str, bytes], rounds:
     return statistics.median(rates), rates
 
 
+def _until_all(bases: list[str], check: Any, timeout: float) -> list[float]:
+    """Seconds until ``check(base)`` held on each of ``bases`` (polled every 10 ms)."""
+    t0 = time.monotonic()
+    took: dict[str, float] = {}
+    while len(took) < len(bases):
+        for b in bases:
+            if b not in took and check(b):
+                took[b] = time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"kvstore-bench fleet: a tenant change did not reach every node within {timeout} s")
+        time.sleep(0.01)
+    return [took[b] for b in bases]
+
+
+def _propagation(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
+    """A tenant created on one node, then its token revoked on another: the
+    seconds from each admin call's answer until every other node serves the
+    token (GET /v1/stats 200), then refuses it (401). --changes of each."""
+    created: list[float] = []
+    revoked: list[float] = []
+    for r in range(a.changes):
+        at, other = r % a.nodes, (r + 1) % a.nodes
+        status, doc = _call(
+            fleet.bases[at], "POST", "/v1/admin/tenants", fleet.admin, {"name": f"p{r}", "policy": "direct"}
+        )
+        if status != 201:
+            raise SystemExit(f"kvstore-bench fleet: creating tenant p{r} answered {status}")
+        token, token_id = doc["token"], doc["token_id"]
+        others = [b for i, b in enumerate(fleet.bases) if i != at]
+        created += _until_all(others, lambda b, t=token: _call(b, "GET", "/v1/stats", t)[0] == 200, 60)
+        path = f"/v1/admin/tenants/p{r}/tokens/{token_id}"
+        status, _ = _call(fleet.bases[other], "DELETE", path, fleet.admin)
+        if status != 204:
+            raise SystemExit(f"kvstore-bench fleet: revoking p{r}'s token answered {status}")
+        others = [b for i, b in enumerate(fleet.bases) if i != other]
+        revoked += _until_all(others, lambda b, t=token: _call(b, "GET", "/v1/stats", t)[0] == 401, 60)
+    out: dict[str, Any] = {"created_s": created, "revoked_s": revoked}
+    for name, xs in (("created", created), ("revoked", revoked)):
+        if xs:
+            out[f"{name}_median_s"], out[f"{name}_max_s"] = statistics.median(xs), max(xs)
+            print(
+                f"a tenant {name} on one node, in force on the others after: median {statistics.median(xs):.3f} s,"
+                f" max {max(xs):.3f} s ({len(xs)} node-changes; heartbeat {a.heartbeat_s} s)",
+                flush=True,
+            )
+    return out
+
+
 async def _run(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
     from kvstore_client import AsyncClient
     from kvstore_client.sharding import rank_endpoints
 
+    changes = _propagation(a, fleet)
     status, doc = _call(fleet.bases[0], "POST", "/v1/admin/tenants", fleet.admin, {"name": "bench", "policy": a.policy})
     if status != 201:
         raise SystemExit(f"kvstore-bench fleet: creating the tenant answered {status}")
@@ -271,6 +327,8 @@ async def _run(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
         print(f"node-1's blocks read through the survivors: {via:.1f} MB/s ({via / own:.2f} x on their own node)")
     return {
         "nodes": a.nodes,
+        "workers": a.workers,
+        "tenant_changes": changes,
         "blocks": a.blocks,
         "block_size": a.size,
         "policy": a.policy,
