@@ -32,7 +32,13 @@ ACCESS_KEY = "local"  # moto takes any credentials; a daemon still needs some to
 SECRET_KEY = "local"
 
 
-def _atomic_conditional_puts() -> None:
+def atomic_conditional_puts() -> None:
+    """S3 checks a PUT's ``If-Match`` / ``If-None-Match`` and writes the
+    object as one step; moto's threaded server checks, then writes, with no
+    lock between, so two racing conditional PUTs can both succeed there.
+    The fleet's shared state (kvstore/fleet/) relies on S3's behaviour:
+    serialize moto's object PUTs (in this process) so that it holds. The
+    tests' S3 server (tests/moto_s3.py) and this one both call it."""
     from moto.s3.responses import S3Response
 
     if getattr(S3Response.put_object, "_kvstore_atomic", False):
@@ -53,7 +59,7 @@ def start(port: int = 0, host: str = "127.0.0.1") -> tuple[Any, str]:
     """moto's threaded server, started: (the server, its URL). ``port`` 0: a free one."""
     from moto.server import ThreadedMotoServer
 
-    _atomic_conditional_puts()
+    atomic_conditional_puts()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
     server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)
     server.start()

@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import functools
-import threading
 from dataclasses import dataclass
-from typing import Any
 
-from moto.s3.responses import S3Response
+from kvstore_bench.moto_s3 import atomic_conditional_puts
 from moto.server import ThreadedMotoServer
 
 REGION = "us-east-1"
@@ -23,27 +20,7 @@ AWS_ENV = {
 }
 
 
-def _atomic_conditional_puts() -> None:
-    """S3 checks a PUT's ``If-Match`` / ``If-None-Match`` and writes the
-    object as one step; moto's threaded server checks, then writes, with no
-    lock between, so two racing conditional PUTs can both succeed there.
-    The fleet's shared state (kvstore/fleet/) relies on S3's behaviour:
-    serialize moto's object PUTs so that tests exercise it, not moto's race."""
-    if getattr(S3Response.put_object, "_kvstore_atomic", False):
-        return
-    lock = threading.Lock()
-    original = S3Response.put_object
-
-    @functools.wraps(original)
-    def put_object(self: Any) -> Any:
-        with lock:
-            return original(self)
-
-    put_object._kvstore_atomic = True  # type: ignore[attr-defined]
-    S3Response.put_object = put_object  # type: ignore[method-assign]
-
-
-_atomic_conditional_puts()
+atomic_conditional_puts()  # (conditional PUTs atomic, as on S3: kvstore_bench/moto_s3.py)
 
 
 class MotoEndpoint:
