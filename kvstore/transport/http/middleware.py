@@ -19,6 +19,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from kvstore.errors import (
     ExpectationFailed,
+    Fenced,
     InvalidRange,
     KVStoreError,
     Overloaded,
@@ -142,7 +143,8 @@ def error_answered(app: web.Application, method: str, route: str, e: KVStoreErro
     if http_status(e) >= 500:
         if isinstance(e, WriterTimeout):  # slow, not down: the writer may still complete it
             log.warning("%s %s: %s", method, route, e)
-        elif not isinstance(e, Overloaded):  # counted, not logged: a flood must not flood the log
+        elif not isinstance(e, Overloaded | Fenced):  # counted, not logged: a flood must not flood the log
+            # (a fenced node says why once, as it fences and as it lifts the fence: kvstore/fleet/node.py)
             log.error("%s %s: %s", method, route, e)
         app[METRICS].inc("kvstore_errors_total", code=e.code)
     return headers
