@@ -205,15 +205,15 @@ def test_startup_without_registry_refuses_and_names_the_tenants(daemon: Daemon) 
 
 def test_supervisor_whose_writer_cannot_open_the_store_exits_cleanly(daemon: Daemon) -> None:
     """A supervisor whose writer died at start-up (here: the store is locked
-    by a running daemon) crashed with a traceback in its pipe; it exits 1 now,
-    and the writer's own message says why."""
+    by a running daemon) crashed with a traceback in its pipe; it exits 2 now,
+    as one process does for a start-up error, and the writer's own message says why."""
     daemon.extra = ["--workers", "2"]
     daemon.start()
     try:
         cmd = [sys.executable, str(ROOT / "server.py"), "--data-dir", str(daemon.data_dir)]
         cmd += ["--listen", "127.0.0.1:0", "--workers", "2"]
         out = subprocess.run(cmd, env=daemon.env, capture_output=True, timeout=60, text=True)
-        assert out.returncode == 1, out.stderr
+        assert out.returncode == 2, out.stderr
         assert "in use by another process" in out.stderr and "Traceback" not in out.stderr, out.stderr
     finally:
         daemon.stop()
