@@ -33,7 +33,8 @@ follows a PUT, a GET and a segment through them):
   over ``policy``, ``buckets`` (node-wide token buckets), ``fair`` (the fair
   gate), ``shares`` and ``limits``;
   ``events/`` (residency events and their publishers), ``fleet/`` (nodes on
-  one bucket: membership, placement, takeover).
+  one bucket: membership, placement, takeover, the registry's checks, the
+  writer's state for reader workers, the fleet's metrics).
 - ``daemon/``: the composition root: ``main`` (``kvstore serve``),
   ``supervisor`` (the workers), ``process`` (one process), ``listeners``,
   ``node`` (the store, the admission, events, NIXL and the fleet, opened
