@@ -118,19 +118,24 @@ def pid_cpu_seconds(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / CLK_TCK
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) of ``pid`` and its live descendants."""
-    children: dict[int, list[int]] = {}
+def _all_stats() -> dict[int, list[str]]:
+    """:func:`_stat` of every live process (those that end meanwhile left out)."""
     stats: dict[int, list[str]] = {}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            f = _stat(entry.name)
-        except OSError:
-            continue
-        stats[int(entry.name)] = f
-        children.setdefault(int(f[1]), []).append(int(entry.name))
+        if entry.name.isdigit():
+            try:
+                stats[int(entry.name)] = _stat(entry.name)
+            except OSError:
+                continue
+    return stats
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its live descendants."""
+    stats = _all_stats()
+    children: dict[int, list[int]] = {}
+    for p, f in stats.items():
+        children.setdefault(int(f[1]), []).append(p)
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
@@ -143,17 +148,7 @@ def tree_cpu_seconds(pid: int) -> float:
 
 def group_pids(pgid: int) -> list[int]:
     """Live processes whose process group is ``pgid`` (from /proc)."""
-    pids: list[int] = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            f = _stat(entry.name)
-        except OSError:
-            continue
-        if len(f) > 2 and int(f[2]) == pgid:
-            pids.append(int(entry.name))
-    return pids
+    return [p for p, f in _all_stats().items() if len(f) > 2 and int(f[2]) == pgid]
 
 
 def group_cpu_seconds(pgid: int) -> tuple[float, float]:

@@ -13,9 +13,11 @@ has ended.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import logging
+from collections.abc import Callable, Coroutine
 from typing import Any
 
+log = logging.getLogger("kvstore.tasks")
 CLOSE_RECANCEL_S = 0.5  # a task still running this long after a cancel is cancelled again
 
 
@@ -42,6 +44,20 @@ class Background:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def every(self, interval_s: float, step: Callable[[], object], name: str) -> asyncio.Task[Any]:
+        """Run ``step`` every ``interval_s`` seconds (the first after one
+        interval) until closed; a step that fails is logged, and the next runs."""
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    step()
+                except Exception:
+                    log.exception("%s: a periodic step failed", name)
+
+        return self.spawn(loop(), name)
 
     async def close(self) -> None:
         """Cancel every task and wait until all have ended; a task that

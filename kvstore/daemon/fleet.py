@@ -5,7 +5,6 @@ process's): a reader worker follows the writer's store."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -150,17 +149,9 @@ async def publish_state(node: Node, fd: int | None) -> AsyncIterator[None]:
             tenants_fence_at=member.tenants_fence_at(),
         )
 
-    async def publisher() -> None:
-        while True:
-            try:
-                shared.publish(fd, state())
-            except Exception:
-                log.exception("publishing the fleet state to the reader workers failed")
-            await asyncio.sleep(PUBLISH_S)
-
     shared.publish(fd, state())
     tasks = Background()
-    tasks.spawn(publisher(), "fleet-state")
+    tasks.every(PUBLISH_S, lambda: shared.publish(fd, state()), "fleet-state")
     try:
         yield
     finally:

@@ -133,17 +133,10 @@ async def _qos(node: Node, qos_table: int | None) -> AsyncIterator[None]:
         config.request_timeout_s,
     )
     answering = not node.reader  # the admin API's rates are the writer's to answer
-
-    async def flusher() -> None:
-        while True:
-            await asyncio.sleep(FLUSH_S)
-            try:
-                admission.flush([t["name"] for t in store.tenants()] if answering else None)
-            except Exception:
-                log.exception("qos: flushing the served counts failed")
-
     tasks = Background()
-    tasks.spawn(flusher(), "qos-flusher")
+    tasks.every(
+        FLUSH_S, lambda: admission.flush([t["name"] for t in store.tenants()] if answering else None), "qos-flusher"
+    )
     try:
         yield
     finally:
@@ -187,13 +180,7 @@ async def _xfer(node: Node) -> AsyncIterator[None]:
     found = await asyncio.to_thread(discover)
     service = node.xfer = XferService(node.store, node.config, found)
     tasks = Background()
-
-    async def sweeper() -> None:
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            service.sweep()
-
-    tasks.spawn(sweeper(), "nixl-sweeper")
+    tasks.every(SWEEP_S, service.sweep, "nixl-sweeper")
     try:
         yield
     finally:

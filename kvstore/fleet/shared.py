@@ -125,29 +125,27 @@ class FleetFollower:
             return f"the writer worker has not published the node's fleet state for {age:.1f} s"
         return ""
 
+    def _fence(self, tenants: bool) -> str:
+        """Why a fence is up: the writer stale, the reason it published, or
+        the fence's deadline passed since ("" when it is down)."""
+        state, stale = self.state(), self._stale()
+        if state is None or stale:
+            return stale
+        why, due, what = (
+            (state.tenants_fenced, state.tenants_fence_at, "its confirmation of the fleet's tenant registry")
+            if tenants
+            else (state.fenced, state.fence_at, "its heartbeat")
+        )
+        late = self._clock() - due
+        return why or (f"{what} is {late:.1f} s past due (the writer worker's fence)" if late > 0 else "")
+
     def fenced(self) -> str:
         """Why the node refuses writes ("" when it does not)."""
-        state = self.state()
-        if state is None or self._stale():
-            return self._stale()
-        if state.fenced:
-            return state.fenced
-        late = self._clock() - state.fence_at
-        return f"its heartbeat is {late:.1f} s past due (the writer worker's fence)" if late > 0 else ""
+        return self._fence(tenants=False)
 
     def tenants_fenced(self) -> str:
         """Why the node refuses tenant operations ("" when it does not)."""
-        state = self.state()
-        if state is None or self._stale():
-            return self._stale()
-        if state.tenants_fenced:
-            return state.tenants_fenced
-        late = self._clock() - state.tenants_fence_at
-        if late > 0:
-            return (
-                f"its confirmation of the fleet's tenant registry is {late:.1f} s past due (the writer worker's fence)"
-            )
-        return ""
+        return self._fence(tenants=True)
 
     def check_tenants(self) -> None:
         """The store's tenant fence on a reader worker: Fenced while the writer's is."""

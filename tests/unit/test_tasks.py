@@ -85,3 +85,25 @@ async def test_wait_event() -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await waiter
     assert waiter.cancelled()
+
+
+async def test_every_runs_on_after_a_failing_step(caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[int] = []
+
+    def step() -> None:
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+
+    tasks = Background()
+    tasks.every(0.01, step, "test-step")
+    for _ in range(200):
+        if len(calls) >= 4:
+            break
+        await asyncio.sleep(0.01)
+    await tasks.close()
+    assert len(calls) >= 4
+    assert "test-step: a periodic step failed" in caplog.text
+    n = len(calls)
+    await asyncio.sleep(0.05)
+    assert len(calls) == n  # closed: no step after
