@@ -9,6 +9,7 @@ real LMDB, moto's S3 server."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -116,14 +117,22 @@ async def test_a_trickle_of_writes_makes_one_segment_per_seal_after_s(open_seali
     await s.create_tenant("alice")
     t0 = time.monotonic()
     i = 0
+    acked: dict[str, bytes] = {}
     while time.monotonic() - t0 < 4 * SEAL_AFTER_S:
-        await s.put("alice", f"k{i}", b"x" * 1000)
+        data = os.urandom(1000)
+        await s.put("alice", f"k{i}", data)
+        acked[f"k{i}"] = data
+        if i:  # a read of an earlier block, while seals by age go on
+            k = f"k{i // 2}"
+            assert bytes(await s.get("alice", k)) == acked[k], k
         i += 1
         await asyncio.sleep(SEAL_AFTER_S / 10)
     elapsed = time.monotonic() - t0
     await until("the last segment sealed", lambda: Phase.OPEN not in phases(s, "alice"), 30)
     n = len(phases(s, "alice"))
     assert i >= 20
+    for k, data in acked.items():  # every acked block, across the segments sealed under the writes
+        assert bytes(await s.get("alice", k)) == data, k
     # One segment per seal_after_s (+1: the last, partial one; +1: a write
     # landing just after a seal opens the next segment at once).
     assert 2 <= n <= elapsed / SEAL_AFTER_S + 2, f"{n} segments for {i} writes in {elapsed:.1f} s"
