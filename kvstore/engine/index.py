@@ -169,21 +169,38 @@ def _skey(tenant: str, segment_id: int) -> bytes:
     return tenant.encode() + _SEP + segment_id.to_bytes(8, "big")
 
 
-def _back_reader_table(path: Path) -> None:
+def _back_reader_table(path: Path, open_env: Callable[[], lmdb.Environment]) -> None:
     """Give every page of LMDB's lock file (its reader table, mapped shared)
-    disk space now. LMDB sizes the file with ftruncate, so its pages are holes
-    until a thread's first read writes its slot there; on a full filesystem
-    that write is SIGBUS, which kills the worker. Allocated here, at start-up,
-    a full disk only costs this warning."""
+    disk space, before this process opens the environment. LMDB sizes the
+    file with ftruncate, so its pages are holes until a thread's first read
+    writes its slot there; on a full filesystem that write is SIGBUS, which
+    kills the worker. Allocated here, at start-up, a full disk only costs
+    this warning.
+
+    Never after the open: LMDB's share of the file is a POSIX record lock,
+    which closing *any* descriptor of the file drops for the whole process.
+    The next process to open the environment then believes it is the only
+    one and initialises the lock file again, wiping the reader table and the
+    writer's transaction id under the running writer: pages still read get
+    reused, and a later commit built on a stale meta page corrupted the
+    free list for good (the stress test's ``mdb_page_touch`` assertion).
+    Hence the file is created, if missing, by opening the environment once
+    and closing it (a close of our own environment is allowed: it holds the
+    locks it drops)."""
+    lock_file = path / "lock.mdb"
+    if not lock_file.exists():
+        open_env().close()
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(lock_file, os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return  # LMDB placed it elsewhere: nothing of ours to back
     try:
         os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
     except OSError as e:
         log.warning(
-            "the index's reader table %s could not be given disk space (%s): reads on a full disk may fail", path, e
+            "the index's reader table %s could not be given disk space (%s): reads on a full disk may fail",
+            lock_file,
+            e,
         )
     finally:
         os.close(fd)
@@ -200,8 +217,9 @@ class Index:
         self.path = path
         if not readonly:
             path.mkdir(parents=True, exist_ok=True)
-        try:
-            self.env = lmdb.open(
+
+        def open_env() -> lmdb.Environment:
+            return lmdb.open(
                 str(path),
                 map_size=map_size,
                 max_dbs=16,
@@ -214,6 +232,11 @@ class Index:
                 create=not readonly,
                 lock=lock,
             )
+
+        try:
+            if lock and not readonly:
+                _back_reader_table(path, open_env)
+            self.env = open_env()
             self._blocks = self.env.open_db(b"blocks", create=not readonly)
             self._segments = self.env.open_db(b"segments", create=not readonly)
             self._stats = self.env.open_db(b"stats", create=not readonly)
@@ -241,8 +264,6 @@ class Index:
                         "(the access times and engine identities kept only in the index are lost)",
                     )
                 raise IndexUnusable(f"index format {found if found is not None else fmt!r} is not {INDEX_FORMAT}")
-            if lock and not readonly:
-                _back_reader_table(path / "lock.mdb")
         except lmdb.Error as e:
             failure = _write_error(e, f"opening the index at {str(path)!r}")
             if isinstance(failure, StorageFull):  # not a damaged index: a rebuild would not help (and needs space)
