@@ -51,6 +51,19 @@ def frame_count(size: int, frame_size: int) -> int:
     return -(-size // frame_size)
 
 
+def block_record_len(tenant: str, key: str, size: int, frame_size: int, sealed: bool) -> int:
+    """The bytes a block of ``size`` bytes takes in its segment (what its
+    tenant's quota counts, ``bytes_stored``) when none of its frames
+    compresses: a direct record (raw frames after a header padded to
+    ``ALIGN``) or a sealed one (each frame with its GCM tag, right after the
+    header); either ends on an ``ALIGN`` boundary. Compression only makes a
+    sealed record shorter. Beyond it: the segment footer's entry and the
+    index entry (about 100 bytes with the key each), not counted."""
+    n = frame_count(size, frame_size)
+    payload = size + (GCM_TAG * n if sealed else 0)
+    return RecordHeader.sizes(tenant, key, n, payload, not sealed)[2]
+
+
 def new_record_id() -> bytes:
     return os.urandom(16)
 
