@@ -8,8 +8,8 @@ follows a PUT, a GET and a segment through them):
   ``segment`` and ``segcache`` (files), ``directio`` (O_DIRECT writes),
   ``lifecycle`` (a segment's phases and leases), ``appender`` (group commit,
   one owner per open segment), ``index`` (LMDB), ``registry`` (tenants and
-  their keys), ``recovery``, ``compactor``, ``retention`` and ``access``
-  (quotas, TTL, LRU), ``admission`` (``admit_after``: a block stored at
+  their keys), ``recovery``, ``compactor``, ``retention``, ``eviction`` and
+  ``access`` (quotas, TTL, which blocks a quota evicts), ``admission`` (``admit_after``: a block stored at
   its N-th offer), ``reserve`` (room for removals on a full disk),
   ``reader``, ``verified`` and ``decoded`` (the read path and its caches),
   ``verify`` (scrub), the object tier's engine side (``object_tier``,

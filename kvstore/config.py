@@ -24,6 +24,7 @@ COMPRESSIONS: tuple[Compression, ...] = ("none", "zstd", "zstd-bp2")
 DurabilityClass = Literal["persistent", "ephemeral"]
 DURABILITY_CLASSES: tuple[DurabilityClass, ...] = ("persistent", "ephemeral")
 S3_ADDRESSING = ("auto", "path", "virtual")
+QUOTA_EVICTION = ("lru", "probation")  # engine/eviction.py
 
 _SIZE_RE = re.compile(r"(\d+)\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": KiB, "m": MiB, "g": GiB, "t": GiB << 10}
@@ -158,6 +159,9 @@ class StoreConfig:
     # Tenants created without them get these (0: none); PATCH changes them.
     default_quota_bytes: int = 0
     default_ttl_s: int = 0
+    # Which blocks a tenant over its quota gives up (engine/eviction.py):
+    # "lru", or "probation" (blocks not read since they were stored go first).
+    quota_eviction: str = "lru"
     # Admission (engine/admission.py): the keys whose offers are counted per
     # tenant with admit_after > 1 (about 180 bytes each, in the writer's
     # memory); past it the longest tracked are forgotten first.
@@ -233,6 +237,7 @@ class StoreConfig:
             self.default_durability,
             f"expected one of {', '.join(DURABILITY_CLASSES)}",
         )
+        need(self.quota_eviction in QUOTA_EVICTION, "quota_eviction", self.quota_eviction, "expected lru or probation")
         need(self.s3_addressing in S3_ADDRESSING, "s3_addressing", self.s3_addressing, "expected auto, path or virtual")
         need(
             not self.s3_endpoint or self.s3_endpoint.startswith(("http://", "https://")),
@@ -418,6 +423,7 @@ STORE_PARSERS: dict[str, Parser] = {
     "default_durability": _choice(DURABILITY_CLASSES),
     "durability": _choice(("fsync", "interval")),
     "direct_io": _choice(("auto", "on", "off")),
+    "quota_eviction": _choice(QUOTA_EVICTION),
     "compression": _choice(COMPRESSIONS),
 }
 

@@ -2,8 +2,9 @@
 
 - **Quota** (``quota_bytes``, 0: none): the bytes a tenant stores across tiers
   (its live records). A put that would take the tenant past its quota first
-  makes room by removing the tenant's own least recently used blocks, down to
-  ``QUOTA_LOW`` of the quota (so it happens now and then, not on every put);
+  makes room by removing the tenant's own least recently used blocks (or, with
+  ``quota_eviction = probation``, those not read since they were stored
+  first: eviction.py), down to ``QUOTA_LOW`` of the quota (so it happens now and then, not on every put);
   no other tenant is ever touched for it. A single block larger than the
   whole quota is refused (``507 quota_exceeded``). Usage counts puts in
   flight, so concurrent puts cannot overshoot by more than what is in flight.
@@ -29,14 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import heapq
 import logging
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from kvstore.engine import eviction
 from kvstore.engine.access import CHECKPOINT_S, AccessLog, now_ms
 from kvstore.engine.appender import Appender
+from kvstore.engine.eviction import EVICTION_POLICIES, Candidate, Choice, Ghosts
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Leases
 from kvstore.engine.registry import Registry, Tenant
@@ -70,6 +72,7 @@ class Retention:
         removed: Removed | None = None,
         identities: Callable[[str, Sequence[str]], Mapping[str, BlockMeta]] | None = None,
         leases: Leases | None = None,
+        eviction: str = "lru",
     ) -> None:
         # Blocks a lookup's lock pins (leases): never removed here while pinned.
         self._leases = leases or Leases()
@@ -86,6 +89,10 @@ class Retention:
         self._inflight: dict[str, int] = defaultdict(int)
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._checkpoint_lock = asyncio.Lock()
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"quota_eviction {eviction!r} is not one of {', '.join(EVICTION_POLICIES)}")
+        self._eviction = eviction
+        self._ghosts: dict[str, Ghosts] = {}  # tenant -> keys evicted on probation (eviction.py)
 
     # -- access times -----------------------------------------------------------
 
@@ -151,7 +158,7 @@ class Retention:
 
     async def enforce(self, t: Tenant, incoming: int = 0) -> int:
         """Bring the tenant under its quota with room for ``incoming`` bytes,
-        least recently used first; returns the bytes removed."""
+        by the ``quota_eviction`` policy; returns the bytes removed."""
         if not t.quota_bytes:
             return 0
         async with self._locks[t.name]:
@@ -160,36 +167,42 @@ class Retention:
                 return 0
             need = used + incoming - int(t.quota_bytes * QUOTA_LOW)
             await self.checkpoint()  # the LRU order sees the latest reads
-            victims = await self._run(self._lru, t.name, need)
+            choice = await self._run(self._victims, t, need)
+            victims = [(c.key, c.entry) for c in choice.victims]
             freed = await self._remove(t.name, victims, "quota")
+            for c in choice.returned:  # reused for good: the access time says so once the ghost is forgotten
+                self._access.touch(t.name, c.key, c.created_ms)
+            if choice.on_probation:
+                self._ghosts[t.name].add(choice.on_probation, now_ms(), min(choice.held, eviction.GHOST_KEYS))
             self._metrics.inc("kvstore_quota_evictions_total", len(victims))
             self._metrics.inc("kvstore_quota_evicted_bytes_total", freed)
             return freed
 
-    def _lru(self, tenant: str, need: int) -> list[tuple[str, IndexEntry]]:
-        """The least recently used blocks whose sizes add up to ``need``: a
-        heap of the oldest seen so far, one page of the index at a time."""
-        heap: list[tuple[int, str, IndexEntry]] = []  # (-last access, key, entry): newest on top
-        held = 0
+    def _candidates(self, tenant: str) -> Iterator[Candidate]:
+        """The tenant's blocks the quota may remove (not pinned), one page of
+        the index at a time, with their access times."""
         after: str | None = None
         pinned = self._leases.pinned(tenant)
         while True:
             page = self._index.entries(tenant, after, PAGE)
             if not page:
-                break
+                return
             times = self._index.accessed(tenant, [k for k, _ in page])
             for (key, entry), checkpointed in zip(page, times, strict=True):
-                if key in pinned:
-                    continue
-                last = last_access(entry, checkpointed, self._access.last(tenant, key))
-                if held >= need and heap and -heap[0][0] <= last:
-                    continue  # newer than every block already chosen
-                heapq.heappush(heap, (-last, key, entry))
-                held += entry.record_len
-                while heap and held - heap[0][2].record_len >= need:
-                    held -= heapq.heappop(heap)[2].record_len
+                if key not in pinned:
+                    touched = max(checkpointed, self._access.last(tenant, key))
+                    yield Candidate(key, entry, entry.created_ns // 1_000_000, touched)
             after = page[-1][0]
-        return [(key, entry) for _, key, entry in sorted(heap, reverse=True)]
+
+    def _victims(self, t: Tenant, need: int) -> Choice:
+        """The blocks to remove for ``need`` bytes, as ``quota_eviction`` says (eviction.py)."""
+        if self._eviction == "lru":
+            return Choice(eviction.lru(self._candidates(t.name), need), [], 0, [])
+        ghosts = self._ghosts.get(t.name)
+        if ghosts is None or ghosts.incarnation != t.created_ns:  # a tenant deleted and created again starts over
+            ghosts = self._ghosts[t.name] = Ghosts(t.created_ns)
+        keep_new = int(t.quota_bytes * eviction.PROBATION_SHARE)
+        return eviction.probation(self._candidates(t.name), need, keep_new, ghosts)
 
     async def _remove(self, tenant: str, victims: list[tuple[str, IndexEntry]], cause: str) -> int:
         freed = 0

@@ -180,6 +180,7 @@ class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrite
             removed=self._removed,
             identities=self._identities,
             leases=self.leases,
+            eviction=self.config.quota_eviction,
         )
         if self.reserve is not None:
             loop = asyncio.get_running_loop()

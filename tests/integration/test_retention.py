@@ -130,7 +130,7 @@ async def test_a_lock_taken_after_eviction_chose_its_victims_spares_them(open_st
     for i in range(8):
         await store.put("t", f"k{i}", block(f"k{i}"))
     retention = store._retention
-    victims = retention._lru("t", 4 * 64 * KiB)
+    victims = [(c.key, c.entry) for c in retention._victims(store._registry.get("t"), 4 * 64 * KiB).victims]
     chosen = [k for k, _ in victims]
     assert len(chosen) >= 4
     r, lease = await store.lookup_locked("t", chosen[:2], lease_s=30)
@@ -140,3 +140,50 @@ async def test_a_lock_taken_after_eviction_chose_its_victims_spares_them(open_st
         assert await store.get("t", k) == block(k)
     for k in chosen[2:]:
         assert not await store.exists("t", k)
+
+
+@pytest.mark.parametrize("policy", ["lru", "probation"])
+async def test_probation_spares_blocks_read_since_they_were_stored(open_store: OpenStore, policy: str) -> None:
+    """Four blocks read once, then forty never read through a 1 MiB quota:
+    LRU lets the four go with the oldest; on probation the blocks never read
+    go first and the four stay."""
+    store = await open_store(quota_eviction=policy)
+    await store.create_tenant("t", quota_bytes=1024 * KiB)
+    read = [f"r{i}" for i in range(4)]
+    for k in read:
+        await store.put("t", k, block(k))
+        assert await store.get("t", k) == block(k)
+    for i in range(40):
+        await store.put("t", f"c{i}", block(f"c{i}"))
+        assert (await store.stats("t")).stored_bytes <= 1024 * KiB
+    kept = [await store.exists("t", k) for k in read]
+    assert kept == ([True] * 4 if policy == "probation" else [False] * 4)
+    assert not await store.exists("t", "c0")
+    assert await store.exists("t", "c39")
+
+
+async def test_a_block_evicted_on_probation_and_stored_again_counts_as_read(open_store: OpenStore) -> None:
+    store = await open_store(quota_eviction="probation")
+    await store.create_tenant("t", quota_bytes=1024 * KiB)
+    await store.put("t", "g", block("g"))
+    for i in range(20):
+        await store.put("t", f"c{i}", block(f"c{i}"))
+    assert not await store.exists("t", "g"), "the oldest block, never read, should have gone first"
+    await store.put("t", "g", block("g"))  # it comes back: remembered as evicted on probation
+    for i in range(40):
+        await store.put("t", f"d{i}", block(f"d{i}"))
+    assert await store.get("t", "g") == block("g")
+    # A tenant deleted and created again forgets what its predecessor evicted.
+    await store.delete_tenant("t")
+    await store.create_tenant("t", quota_bytes=1024 * KiB)
+    await store.put("t", "g", block("g"))
+    for i in range(40):
+        await store.put("t", f"e{i}", block(f"e{i}"))
+    assert not await store.exists("t", "g")
+
+
+async def test_an_unknown_eviction_policy_is_refused_naming_the_setting(open_store: OpenStore) -> None:
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="quota_eviction"):
+        await open_store(quota_eviction="lfu")

@@ -527,6 +527,8 @@ async def test_model_stress(tmp_path: Path, aws_env: None, workers: int) -> None
         compact_dead_percent="40",
         request_timeout_s="10",
         ttl_sweep_s="1",
+        # Both quota policies, one per worker count (the quota tenant's evictions run all along).
+        quota_eviction="probation" if workers > 1 else "lru",
     )
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED"):
         env[var] = os.environ[var]
