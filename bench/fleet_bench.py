@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -44,32 +45,33 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvstore.config import parse_size
 
 from . import moto_s3
-from .daemon import Kvstore
+from .daemon import Kvstore, Unavailable
 from .harness import Processes, free_port, free_ports
 
+PROG = "kvstore-bench fleet"
 MOTO = "moto[server]>=5"  # as pyproject.toml's test and bench extras name it
 MOTO_HINT = f"pip install '{MOTO}'"
 
 
-def missing_moto(importer: Callable[[str], object] = importlib.import_module) -> str:
-    """Nothing ("") if moto's S3 server imports; else one line: the missing module and
-    the command that installs it with this interpreter's pip (the
-    environment that runs the bench is the one that needs it). moto without
-    its ``server`` extra imports, its server does not (no flask): the
-    server's module is what is tried."""
+def missing_moto(importer: Callable[[str], object] = importlib.import_module, prog: str = PROG) -> str:
+    """Nothing ("") if moto's S3 server imports; else one line, after ``prog``:
+    the missing module and the command that installs it with this
+    interpreter's pip (the environment that runs the bench is the one that
+    needs it). moto without its ``server`` extra imports, its server does not
+    (no flask): the server's module is what is tried."""
     try:
         importer("moto.server")
     except ImportError as e:
         missing = getattr(e, "name", None) or "moto.server"
         return (
-            f"kvstore-bench fleet: needs moto's S3 server (no module {missing!r}); install it with: "
+            f"{prog}: needs moto's S3 server (no module {missing!r}); install it with: "
             f"{sys.executable} -m pip install '{MOTO}'"
         )
     return ""
@@ -77,7 +79,7 @@ def missing_moto(importer: Callable[[str], object] = importlib.import_module) ->
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvstore-bench fleet",
+        prog=PROG,
         description=__doc__.split("\n\n")[0],
         epilog=f"Needs moto's S3 server ({MOTO_HINT}).",
     )
@@ -146,28 +148,45 @@ def _metric(base: str, token: str, series: str) -> float | None:
     return None
 
 
-def _until(what: str, check: Any, timeout: float) -> float:
+def _until(what: str, check: Any, timeout: float, prog: str = PROG) -> float:
     t0 = time.monotonic()
     while not check():
         if time.monotonic() - t0 > timeout:
-            raise SystemExit(f"kvstore-bench fleet: not within {timeout} s: {what}")
+            raise SystemExit(f"{prog}: not within {timeout} s: {what}")
         time.sleep(0.02)
     return time.monotonic() - t0
 
 
 class Fleet:
-    """``--nodes`` daemons (bench/daemon.py's :class:`Kvstore`) sharing a master
+    """``nodes`` daemons (bench/daemon.py's :class:`Kvstore`) sharing a master
     key and an admin token, each on a port chosen before any starts (its
-    advertised URL), with its data and log in ``root``/n<i>."""
+    advertised URL), with its data and log in ``root``/n<i>. ``workers`` per
+    node (None: the daemon's, or a ``workers`` of ``settings``); ``settings``:
+    more KVSTORE_<NAME> variables of every node, over the fleet's own;
+    ``flags``: of every node's ``kvstore serve``."""
 
-    def __init__(self, a: argparse.Namespace, root: Path, s3_url: str, bucket: str) -> None:
+    def __init__(
+        self,
+        nodes: int,
+        root: Path,
+        s3_url: str,
+        bucket: str,
+        *,
+        workers: int | None = 2,
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 3.0,
+        etcd_url: str = "",
+        settings: Mapping[str, str] | None = None,
+        flags: Sequence[str] = (),
+    ) -> None:
         self.admin = secrets.token_hex(16)
         key = root / "master.key"
         key.write_bytes(os.urandom(32))
         key.chmod(0o600)
         self.procs = Processes()
-        self.workers = a.workers
-        self.ports = free_ports(a.nodes)
+        self.workers = workers
+        self.flags = list(flags)
+        self.ports = free_ports(nodes)
         self.bases = [f"http://127.0.0.1:{port}" for port in self.ports]
         self.nodes: list[Kvstore] = []
         for i, base in enumerate(self.bases):
@@ -177,24 +196,38 @@ class Fleet:
                 "KVSTORE_FLEET": "1",
                 "KVSTORE_NODE_ID": f"node-{i}",
                 "KVSTORE_ADVERTISE_URL": base,
-                "KVSTORE_FLEET_HEARTBEAT_S": str(a.heartbeat_s),
-                "KVSTORE_FLEET_DEAD_AFTER_S": str(a.dead_after_s),
+                "KVSTORE_FLEET_HEARTBEAT_S": str(heartbeat_s),
+                "KVSTORE_FLEET_DEAD_AFTER_S": str(dead_after_s),
                 "KVSTORE_S3_REFRESH_S": "1",
                 "KVSTORE_S3_BUCKET": bucket,
                 "KVSTORE_S3_ENDPOINT": s3_url,
                 "KVSTORE_S3_PREFIX": "bench",  # (a new bucket per run: a new key prefix on etcd too)
-                "KVSTORE_FLEET_ETCD_URL": a.etcd_url,
+                "KVSTORE_FLEET_ETCD_URL": etcd_url,
                 "AWS_ACCESS_KEY_ID": "bench",
                 "AWS_SECRET_ACCESS_KEY": "bench",
                 "AWS_DEFAULT_REGION": "us-east-1",
                 "AWS_EC2_METADATA_DISABLED": "true",
                 "AWS_CONFIG_FILE": "/dev/null",
                 "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+                **{"KVSTORE_" + k.upper(): v for k, v in (settings or {}).items()},
             }
             self.nodes.append(node)
 
     def start(self, i: int) -> None:
-        self.nodes[i].start(self.workers, port=self.ports[i])
+        self.nodes[i].start(self.workers, self.flags, port=self.ports[i])
+
+    def wait_alive(self, timeout: float, prog: str = PROG) -> None:
+        """Until every node sees every node alive (``SystemExit`` after ``timeout``)."""
+        n = len(self.nodes)
+        for i in range(n):
+            alive = lambda i=i: all(self.state(j, f"node-{i}") == "alive" for j in range(n))  # noqa: E731
+            _until(f"node-{i} alive", alive, timeout, prog)
+
+    def wait_tenant(self, token: str, timeout: float, prog: str = PROG) -> None:
+        """Until every node serves the tenant of ``token`` (``GET /v1/stats`` 200;
+        ``SystemExit`` after ``timeout`` on one of them)."""
+        for base in self.bases:
+            _until(f"the tenant on {base}", lambda b=base: _call(b, "GET", "/v1/stats", token)[0] == 200, timeout, prog)
 
     def kill(self, i: int) -> None:
         """SIGKILL: the node and its workers, without a word."""
@@ -209,6 +242,37 @@ class Fleet:
         if status != 200:
             return ""
         return next((n["state"] for n in doc["nodes"] if n["id"] == node), "")
+
+
+@contextlib.contextmanager
+def local_fleet(nodes: int, prefix: str, prog: str = PROG, **options: Any) -> Iterator[Fleet]:
+    """moto's S3 server in this process (its conditional PUTs atomic, as on
+    S3), a new bucket on it, and a :class:`Fleet` of ``nodes`` daemons on that
+    bucket (``options``: :class:`Fleet`'s), in a new directory under /var/tmp
+    named from ``prefix``; yielded once every node sees every node alive.
+    Afterwards the nodes are stopped (SIGTERM), moto too, the directory removed."""
+    moto, s3_url = moto_s3.start(free_port())
+    try:
+        bucket = f"kvstore-fleet-bench-{secrets.token_hex(4)}"
+        moto_s3.ensure_bucket(s3_url, bucket)
+        root = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+        try:
+            fleet = Fleet(nodes, root, s3_url, bucket, **options)
+            try:
+                for i in range(nodes):
+                    try:
+                        fleet.start(i)
+                    except (RuntimeError, Unavailable) as e:
+                        raise SystemExit(f"{prog}: node-{i} did not start: {e}") from e
+                fleet.wait_alive(60, prog)
+                yield fleet
+            finally:
+                fleet.stop()
+                fleet.procs.stop_all()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    finally:
+        moto.stop()
 
 
 async def _read_rate(kv: Any, keys: list[str], blocks: dict[str, bytes], rounds: int) -> tuple[float, list[float]]:
@@ -282,8 +346,7 @@ async def _run(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
     if status != 201:
         raise SystemExit(f"kvstore-bench fleet: creating the tenant answered {status}")
     token = doc["token"]
-    for base in fleet.bases:
-        _until(f"the tenant on {base}", lambda b=base: _call(b, "GET", "/v1/stats", token)[0] == 200, 10)
+    fleet.wait_tenant(token, 10)
     blocks = {f"blk-{i:05d}": os.urandom(a.size) for i in range(a.blocks)}
     urls = sorted(fleet.bases)
     victim = fleet.bases[1]
@@ -354,23 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(missing, file=sys.stderr)
         return 2
-    moto, s3_url = moto_s3.start(free_port())  # (conditional PUTs atomic, as on S3)
-    bucket = f"kvstore-fleet-bench-{secrets.token_hex(4)}"
-    moto_s3.ensure_bucket(s3_url, bucket)
-    root = Path(tempfile.mkdtemp(prefix="kvstore-fleet-bench-", dir="/var/tmp"))
-    fleet = Fleet(a, root, s3_url, bucket)
-    try:
-        for i in range(a.nodes):
-            fleet.start(i)
-        for i in range(a.nodes):
-            _until(
-                f"node-{i} alive", lambda i=i: all(fleet.state(j, f"node-{i}") == "alive" for j in range(a.nodes)), 60
-            )
+    options = {"workers": a.workers, "heartbeat_s": a.heartbeat_s, "dead_after_s": a.dead_after_s}
+    with local_fleet(a.nodes, "kvstore-fleet-bench-", etcd_url=a.etcd_url, **options) as fleet:
         doc = asyncio.run(_run(a, fleet))
-    finally:
-        fleet.stop()
-        moto.stop()
-        shutil.rmtree(root, ignore_errors=True)
     if a.json:
         a.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0

@@ -34,6 +34,16 @@ A daemon started here (no ``--endpoint``) runs on a fresh data directory with
 one worker and one tenant (``--policy``, ``--quota``, ``--admit-after``,
 ``--set``) and is removed at the end; against ``--endpoint`` the run's keys are deleted at the
 end unless ``--keep``, and the tier split counts every tenant of that daemon.
+
+With ``--fleet`` the daemons are a fleet (docs/fleet.md): ``--endpoint``'s
+URLs are its seeds, the client (``fleet=True``) reads the members from
+``GET /v1/fleet`` and places each key on its owner; or ``--nodes N`` starts
+N nodes here on one bucket of moto's S3 server (``fleet_bench.local_fleet``),
+one worker each, the tenant created on node 0 and served by every node before
+the replay starts. What is read from the daemons then covers every member
+(``replayer.py``): the ``/metrics`` counters summed, the blocks held listed on
+each, the run's keys deleted on each, and a started fleet's CPU summed over
+its nodes' process trees.
 """
 
 from __future__ import annotations
@@ -46,11 +56,14 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .argtypes import dtype_arg, model_arg, positive_float, positive_int
+from .fleet_bench import missing_moto
 from .harness import sigterm_as_exit, tree_cpu_seconds
 from .models import ModelGeometry, resolve_model
 from .plots import matplotlib_missing
@@ -64,6 +77,11 @@ PROG = "kvstore-bench replay"
 DEFAULT_MODEL = "Llama-3.1-8B"
 DAEMON_MAX_BLOCK = 64 << 20  # the daemon's default max_block_size
 MIN_BLOCK_BYTES = 64
+# A fleet started here: a node is declared dead after this long without a heartbeat (the fleet's default
+# is 3 s at 1 s heartbeats), so that a node slowed by the replay on a small machine is not fenced mid-run.
+FLEET_HEARTBEAT_S = 1.0
+FLEET_DEAD_AFTER_S = 10.0
+FLEET_TENANT_WAIT_S = 30.0
 
 
 # -- options ----------------------------------------------------------------------------
@@ -151,31 +169,48 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at most (default 4)")
     ap.add_argument(
         "--endpoint",
-        metavar="URL",
-        help="replay against an existing daemon at this URL instead of starting one; the run's keys "
-        "(bench-<run id>-*) are deleted at the end unless --keep",
+        metavar="URL[,URL...]",
+        help="replay against an existing daemon at this URL instead of starting one (with --fleet: one or more "
+        "comma-separated URLs, the seeds of a fleet); the run's keys (bench-<run id>-*) are deleted at the "
+        "end, on every member of a fleet, unless --keep",
+    )
+    ap.add_argument(
+        "--fleet",
+        action="store_true",
+        help="the daemons are a fleet: with --endpoint, its seeds (the client reads the members from "
+        "GET /v1/fleet and places each key on its owner); with --nodes N, a fleet of N nodes started here "
+        "on one S3 bucket (moto's server). Blocks held, /metrics counters and the cleanup cover every member",
+    )
+    ap.add_argument(
+        "--nodes",
+        type=positive_int,
+        metavar="N",
+        help="with --fleet and no --endpoint: the nodes of the fleet started here (at least 2, one worker each)",
     )
     ap.add_argument("--token", help="the tenant token for --endpoint (default $KVSTORE_TOKEN)")
     ap.add_argument(
         "--metrics-token",
-        help="with --endpoint: the bearer token for its /metrics, where it asks for one "
-        "(default $KVSTORE_METRICS_TOKEN)",
+        help="with --endpoint: the bearer token for its /metrics (every member's, for a fleet), where it asks "
+        "for one (default $KVSTORE_METRICS_TOKEN)",
     )
     ap.add_argument("--keep", action="store_true", help="with --endpoint: leave the run's blocks in the tenant")
     ap.add_argument(
-        "--policy", choices=("sealed", "direct"), help="the started daemon's tenant policy (default sealed)"
+        "--policy",
+        choices=("sealed", "direct"),
+        help="the started daemon's (or fleet's) tenant policy (default sealed)",
     )
     ap.add_argument(
         "--quota",
         type=_size,
-        help="the started daemon's tenant quota in bytes (e.g. 64MiB): its least recently used blocks go",
+        help="the started daemon's tenant quota in bytes (e.g. 64MiB): its least recently used blocks go "
+        "(a started fleet: each node's, on its own shard)",
     )
     ap.add_argument(
         "--admit-after",
         type=_admit_after,
         default=1,
         metavar="N",
-        help="the started daemon's tenant stores a block only at its N-th offer within an hour "
+        help="the started daemon's (or fleet's) tenant stores a block only at its N-th offer within an hour "
         "(its admit_after, 1 to 16; default 1: every block at its first)",
     )
     ap.add_argument(
@@ -183,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="a setting of the started daemon, passed as its KVSTORE_ variable (repeatable; e.g. tier_dir=/mnt/g4)",
+        help="a setting of the started daemon (every node of a started fleet), passed as its KVSTORE_ variable "
+        "(repeatable; e.g. tier_dir=/mnt/g4)",
     )
     ap.add_argument(
         "--prefill-tps",
@@ -212,14 +248,50 @@ def _settings(items: Sequence[str], error: Callable[[str], Any]) -> dict[str, st
     return out
 
 
-def _check_endpoint(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
-    if args.endpoint is None:
+def _endpoints(text: str, error: Callable[[str], Any]) -> tuple[str, ...]:
+    """``--endpoint``'s comma-separated URLs, each http:// or https://, none twice."""
+    urls = tuple(u.strip() for u in text.split(","))
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            error(f"argument --endpoint: {url!r} is not an http:// or https:// URL")
+    if len(set(urls)) < len(urls):
+        error(f"argument --endpoint: {text!r} names a URL twice")
+    return urls
+
+
+def _check_fleet(args: argparse.Namespace, endpoints: tuple[str, ...], error: Callable[[str], Any]) -> None:
+    if len(endpoints) > 1 and not args.fleet:
+        error(
+            f"argument --endpoint: {len(endpoints)} URLs, but one daemon takes one: several are the seeds of a "
+            "fleet (add --fleet)"
+        )
+    if args.nodes is not None and not args.fleet:
+        error("argument --nodes: only with --fleet (the nodes of a fleet started here)")
+    if not args.fleet:
+        return
+    if not endpoints and args.nodes is None:
+        error(
+            "argument --fleet: needs --endpoint URL[,URL...] (a running fleet's seeds) or --nodes N (a fleet "
+            "started here)"
+        )
+    if endpoints and args.nodes is not None:
+        error("argument --nodes: only for a fleet this command starts (not with --endpoint)")
+    if args.nodes is not None:
+        if args.nodes < 2:
+            error(f"argument --nodes: a fleet started here needs at least 2 nodes, got {args.nodes}")
+        if why := missing_moto(prog="argument --nodes"):
+            error(why)  # now, before anything starts
+
+
+def _check_endpoint(args: argparse.Namespace, error: Callable[[str], Any]) -> tuple[str, ...]:
+    """The checked ``--endpoint`` URLs (none: daemons started here)."""
+    endpoints = _endpoints(args.endpoint, error) if args.endpoint is not None else ()
+    _check_fleet(args, endpoints, error)
+    if not endpoints:
         for opt, given in (("--token", args.token), ("--metrics-token", args.metrics_token), ("--keep", args.keep)):
             if given:
                 error(f"argument {opt}: only with --endpoint")
-        return
-    if not args.endpoint.startswith(("http://", "https://")):
-        error(f"argument --endpoint: {args.endpoint!r} is not an http:// or https:// URL")
+        return endpoints
     if not (args.token or os.environ.get("KVSTORE_TOKEN")):
         error("argument --token: required with --endpoint (or set KVSTORE_TOKEN)")
     for opt, given in (
@@ -230,11 +302,12 @@ def _check_endpoint(args: argparse.Namespace, error: Callable[[str], Any]) -> No
     ):
         if given:
             error(f"argument {opt}: only for a daemon this command starts (not with --endpoint)")
+    return endpoints
 
 
 def build_options(args: argparse.Namespace, error: Callable[[str], Any]) -> ReplayOptions:
     """Check and complete the parsed options; ``error`` (parser.error) exits 2."""
-    _check_endpoint(args, error)
+    endpoints = _check_endpoint(args, error)
     model: ModelGeometry = args.model.with_dtype(args.dtype) if args.dtype else args.model
     if args.png is not None and (why := matplotlib_missing()) is not None:
         error(f"argument --png: {why}")  # now, not after the replay
@@ -248,7 +321,9 @@ def build_options(args: argparse.Namespace, error: Callable[[str], Any]) -> Repl
         block_bytes=args.block_bytes or kv_bytes_per_block(model, args.tokens_per_block),
         speed=args.speed,
         concurrency=args.concurrency,
-        endpoint=args.endpoint,
+        endpoints=endpoints,
+        fleet=args.fleet,
+        nodes=args.nodes,
         token=args.token or os.environ.get("KVSTORE_TOKEN"),
         metrics_token=args.metrics_token or os.environ.get("KVSTORE_METRICS_TOKEN"),
         keep=args.keep,
@@ -280,28 +355,39 @@ def _started_settings(opts: ReplayOptions) -> dict[str, str]:
     return settings
 
 
-def _check_space(opts: ReplayOptions, unique_blocks: int, where: Path) -> None:
-    """A started daemon holds every block of the replay (or its quota's worth):
+def _check_space(opts: ReplayOptions, unique_blocks: int, where: Path, copies: int = 1, what: str = "") -> None:
+    """Daemons started here hold every block of the replay (or their quota's
+    worth), ``copies`` times on ``where`` (a fleet's bucket is a second copy):
     refused up front when that cannot fit, rather than a full disk mid-run."""
     need = unique_blocks * opts.block_bytes
     if opts.quota is not None:
-        need = min(need, opts.quota)
-    need = int(need * 1.1) + (256 << 20)
+        need = min(need, opts.quota * (opts.nodes or 1))
+    need = int(need * copies * 1.1) + (256 << 20)
     free = shutil.disk_usage(where).free
     if free < need:
         raise ValueError(
             f"argument --block-bytes: {unique_blocks:,} blocks of {fmt_bytes(opts.block_bytes)} need about "
-            f"{fmt_bytes(need)}, {where} has {fmt_bytes(free)} free: scale the blocks down (e.g. --block-bytes "
+            f"{fmt_bytes(need)}{what}, {where} has {fmt_bytes(free)} free: scale the blocks down (e.g. --block-bytes "
             "16KiB), replay fewer --requests or set a --quota"
         )
 
 
+@dataclass(slots=True)
+class Target:
+    """What the replay runs against: ``endpoints`` (one daemon, or a fleet's
+    seeds), the tenant's ``token``, and the pids of the daemons started here
+    (none: existing ones), whose process trees' CPU is counted."""
+
+    endpoints: list[str]
+    token: str
+    pids: list[int] = field(default_factory=list)
+
+    def cpu_seconds(self) -> float | None:
+        return sum(tree_cpu_seconds(p) for p in self.pids) if self.pids else None
+
+
 @contextlib.contextmanager
-def _target(opts: ReplayOptions, unique_blocks: int) -> Iterator[tuple[str, str, int | None]]:
-    """(endpoint, token, the daemon's pid when started here)."""
-    if opts.endpoint is not None:
-        yield opts.endpoint, opts.token or "", None
-        return
+def _started_daemon(opts: ReplayOptions, unique_blocks: int) -> Iterator[Target]:
     from .daemon import daemon
 
     _check_space(opts, unique_blocks, Path("/var/tmp"))
@@ -309,7 +395,54 @@ def _target(opts: ReplayOptions, unique_blocks: int) -> Iterator[tuple[str, str,
     with daemon(_started_settings(opts), policy=opts.policy, tenant=tenant) as d:
         admits = f", admit_after {opts.admit_after}" if tenant else ""
         say(f"started kvstore on {d.base} (data dir {d.root}/data), tenant 'bench', policy {opts.policy}{admits}")
-        yield d.base, d.token, d.proc.pid
+        yield Target([d.base], d.token, [d.proc.pid])
+
+
+@contextlib.contextmanager
+def _started_fleet(opts: ReplayOptions, unique_blocks: int) -> Iterator[Target]:
+    """``--nodes`` daemons as a fleet on one bucket of moto's server (in this
+    process), one worker each and ``--set``'s settings; the tenant created on
+    node 0, and served by every node before the replay."""
+    from .fleet_bench import local_fleet
+
+    nodes = opts.nodes or 2
+    same_disk = os.stat("/var/tmp").st_dev == os.stat(tempfile.gettempdir()).st_dev
+    bucket = " (the nodes' disks and the bucket's copy: moto spills objects to temporary files)"
+    _check_space(opts, unique_blocks, Path("/var/tmp"), 2 if same_disk else 1, bucket if same_disk else "")
+    if not same_disk:
+        _check_space(opts, unique_blocks, Path(tempfile.gettempdir()), 1, " (the bucket's copy)")
+    settings = {"workers": "1", **_started_settings(opts)}
+    with local_fleet(
+        nodes,
+        "kvstore-bench-replay-fleet-",
+        PROG,
+        workers=None,  # settings' workers
+        heartbeat_s=FLEET_HEARTBEAT_S,
+        dead_after_s=FLEET_DEAD_AFTER_S,
+        settings=settings,
+        flags=["--compact-interval-s", "0"],
+    ) as fleet:
+        tenant = {"admit_after": opts.admit_after} if opts.admit_after > 1 else None
+        token = fleet.nodes[0].create_tenant("bench", opts.policy, tenant)
+        fleet.wait_tenant(token, FLEET_TENANT_WAIT_S, PROG)
+        admits = f", admit_after {opts.admit_after}" if tenant else ""
+        say(
+            f"started a fleet of {nodes} kvstore nodes on {', '.join(fleet.bases)} (one S3 bucket, moto's server), "
+            f"tenant 'bench', policy {opts.policy}{admits}"
+        )
+        yield Target(list(fleet.bases), token, [n.proc.pid for n in fleet.nodes if n.proc is not None])
+
+
+@contextlib.contextmanager
+def _target(opts: ReplayOptions, unique_blocks: int) -> Iterator[Target]:
+    if opts.existing:
+        yield Target(list(opts.endpoints), opts.token or "")
+    elif opts.fleet:
+        with _started_fleet(opts, unique_blocks) as target:
+            yield target
+    else:
+        with _started_daemon(opts, unique_blocks) as target:
+            yield target
 
 
 def execute(opts: ReplayOptions) -> int:
@@ -324,15 +457,18 @@ def execute(opts: ReplayOptions) -> int:
         f"{cut.unique_blocks:,} unique blocks of {fmt_bytes(opts.block_bytes).split(' = ')[-1]}"
     )
     cleaned: str | None = ""
-    with _target(opts, cut.unique_blocks) as (endpoint, token, pid):
-        cpu0 = tree_cpu_seconds(pid) if pid is not None else None
+    with _target(opts, cut.unique_blocks) as target:
+        cpu0 = target.cpu_seconds()
         try:
-            done = asyncio.run(replay(opts, requests, endpoint, token, run_id))
+            done = asyncio.run(replay(opts, requests, target.endpoints, target.token, run_id))
         finally:
-            if opts.endpoint is not None:
-                left = Leftovers(endpoint, token, run_id, opts.keep, opts.timeout, opts.concurrency)
+            if opts.existing:
+                left = Leftovers(
+                    tuple(target.endpoints), target.token, run_id, opts.keep, opts.timeout, opts.concurrency, opts.fleet
+                )
                 cleaned = clean_endpoint(left, PROG)
-        cpu = tree_cpu_seconds(pid) - cpu0 if pid is not None and cpu0 is not None else None
+        cpu1 = target.cpu_seconds()
+        cpu = cpu1 - cpu0 if cpu1 is not None and cpu0 is not None else None
     refs = references(requests, done.blocks_held)
     figs = figures(opts, requests, done, refs, cpu)
     if cleaned:
@@ -358,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     except KeyboardInterrupt:
         print(
-            f"{PROG}: interrupted; a daemon started here was removed, the run's keys in --endpoint's tenant deleted "
-            "(unless --keep)",
+            f"{PROG}: interrupted; a daemon (or fleet) started here was removed, the run's keys in --endpoint's "
+            "tenant deleted, on every member of a fleet (unless --keep)",
             file=sys.stderr,
         )
         return 128 + signal.SIGINT

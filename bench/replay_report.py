@@ -15,6 +15,14 @@ Every ratio is of the input tokens of the requests replayed:
   client cannot tell per block where it came from, so g4 is the hit ratio
   times the daemon's tier reads over the run per block loaded (none when
   the daemon's /metrics did not answer).
+
+Against a fleet (``--fleet``) the daemon's figures are the members' summed:
+``blocks_held`` is the run's distinct keys listed on every member (each
+member's count in ``fleet``), the /metrics counters (tier reads, bytes
+written) are summed over the members known at the start, and a fleet
+started here has its nodes' CPU summed. The references are still one cache
+of ``blocks_held`` blocks, where a fleet's quota is each node's on its own
+shard: the comparison is approximate (a note says so).
 """
 
 from __future__ import annotations
@@ -153,8 +161,11 @@ def _notes(opts: ReplayOptions, done: Replayed, refs: References, scaled: bool) 
         )
     if done.metrics.failure is not None:
         notes.append(f"the G3/G4 split is unknown: {done.metrics.failure} (give --metrics-token)")
-    elif opts.endpoint is not None:
-        notes.append("the G3/G4 split counts the object-tier reads of every tenant of the daemon over the run")
+    elif opts.existing:
+        every = "every member of the fleet" if opts.fleet else "the daemon"
+        notes.append(f"the G3/G4 split counts the object-tier reads of every tenant of {every} over the run")
+    if opts.fleet:
+        notes += _fleet_notes(opts, done)
     if refs.capacity is None:
         notes.append(f"blocks held unknown ({done.held_failure}): no LRU or Belady reference")
     if scaled:
@@ -166,6 +177,41 @@ def _notes(opts: ReplayOptions, done: Replayed, refs: References, scaled: bool) 
     if opts.prefill_tps is None:
         notes.append("no prefill rate: give --prefill-tps for the prefill time the hits save")
     return notes
+
+
+def _fleet_notes(opts: ReplayOptions, done: Replayed) -> list[str]:
+    notes = [
+        f"a fleet of {len(done.members)} members: the LRU and Belady references are one cache of blocks_held "
+        "blocks, while a fleet's quota is enforced by each node on its own shard (the keys it owns), so the "
+        "comparison is approximate (exact while nothing is evicted)"
+    ]
+    if sorted(done.members_after) != sorted(done.members):
+        notes.append(
+            f"the fleet's members changed during the replay ({', '.join(done.members)} at the start, "
+            f"{', '.join(done.members_after)} at the end): /metrics was summed over those at the start"
+        )
+    if not opts.existing:
+        notes.append(
+            "the fleet's bucket is moto's S3 server in this process: its CPU is not in daemon_cpu_s, and it shares "
+            "the machine with the nodes"
+        )
+    return notes
+
+
+def _fleet(opts: ReplayOptions, done: Replayed) -> dict[str, Any] | None:
+    """What the report says of a fleet (None: one daemon)."""
+    if not opts.fleet:
+        return None
+    return {
+        "members": len(done.members),
+        "started_here": not opts.existing,
+        "seeds": list(opts.endpoints) or None,
+        "member_urls": done.members,
+        "member_urls_at_end": done.members_after,
+        "blocks_held_by_member": done.held_by_member,
+        "summed_over_members": ["blocks_held", "tiers", "daemon_bytes_written"]
+        + ([] if opts.existing else ["daemon_cpu_s"]),
+    }
 
 
 def figures(
@@ -193,6 +239,7 @@ def figures(
         "belady_token_hit_ratio": _ratio(requests, refs.belady, tpb),
         "tiers": tiers(hit_ratio, _delta(samples, "tier_reads"), loaded),
         "blocks_held": done.blocks_held,
+        "fleet": _fleet(opts, done),
         "requests": len(requests),
         "seconds": done.seconds,
         "wrong_bytes": sum(s.wrong_bytes for s in served),
@@ -241,10 +288,12 @@ def _workload(opts: ReplayOptions, requests: Sequence[Request]) -> dict[str, Any
         "model_block_bytes": opts.model_block_bytes,
         "speed": opts.speed or "max",
         "concurrency": opts.concurrency,
-        "endpoint": opts.endpoint,
-        "policy": None if opts.endpoint else opts.policy,
+        "endpoint": ",".join(opts.endpoints) or None,
+        "fleet": opts.fleet,
+        "nodes": opts.nodes,
+        "policy": None if opts.existing else opts.policy,
         "quota_bytes": opts.quota,
-        "admit_after": None if opts.endpoint else opts.admit_after,
+        "admit_after": None if opts.existing else opts.admit_after,
         "settings": opts.settings,
     }
 
@@ -280,9 +329,13 @@ def _rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if doc["behind_schedule_ms"] is not None:
         rows.append(("behind the trace, ms", _lat(doc["behind_schedule_ms"])))
     errors = ", ".join(f"{k}: {v}" for k, v in doc["errors"].items()) or "none"
+    held = "-" if cap is None else f"{cap:,}"
+    by_member = (doc["fleet"] or {}).get("blocks_held_by_member")
+    if by_member:
+        held += " (" + ", ".join(f"{u.split('://')[-1]}: {n:,}" for u, n in by_member.items()) + ")"
     rows += [
         ("wrong bytes / errors", f"{doc['wrong_bytes']:,} / {errors}"),
-        ("blocks held", "-" if cap is None else f"{cap:,}"),
+        ("blocks held", held),
         ("loaded / stored", f"{_size(doc['bytes_loaded'])} / {_size(doc['bytes_stored'])}"),
     ]
     admit_after = doc["workload"]["admit_after"]
@@ -296,7 +349,7 @@ def _rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if doc["daemon_cpu_s"] is not None:
         cpu = f"{doc['daemon_cpu_s']:.2f} s ({doc['daemon_cpu_ms_per_request']:.2f} ms a request)"
-        rows.append(("daemon CPU", cpu))
+        rows.append(("daemon CPU" + (" (all nodes)" if doc["fleet"] else ""), cpu))
     p = doc["prefill"]
     if p is not None:
         text = f"{p['saved_s']:,.2f} s (recompute {p['recompute_s']:,.2f} s - load {p['load_s']:,.2f} s)"
@@ -313,8 +366,14 @@ def render(figs: Figures) -> str:
         f"blocks of {_size(w['block_bytes'])} ({w['model']['name']}: {_size(w['model_block_bytes'])} per "
         f"{w['tokens_per_block']} tokens); speed {speed}, concurrency {w['concurrency']}; "
         f"replayed in {doc['seconds']:.1f} s ({doc['requests'] / max(doc['seconds'], 1e-9):,.1f} requests/s)",
-        "",
     ]
+    if (fleet := doc["fleet"]) is not None:
+        how = "started here" if fleet["started_here"] else f"seeds {', '.join(fleet['seeds'])}"
+        head.append(
+            f"a fleet of {fleet['members']} members ({how}): blocks held, /metrics counters"
+            f"{' and CPU' if fleet['started_here'] else ''} summed over them"
+        )
+    head.append("")
     rows = _rows(doc)
     width = max(len(k) for k, _ in rows)
     body = [f"{k:<{width}}  {v}" for k, v in rows]

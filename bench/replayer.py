@@ -10,6 +10,11 @@ Block ``i`` of the trace is stored under ``bench-<run id>-<i>``
 (:class:`BlockBytes` says what it holds). Meanwhile the daemon's counters
 that the client cannot see (``/metrics``: reads from the object tier, bytes
 written) are sampled every :data:`METRICS_EVERY_S`.
+
+Against a fleet (``fleet``: the endpoints are seeds, the client places each
+key on its owner) what is read from the daemons covers every member, those
+the client knows when the replay starts: their ``/metrics`` counters are
+summed, and the blocks held are the run's keys listed on each member.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from kvstore_client import AsyncClient
 from kvstore_client.answers import NOT_ADMITTED
 
 from .models import ModelGeometry
-from .run import Progress, Recorder, error_kind, key_prefix, run_keys
+from .run import Progress, Recorder, error_kind, held_keys, key_prefix, members
 from .samples import SAMPLES, load_pool
 from .sizing import kv_bytes_per_block
 from .trace import Request
@@ -56,7 +61,9 @@ class ReplayOptions:
     block_bytes: int
     speed: float  # 0: as fast as the slots allow
     concurrency: int
-    endpoint: str | None
+    endpoints: tuple[str, ...]  # --endpoint's URLs (a fleet's seeds); none: daemons started here
+    fleet: bool  # the daemons are a fleet (the client reads its members; started here: ``nodes`` of them)
+    nodes: int | None  # the fleet started here, its nodes
     token: str | None
     metrics_token: str | None
     keep: bool
@@ -69,6 +76,11 @@ class ReplayOptions:
     progress: bool
     json_path: Path | None
     png_path: Path | None
+
+    @property
+    def existing(self) -> bool:
+        """Against daemons already running (``--endpoint``), not started here."""
+        return bool(self.endpoints)
 
     @property
     def model_block_bytes(self) -> int:
@@ -228,7 +240,7 @@ async def drive(replayer: Replayer, requests: Sequence[Request], rec: Recorder) 
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """The daemon's counters at ``t`` seconds into the replay."""
+    """The daemons' counters at ``t`` seconds into the replay (summed over a fleet's members)."""
 
     t: float
     tier_reads: float
@@ -236,28 +248,41 @@ class Sample:
 
 
 class Metrics:
-    """The daemon's counters that the client cannot see (``/metrics``), sampled
-    every :data:`METRICS_EVERY_S` over the replay; ``failure`` says why a
-    sample is missing (a metrics token the daemon wants and was not given, say)."""
+    """The daemons' counters that the client cannot see (``/metrics`` of each
+    of ``bases``: one daemon, or a fleet's members), sampled every
+    :data:`METRICS_EVERY_S` over the replay, summed over ``bases``. A sample
+    with a member missing would be a wrong sum, so it is dropped, and
+    ``failure`` says why (a metrics token the daemon wants and was not
+    given, say)."""
 
-    def __init__(self, base: str, token: str | None) -> None:
-        self.base = base.rstrip("/")
+    def __init__(self, bases: Sequence[str], token: str | None) -> None:
+        self.bases = [b.rstrip("/") for b in bases]
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.samples: list[Sample] = []
         self.failure: str | None = None
 
-    async def sample(self, session: aiohttp.ClientSession, t0: float) -> None:
-        """One sample, at its time from ``t0``; a failure is kept in ``failure``."""
+    async def _counters(self, session: aiohttp.ClientSession, base: str) -> tuple[float, float] | str:
+        """(tier reads, bytes written) of one daemon, or why not."""
         try:
-            async with session.get(self.base + "/metrics", headers=self.headers) as r:
+            async with session.get(base + "/metrics", headers=self.headers) as r:
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}")
                 text = await r.text()
         except (aiohttp.ClientError, RuntimeError, TimeoutError) as e:
-            self.failure = f"{self.base}/metrics: {type(e).__name__}: {e}"
+            return f"{base}/metrics: {type(e).__name__}: {e}"
+        return counter(text, TIER_READS), counter(text, BYTES_WRITTEN)
+
+    async def sample(self, session: aiohttp.ClientSession, t0: float) -> None:
+        """One sample, at its time from ``t0``; a failure is kept in ``failure``."""
+        got = await asyncio.gather(*(self._counters(session, b) for b in self.bases))
+        failed = [g for g in got if isinstance(g, str)]
+        if failed:
+            more = f" (and {len(failed) - 1} more members)" if len(failed) > 1 else ""
+            self.failure = failed[0] + more
             return
         t = time.perf_counter() - t0
-        self.samples.append(Sample(t, counter(text, TIER_READS), counter(text, BYTES_WRITTEN)))
+        values = [g for g in got if not isinstance(g, str)]
+        self.samples.append(Sample(t, sum(v[0] for v in values), sum(v[1] for v in values)))
 
     async def follow(self, session: aiohttp.ClientSession, stop: asyncio.Event, t0: float) -> None:
         """A sample a period until ``stop``, and a last one once the workers'
@@ -284,24 +309,34 @@ def counter(text: str, name: str) -> float:
 class Replayed:
     served: list[Served]
     seconds: float
-    blocks_held: int | None
+    blocks_held: int | None  # the run's distinct keys over every member
     metrics: Metrics
     errors: dict[str, int] = field(default_factory=dict)
     held_failure: str | None = None
+    members: list[str] = field(default_factory=list)  # the daemons read from: one, or a fleet's at the start
+    members_after: list[str] = field(default_factory=list)  # a fleet's members as the client knew them at the end
+    held_by_member: dict[str, int] | None = None  # the run's keys listed on each member
 
 
-async def replay(opts: ReplayOptions, requests: Sequence[Request], endpoint: str, token: str, run_id: str) -> Replayed:
-    """The replay against ``endpoint``, then the blocks the run holds there."""
+async def replay(
+    opts: ReplayOptions, requests: Sequence[Request], endpoints: Sequence[str], token: str, run_id: str
+) -> Replayed:
+    """The replay against ``endpoints`` (one daemon, or with ``opts.fleet`` the
+    seeds of a fleet), then the blocks the run holds there (on every member)."""
     pool = load_pool(SAMPLES)
     blocks = BlockBytes(opts.block_bytes, pool, int(run_id, 16))
-    metrics = Metrics(endpoint, opts.metrics_token)
     rec = Recorder()
     stop = asyncio.Event()
     pool_size = max(64, 4 * opts.concurrency)
-    async with (
-        AsyncClient(endpoint, token, timeout=opts.timeout, strict=True, pool_size=pool_size) as client,
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
-    ):
+    client = AsyncClient(
+        list(endpoints), token, timeout=opts.timeout, strict=True, pool_size=pool_size, fleet=opts.fleet
+    )
+    async with client, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        try:
+            urls = await members(client)
+        except RuntimeError as e:
+            raise ValueError(f"argument --endpoint: {e} (seeds {', '.join(endpoints)})") from None
+        metrics = Metrics(urls, opts.metrics_token)
         replayer = Replayer(client, opts, blocks, run_id)
         progress = Progress("replay", rec, None, len(requests), opts.progress)
         rec.t0 = time.perf_counter()
@@ -314,10 +349,12 @@ async def replay(opts: ReplayOptions, requests: Sequence[Request], endpoint: str
         finally:
             stop.set()
             await asyncio.gather(*tasks)
-        held: int | None = None
-        held_failure: str | None = None
+        done = Replayed(served, seconds, None, metrics, dict(rec.errors), members=urls)
         try:
-            held = len(await run_keys(client, run_id))
+            listed = await held_keys(client, run_id)
+            done.held_by_member = {u: len(keys) for u, keys in listed.items()}
+            done.blocks_held = len(set().union(*listed.values()))
         except Exception as e:  # noqa: BLE001 - the figures that need it say it is unknown
-            held_failure = f"{error_kind(e)}: {e}"
-    return Replayed(served, seconds, held, metrics, dict(rec.errors), held_failure)
+            done.held_failure = f"{error_kind(e)}: {e}"
+        done.members_after = client.endpoints
+    return done

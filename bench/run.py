@@ -49,7 +49,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -722,25 +722,55 @@ async def measure(target: Target, blocks: Blocks, opts: RunOptions) -> dict[str,
     return res
 
 
-async def run_keys(client: AsyncClient, run_id: str) -> list[str]:
-    """Every key of the run ``run_id`` in the client's tenant (on its first endpoint):
-    those listed with the run's prefix, page by page."""
+async def run_keys(client: AsyncClient, run_id: str, endpoint: str | None = None) -> list[str]:
+    """Every key of the run ``run_id`` in the client's tenant on one daemon,
+    ``endpoint`` (default the client's first): those listed with the run's
+    prefix, page by page."""
     prefix = key_prefix(run_id)
     keys: list[str] = []
     after: str | None = None
     while True:
-        page, after = await client.list_keys(prefix=prefix, start_after=after)
+        page, after = await client.list_keys(prefix=prefix, start_after=after, endpoint=endpoint)
         keys += [k for k, _ in page]
         if after is None:
             return keys
 
 
-async def remove_run_blocks(endpoint: str, token: str, run_id: str, timeout: float, concurrency: int) -> int:
+async def members(client: AsyncClient) -> list[str]:
+    """The daemons that hold the client's keys: a fleet client's members (its
+    membership read now if due; :class:`RuntimeError` when no seed ever
+    answered ``GET /v1/fleet``), else the client's endpoints."""
+    if client.fleet_version is None:
+        return client.endpoints
+    await client.members()
+    if (client.fleet_version or 0) < 0:
+        raise RuntimeError("no seed answered GET /v1/fleet: the fleet's members are unknown")
+    return client.endpoints
+
+
+async def held_keys(client: AsyncClient, run_id: str) -> dict[str, list[str]]:
+    """The run's keys on each daemon of the client (:func:`members`: every
+    member of a fleet), listed one daemon after another."""
+    return {url: await run_keys(client, run_id, url) for url in await members(client)}
+
+
+async def remove_run_blocks(
+    endpoints: Sequence[str], token: str, run_id: str, timeout: float, concurrency: int, fleet: bool = False
+) -> int:
     """Delete every block the run ``run_id`` stored in the tenant of ``token`` (its
-    loaded blocks and its writes, those a timed-out put left there included): the
-    keys listed with the run's prefix, ``concurrency`` deletes at a time.
-    Returns how many were deleted."""
-    async with AsyncClient(endpoint, token, timeout=timeout, strict=True) as client:
+    loaded blocks and its writes, those a timed-out put left there included)
+    on every daemon: ``endpoints``, or with ``fleet`` every member of the fleet
+    they seed. On each daemon, the keys listed there with the run's prefix are
+    deleted there (a key a fleet placed on another member than its owner now
+    included), ``concurrency`` deletes at a time. Returns how many were deleted."""
+    async with AsyncClient(list(endpoints), token, timeout=timeout, strict=True, fleet=fleet) as client:
+        urls = await members(client)
+    return sum([await _remove_on(url, token, run_id, timeout, concurrency) for url in urls])
+
+
+async def _remove_on(url: str, token: str, run_id: str, timeout: float, concurrency: int) -> int:
+    """The run's keys listed on the daemon ``url``, deleted there."""
+    async with AsyncClient(url, token, timeout=timeout, strict=True) as client:
         keys = await run_keys(client, run_id)
         sem = asyncio.Semaphore(concurrency)
 
@@ -753,34 +783,48 @@ async def remove_run_blocks(endpoint: str, token: str, run_id: str, timeout: flo
 
 @dataclass(frozen=True, slots=True)
 class Leftovers:
-    """What a run against an existing daemon (``--endpoint``) stored there, and
-    what to do with it at the end: the keys of ``run_id``, kept or deleted."""
+    """What a run against existing daemons (``--endpoint``) stored there, and
+    what to do with it at the end: the keys of ``run_id``, kept or deleted.
+    ``endpoints``: one daemon, or with ``fleet`` the seeds of a fleet (every
+    member is cleaned)."""
 
-    endpoint: str
+    endpoints: tuple[str, ...]
     token: str
     run_id: str
     keep: bool
     timeout: float
     concurrency: int
+    fleet: bool = False
+
+    @property
+    def where(self) -> str:
+        if self.fleet:
+            return f"the fleet of {', '.join(self.endpoints)}"
+        return f"existing daemon {', '.join(self.endpoints)}"
 
 
 def clean_endpoint(left: Leftovers, prog: str = PROG) -> str | None:
-    """What the run left in an existing daemon's tenant: removed unless ``--keep``.
-    A note for the report, or None when removing failed (said on stderr, after
-    ``prog``, with the keys' prefix to delete by hand)."""
+    """What the run left in an existing daemon's tenant (every member's, for a
+    fleet): removed unless ``--keep``. A note for the report, or None when
+    removing failed (said on stderr, after ``prog``, with the keys' prefix to
+    delete by hand)."""
     prefix = key_prefix(left.run_id)
     if left.keep:
-        return f"existing daemon {left.endpoint}: the run's blocks stay in the tenant (--keep), keys {prefix}*"
+        return f"{left.where}: the run's blocks stay in the tenant (--keep), keys {prefix}*"
     try:
-        removed = asyncio.run(remove_run_blocks(left.endpoint, left.token, left.run_id, left.timeout, left.concurrency))
+        removed = asyncio.run(
+            remove_run_blocks(left.endpoints, left.token, left.run_id, left.timeout, left.concurrency, left.fleet)
+        )
     except Exception as e:  # noqa: BLE001 - reported, and the exit status says so; the figures stand
+        members = " on every member" if left.fleet else ""
         print(
-            f"{prog}: could not remove the run's blocks from {left.endpoint} ({error_kind(e)}: {e}); "
-            f"delete the tenant's keys starting with {prefix}",
+            f"{prog}: could not remove the run's blocks from {left.where} ({error_kind(e)}: {e}); "
+            f"delete the tenant's keys starting with {prefix}{members}",
             file=sys.stderr,
         )
         return None
-    return f"existing daemon {left.endpoint}: the run's {removed} blocks ({prefix}*) were deleted (--keep keeps them)"
+    every = " from every member" if left.fleet else ""
+    return f"{left.where}: the run's {removed} blocks ({prefix}*) were deleted{every} (--keep keeps them)"
 
 
 def say(msg: str) -> None:
@@ -833,7 +877,7 @@ def execute(opts: RunOptions) -> int:
             results["kvstore"] = asyncio.run(measure(target, blocks, opts))
         finally:  # an existing daemon keeps nothing of a run, finished or not (unless --keep)
             if opts.endpoint is not None:
-                left = Leftovers(endpoint, token, blocks.run_id, opts.keep, opts.timeout, opts.concurrency)
+                left = Leftovers((endpoint,), token, blocks.run_id, opts.keep, opts.timeout, opts.concurrency)
                 cleaned = clean_endpoint(left)
         if cleaned:
             notes.append(cleaned)
