@@ -4,22 +4,30 @@ The setting ``quota_eviction`` picks the policy, for every tenant of the node:
 
 - ``lru`` (the default): the least recently read or written blocks first.
 - ``probation``: S3-FIFO's idea (Yang et al., SOSP 2023) in the batches the
-  quota evicts in. A block not read (nor offered again) since it was stored
-  is *on probation*; one that was is *reused*. The oldest blocks on
-  probation go first, down to the newest ``PROBATION_SHARE`` of the quota,
-  which stay on probation whatever the need; only then do reused blocks go,
-  least recently used first. A block evicted on probation is remembered (a
-  *ghost*: its key, in the writer's memory, as many as the tenant holds
-  blocks, at most ``GHOST_KEYS``); stored again, it counts as reused from
-  the next eviction on (it is given an access time then, so it stays
-  reused after its ghost is forgotten, and across a restart). Most KV
-  blocks are never read again: LRU keeps them as long as the ones that come
-  back, this gives them a short stay. bench/README.md has the trace replays
-  that measured it against LRU and Belady's optimum.
+  quota evicts in, with ARC's adaptation (Megiddo and Modha, FAST 2003). A
+  block not read (nor offered again) since it was stored is *on
+  probation*; one that was is *reused*. The oldest blocks on probation go
+  first, down to the newest ``share`` of the quota, which stay on probation
+  whatever the need; only then do reused blocks go, least recently used
+  first. Evicted keys are remembered (*ghosts*: keys in the writer's
+  memory, as many as the tenant holds blocks, at most ``GHOST_KEYS``, in
+  two lists: evicted on probation, evicted after a read). A ghost of the
+  first list stored again counts as reused from the next eviction on (it
+  is given an access time, so it stays reused after its ghost is forgotten
+  and across a restart), and grows the share: probation was too short for
+  it. One of the second list stored again shrinks the share: probation took
+  its room. The share starts at ``PROBATION_SHARE`` and stays within
+  ``MIN_SHARE`` and ``MAX_SHARE``. Most KV blocks of chat and agent traffic
+  are never read again, and LRU keeps them as long as the ones that come
+  back; this gives them a stay as long as the traffic shows it should be.
+  bench/README.md has the trace replays that measured it against LRU and
+  Belady's optimum: a fixed share of a tenth won on Mooncake's synthetic
+  trace and lost on its conversation trace; the adaptive one won on both
+  or matched LRU.
 
-Ghosts live in memory only: after a restart every block not read since the
-last access checkpoint is on probation again and no evicted key is
-remembered (the policy then behaves as LRU does for blocks used once).
+Ghosts and the share live in memory only: after a restart every block not
+read since the last access checkpoint is on probation again, no evicted key
+is remembered and the share starts over.
 """
 
 from __future__ import annotations
@@ -27,14 +35,15 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.config import QUOTA_EVICTION
 from kvstore.engine.index import IndexEntry
 
 EVICTION_POLICIES = QUOTA_EVICTION
-PROBATION_SHARE = 0.1  # of the quota: the newest blocks on probation, never evicted for reused ones
-GHOST_KEYS = 1_000_000  # keys remembered per tenant at most (about 150 bytes each)
+PROBATION_SHARE = 0.1  # of the quota, at first: the newest blocks on probation, never evicted for reused ones
+MIN_SHARE, MAX_SHARE = 0.05, 0.9  # how far the share adapts
+GHOST_KEYS = 500_000  # keys remembered per tenant and list at most (about 200 bytes each with 64-character keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +107,10 @@ def lru(candidates: Iterable[Candidate], need: int) -> list[Candidate]:
 
 
 class Ghosts:
-    """Keys one tenant incarnation evicted on probation, and when: a bounded
-    FIFO (the longest remembered are forgotten first)."""
+    """Keys one tenant evicted, and when: a bounded FIFO (the longest
+    remembered are forgotten first)."""
 
-    def __init__(self, incarnation: int) -> None:
-        self.incarnation = incarnation
+    def __init__(self) -> None:
         self._evicted: OrderedDict[str, int] = OrderedDict()
 
     def __len__(self) -> int:
@@ -116,44 +124,84 @@ class Ghosts:
         while len(evicted) > bound:
             evicted.popitem(last=False)
 
+    def forget(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._evicted.pop(key, None)
+
     def returned(self, c: Candidate) -> bool:
-        """Whether ``c`` was stored again after it was evicted on probation."""
+        """Whether ``c`` was stored again after it was evicted."""
         when = self._evicted.get(c.key)
         return when is not None and c.created_ms >= when
 
 
-def reused(c: Candidate, ghosts: Ghosts | None) -> bool:
-    """Read or offered again since it was stored, or stored again after its
-    eviction on probation."""
-    return (c.touched_ms > 0 and c.touched_ms >= c.created_ms) or (ghosts is not None and ghosts.returned(c))
+@dataclass(slots=True)
+class Probation:
+    """One tenant incarnation's state under ``probation``, in the writer's
+    memory: the share of the quota kept for blocks on probation, and the
+    keys evicted on probation and evicted after a read (as ARC's two ghost
+    lists: a return of the first kind says probation was too short, and
+    grows the share; of the second, that it took room from blocks read
+    again, and shrinks it)."""
+
+    incarnation: int
+    share: float = PROBATION_SHARE
+    evicted_new: Ghosts = field(default_factory=Ghosts)
+    evicted_reused: Ghosts = field(default_factory=Ghosts)
+
+
+def read_since_stored(c: Candidate) -> bool:
+    return c.touched_ms > 0 and c.touched_ms >= c.created_ms
 
 
 @dataclass(frozen=True, slots=True)
 class Choice:
     victims: list[Candidate]
-    on_probation: list[str]  # the victims' keys that were on probation (ghosts from now)
-    held: int  # blocks the tenant held unpinned: the ghosts' bound
-    returned: list[Candidate]  # ghosts stored again: reused from now on (retention.py touches them)
+    on_probation: list[str] = field(default_factory=list)  # victims never read: ghosts of the first kind
+    after_reads: list[str] = field(default_factory=list)  # victims read since stored: of the second kind
+    held: int = 0  # blocks the tenant held unpinned: each ghost list's bound
+    returned_new: list[Candidate] = field(default_factory=list)  # first kind stored again: reused from now on
+    returned_reused: list[str] = field(default_factory=list)  # second kind stored again
+    share: float = PROBATION_SHARE  # the share after this scan's returns
 
 
-def probation(candidates: Iterable[Candidate], need: int, keep_new: int, ghosts: Ghosts | None) -> Choice:
-    """The blocks to remove for ``need`` bytes: the oldest on probation
-    beyond the newest ``keep_new`` bytes of them, then the least recently
-    used reused ones."""
+def probation(candidates: Iterable[Candidate], need: int, quota: int, state: Probation) -> Choice:
+    """The blocks to remove for ``need`` bytes of a tenant with ``quota``:
+    the oldest on probation beyond the newest ``state.share`` of the quota,
+    then the least recently used of those read since they were stored. The
+    share moves with each ghost that came back since the last eviction, by
+    its size over the quota, times how much longer the other ghost list is
+    (ARC's rule), within ``MIN_SHARE`` to ``MAX_SHARE``."""
     new, old = _Oldest(need), _Oldest(need)
     new_bytes = held = 0
-    returned: list[Candidate] = []
+    share = state.share
+    returned_new: list[Candidate] = []
+    returned_reused: list[str] = []
+    n_new, n_reused = len(state.evicted_new), len(state.evicted_reused)
     for c in candidates:
         held += 1
-        if c.touched_ms < c.created_ms and ghosts is not None and ghosts.returned(c):
-            returned.append(c)
+        if read_since_stored(c):
             old.offer(c.last_ms, c)
-        elif reused(c, ghosts):
+            continue
+        if state.evicted_new.returned(c):  # evicted too soon: probation grows; this one is reused from now
+            returned_new.append(c)
+            share = min(MAX_SHARE, share + max(1.0, n_reused / max(1, n_new)) * c.size / quota)
             old.offer(c.last_ms, c)
-        else:
-            new_bytes += c.size
-            new.offer(c.created_ms, c)
+            continue
+        if state.evicted_reused.returned(c):  # room taken from the reused: probation shrinks
+            returned_reused.append(c.key)
+            share = max(MIN_SHARE, share - max(1.0, n_new / max(1, n_reused)) * c.size / quota)
+        new_bytes += c.size
+        new.offer(c.created_ms, c)
+    keep_new = int(quota * share)
     first = _take(new.oldest_first(), min(need, max(0, new_bytes - keep_new)))
     rest = need - sum(c.size for c in first)
     then = _take(old.oldest_first(), rest) if rest > 0 else []
-    return Choice(first + then, [c.key for c in first], held, returned)
+    return Choice(
+        first + then,
+        [c.key for c in first],
+        [c.key for c in then],
+        held,
+        returned_new,
+        returned_reused,
+        share,
+    )

@@ -38,7 +38,7 @@ from typing import Any
 from kvstore.engine import eviction
 from kvstore.engine.access import CHECKPOINT_S, AccessLog, now_ms
 from kvstore.engine.appender import Appender
-from kvstore.engine.eviction import EVICTION_POLICIES, Candidate, Choice, Ghosts
+from kvstore.engine.eviction import EVICTION_POLICIES, Candidate, Choice, Probation
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Leases
 from kvstore.engine.registry import Registry, Tenant
@@ -92,7 +92,7 @@ class Retention:
         if eviction not in EVICTION_POLICIES:
             raise ValueError(f"quota_eviction {eviction!r} is not one of {', '.join(EVICTION_POLICIES)}")
         self._eviction = eviction
-        self._ghosts: dict[str, Ghosts] = {}  # tenant -> keys evicted on probation (eviction.py)
+        self._probation: dict[str, Probation] = {}  # tenant -> its state under probation (eviction.py)
 
     # -- access times -----------------------------------------------------------
 
@@ -170,10 +170,7 @@ class Retention:
             choice = await self._run(self._victims, t, need)
             victims = [(c.key, c.entry) for c in choice.victims]
             freed = await self._remove(t.name, victims, "quota")
-            for c in choice.returned:  # reused for good: the access time says so once the ghost is forgotten
-                self._access.touch(t.name, c.key, c.created_ms)
-            if choice.on_probation:
-                self._ghosts[t.name].add(choice.on_probation, now_ms(), min(choice.held, eviction.GHOST_KEYS))
+            self._remember(t, choice)
             self._metrics.inc("kvstore_quota_evictions_total", len(victims))
             self._metrics.inc("kvstore_quota_evicted_bytes_total", freed)
             return freed
@@ -197,12 +194,31 @@ class Retention:
     def _victims(self, t: Tenant, need: int) -> Choice:
         """The blocks to remove for ``need`` bytes, as ``quota_eviction`` says (eviction.py)."""
         if self._eviction == "lru":
-            return Choice(eviction.lru(self._candidates(t.name), need), [], 0, [])
-        ghosts = self._ghosts.get(t.name)
-        if ghosts is None or ghosts.incarnation != t.created_ns:  # a tenant deleted and created again starts over
-            ghosts = self._ghosts[t.name] = Ghosts(t.created_ns)
-        keep_new = int(t.quota_bytes * eviction.PROBATION_SHARE)
-        return eviction.probation(self._candidates(t.name), need, keep_new, ghosts)
+            return Choice(eviction.lru(self._candidates(t.name), need))
+        return eviction.probation(self._candidates(t.name), need, t.quota_bytes, self._probation_of(t))
+
+    def _probation_of(self, t: Tenant) -> Probation:
+        state = self._probation.get(t.name)
+        if state is None or state.incarnation != t.created_ns:  # a tenant deleted and created again starts over
+            state = self._probation[t.name] = Probation(t.created_ns)
+        return state
+
+    def _remember(self, t: Tenant, choice: Choice) -> None:
+        """What an eviction under ``probation`` learnt: its ghosts, the ghosts
+        that came back (those on probation reused for good: an access time
+        says so once the ghost is forgotten), and the share they moved."""
+        if self._eviction == "lru":
+            return
+        state = self._probation_of(t)
+        for c in choice.returned_new:
+            self._access.touch(t.name, c.key, c.created_ms)
+        state.evicted_new.forget(c.key for c in choice.returned_new)
+        state.evicted_reused.forget(choice.returned_reused)
+        state.share = choice.share
+        bound = min(choice.held, eviction.GHOST_KEYS)
+        now = now_ms()
+        state.evicted_new.add(choice.on_probation, now, bound)
+        state.evicted_reused.add(choice.after_reads, now, bound)
 
     async def _remove(self, tenant: str, victims: list[tuple[str, IndexEntry]], cause: str) -> int:
         freed = 0

@@ -173,6 +173,7 @@ async def test_a_block_evicted_on_probation_and_stored_again_counts_as_read(open
     for i in range(40):
         await store.put("t", f"d{i}", block(f"d{i}"))
     assert await store.get("t", "g") == block("g")
+    assert store._retention._probation["t"].share > 0.1, "its return should have lengthened probation"
     # A tenant deleted and created again forgets what its predecessor evicted.
     await store.delete_tenant("t")
     await store.create_tenant("t", quota_bytes=1024 * KiB)

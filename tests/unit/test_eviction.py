@@ -1,12 +1,16 @@
 """The quota's eviction policies (kvstore/engine/eviction.py) on hand-made
-candidates: which blocks go, in which order, and what the ghosts remember."""
+candidates: which blocks go, in which order, what the ghosts remember and
+how the share of the quota kept on probation moves."""
 
 from __future__ import annotations
 
-from kvstore.engine.eviction import Candidate, Ghosts, lru, probation
+import pytest
+
+from kvstore.engine.eviction import MAX_SHARE, MIN_SHARE, Candidate, Ghosts, Probation, lru, probation
 from kvstore.engine.index import IndexEntry
 
 SIZE = 100
+QUOTA = 10 * SIZE
 
 
 def cand(key: str, created: int, touched: int = 0, size: int = SIZE) -> Candidate:
@@ -16,6 +20,10 @@ def cand(key: str, created: int, touched: int = 0, size: int = SIZE) -> Candidat
 
 def keys(cs: list[Candidate]) -> list[str]:
     return [c.key for c in cs]
+
+
+def state(share: float) -> Probation:
+    return Probation(incarnation=1, share=share)
 
 
 def test_lru_takes_the_least_recently_used_adding_up_to_the_need() -> None:
@@ -29,37 +37,62 @@ def test_probation_takes_blocks_never_read_first_but_keeps_the_newest() -> None:
     reused = [cand("r1", 1, touched=5), cand("r2", 2, touched=6)]
     new = [cand(f"n{i}", 10 + i) for i in range(5)]
     # Need 3 blocks: the three oldest never read, though r1 and r2 are older.
-    choice = probation(reused + new, 3 * SIZE, keep_new=2 * SIZE, ghosts=None)
+    choice = probation(reused + new, 3 * SIZE, QUOTA, state(0.2))
     assert keys(choice.victims) == ["n0", "n1", "n2"]
-    assert choice.on_probation == ["n0", "n1", "n2"] and choice.held == 7
-    # Need 5: the newest 2 on probation stay; the rest comes from the reused, LRU.
-    choice = probation(reused + new, 5 * SIZE, keep_new=2 * SIZE, ghosts=None)
+    assert choice.on_probation == ["n0", "n1", "n2"] and choice.after_reads == [] and choice.held == 7
+    # Need 5: the newest 2 on probation (a fifth of the quota) stay; the rest comes from the reused, LRU.
+    choice = probation(reused + new, 5 * SIZE, QUOTA, state(0.2))
     assert keys(choice.victims) == ["n0", "n1", "n2", "r1", "r2"]
-    assert choice.on_probation == ["n0", "n1", "n2"]
+    assert choice.on_probation == ["n0", "n1", "n2"] and choice.after_reads == ["r1", "r2"]
+    assert choice.share == 0.2  # no ghost came back: the share stays
 
 
 def test_a_touch_before_the_block_was_stored_again_does_not_count() -> None:
     """A touch older than the record (the key was deleted and put again) is
     not a read of this block."""
-    choice = probation([cand("old", 10, touched=5), cand("new", 20)], SIZE, keep_new=0, ghosts=None)
+    choice = probation([cand("old", 10, touched=5), cand("new", 20)], SIZE, QUOTA, state(MIN_SHARE))
     assert keys(choice.victims) == ["old"]
 
 
-def test_a_ghost_stored_again_counts_as_reused() -> None:
-    ghosts = Ghosts(incarnation=1)
-    ghosts.add(["g"], when_ms=100, bound=10)
-    cs = [cand("g", 150), cand("n", 120)]  # g came back after it was evicted
-    choice = probation(cs, SIZE, keep_new=0, ghosts=ghosts)
-    assert keys(choice.victims) == ["n"] and keys(choice.returned) == ["g"]
+def test_a_ghost_evicted_on_probation_comes_back_reused_and_grows_the_share() -> None:
+    s = state(0.1)
+    s.evicted_new.add(["g"], when_ms=100, bound=10)
+    cs = [cand("g", 150), cand("n1", 120), cand("n2", 130), cand("n3", 140)]  # g came back after it was evicted
+    choice = probation(cs, SIZE, QUOTA, s)
+    assert choice.share == pytest.approx(0.1 + SIZE / QUOTA)  # one block's worth (no ghost read before)
+    # g is reused now; of the three on probation the newest two (the grown share) stay.
+    assert keys(choice.victims) == ["n1"] and keys(choice.returned_new) == ["g"]
     stale = [cand("g", 50), cand("n", 120)]  # a g stored before that eviction is not a return
-    assert keys(probation(stale, SIZE, keep_new=0, ghosts=ghosts).victims) == ["g"]
+    choice = probation(stale, SIZE, QUOTA, s)
+    assert keys(choice.victims) == ["g"] and choice.returned_new == [] and choice.share == 0.1
+
+
+def test_a_ghost_evicted_after_a_read_comes_back_on_probation_and_shrinks_the_share() -> None:
+    s = state(0.3)
+    s.evicted_reused.add(["r"], when_ms=100, bound=10)
+    s.evicted_new.add(["x", "y"], when_ms=100, bound=10)  # twice as many ghosts of the other kind
+    choice = probation([cand("r", 150), cand("n", 160)], SIZE, QUOTA, s)
+    assert choice.returned_reused == ["r"] and choice.returned_new == []
+    assert choice.share == pytest.approx(0.3 - 2 * SIZE / QUOTA)
+    assert keys(choice.victims) == ["r"]  # on probation again, and the oldest
+
+
+def test_the_share_stays_within_its_bounds() -> None:
+    s = state(MAX_SHARE)
+    s.evicted_new.add(["g"], when_ms=1, bound=10)
+    assert probation([cand("g", 5)], SIZE, QUOTA, s).share == MAX_SHARE
+    s = state(MIN_SHARE)
+    s.evicted_reused.add(["r"], when_ms=1, bound=10)
+    assert probation([cand("r", 5)], SIZE, QUOTA, s).share == MIN_SHARE
 
 
 def test_ghosts_forget_the_longest_remembered_first() -> None:
-    ghosts = Ghosts(incarnation=1)
+    ghosts = Ghosts()
     ghosts.add(["a", "b", "c"], when_ms=1, bound=3)
     ghosts.add(["a"], when_ms=2, bound=3)  # evicted again: remembered anew
     ghosts.add(["d"], when_ms=3, bound=3)
     assert len(ghosts) == 3
     assert not ghosts.returned(cand("b", 10))
     assert all(ghosts.returned(cand(k, 10)) for k in ("a", "c", "d"))
+    ghosts.forget(["a", "zzz"])
+    assert not ghosts.returned(cand("a", 10)) and len(ghosts) == 2
