@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=SYNTHETIC,
         metavar="FILE",
-        help="a trace in Mooncake's JSONL format (default: Mooncake's synthetic trace, shipped with the package)",
+        help="a trace in Mooncake's JSONL format, or of prompts' token_ids chained here in blocks of "
+        "--tokens-per-block (default: Mooncake's synthetic trace, shipped with the package)",
     )
     ap.add_argument("--requests", type=positive_int, help="replay only the first N requests (default: all)")
     ap.add_argument(
@@ -447,7 +448,7 @@ def _target(opts: ReplayOptions, unique_blocks: int) -> Iterator[Target]:
 
 def execute(opts: ReplayOptions) -> int:
     try:
-        requests = load_trace(opts.trace, opts.requests)
+        requests = load_trace(opts.trace, opts.requests, opts.tokens_per_block)
     except ValueError as e:
         raise ValueError(f"argument --trace: {e}") from None
     cut = shape(requests)

@@ -5,6 +5,13 @@ A trace is JSONL, one request per line (Mooncake's FAST'25 release,
 
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 2353]}
 
+A trace of the prompts' tokens is read too: ``token_ids`` (or
+``input_ids``, as tokenizers name them) instead of ``hash_ids``, with
+``timestamp`` and ``output_length`` optional; its chains are made here
+(:class:`PrefixChains`), so logged prompts of any engine replay as they are::
+
+    {"timestamp": 27482, "token_ids": [128000, 9906, 1917, ...], "output_length": 52}
+
 ``hash_ids`` is the prompt's chain of prefix blocks of ``tokens_per_block``
 tokens (512 in Mooncake's traces): block ``i`` holds tokens
 ``[i * tokens_per_block, (i + 1) * tokens_per_block)`` of the prompt, so the
@@ -37,8 +44,10 @@ the daemon does for a PUT of a key it holds):
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -48,6 +57,7 @@ TRACES = Path(__file__).resolve().parent / "data" / "traces"
 SYNTHETIC = TRACES / "synthetic_trace.jsonl"  # Mooncake's FAST'25 synthetic trace
 MOONCAKE_TOKENS_PER_BLOCK = 512
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+TOKEN_FIELDS = ("token_ids", "input_ids")  # a trace of prompts' tokens instead of block ids
 NEVER = float("inf")
 
 
@@ -76,17 +86,67 @@ def _int_field(doc: dict[str, object], name: str, where: str) -> int:
     return value
 
 
-def parse_request(line: str, where: str) -> Request:
-    """One JSONL line; a ValueError names ``where`` (file:line) and the field."""
+class PrefixChains:
+    """Block ids for traces of token ids: each full block of
+    ``tokens_per_block`` tokens is named by a hash of its tokens and of the
+    block before it (the prefix hashing of engines' prefix caches), and each
+    distinct hash gets the next integer id. A prompt's last, partial block
+    gets none: engines cache full blocks only, so its tokens are never a hit."""
+
+    def __init__(self, tokens_per_block: int) -> None:
+        self.tokens_per_block = tokens_per_block
+        self._ids: dict[bytes, int] = {}
+
+    def chain(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        tpb = self.tokens_per_block
+        digest = b""
+        out: list[int] = []
+        for start in range(0, len(tokens) - tpb + 1, tpb):
+            block = struct.pack(f"<{tpb}q", *tokens[start : start + tpb])
+            digest = hashlib.blake2b(digest + block, digest_size=16).digest()
+            out.append(self._ids.setdefault(digest, len(self._ids)))
+        return tuple(out)
+
+
+def _token_ids(doc: dict[str, object], where: str) -> tuple[str, list[int]] | None:
+    for name in TOKEN_FIELDS:
+        if name in doc:
+            value = doc[name]
+            ok = isinstance(value, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) and -(1 << 63) <= t < 1 << 63 for t in value
+            )
+            if not ok:
+                raise ValueError(f"{where}: {name} must be a list of integers")
+            return name, value  # type: ignore[return-value]
+    return None
+
+
+def parse_request(line: str, where: str, chains: PrefixChains | None = None) -> Request:
+    """One JSONL line; a ValueError names ``where`` (file:line) and the field.
+    A line with ``token_ids`` (or ``input_ids``) instead of ``hash_ids`` has
+    its chain made by ``chains``; its ``input_length`` is its token count and
+    ``timestamp`` and ``output_length`` default to 0."""
     try:
         doc = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not JSON ({e.msg})") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{where}: expected an object with {', '.join(FIELDS)}")
+    if "hash_ids" not in doc and (tokens := _token_ids(doc, where)) is not None:
+        if chains is None:
+            raise ValueError(f"{where}: {tokens[0]} needs the tokens per block to make the chain")
+        name, ids_of = tokens
+        if "input_length" in doc and doc["input_length"] != len(ids_of):
+            raise ValueError(f"{where}: input_length {doc['input_length']!r} is not the {len(ids_of)} {name}")
+        return Request(
+            timestamp_ms=_int_field(doc, "timestamp", where) if "timestamp" in doc else 0,
+            input_length=len(ids_of),
+            output_length=_int_field(doc, "output_length", where) if "output_length" in doc else 0,
+            hash_ids=chains.chain(ids_of),
+        )
     ids = doc.get("hash_ids")
     if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
-        raise ValueError(f"{where}: hash_ids must be a list of integers")
+        raise ValueError(f"{where}: hash_ids must be a list of integers (or give the prompt's token_ids)")
     if len(set(ids)) != len(ids):
         raise ValueError(f"{where}: hash_ids names a block twice in one chain")
     return Request(
@@ -97,16 +157,20 @@ def parse_request(line: str, where: str) -> Request:
     )
 
 
-def load_trace(path: Path, limit: int | None = None) -> list[Request]:
+def load_trace(
+    path: Path, limit: int | None = None, tokens_per_block: int = MOONCAKE_TOKENS_PER_BLOCK
+) -> list[Request]:
     """The first ``limit`` requests of the trace at ``path`` (all: None), in
     arrival order (a stable sort by timestamp: a file out of order is replayed
-    in time order). Blank lines are skipped; a bad line is a ValueError."""
+    in time order). Blank lines are skipped; a bad line is a ValueError.
+    Lines of token ids are chained in blocks of ``tokens_per_block``."""
     requests: list[Request] = []
+    chains = PrefixChains(tokens_per_block)
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            requests.append(parse_request(line, f"{path.name}:{number}"))
+            requests.append(parse_request(line, f"{path.name}:{number}", chains))
     if not requests:
         raise ValueError(f"{path}: no requests")
     requests.sort(key=lambda r: r.timestamp_ms)

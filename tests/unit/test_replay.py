@@ -298,3 +298,42 @@ def test_the_readme_examples_parse() -> None:
     assert len(lines) >= 4, lines
     for line in lines:
         build_parser().parse_args(shlex.split(line))
+
+
+def test_a_trace_of_token_ids_is_chained_as_engines_hash_prefixes(tmp_path: Path) -> None:
+    """Blocks of 4 tokens: a block's id stands for its whole prefix, the
+    partial tail has none, and equal tokens after another prefix are
+    another block."""
+    lines = [
+        {"timestamp": 3, "token_ids": list(range(1, 11)), "output_length": 7},  # 2 full blocks + 2 tokens
+        {"timestamp": 5, "input_ids": [*range(1, 9), 99, 98, 97, 96]},  # the same 2, then its own
+        {"token_ids": [1, 2, 3, 4, 7, 7, 7, 7]},  # no timestamp: 0, first in time
+        {"timestamp": 9, "token_ids": [5, 5, 5, 5, 1, 2, 3, 4]},  # 1..4 again, after another prefix
+    ]
+    path = tmp_path / "tokens.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    r3, r1, r2, r4 = load_trace(path, tokens_per_block=4)
+    assert (r1.input_length, r1.output_length, r3.timestamp_ms, r3.output_length) == (10, 7, 0, 0)
+    a, b = r1.hash_ids
+    assert r2.hash_ids[:2] == (a, b) and len(r2.hash_ids) == 3 and r2.hash_ids[2] not in (a, b)
+    assert r3.hash_ids[0] == a and r3.hash_ids[1] not in (a, b)
+    assert len(set(r4.hash_ids) & {a, b}) == 0
+    # Every reusable full block is a hit; the tail tokens never are.
+    assert prefix_hits([r1, r2], Unbounded()) == [0, 2]
+    assert r2.prefix_tokens(2, 4) == 8
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [
+        ({"token_ids": [1, True, 3]}, "token_ids must be a list of integers"),
+        ({"input_ids": "1 2 3"}, "input_ids must be a list of integers"),
+        ({"token_ids": [1, 2, 3], "input_length": 4}, "input_length 4 is not the 3 token_ids"),
+        ({"timestamp": -1, "token_ids": [1]}, "timestamp must be an integer"),
+    ],
+)
+def test_a_bad_token_line_names_its_field(tmp_path: Path, doc: dict[str, object], says: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(doc) + "\n")
+    with pytest.raises(ValueError, match=says):
+        load_trace(path, tokens_per_block=4)
