@@ -203,6 +203,11 @@ class Retention:
             state = self._probation[t.name] = Probation(t.created_ns)
         return state
 
+    def forget_tenant(self, name: str) -> None:
+        """A deleted tenant's state under ``probation`` (its ghosts: up to a
+        million keys) goes with it."""
+        self._probation.pop(name, None)
+
     def _remember(self, t: Tenant, choice: Choice) -> None:
         """What an eviction under ``probation`` learnt: its ghosts, the ghosts
         that came back (those on probation reused for good: an access time

@@ -218,6 +218,7 @@ class StoreTenants(StoreCore):
             self._cache.forget_tenant(name)  # closed once the reads in progress end
             self.access.forget_tenant(name)
             self.admission.forget_tenant(name)
+            self._retention.forget_tenant(name)
             self._residency.tenant_deleted(name, incarnation)
             moved = await self._run(trash, self._seg_root, name)
             self._tails.pop(name, None)

@@ -176,6 +176,7 @@ async def test_a_block_evicted_on_probation_and_stored_again_counts_as_read(open
     assert store._retention._probation["t"].share > 0.1, "its return should have lengthened probation"
     # A tenant deleted and created again forgets what its predecessor evicted.
     await store.delete_tenant("t")
+    assert "t" not in store._retention._probation, "a deleted tenant's ghosts should be gone from memory"
     await store.create_tenant("t", quota_bytes=1024 * KiB)
     await store.put("t", "g", block("g"))
     for i in range(40):
