@@ -37,10 +37,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvstore.config import QUOTA_EVICTION
 from kvstore.engine.index import IndexEntry
 
-EVICTION_POLICIES = QUOTA_EVICTION
 PROBATION_SHARE = 0.1  # of the quota, at first: the newest blocks on probation, never evicted for reused ones
 MIN_SHARE, MAX_SHARE = 0.05, 0.9  # how far the share adapts
 GHOST_KEYS = 500_000  # keys remembered per tenant and list at most (about 200 bytes each with 64-character keys)

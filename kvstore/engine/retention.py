@@ -2,9 +2,10 @@
 
 - **Quota** (``quota_bytes``, 0: none): the bytes a tenant stores across tiers
   (its live records). A put that would take the tenant past its quota first
-  makes room by removing the tenant's own least recently used blocks (or, with
-  ``quota_eviction = probation``, those not read since they were stored
-  first: eviction.py), down to ``QUOTA_LOW`` of the quota (so it happens now and then, not on every put);
+  makes room by removing the tenant's own least recently used blocks (or,
+  with ``quota_eviction = probation``, those not read since they were
+  stored first: eviction.py), down to ``QUOTA_LOW`` of the quota (so it
+  happens now and then, not on every put);
   no other tenant is ever touched for it. A single block larger than the
   whole quota is refused (``507 quota_exceeded``). Usage counts puts in
   flight, so concurrent puts cannot overshoot by more than what is in flight.
@@ -38,7 +39,7 @@ from typing import Any
 from kvstore.engine import eviction
 from kvstore.engine.access import CHECKPOINT_S, AccessLog, now_ms
 from kvstore.engine.appender import Appender
-from kvstore.engine.eviction import EVICTION_POLICIES, Candidate, Choice, Probation
+from kvstore.engine.eviction import Candidate, Choice, Probation
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Leases
 from kvstore.engine.registry import Registry, Tenant
@@ -72,7 +73,7 @@ class Retention:
         removed: Removed | None = None,
         identities: Callable[[str, Sequence[str]], Mapping[str, BlockMeta]] | None = None,
         leases: Leases | None = None,
-        eviction: str = "lru",
+        eviction: str = "lru",  # quota_eviction, checked by the config: "lru" or "probation"
     ) -> None:
         # Blocks a lookup's lock pins (leases): never removed here while pinned.
         self._leases = leases or Leases()
@@ -89,8 +90,6 @@ class Retention:
         self._inflight: dict[str, int] = defaultdict(int)
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._checkpoint_lock = asyncio.Lock()
-        if eviction not in EVICTION_POLICIES:
-            raise ValueError(f"quota_eviction {eviction!r} is not one of {', '.join(EVICTION_POLICIES)}")
         self._eviction = eviction
         self._probation: dict[str, Probation] = {}  # tenant -> its state under probation (eviction.py)
 

@@ -23,16 +23,15 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kvstore_bench import replay
 from kvstore_client.sharding import rank_endpoints
 
+from ..integration.test_replay import independent_hit_ratio, trace_requests
 from ..moto_s3 import S3Env
 from .test_daemons import Fleet, call
 
-TRACE = Path(replay.__file__).resolve().parent / "data" / "traces" / "synthetic_trace.jsonl"
 REQUESTS = 150
 BLOCK = 16 << 10
 # One worker a node; a node slowed by the replay on a small machine must not be declared dead mid-run.
@@ -47,26 +46,6 @@ def two_nodes(tmp_path: Path, s3: S3Env) -> Iterator[Fleet]:
         yield f
     finally:
         f.stop()
-
-
-def _trace(requests: int) -> list[dict[str, Any]]:
-    with TRACE.open() as f:
-        return [json.loads(line) for line in list(f)[:requests]]
-
-
-def _independent_hit_ratio(requests: int) -> float:
-    """Tokens of each request's leading blocks seen in any earlier request, over all
-    its input tokens (512 tokens a block, the last one partial)."""
-    seen: set[int] = set()
-    hit = total = 0
-    for r in _trace(requests):
-        n = 0
-        while n < len(r["hash_ids"]) and r["hash_ids"][n] in seen:
-            n += 1
-        hit += min(n * 512, r["input_length"])
-        total += r["input_length"]
-        seen.update(r["hash_ids"])
-    return hit / total
 
 
 def _run_id(notes: list[str]) -> str:
@@ -96,7 +75,7 @@ def test_a_running_fleet_from_one_seed_finds_every_token_and_is_cleaned(two_node
     doc = json.loads(out.read_text())
 
     assert doc["requests"] == REQUESTS and doc["wrong_bytes"] == 0 and doc["errors"] == {}
-    expected = _independent_hit_ratio(REQUESTS)
+    expected = independent_hit_ratio(REQUESTS)
     assert expected > 0.02  # the first requests do share prefixes
     assert doc["token_hit_ratio"] == pytest.approx(expected, abs=1e-12)
     assert doc["unbounded_token_hit_ratio"] == pytest.approx(expected, abs=1e-12)
@@ -109,7 +88,7 @@ def test_a_running_fleet_from_one_seed_finds_every_token_and_is_cleaned(two_node
     # Each member holds exactly the keys the rendezvous hashing places on it: blocks on both nodes.
     run_id = _run_id(doc["notes"])
     owned = dict.fromkeys(urls, 0)
-    for h in {h for r in _trace(REQUESTS) for h in r["hash_ids"]}:
+    for h in {h for r in trace_requests(REQUESTS) for h in r["hash_ids"]}:
         owned[rank_endpoints(urls, f"bench-{run_id}-{h}")[0]] += 1
     assert fleet["blocks_held_by_member"] == owned
     assert all(n > 0 for n in owned.values())
@@ -130,7 +109,7 @@ def test_a_fleet_started_here_reports_its_nodes_and_is_removed(tmp_path: Path) -
     assert replay.main([*argv, "--policy", "direct", "--no-progress", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["wrong_bytes"] == 0 and doc["errors"] == {}
-    assert doc["token_hit_ratio"] == pytest.approx(_independent_hit_ratio(60), abs=1e-12)
+    assert doc["token_hit_ratio"] == pytest.approx(independent_hit_ratio(60), abs=1e-12)
     fleet = doc["fleet"]
     assert fleet["members"] == 2 and fleet["started_here"] and fleet["seeds"] is None
     held = fleet["blocks_held_by_member"]

@@ -26,10 +26,11 @@ from typing import Any
 
 import pytest
 from kvstore_bench import replay
+from kvstore_bench.trace import SYNTHETIC
 
 from tests.http.conftest import ADMIN, Daemon, daemon_env, free_port
 
-TRACE = Path(replay.__file__).resolve().parent / "data" / "traces" / "synthetic_trace.jsonl"
+TRACE = SYNTHETIC
 CONTRACT = (
     "token_hit_ratio",
     "unbounded_token_hit_ratio",
@@ -77,20 +78,24 @@ def _replay(base: str, token: str, out: Path, requests: int) -> dict[str, Any]:
     return doc
 
 
-def _independent_hit_ratio(requests: int) -> float:
+def trace_requests(requests: int) -> list[dict[str, Any]]:
+    """The first ``requests`` lines of the shipped trace, as JSON."""
+    with TRACE.open() as f:
+        return [json.loads(line) for line in list(f)[:requests]]
+
+
+def independent_hit_ratio(requests: int) -> float:
     """Tokens of each request's leading blocks seen in any earlier request, over all
     its input tokens (512 tokens a block, the last one partial)."""
     seen: set[int] = set()
     hit = total = 0
-    with TRACE.open() as f:
-        for line in list(f)[:requests]:
-            r = json.loads(line)
-            n = 0
-            while n < len(r["hash_ids"]) and r["hash_ids"][n] in seen:
-                n += 1
-            hit += min(n * 512, r["input_length"])
-            total += r["input_length"]
-            seen.update(r["hash_ids"])
+    for r in trace_requests(requests):
+        n = 0
+        while n < len(r["hash_ids"]) and r["hash_ids"][n] in seen:
+            n += 1
+        hit += min(n * 512, r["input_length"])
+        total += r["input_length"]
+        seen.update(r["hash_ids"])
     return hit / total
 
 
@@ -112,7 +117,7 @@ def test_without_a_quota_every_reusable_token_is_found(served: Daemon, tmp_path:
     token = _tenant(served.base, "open")
     doc = _replay(served.base, token, tmp_path / "open.json", 300)
     _check_contract(doc, 300)
-    expected = _independent_hit_ratio(300)
+    expected = independent_hit_ratio(300)
     assert expected > 0.02  # the first 300 requests do share prefixes
     assert doc["token_hit_ratio"] == pytest.approx(expected, abs=1e-12)
     assert doc["unbounded_token_hit_ratio"] == pytest.approx(expected, abs=1e-12)
@@ -132,7 +137,7 @@ def test_with_a_quota_the_hits_are_the_lru_references(served: Daemon, tmp_path: 
     assert lru < unbounded - 0.03  # the quota matters here
     assert doc["token_hit_ratio"] == pytest.approx(lru, abs=0.01)
     assert lru <= doc["belady_token_hit_ratio"] <= unbounded
-    assert doc["unbounded_token_hit_ratio"] == pytest.approx(_independent_hit_ratio(600), abs=1e-12)
+    assert doc["unbounded_token_hit_ratio"] == pytest.approx(independent_hit_ratio(600), abs=1e-12)
 
 
 def _admitted_hit_ratio(requests: int, admit_after: int) -> tuple[float, int, int]:
