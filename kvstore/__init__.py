@@ -47,4 +47,14 @@ follows a PUT, a GET and a segment through them):
   checker (``fsck``).
 """
 
-__version__ = "0.1.0"
+# The build's identity, written by each build from git (clients/build_version.py):
+# "X.Y.Z" for a tagged release, "X.Y.Z.devN+gHASH" otherwise. A source tree that
+# was never built or installed (``pip install -e .`` writes it) says so.
+try:
+    from kvstore._version import __commit__ as _node
+    from kvstore._version import __version__
+except ImportError:  # pragma: no cover - a tree never built
+    __version__ = "0+unknown"
+    _node = "unknown"
+__commit__: str = (_node or "unknown").removeprefix("g")
+"""The git commit the build was made from (abbreviated), or "unknown"."""

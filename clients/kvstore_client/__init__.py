@@ -36,4 +36,8 @@ __all__ = [
     "model_fingerprint",
     "rank_endpoints",
 ]
-__version__ = "0.1.0"
+# Written by each build from git (clients/build_version.py); a tree never built says so.
+try:
+    from kvstore_client._version import __version__
+except ImportError:  # pragma: no cover - a tree never built
+    __version__ = "0+unknown"

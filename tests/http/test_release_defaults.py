@@ -14,19 +14,22 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import __version__
+from kvstore import __commit__, __version__
 from tests.http.conftest import ADMIN, Api, Daemon, serving
 
 
-async def test_status_and_metrics_name_the_release(api: Api) -> None:
-    # Used to be: no version in /v1/admin/status nor in /metrics.
+async def test_status_and_metrics_name_the_build(api: Api) -> None:
+    # Used to be: no version in /v1/admin/status nor in /metrics; then a version
+    # every build shared (0.1.0) and no commit.
+    assert __commit__ != "unknown" and re.fullmatch(r"[0-9a-f]{40}", __commit__)
     async with api.session.get(api.url("/v1/admin/status"), headers=api.auth(ADMIN)) as r:
         assert r.status == 200
-        assert (await r.json())["version"] == __version__
+        doc = await r.json()
+        assert (doc["version"], doc["commit"]) == (__version__, __commit__)
     async with api.session.get(api.url("/metrics")) as r:
         text = await r.text()
     (line,) = [x for x in text.splitlines() if x.startswith("kvstore_build_info{")]
-    assert f'version="{__version__}"' in line and line.endswith(" 1")
+    assert f'version="{__version__}"' in line and f'commit="{__commit__}"' in line and line.endswith(" 1")
 
 
 async def test_metrics_token_guards_metrics(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ a scrape lands on merges every snapshot younger than ``STALE_S``: counters
 and histograms added up, per-process gauges (requests in flight, buffered
 bodies) added up, the store's gauges taken from the writer. Another
 worker's counts are at most ``SNAPSHOT_S`` old. ``kvstore_workers`` says
-how many processes the answer covers; ``kvstore_build_info{version}`` which
+how many processes the answer covers; ``kvstore_build_info{version,commit}`` which
 release answers.
 
 ``metrics_token`` makes the route require that bearer token (or the admin
@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore import __version__
+from kvstore import __commit__, __version__
 from kvstore.metrics import merged
 from kvstore.transport.http.appkeys import METRICS, STATE, STORE, config_of
 from kvstore.transport.http.auth import require_metrics_token
@@ -90,7 +90,9 @@ def _read_snapshots(directory: Path) -> list[dict[str, Any]]:
 
 async def metrics_ctx(app: web.Application) -> AsyncIterator[None]:
     """The release, once; with several workers: this worker's snapshots, every SNAPSHOT_S."""
-    app[METRICS].set("kvstore_build_info", 1, version=__version__, python=platform.python_version())
+    app[METRICS].set(
+        "kvstore_build_info", 1, version=__version__, commit=__commit__, python=platform.python_version()
+    )
     directory = _directory(app)
     if directory is None:
         yield

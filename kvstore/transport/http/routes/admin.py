@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore import __version__
+from kvstore import __commit__, __version__
 from kvstore.config import DURABILITY_CLASSES
 from kvstore.engine.api import DEFAULT_ADMIT_WINDOW_S, load_master_key
 from kvstore.errors import InvalidInput, MasterKeyError
@@ -285,7 +285,7 @@ async def verify(request: web.Request) -> web.Response:
 
 @routes.get("/v1/admin/status", allow_head=False)
 async def status(request: web.Request) -> web.Response:
-    """The release (``version``), the process that answers (the writer, with several workers), its NIXL
+    """The build (``version``, ``commit``), the process that answers (the writer, with several workers), its NIXL
     agent (``{"enabled": false}`` when ``nixl`` is off) and the host's RDMA
     devices as pyverbs sees them (an empty list with the reason)."""
     require_admin(request)
@@ -294,6 +294,7 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "version": __version__,
+            "commit": __commit__,
             "role": request.app[STATE]["role"],
             "pid": os.getpid(),
             "nixl": nixl,
