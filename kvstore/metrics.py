@@ -161,6 +161,10 @@ class Metrics:
     def counter(self, name: str, **labels: str) -> float:
         return self._tables()[0].get(_key(name, labels), 0.0)
 
+    def counters(self, name: str) -> list[tuple[dict[str, str], float]]:
+        """Every series of the counter ``name``: its labels and its value."""
+        return [(dict(labels), v) for (n, labels), v in self._tables()[0].items() if n == name]
+
     def without_label(self, label: str) -> Metrics:
         """A copy whose series lack ``label``: those that differed only in it
         added up (counters, gauges and histograms alike)."""

@@ -1,5 +1,7 @@
 """Maintenance an operator (or a test) runs on demand: flush before a
-drain, a compaction or eviction pass now, following a bucket now, a scrub."""
+drain, a compaction or eviction pass now, following a bucket now, a scrub;
+and what the operator's status shows of the store: its space and the
+object tier's upload backlog."""
 
 from __future__ import annotations
 
@@ -64,3 +66,27 @@ class StoreMaintenance(StoreCore):
             self._cache.forget_verified({segment for segment, _, _ in report.errors})
             await self._run(self._index.bump_epoch)
         return report
+
+    def space(self) -> dict[str, Any]:
+        """The data directory's space as the store measures it against its
+        watermarks: its filesystem as statvfs reports it (``capacity`` 0;
+        one system call, no scan), else the segment files' bytes against
+        ``capacity``. ``full``: writes are refused for space (residency.py)."""
+        self._check_open()
+        residency, cfg = self._residency, self.config
+        usage = residency.space.usage()
+        return {
+            "path": str(cfg.data_dir),
+            "measured": "capacity" if cfg.capacity else "filesystem",
+            "used_bytes": usage.used,
+            "capacity_bytes": usage.capacity,
+            "high_watermark": cfg.high_watermark,
+            "full": residency.full,
+        }
+
+    def upload_backlog(self) -> tuple[int, int] | None:
+        """Sealed segments, and their bytes, not yet in the object tier;
+        None where this process uploads nothing (no object tier, a reader
+        worker, a node adopting a bucket read-only)."""
+        mirror = self._residency.mirror
+        return None if mirror is None else mirror.backlog

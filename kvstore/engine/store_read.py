@@ -66,8 +66,10 @@ class StoreReads(StoreCore):
         entry = self._live(t, key)
         if entry is None:
             self.metrics.inc("kvstore_lookups_total", result="miss")
+            self.metrics.inc("kvstore_tenant_reads_total", tenant=tenant, result="miss")
             raise NotFound(f"key {key!r} not found")
         self.metrics.inc("kvstore_lookups_total", result="hit")
+        self.metrics.inc("kvstore_tenant_reads_total", tenant=tenant, result="hit")
         self.access.touch(tenant, key)
         return entry
 
@@ -419,7 +421,7 @@ class StoreReads(StoreCore):
             present = await self._run(self._present_unexpired, t, list(keys))
         else:
             present = await self._run(self._index.contains, tenant, list(keys))
-        return self._looked_up(present, tokens_per_block)
+        return self._looked_up(tenant, present, tokens_per_block)
 
     def lookup_now(self, tenant: str, keys: Sequence[str], tokens_per_block: int = 0) -> LookupResult | None:
         """A lookup's first step, on the calling thread, when it needs nothing
@@ -430,14 +432,17 @@ class StoreReads(StoreCore):
         if t.ttl_s or len(keys) > INLINE_LOOKUP_KEYS:
             return None
         _validate_keys(keys)
-        return self._looked_up(self._index.contains(tenant, list(keys)), tokens_per_block)
+        return self._looked_up(tenant, self._index.contains(tenant, list(keys)), tokens_per_block)
 
-    def _looked_up(self, present: list[bool], tokens_per_block: int) -> LookupResult:
+    def _looked_up(self, tenant: str, present: list[bool], tokens_per_block: int) -> LookupResult:
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
-        # The engines' hit rate, in blocks: of the chain asked for, how much is here from its start.
+        # The engines' hit rate, in blocks: of the chain asked for, how much is here from its start
+        # (the node's, and each tenant's: the admin's tenant list shows it).
         self.metrics.inc("kvstore_prefix_lookups_total")
         self.metrics.inc("kvstore_prefix_blocks_total", prefix, result="hit")
         self.metrics.inc("kvstore_prefix_blocks_total", len(present) - prefix, result="miss")
+        self.metrics.inc("kvstore_tenant_prefix_blocks_total", prefix, tenant=tenant, result="hit")
+        self.metrics.inc("kvstore_tenant_prefix_blocks_total", len(present) - prefix, tenant=tenant, result="miss")
         if tokens_per_block:
             self.metrics.inc("kvstore_prefix_tokens_total", prefix * tokens_per_block, result="hit")
             self.metrics.inc("kvstore_prefix_tokens_total", (len(present) - prefix) * tokens_per_block, result="miss")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
@@ -90,10 +91,13 @@ def http_app(
     app[CONFIG] = config
     # writer_socket: the workers' private socket; /_internal/ answers there only.
     # released_leases: read plans' leases a reader released, for the writer (internal.relay).
+    # started: monotonic, when this process made its app (the admin status's uptime_s; a
+    # worker that dies takes the daemon down with it, so the writer's is the daemon's).
     app[STATE] = {
         "role": role,
         "writer_socket": writer_socket,
         "released_leases": [],
+        "started": time.monotonic(),
     }
 
     async def not_ready_on_shutdown(app: web.Application) -> None:

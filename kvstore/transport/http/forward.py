@@ -55,7 +55,16 @@ _SENT = (
     "Last-Event-ID",
     "Kvstore-Block-Meta",
 )
-_RETURNED = ("Content-Type", "ETag", "WWW-Authenticate", "Retry-After", "Content-Range", "Allow", "Cache-Control")
+_RETURNED = (
+    "Content-Type",
+    "ETag",
+    "WWW-Authenticate",
+    "Retry-After",
+    "Content-Range",
+    "Allow",
+    "Cache-Control",
+    "Kvstore-Registry-Revision",  # a fleet node's admin answers (routes/admin.py)
+)
 # Routes every worker answers itself; every other matched route goes to the writer.
 LOCAL_ROUTES = frozenset(
     {

@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from kvstore import __commit__, __version__
-from kvstore.metrics import merged
+from kvstore.metrics import Metrics, merged
 from kvstore.transport.http.appkeys import METRICS, STATE, STORE, config_of
 from kvstore.transport.http.auth import require_metrics_token
 from kvstore.transport.http.qos import ADMISSION
@@ -90,9 +90,7 @@ def _read_snapshots(directory: Path) -> list[dict[str, Any]]:
 
 async def metrics_ctx(app: web.Application) -> AsyncIterator[None]:
     """The release, once; with several workers: this worker's snapshots, every SNAPSHOT_S."""
-    app[METRICS].set(
-        "kvstore_build_info", 1, version=__version__, commit=__commit__, python=platform.python_version()
-    )
+    app[METRICS].set("kvstore_build_info", 1, version=__version__, commit=__commit__, python=platform.python_version())
     directory = _directory(app)
     if directory is None:
         yield
@@ -113,6 +111,21 @@ async def metrics_ctx(app: web.Application) -> AsyncIterator[None]:
         _own_file(app, directory).unlink()
 
 
+async def whole(app: web.Application) -> Metrics:
+    """The whole daemon's metrics: this process's, or with several workers
+    every worker's snapshot merged (this one's written first, another's at
+    most SNAPSHOT_S old); ``kvstore_workers`` says how many they cover."""
+    directory = _directory(app)
+    if directory is None:
+        app[METRICS].set("kvstore_workers", 1)
+        return app[METRICS]
+    await asyncio.to_thread(_write_snapshot, app, directory)
+    snapshots = await asyncio.to_thread(_read_snapshots, directory)
+    out = merged(snapshots, PER_PROCESS_GAUGES)
+    out.set("kvstore_workers", len(snapshots))
+    return out
+
+
 async def metrics(request: web.Request) -> web.Response:
     require_metrics_token(request)
     app = request.app
@@ -130,15 +143,7 @@ async def metrics(request: web.Request) -> web.Response:
     m.set("kvstore_http_inflight", admission.inflight)
     m.set("kvstore_http_buffered_body_bytes", admission.budget.used)
     _cache_gauges(app)
-    directory = _directory(app)
-    if directory is None:
-        m.set("kvstore_workers", 1)
-    else:
-        await asyncio.to_thread(_write_snapshot, app, directory)
-        snapshots = await asyncio.to_thread(_read_snapshots, directory)
-        whole = merged(snapshots, PER_PROCESS_GAUGES)
-        whole.set("kvstore_workers", len(snapshots))
-        m = whole
+    m = await whole(app)
     if not config_of(request).metrics_tenant_labels:
         m = m.without_label("tenant")
     text = m.render()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -11,24 +14,50 @@ from aiohttp import web
 from kvstore import __commit__, __version__
 from kvstore.config import DURABILITY_CLASSES
 from kvstore.engine.api import DEFAULT_ADMIT_WINDOW_S, load_master_key
-from kvstore.errors import InvalidInput, MasterKeyError
+from kvstore.errors import InvalidInput, MasterKeyError, TenantNotFound
+from kvstore.metrics import Metrics
 from kvstore.names import validate_tenant
 from kvstore.qos.policy import parse_qos
 from kvstore.redaction import SCRUBBER
-from kvstore.transport.http.appkeys import STATE, store_of
+from kvstore.transport.http.appkeys import FOLLOWER, STATE, config_of, store_of
 from kvstore.transport.http.auth import require_admin
 from kvstore.transport.http.bodies import json_body
+from kvstore.transport.http.metrics import whole
 from kvstore.transport.http.qos import ADMISSION
 from kvstore.transport.http.query import query_bool, query_number, query_value
+from kvstore.transport.http.routes.fleet import FLEET, fenced, tenants_fenced
 from kvstore.transport.http.routes.xfer import XFER
 from kvstore.transport.nixl.devices import discover
 
 routes = web.RouteTableDef()
 FLUSH_TIMEOUT_S = 600
 MAX_FLUSH_TIMEOUT_S = 86_400
+# On a fleet node, every answer to an admin change of the tenant registry names
+# the revision of the fleet's registry this node holds once the change is done:
+# at least the revision the change wrote. Each node's GET /v1/admin/status says
+# the revision it holds (fleet.registry_revision): once every alive member's is
+# at least this one, the change is in force on all of them (kvstore admin --wait).
+REVISION_HEADER = "Kvstore-Registry-Revision"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def registry_change(handler: Handler) -> Handler:
+    """A route that changes the tenant registry: its answer carries
+    :data:`REVISION_HEADER` on a fleet node."""
+
+    @functools.wraps(handler)
+    async def answered(request: web.Request) -> web.StreamResponse:
+        response = await handler(request)
+        node = request.app.get(FLEET)
+        if node is not None:
+            response.headers[REVISION_HEADER] = str(node.registry_version)
+        return response
+
+    return answered
 
 
 @routes.post("/v1/admin/tenants")
+@registry_change
 async def create_tenant(request: web.Request) -> web.Response:
     require_admin(request)
     body = await json_body(request)
@@ -76,8 +105,19 @@ def _rates(request: web.Request, name: str) -> dict[str, float]:
 
 @routes.get("/v1/admin/tenants")
 async def list_tenants(request: web.Request) -> web.Response:
+    """Every tenant with its usage, as ``GET /v1/admin/tenants/{name}``
+    answers it: the blocks and bytes are counters the index keeps per tenant
+    (one read each, never a scan), the hits this node's counters."""
     require_admin(request)
-    return web.json_response({"tenants": store_of(request).tenants()})
+    store = store_of(request)
+    hits = _hits(await whole(request.app))
+    out = []
+    for tenant in store.tenants():
+        try:
+            out.append(await _with_usage(request, tenant, hits))
+        except TenantNotFound:  # deleted since the list was taken
+            continue
+    return web.json_response({"tenants": out})
 
 
 LIMITS = ("quota_bytes", "ttl_s", "frame_size")
@@ -125,16 +165,47 @@ def _topic(body: dict[str, Any]) -> str | None:
     return value
 
 
-async def _tenant_with_usage(request: web.Request, name: str) -> dict[str, Any]:
-    store = store_of(request)
-    s = await store.stats(name)
+HIT_COUNTERS = (("reads", "kvstore_tenant_reads_total"), ("prefix_blocks", "kvstore_tenant_prefix_blocks_total"))
+
+
+def _hits(metrics: Metrics) -> dict[str, dict[str, dict[str, int]]]:
+    """Each tenant's hits and misses since the daemon started, from the
+    whole daemon's counters (every worker's): ``reads``, block reads that
+    found the block or not; ``prefix_blocks``, the blocks of prefix lookups
+    present from the chain's start or not (the engines' hit rate)."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for kind, name in HIT_COUNTERS:
+        for labels, value in metrics.counters(name):
+            tenant, result = labels.get("tenant"), labels.get("result")
+            if tenant is not None and result in ("hit", "miss"):
+                out.setdefault(tenant, _no_hits())[kind][result] = int(value)
+    return out
+
+
+def _no_hits() -> dict[str, dict[str, int]]:
+    return {kind: {"hit": 0, "miss": 0} for kind, _ in HIT_COUNTERS}
+
+
+async def _with_usage(
+    request: web.Request, tenant: dict[str, Any], hits: dict[str, dict[str, dict[str, int]]]
+) -> dict[str, Any]:
+    """A tenant as the store shows it, with its rates, its usage (the
+    index's counters: one read) and its ``hits``."""
+    name = tenant["name"]
+    s = await store_of(request).stats(name)
     return {
-        **store.tenant(name),
+        **tenant,
         "rates": _rates(request, name),
         "blocks": s.blocks,
         "bytes_stored": s.stored_bytes,
         "bytes_logical": s.logical_bytes,
+        "hits": hits.get(name) or _no_hits(),
     }
+
+
+async def _tenant_with_usage(request: web.Request, name: str) -> dict[str, Any]:
+    tenant = store_of(request).tenant(name)
+    return await _with_usage(request, tenant, _hits(await whole(request.app)))
 
 
 @routes.get("/v1/admin/tenants/{name}")
@@ -144,6 +215,7 @@ async def get_tenant(request: web.Request) -> web.Response:
 
 
 @routes.patch("/v1/admin/tenants/{name}")
+@registry_change
 async def patch_tenant(request: web.Request) -> web.Response:
     """Change a tenant's ``quota_bytes``, ``ttl_s``, ``frame_size``,
     ``events_topic`` (null: none, the store's frame size, the tenant's name;
@@ -178,6 +250,7 @@ async def patch_tenant(request: web.Request) -> web.Response:
 
 
 @routes.delete("/v1/admin/tenants/{name}")
+@registry_change
 async def delete_tenant(request: web.Request) -> web.Response:
     require_admin(request)
     await store_of(request).delete_tenant(request.match_info["name"])
@@ -185,6 +258,7 @@ async def delete_tenant(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/admin/tenants/{name}/tokens")
+@registry_change
 async def issue_token(request: web.Request) -> web.Response:
     require_admin(request)
     name = request.match_info["name"]
@@ -193,6 +267,7 @@ async def issue_token(request: web.Request) -> web.Response:
 
 
 @routes.delete("/v1/admin/tenants/{name}/tokens/{token_id}")
+@registry_change
 async def revoke_token(request: web.Request) -> web.Response:
     require_admin(request)
     await store_of(request).revoke_token(request.match_info["name"], request.match_info["token_id"])
@@ -200,6 +275,7 @@ async def revoke_token(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/admin/tenants/{name}/s3-keys")
+@registry_change
 async def issue_s3_key(request: web.Request) -> web.Response:
     """An access key for the S3 gateway; the secret is shown once."""
     require_admin(request)
@@ -217,6 +293,7 @@ async def list_s3_keys(request: web.Request) -> web.Response:
 
 
 @routes.delete("/v1/admin/tenants/{name}/s3-keys/{access_key_id}")
+@registry_change
 async def revoke_s3_key(request: web.Request) -> web.Response:
     require_admin(request)
     await store_of(request).revoke_s3_key(request.match_info["name"], request.match_info["access_key_id"])
@@ -224,6 +301,7 @@ async def revoke_s3_key(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/admin/tenants/{name}/rotate-key")
+@registry_change
 async def rotate_tenant_key(request: web.Request) -> web.Response:
     require_admin(request)
     version = await store_of(request).rotate_tenant_key(request.match_info["name"])
@@ -285,19 +363,53 @@ async def verify(request: web.Request) -> web.Response:
 
 @routes.get("/v1/admin/status", allow_head=False)
 async def status(request: web.Request) -> web.Response:
-    """The build (``version``, ``commit``), the process that answers (the writer, with several workers), its NIXL
-    agent (``{"enabled": false}`` when ``nixl`` is off) and the host's RDMA
-    devices as pyverbs sees them (an empty list with the reason)."""
+    """The build (``version``, ``commit``), the process that answers (the
+    writer, with several workers: ``role``, ``pid``, ``uptime_s``) and how
+    many ``workers`` the daemon runs, the data directory's ``disk`` as the
+    store measures it, the object tier's ``upload_backlog`` (null without
+    one), the ``fence`` (``{"fenced": false}`` off a fleet), the node's
+    ``fleet`` (its id and the revision of the fleet's registry it holds;
+    null off a fleet), its NIXL agent (``{"enabled": false}`` when ``nixl``
+    is off) and the host's RDMA devices as pyverbs sees them (an empty list
+    with the reason)."""
     require_admin(request)
-    nixl = request.app[XFER].status() if XFER in request.app else {"enabled": False}
-    found = await asyncio.to_thread(discover)
+    app, store = request.app, store_of(request)
+    nixl = app[XFER].status() if XFER in app else {"enabled": False}
+    found, disk = await asyncio.gather(asyncio.to_thread(discover), asyncio.to_thread(store.space))
+    backlog = store.upload_backlog()
+    node = app.get(FLEET)
+    role = app[STATE]["role"]
+    fleet = None
+    if node is not None:
+        fleet = {"node_id": node.node_id, "registry_revision": node.registry_version, "heartbeat_s": node.heartbeat_s}
     return web.json_response(
         {
             "version": __version__,
             "commit": __commit__,
-            "role": request.app[STATE]["role"],
+            "role": role,
             "pid": os.getpid(),
+            "workers": 1 if role == "single" else config_of(request).worker_count,
+            "uptime_s": round(time.monotonic() - app[STATE]["started"], 3),
+            "disk": disk,
+            "upload_backlog": None if backlog is None else {"segments": backlog[0], "bytes": backlog[1]},
+            "fence": _fence(app),
+            "fleet": fleet,
             "nixl": nixl,
             "rdma": found.as_dict(),
         }
     )
+
+
+def _fence(app: web.Application) -> dict[str, Any]:
+    """Whether this node refuses writes (``fenced``) and tenant operations
+    (``tenants_fenced``), each with its ``reason`` when it does; off a
+    fleet, ``{"fenced": false}``."""
+    if app.get(FLEET) is None and app.get(FOLLOWER) is None:
+        return {"fenced": False}
+    writes, tenants = fenced(app), tenants_fenced(app)
+    out: dict[str, Any] = {"fenced": bool(writes), "tenants_fenced": bool(tenants)}
+    if writes:
+        out["reason"] = writes
+    if tenants:
+        out["tenants_reason"] = tenants
+    return out
