@@ -52,7 +52,7 @@ follows a PUT, a GET and a segment through them):
 # was never built or installed (``pip install -e .`` writes it) says so.
 try:
     from kvstore._version import __commit__ as _node
-    from kvstore._version import __version__
+    from kvstore._version import __version__ as __version__
 except ImportError:  # pragma: no cover - a tree never built
     __version__ = "0+unknown"
     _node = "unknown"

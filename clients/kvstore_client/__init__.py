@@ -38,6 +38,6 @@ __all__ = [
 ]
 # Written by each build from git (clients/build_version.py); a tree never built says so.
 try:
-    from kvstore_client._version import __version__
+    from kvstore_client._version import __version__ as __version__
 except ImportError:  # pragma: no cover - a tree never built
     __version__ = "0+unknown"
