@@ -12,6 +12,8 @@ import signal
 import socket
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
@@ -133,10 +135,9 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
             interval = sdnotify.watchdog_interval()
             while not stopping:
                 wait([p.sentinel for _, p in procs], timeout=min(interval or 1.0, 1.0))
-                dead = [f"{role} (pid {p.pid}, exit {p.exitcode})" for role, p in procs if not p.is_alive()]
-                if dead:
-                    log.error("worker died: %s; stopping the others", ", ".join(dead))
-                    rc = 1
+                ended = [(role, p) for role, p in procs if not p.is_alive()]
+                if ended:
+                    rc = _ended(ended, lambda: stopping)
                     break
                 if hangup:  # each worker reloads what it serves with
                     hangup = False
@@ -165,3 +166,30 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
                 os.close(fd)
     log.info("stopped")
     return rc
+
+
+SIGNAL_GRACE_S = 0.2  # how long a SIGTERM sent to the whole group may take to reach the supervisor's handler
+
+
+def _ended(ended: list[tuple[str, BaseProcess]], stopping: Callable[[], bool]) -> int:
+    """The daemon's exit status once the workers in ``ended`` are gone.
+
+    A worker exits 0 only once it has drained after SIGTERM (or SIGINT):
+    someone stopped it. Under systemd's ``KillMode=control-group``, or
+    ``kill -TERM -- -PGID``, every process of the group gets the signal at
+    once, and a worker can be gone before the supervisor's own handler has
+    run: that is a stop, exit 0, not a death. Any other end (an exit
+    status, a signal that killed it) is a failure: exit 1, and the service
+    manager restarts the daemon."""
+    what = ", ".join(f"{role} (pid {p.pid}, exit {p.exitcode})" for role, p in ended)
+    if any(p.exitcode != 0 for _, p in ended):
+        log.error("worker died: %s; stopping the others", what)
+        return 1
+    deadline = time.monotonic() + SIGNAL_GRACE_S
+    while not stopping() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the handler runs between these sleeps, if the signal was the group's
+    if stopping():
+        log.info("stopping: %s already stopped on the same signal", what)
+    else:
+        log.warning("%s stopped on a signal of its own (not the supervisor's): stopping the others", what)
+    return 0
