@@ -6,6 +6,7 @@
   command kvstore/cli.py and the shim server.py) see the engine
   only through its public API, kvstore.engine.api.
 - The client distribution imports nothing of the daemon.
+- The admin command (kvstore/admin/) imports nothing of kvstore but itself.
 """
 
 from __future__ import annotations
@@ -75,6 +76,19 @@ def test_the_client_imports_nothing_of_the_daemon() -> None:
     for path in (ROOT / "clients" / "kvstore_client").rglob("*.py"):
         wrong = sorted(i for i in _imports(path) if i == "kvstore" or i.startswith("kvstore."))
         assert not wrong, f"{path}: {wrong}"
+
+
+def test_the_admin_command_is_a_client_of_the_api() -> None:
+    """kvstore/admin/ speaks to a daemon over HTTP only: it imports nothing
+    of kvstore but itself (not the engine, the config or the transports),
+    so it neither reaches into a daemon nor loads one to start."""
+    modules = {m: i for m, i in _kvstore_modules().items() if m == "kvstore.admin" or m.startswith("kvstore.admin.")}
+    assert "kvstore.admin.client" in modules
+    for module, imports in modules.items():
+        wrong = sorted(
+            i for i in imports if (i == "kvstore" or i.startswith("kvstore.")) and not i.startswith("kvstore.admin")
+        )
+        assert not wrong, f"{module} imports {wrong}: the admin command uses the daemon's HTTP API only"
 
 
 COUNTED = ("kvstore_tenant_requests_total", "kvstore_http_bytes_in_total", "kvstore_http_bytes_out_total")
