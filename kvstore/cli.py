@@ -2,6 +2,7 @@
 
     kvstore serve [FLAGS]      run the daemon (kvstore/daemon/; server.py in a checkout)
     kvstore fsck --data-dir D  check a stopped node's data directory (kvstore/fsck.py)
+    kvstore admin COMMAND      manage a running daemon over its admin API (kvstore/admin/)
     kvstore --version
 
 Each subcommand has its own ``--help``.
@@ -22,6 +23,12 @@ def _serve(argv: list[str]) -> int:
     return main(argv, prog="kvstore serve")
 
 
+def _admin(argv: list[str]) -> int:
+    from kvstore.admin import main
+
+    return main(argv, prog="kvstore admin")
+
+
 def _fsck(argv: list[str]) -> int:
     from kvstore.fsck import main
 
@@ -31,6 +38,7 @@ def _fsck(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "run the daemon: every setting is a flag, a KVSTORE_* variable or a key of --config"),
     "fsck": (_fsck, "check (or --repair) a data directory offline, with the daemon stopped"),
+    "admin": (_admin, "manage a running daemon: tenants, tokens, S3 keys, status, flush, compact, verify"),
 }
 
 

@@ -327,6 +327,7 @@ OTHER_VARIABLES = frozenset(
     {
         "KVSTORE_CONFIG",  # the TOML file (read by load)
         "KVSTORE_TOKEN",  # the client library's tenant token (clients/kvstore_client, bench)
+        "KVSTORE_URL",  # the daemon's URL for kvstore admin (kvstore/admin/), set in an operator's shell
         "KVSTORE_TOKEN_FILE",
         "KVSTORE_FUZZ_SECONDS",  # the test suites (tests/fuzz, tests/stress, tests/fault, tests/s3)
         "KVSTORE_FUZZ_SEED",
