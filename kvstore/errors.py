@@ -405,10 +405,28 @@ class TierNotFound(TierError):
     code = "tier_not_found"
 
 
-class BucketNotFound(TierError):
+class TierMisconfigured(TierError):
+    """The tier refuses this node for a reason of its configuration, which
+    no retry will change: the bucket does not exist, access is denied, no
+    credentials were found. At start-up it is a configuration error (one
+    line, exit 2), on a single node as on a fleet node."""
+
+
+class BucketNotFound(TierMisconfigured):
     """The tier's bucket does not exist (S3's ``NoSuchBucket``): no object
     can be in it, and none can be written. Not an absent object: a read
     that finds no bucket raises this, never answers "no such object"."""
+
+
+class TierAccessDenied(TierMisconfigured):
+    """The tier refused the node's credentials or their rights (S3's
+    ``AccessDenied``, ``InvalidAccessKeyId``, ``SignatureDoesNotMatch``, an
+    expired token: a 401 or 403)."""
+
+
+class TierNoCredentials(TierMisconfigured):
+    """No credentials were found to sign the tier's requests with (boto3's
+    chain: the environment, a profile, an instance or container role)."""
 
 
 class TierConflict(TierError):

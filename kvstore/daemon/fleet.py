@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from kvstore_client.sharding import normalize
 
 from kvstore.config import StoreConfig
-from kvstore.engine.api import MasterKey, tier_from_config
-from kvstore.errors import BucketNotFound, ConfigError
+from kvstore.engine.api import MasterKey, refusal, tier_from_config
+from kvstore.errors import TierMisconfigured
 from kvstore.fleet import shared
 from kvstore.fleet.bucket import BucketMembership
 from kvstore.fleet.etcd import Etcd, EtcdMembership
@@ -49,8 +49,8 @@ async def fleet_bucket(cfg: StoreConfig, master: MasterKey) -> AsyncIterator[Tie
     try:
         try:
             adopted = await adopt_at_start(tier, cfg.data_dir / "registry.json", master)
-        except BucketNotFound:  # one line at start-up (kvstore serve exits 2), not a traceback
-            raise ConfigError(missing_bucket(cfg)) from None
+        except TierMisconfigured as e:  # one line at start-up (kvstore serve exits 2), not a traceback
+            raise refusal(cfg, tier, e) from None
         if adopted:
             log.info("took the fleet's tenant registry from the bucket")
         yield tier
@@ -99,15 +99,6 @@ async def fleet_membership(node: Node, master: MasterKey) -> AsyncIterator[None]
         await tasks.close()
         await member.close()
         await takeover.close()
-
-
-def missing_bucket(cfg: StoreConfig) -> str:
-    """What a fleet node says when its bucket does not exist."""
-    where = f"s3_endpoint={cfg.s3_endpoint!r}" if cfg.s3_endpoint else "AWS S3 (no s3_endpoint)"
-    return (
-        f"s3_bucket={cfg.s3_bucket!r}: no such bucket at {where}; "
-        "a fleet's nodes do not create their bucket: create it, then start them"
-    )
 
 
 def membership_for(cfg: StoreConfig, tier: Tier) -> Membership:

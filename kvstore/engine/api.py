@@ -11,7 +11,7 @@ from kvstore.engine.compactor import CompactionReport
 from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.engine.format import CODEC_NAMES, FrameEntry
 from kvstore.engine.lifecycle import Lease, Leases
-from kvstore.engine.object_tier import node_prefix, tier_from_config
+from kvstore.engine.object_tier import node_prefix, refusal, tier_from_config
 from kvstore.engine.reader import StoredFrames
 from kvstore.engine.registry import adopt_registry_file
 from kvstore.engine.store import Store
@@ -40,5 +40,6 @@ __all__ = [
     "adopt_registry_file",
     "load_master_key",
     "node_prefix",
+    "refusal",
     "tier_from_config",
 ]

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvstore.engine.layout import REGISTRY_OBJECT
 from kvstore.engine.lifecycle import Lifecycle, Phase
-from kvstore.errors import TierError
+from kvstore.errors import TierError, TierUnavailable
 from kvstore.metrics import Metrics
 from kvstore.tasks import Background, wait_event
 from kvstore.tier.base import Tier
@@ -81,11 +81,14 @@ class Mirror:
         self._registry_uploaded = 0
         self._registry_wake = asyncio.Event()
         self._registry_attempts = 0
+        # Since when, and why, the tier could not be reached (None: the last call went through).
+        self.unreachable: tuple[float, str] | None = None
         self._loop = asyncio.get_running_loop()
 
     # -- life cycle -----------------------------------------------------------
 
     def start(self) -> None:
+        self._reach_gauges()
         for i in range(self._concurrency):
             self._spawn(self._worker(), f"mirror-upload-{i}")
         self._spawn(self._registry_worker(), "mirror-registry")
@@ -183,6 +186,7 @@ class Mirror:
             except OSError as e:
                 self._failed(up, TierError(f"reading {up.path.name}: {e.strerror or e}"))
                 continue
+            self.reached(None)
             if self._pending.get(key) is up:
                 del self._pending[key]
             self._metrics.inc("kvstore_tier_uploads_total")
@@ -213,7 +217,31 @@ class Mirror:
             return  # the tenant was deleted meanwhile
         await self._run(self._life.mirrored, tenant, sid, up.size)
 
+    def reached(self, e: TierError | None) -> None:
+        """What the last call to the tier said: through (None), or an error;
+        an unreachable tier is remembered from its first failure until a
+        call goes through (the operator's status and ``/readyz`` show it,
+        and ``kvstore_tier_reachable``)."""
+        if e is None:
+            if self.unreachable is not None:
+                log.info("object tier reachable again (unreachable since %s)", _when(self.unreachable[0]))
+                self.unreachable = None
+                self._reach_gauges()
+        elif isinstance(e, TierUnavailable) and self.unreachable is None:
+            self.mark_unreachable(e)
+
+    def mark_unreachable(self, e: TierError) -> None:
+        """The tier does not answer (from now, until a call goes through)."""
+        self.unreachable = (time.time(), str(e))
+        self._reach_gauges()
+
+    def _reach_gauges(self) -> None:
+        since = 0.0 if self.unreachable is None else self.unreachable[0]
+        self._metrics.set("kvstore_tier_reachable", 0 if self.unreachable else 1)
+        self._metrics.set("kvstore_tier_unreachable_since_seconds", since)
+
     def _failed(self, up: Upload, e: TierError) -> None:
+        self.reached(e)
         up.attempts += 1
         self._metrics.inc("kvstore_tier_errors_total", op="upload")
         delay = backoff(up.attempts)
@@ -241,6 +269,8 @@ class Mirror:
                 doc = await self._run(self._registry_doc)
                 await self._tier.put_bytes(REGISTRY_OBJECT, doc)
             except (TierError, OSError) as e:
+                if isinstance(e, TierError):
+                    self.reached(e)
                 self._registry_attempts += 1
                 self._metrics.inc("kvstore_tier_errors_total", op="registry")
                 self._progress.set()
@@ -248,6 +278,7 @@ class Mirror:
                     log.warning("registry upload failed (attempt %d): %s", self._registry_attempts, e)
                 self._loop.call_later(backoff(self._registry_attempts), self._registry_wake.set)
                 continue
+            self.reached(None)
             self._registry_attempts = 0
             self._registry_uploaded = max(self._registry_uploaded, version)
             self._progress.set()
@@ -272,3 +303,7 @@ class Mirror:
         n, nbytes = self.backlog
         self._metrics.set("kvstore_tier_upload_backlog_segments", n)
         self._metrics.set("kvstore_tier_upload_backlog_bytes", nbytes)
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstore.config import StoreConfig
+from kvstore.errors import BucketNotFound, ConfigError, TierMisconfigured, TierNoCredentials
 from kvstore.tier.base import Tier
 from kvstore.tier.local import LocalTier
 from kvstore.tier.s3 import S3Tier
@@ -50,4 +51,28 @@ def tier_from_config(config: StoreConfig, *, node: str | None = None, fleet: boo
         max_attempts=2 if fleet else 5,
         connect_timeout=1.0 if fleet else 5.0,
         read_timeout=max(1.0, 2 * config.fleet_heartbeat_s) if fleet else 30.0,
+    )
+
+
+def refusal(config: StoreConfig, tier: Tier, e: TierMisconfigured) -> ConfigError:
+    """What start-up says, in one line, of a tier that refuses this node
+    (no bucket, access denied, no credentials): the setting or the
+    credentials' source to look at, never a secret."""
+    if not isinstance(tier, S3Tier):
+        return ConfigError(f"tier_dir={config.tier_dir!r}: {e}")
+    bucket = f"s3_bucket={config.s3_bucket!r}"
+    where = f"at s3_endpoint={config.s3_endpoint!r}" if config.s3_endpoint else "on AWS S3 (no s3_endpoint)"
+    if isinstance(e, BucketNotFound):
+        who = "a fleet's nodes do not create their bucket: create it, then start them"
+        if not config.fleet:
+            who = "kvstore does not create its bucket: create it (or correct s3_bucket), then start"
+        return ConfigError(f"{bucket}: no such bucket {where}; {who}")
+    if isinstance(e, TierNoCredentials):
+        return ConfigError(
+            f"{bucket} {where}: no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(or AWS_PROFILE, or give the host a role)"
+        )
+    return ConfigError(
+        f"{bucket} {where}: access denied to {tier.credential_source()} ({e}); kvstore needs to list, read, "
+        "write and delete objects under s3_prefix"
     )

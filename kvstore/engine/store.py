@@ -40,6 +40,7 @@ from kvstore.engine.index import Index
 from kvstore.engine.layout import tenant_prefix
 from kvstore.engine.lifecycle import Lifecycle
 from kvstore.engine.mirror import Mirror
+from kvstore.engine.object_tier import refusal
 from kvstore.engine.recovery import RecoveryReport, UnknownTenants, recover, tenant_dirs
 from kvstore.engine.registry import Registry, RegistryUnreadable, UnknownTenantSetting
 from kvstore.engine.reserve import RESERVE_FILE, SpaceReserve, auto_reserve, segment_cap
@@ -58,6 +59,7 @@ from kvstore.errors import (
     KVStoreError,
     StoreLocked,
     TierError,
+    TierMisconfigured,
 )
 from kvstore.fsutil import atomic_write
 from kvstore.tier.base import Tier
@@ -124,10 +126,13 @@ class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrite
         try:
             listing = await list_bucket(self.tier)
             doc = await fetch_registry(self.tier) if self.adopted or not reg_path.exists() else None
+        except TierMisconfigured as e:  # a setting to fix: no bucket, no access, no credentials
+            raise refusal(self.config, self.tier, e) from None
         except TierError as e:
             if self.adopted:
                 raise ConfigError(f"s3_readonly: the bucket cannot be read, so there is nothing to serve: {e}") from e
-            log.error("object tier unreachable at start-up (%s); starting from local data", e)
+            log.error("object tier unreachable at start-up (%s); serving local data until it answers", e)
+            self._unreachable_at_open = e
             return None, time.time_ns() // 1000
         if doc is None and self.adopted:
             raise ConfigError("s3_readonly: the bucket holds no registry.json: no node has written to it")
@@ -202,6 +207,8 @@ class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrite
             )
             self._registry.on_change = mirror.registry_changed
             mirror.registry_changed()  # the bucket gets this node's registry now
+            if self._unreachable_at_open is not None:  # until a call goes through
+                mirror.mark_unreachable(self._unreachable_at_open)
         await self._residency.start(mirror, self._background)
         if writer and not self.adopted and self._background:
             self._residency.spawn(self._compactor.loop(), "compactor")
@@ -301,7 +308,7 @@ class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrite
         self.metrics.set("kvstore_recovery_truncated_segments", len(r.truncated))
         self.metrics.set("kvstore_recovery_corrupt_records", len(r.corrupt))
         if r.repaired or r.corrupt:
-            log.warning("recovery: %s", r.as_dict())
+            log.warning("recovery of %s: repairs made or damage found", self._root, extra=r.as_dict())
 
     def _set_aside_space(self) -> None:
         """Size segments and the space reserve (reserve.py) for the data

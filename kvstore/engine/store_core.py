@@ -40,6 +40,7 @@ from kvstore.errors import (
     ReadOnlyStore,
     StoreClosed,
     TenantNotFound,
+    TierError,
 )
 from kvstore.events.bus import EventBus
 from kvstore.events.model import BlockMeta, TierName
@@ -92,6 +93,7 @@ class StoreCore:
         self._write_plans: dict[str, WritePlan] = {}  # open write plans by id (store_write_plans.py)
         self.readonly = False
         self.adopted = config.s3_readonly  # serves a bucket another node writes
+        self._unreachable_at_open: TierError | None = None  # the object tier did not answer at start-up
         self.tier = tier if tier is not None else tier_from_config(config)
         self._own_tier = tier is None and self.tier is not None
         self._residency: Residency

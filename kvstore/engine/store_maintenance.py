@@ -84,6 +84,21 @@ class StoreMaintenance(StoreCore):
             "full": residency.full,
         }
 
+    def object_tier_state(self) -> dict[str, Any] | None:
+        """Whether the object tier answers this node, as the last call to it
+        found: ``{"reachable": true}``, or false with ``since`` (Unix time
+        of the first failure) and ``error``; None where this process
+        uploads nothing (no object tier, a reader worker, a read-only
+        adopter). A node whose tier does not answer serves its local data
+        and uploads once it does."""
+        mirror = self._residency.mirror
+        if mirror is None:
+            return None
+        if mirror.unreachable is None:
+            return {"reachable": True}
+        since, error = mirror.unreachable
+        return {"reachable": False, "since": round(since, 3), "error": error}
+
     def upload_backlog(self) -> tuple[int, int] | None:
         """Sealed segments, and their bytes, not yet in the object tier;
         None where this process uploads nothing (no object tier, a reader

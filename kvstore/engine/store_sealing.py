@@ -135,6 +135,13 @@ class StoreSealing(StoreCore):
                 )
             return
         n, nbytes = mirror.backlog
+        if n == 0:  # only the registry's last change waits: it is rewritten at the next start
+            log.warning(
+                "stop: the tenant registry's last change is not in the object tier after %.1f s; it is uploaded "
+                "at the next start",
+                time.monotonic() - t0,
+            )
+            return
         log.error(
             "stop: %d sealed segments (%d bytes) are not in the object tier after %.1f s; they stay on the "
             "local disk and are uploaded at the next start (a node that never comes back loses them)",

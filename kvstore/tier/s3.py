@@ -33,15 +33,41 @@ from botocore.exceptions import (
     ConnectionError,
     HTTPClientError,
     IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
 )
 
-from kvstore.errors import BucketNotFound, TierConflict, TierError, TierNotFound, TierRangeError, TierUnavailable
+from kvstore.errors import (
+    BucketNotFound,
+    TierAccessDenied,
+    TierConflict,
+    TierError,
+    TierNoCredentials,
+    TierNotFound,
+    TierRangeError,
+    TierUnavailable,
+)
 from kvstore.tier.base import ObjectInfo, check_range, source_size, validate_object_name, validate_prefix
 
 MiB = 1 << 20
 T = TypeVar("T")
 
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+# The credentials or their rights refused (a 401 or 403 that is not one of the throttles below).
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidSecurity",
+        "403",
+    }
+)
 _THROTTLE_CODES = frozenset(
     {
         "SlowDown",
@@ -61,6 +87,21 @@ _THROTTLE_CODES = frozenset(
         "InternalError",
     }
 )
+
+
+# botocore's names for where credentials came from (Credentials.method).
+_CREDENTIAL_SOURCES = {
+    "explicit": "the tier's settings",
+    "env": "the environment (AWS_ACCESS_KEY_ID)",
+    "shared-credentials-file": "the shared credentials file (AWS_SHARED_CREDENTIALS_FILE, ~/.aws/credentials)",
+    "config-file": "the AWS config file (AWS_CONFIG_FILE, ~/.aws/config)",
+    "iam-role": "the instance's role (EC2 metadata)",
+    "container-role": "the container's role (ECS/EKS)",
+    "assume-role": "an assumed role (AWS_PROFILE's role_arn)",
+    "assume-role-with-web-identity": "a web identity (AWS_WEB_IDENTITY_TOKEN_FILE)",
+    "sso": "AWS SSO (AWS_PROFILE)",
+    "custom-process": "a credential_process (AWS_PROFILE)",
+}
 
 
 class S3Tier:
@@ -128,6 +169,7 @@ class S3Tier:
             aws_session_token=session_token,
             region_name=region,
         )
+        self._session = session
         self._client: Any = session.client("s3", endpoint_url=endpoint_url, config=config)
         # Ranged reads serve a waiting request: fewer attempts, so a dead
         # endpoint fails the read fast (the caller's retry policy decides).
@@ -148,6 +190,15 @@ class S3Tier:
             use_threads=True,
         )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="kvstore-s3")
+
+    def credential_source(self) -> str:
+        """Where the credentials this tier signs with come from, in words (no
+        secret, no key id): for an operator told that access was denied."""
+        creds = self._session.get_credentials()
+        if creds is None:
+            return "no credentials"
+        method = str(getattr(creds, "method", "") or "unknown")
+        return f"credentials from {_CREDENTIAL_SOURCES.get(method, method)}"
 
     def __repr__(self) -> str:
         where = f" at {self.endpoint_url}" if self.endpoint_url else ""
@@ -371,7 +422,11 @@ def _map_error(name: str) -> Iterator[None]:
                 raise TierNotFound(f"{what}: no such object") from raised
             if code in _THROTTLE_CODES or status == 429 or status >= 500:
                 raise TierUnavailable(f"{what} (HTTP {status}), after retries") from raised
+            if code in _DENIED_CODES or status in (401, 403):
+                raise TierAccessDenied(f"{what} (HTTP {status}): access denied") from raised
             raise TierError(f"{what} (HTTP {status})") from raised
+        if isinstance(e, NoCredentialsError | PartialCredentialsError):
+            raise TierNoCredentials(f"S3 request for {name!r}: {e}") from raised
         if isinstance(e, ConnectionError | HTTPClientError | IncompleteReadError):
             raise TierUnavailable(f"S3 endpoint unreachable for {name!r}: {e}") from raised
         if isinstance(e, BotoCoreError):

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from kvstore.errors import (
     InvalidObjectName,
+    TierAccessDenied,
     TierConflict,
     TierError,
     TierNotFound,
@@ -462,7 +463,8 @@ async def fake_s3() -> AsyncIterator[tuple[str, dict[str, Any]]]:
         (502, "BadGateway", TierUnavailable),
         (503, "SlowDown", TierUnavailable),
         (429, "TooManyRequests", TierUnavailable),
-        (403, "AccessDenied", TierError),
+        (403, "AccessDenied", TierAccessDenied),  # a TierError a retry does not help; start-up stops on it
+        (403, "InvalidAccessKeyId", TierAccessDenied),
         (400, "InvalidArgument", TierError),
         (404, "NoSuchKey", TierNotFound),
     ],

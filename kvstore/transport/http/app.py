@@ -11,10 +11,12 @@ Errors are mapped to ``{"error": {"code", "message"}}`` bodies in one place
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -54,9 +56,33 @@ async def readyz(request: web.Request) -> web.Response:
     why = fleet.tenants_fenced(request.app)
     if why:
         return web.json_response(error_body("fenced", f"this node refuses tenant operations: {why}"), status=503)
+    doc: dict[str, Any] = {"status": "ready"}
+    tier = await object_tier_state(request.app)
+    if tier is not None and not tier["reachable"]:
+        # Still ready: the node serves its local data, and uploads once the tier answers.
+        doc["object_tier"] = tier if is_admin(request) else {"reachable": False, "since": tier["since"]}
     if is_admin(request):
-        return web.json_response({"status": "ready", "recovery": request.app[STORE].recovery.as_dict()})
-    return web.json_response({"status": "ready"})
+        doc["recovery"] = request.app[STORE].recovery.as_dict()
+    return web.json_response(doc)
+
+
+async def object_tier_state(app: web.Application) -> dict[str, Any] | None:
+    """Whether the node's object tier answers (``Store.object_tier_state``):
+    the writer's (or the only process's) own view; a reader worker, which
+    uploads nothing, reads it from the writer's metrics snapshot. None: no
+    object tier, or nothing known yet."""
+    store = app[STORE]
+    own = store.object_tier_state()
+    if own is not None or app[STATE]["role"] != "reader":
+        return own
+    gauges = await asyncio.to_thread(
+        metrics.writers_gauges, app, "kvstore_tier_reachable", "kvstore_tier_unreachable_since_seconds"
+    )
+    if "kvstore_tier_reachable" not in gauges:
+        return None
+    if gauges["kvstore_tier_reachable"]:
+        return {"reachable": True}
+    return {"reachable": False, "since": gauges.get("kvstore_tier_unreachable_since_seconds", 0.0)}
 
 
 NodeContext = Callable[[web.Application], AsyncIterator[None]]

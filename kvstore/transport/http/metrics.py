@@ -111,6 +111,21 @@ async def metrics_ctx(app: web.Application) -> AsyncIterator[None]:
         _own_file(app, directory).unlink()
 
 
+def writers_gauges(app: web.Application, *names: str) -> dict[str, float]:
+    """On a reader worker: the writer's latest unlabelled values of the
+    gauges ``names`` (from its snapshot, at most ``SNAPSHOT_S`` old; {}
+    where there is none, or on a process without a workers' directory)."""
+    directory = _directory(app)
+    if directory is None:
+        return {}
+    for path in sorted(directory.glob("0-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            if time.time() - path.stat().st_mtime <= STALE_S:
+                gauges = json.loads(path.read_text())["gauges"]
+                return {n: float(v) for n, labels, v in gauges if n in names and not labels}
+    return {}
+
+
 async def whole(app: web.Application) -> Metrics:
     """The whole daemon's metrics: this process's, or with several workers
     every worker's snapshot merged (this one's written first, another's at

@@ -367,7 +367,8 @@ async def status(request: web.Request) -> web.Response:
     writer, with several workers: ``role``, ``pid``, ``uptime_s``) and how
     many ``workers`` the daemon runs, the data directory's ``disk`` as the
     store measures it, the object tier's ``upload_backlog`` (null without
-    one), the ``fence`` (``{"fenced": false}`` off a fleet), the node's
+    one) and whether it answers (``object_tier``: null without one; a node
+    whose tier does not answer serves its local data), the ``fence`` (``{"fenced": false}`` off a fleet), the node's
     ``fleet`` (its id and the revision of the fleet's registry it holds;
     null off a fleet), its NIXL agent (``{"enabled": false}`` when ``nixl``
     is off) and the host's RDMA devices as pyverbs sees them (an empty list
@@ -392,6 +393,7 @@ async def status(request: web.Request) -> web.Response:
             "uptime_s": round(time.monotonic() - app[STATE]["started"], 3),
             "disk": disk,
             "upload_backlog": None if backlog is None else {"segments": backlog[0], "bytes": backlog[1]},
+            "object_tier": store.object_tier_state(),
             "fence": _fence(app),
             "fleet": fleet,
             "nixl": nixl,
