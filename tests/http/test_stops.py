@@ -14,6 +14,7 @@ workers ("failed" in systemctl, and a restart).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,7 @@ def test_every_stop_is_clean(tmp_path: Path) -> None:
             workdir = tmp_path / f"w{workers}-{'group' if group else 'supervisor'}-{i}"
             workdir.mkdir()
             failure = stop_once(workdir, workers, group)
+            shutil.rmtree(workdir)  # each data directory holds a 256 MiB space reserve
             if failure is not None:
                 failures.append(f"{workers} workers, SIGTERM to the {'group' if group else 'supervisor'}: {failure}")
         return failures
