@@ -15,42 +15,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.http.conftest import ADMIN, ROOT, Daemon, daemon_env, free_port
+from tests.http.admincli import admin, failed
+from tests.http.conftest import ADMIN, Daemon, daemon_env, free_port
 from tests.polling import until
-
-INSTALLED = Path(sys.executable).with_name("kvstore")  # the venv's entry point (pyproject's [project.scripts])
-
-
-@dataclass
-class Ran:
-    code: int
-    out: str
-    err: str
-
-    def doc(self) -> Any:
-        assert self.code == 0, (self.code, self.err)
-        return json.loads(self.out)
-
-
-def admin(url: str, *args: str, token: str | None = ADMIN, **env: str) -> Ran:
-    """``kvstore admin ARGS`` with the URL and token in the environment (as an operator's shell has them)."""
-    cmd = [str(INSTALLED)] if INSTALLED.exists() else [sys.executable, "-m", "kvstore"]
-    environ = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "KVSTORE_URL": url, **env}
-    if token is not None:
-        environ["KVSTORE_ADMIN_TOKEN"] = token
-    p = subprocess.run([*cmd, "admin", *args], env=environ, capture_output=True, text=True, timeout=120)
-    return Ran(p.returncode, p.stdout, p.stderr)
 
 
 def http(base: str, method: str, path: str, token: str, data: bytes | None = None) -> int:
@@ -61,16 +36,6 @@ def http(base: str, method: str, path: str, token: str, data: bytes | None = Non
             return int(r.status)
     except urllib.error.HTTPError as e:
         return e.code
-
-
-def failed(ran: Ran, code: int, *words: str) -> None:
-    """The command failed with exit status ``code`` and one line on stderr naming ``words``."""
-    assert ran.code == code, (ran.code, ran.out, ran.err)
-    lines = ran.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvstore admin: "), ran.err
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    assert "Traceback" not in ran.err
 
 
 @pytest.fixture(scope="module")
