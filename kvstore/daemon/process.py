@@ -16,6 +16,7 @@ from kvstore import sdnotify
 from kvstore.daemon.app import NODE, make_app
 from kvstore.daemon.listeners import bind_tcp, close_listeners, listeners, serving_on
 from kvstore.daemon.node import Shared
+from kvstore.daemon.tls import load_pair, server_context
 from kvstore.engine.api import MasterKey
 from kvstore.errors import ConfigError
 from kvstore.server_config import ServerConfig
@@ -30,13 +31,7 @@ log = logging.getLogger("kvstore.server")
 def tls_context(cfg: ServerConfig) -> ssl.SSLContext | None:
     if not cfg.tls_cert or not cfg.tls_key:
         return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
-    except (OSError, ssl.SSLError) as e:
-        raise ConfigError(f"tls_cert={cfg.tls_cert!r}, tls_key={cfg.tls_key!r}: {e}") from None
-    return ctx
+    return server_context(cfg.tls_cert, cfg.tls_key)
 
 
 async def serve(
@@ -154,8 +149,8 @@ def reload(cfg: ServerConfig, tls: ssl.SSLContext | None, role: str) -> None:
         log.info("%s: SIGHUP: nothing to reload (no TLS; the log goes to stderr)", role)
         return
     try:
-        tls.load_cert_chain(cfg.tls_cert, cfg.tls_key)
-    except (OSError, ssl.SSLError) as e:
+        load_pair(tls, cfg.tls_cert, cfg.tls_key)
+    except ConfigError as e:
         log.error("%s: SIGHUP: TLS certificate not reloaded, the old one stays in use: %s", role, e)
         return
     log.info("%s: SIGHUP: TLS certificate and key reloaded from %s and %s", role, cfg.tls_cert, cfg.tls_key)

@@ -60,6 +60,8 @@ def test_sighup_reloads_the_certificate(daemon: Daemon, tmp_path: Path, workers:
         assert time.monotonic() < deadline, daemon.log.read_text()
         time.sleep(0.1)
     assert daemon.proc.poll() is None
+    # Used to be: "[SSL] PEM lib (_ssl.c:3874)", naming neither the file nor the fault.
+    assert f"tls_cert={str(live_cert)!r}: not a PEM certificate" in daemon.log.read_text()
     assert _presented(daemon.port) == _der(cert)
 
     # The rotated pair is what the next connections see, on every worker.
