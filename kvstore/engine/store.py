@@ -29,6 +29,7 @@ import os
 import resource
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from kvstore.config import StoreConfig
 from kvstore.engine import directio
@@ -246,6 +247,7 @@ class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrite
             self._lock_fd = -1
             raise StoreLocked(f"data directory {str(self._root)!r} is in use by another process") from None
         _raise_nofile_limit()
+        _remove_leftovers(self._root)
         if self.config.direct_io == "on" and not directio.supported(self._root):
             raise ConfigError(f"direct_io = on: the filesystem of {str(self._root)!r} does not take O_DIRECT")
         self._set_aside_space()
@@ -401,6 +403,22 @@ class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrite
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+# Files older releases kept in the data directory and this one does not use.
+LEFTOVERS = {
+    # The QoS token buckets, a file every worker mapped until they moved to shared memory
+    # (a first write to a page of it on a full disk killed the worker with SIGBUS).
+    "qos-rates": "the QoS buckets live in shared memory now",
+}
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Remove what older releases left in the data directory (:data:`LEFTOVERS`), saying so."""
+    for name, why in LEFTOVERS.items():
+        with contextlib.suppress(FileNotFoundError):
+            (root / name).unlink()
+            log.info("removed %s, left by an older release: %s", root / name, why)
 
 
 def _raise_nofile_limit() -> None:
