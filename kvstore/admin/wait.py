@@ -37,8 +37,6 @@ def wait_for(
     revision: int,
     timeout_s: float | None,
     say: Callable[[str], None],
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
 ) -> None:
     """Return once every alive member of ``client``'s fleet holds ``revision``;
     raise :class:`NotEverywhere` naming those that do not after ``timeout_s``
@@ -51,29 +49,34 @@ def wait_for(
     heartbeat = float(fleet.get("heartbeat_s") or 1.0)
     bound = timeout_s if timeout_s is not None else max(MIN_TIMEOUT_S, HEARTBEATS * heartbeat)
     pause = min(0.25, max(0.02, heartbeat / 4))
-    start = clock()
+    start = time.monotonic()
     deadline = start + bound
-    behind: dict[str, str] = {}
+    caught_up: set[str] = set()
     while True:
-        behind = _behind(client, revision, max(0.5, deadline - clock()))
+        behind = _behind(client, revision, max(0.5, deadline - time.monotonic()), caught_up)
         if not behind:
-            say(f"in force on every alive node (registry revision {revision}) after {clock() - start:.1f} s")
+            say(f"in force on every alive node (registry revision {revision}) after {time.monotonic() - start:.1f} s")
             return
-        if clock() >= deadline:
+        if time.monotonic() >= deadline:
             nodes = "; ".join(f"{node} {why}" for node, why in sorted(behind.items()))
             raise NotEverywhere(f"registry revision {revision} not on every alive node within {bound:g} s: {nodes}")
-        sleep(min(pause, max(0.0, deadline - clock())))
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
 
 
-def _behind(client: Client, revision: int, timeout_s: float) -> dict[str, str]:
+def _behind(client: Client, revision: int, timeout_s: float, caught_up: set[str]) -> dict[str, str]:
     """The alive members that do not hold ``revision`` yet, each with why
-    (the revision it holds, its fence, or why it cannot be asked)."""
+    (the revision it holds, its fence, or why it cannot be asked). Those
+    found holding it join ``caught_up`` and are not asked again: a node's
+    revision only grows (one that restarts takes the fleet's registry
+    before it serves)."""
     view = client.bounded(timeout_s).get("/v1/fleet").doc
     out: dict[str, str] = {}
     for member in view.get("nodes", []) if isinstance(view, dict) else []:
         if member.get("state") != "alive":
             continue
         node, url = str(member.get("id")), str(member.get("url"))
+        if node in caught_up:
+            continue
         try:
             status = Client(url, client.token, timeout_s).get("/v1/admin/status").doc
         except AdminError as e:
@@ -82,6 +85,7 @@ def _behind(client: Client, revision: int, timeout_s: float) -> dict[str, str]:
         fleet = status.get("fleet") if isinstance(status, dict) else None
         held = fleet.get("registry_revision") if isinstance(fleet, dict) else None
         if isinstance(held, int) and held >= revision:
+            caught_up.add(node)
             continue
         fence = status.get("fence", {}) if isinstance(status, dict) else {}
         why = f"({url}) holds revision {held}"
