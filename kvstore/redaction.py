@@ -1,8 +1,9 @@
 """No secret reaches a log: a scrubber applied to every log record.
 
 Whatever logs it (kvstore, aiohttp's parser errors, asyncio, boto), a record's
-message, its arguments, its exception text and traceback, and its stack are
-rewritten before any handler formats them:
+message, its arguments, its exception text and traceback, its stack and its
+structured fields (``extra=``, kvstore/logs.py: every string inside them)
+are rewritten before any handler formats them:
 
 - ``Authorization`` header values (``Authorization: …``, ``'Authorization': '…'``);
 - anything after ``Bearer`` (a token with a typo is still a secret);
@@ -13,7 +14,9 @@ rewritten before any handler formats them:
 
 :func:`install` puts the scrubber on every handler of the root logger and into
 the log record factory, so handlers added later, and loggers that do not
-propagate, get scrubbed records too. Scrubbing is idempotent.
+propagate, get scrubbed records too. A record's fields are set after the
+factory runs: the filter on the root's handlers (the daemon's one handler,
+kvstore/logs.py) scrubs those. Scrubbing is idempotent.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import re
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from kvstore.logs import record_fields
 
 REDACTED = "[REDACTED]"
 # Literal secrets shorter than this are not registered: replacing a short
@@ -90,8 +95,16 @@ class Scrubber(logging.Filter):
         return text
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, "_kvstore_scrubbed", False):
-            return True
+        if not getattr(record, "_kvstore_scrubbed", False):
+            self._scrub_text(record)
+            record._kvstore_scrubbed = True
+        # The fields (extra=) are set on a record after the record factory
+        # ran: a handler's filter, later, scrubs them (idempotent).
+        for key, value in record_fields(record).items():
+            setattr(record, key, self._scrub_value(value))
+        return True
+
+    def _scrub_text(self, record: logging.LogRecord) -> None:
         try:
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a bad format string must not hide the record
@@ -106,8 +119,19 @@ class Scrubber(logging.Filter):
             record.exc_text = self.scrub(record.exc_text)
         if record.stack_info:
             record.stack_info = self.scrub(record.stack_info)
-        record._kvstore_scrubbed = True
-        return True
+
+    def _scrub_value(self, value: object) -> object:
+        """A field's value with every string in it scrubbed; what is neither a
+        number, a string nor a container of them becomes its scrubbed text."""
+        if value is None or isinstance(value, bool | int | float):
+            return value
+        if isinstance(value, str):
+            return self.scrub(value)
+        if isinstance(value, dict):
+            return {self.scrub(str(k)): self._scrub_value(v) for k, v in value.items()}
+        if isinstance(value, list | tuple | set | frozenset):
+            return [self._scrub_value(v) for v in value]
+        return self.scrub(str(value))
 
 
 SCRUBBER = Scrubber()

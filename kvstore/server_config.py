@@ -32,6 +32,7 @@ from kvstore.config import (
     parse_size,
 )
 from kvstore.errors import ConfigError
+from kvstore.logs import FORMATS as LOG_FORMATS
 
 DEFAULT_PORT = 8420
 
@@ -48,7 +49,8 @@ SUN_PATH_MAX = 107  # bytes of a unix socket's path (sun_path, with its NUL)
 
 def _listen(name: str, value: object) -> str:
     """One or more addresses (a list, or a comma-separated string): HOST:PORT
-    or unix:PATH. Kept as the comma-separated text."""
+    or unix:PATH. Kept as the comma-separated text. A bad one is refused
+    naming that address alone and what is wrong with it."""
     items = [_str(name, v) for v in value] if isinstance(value, list | tuple) else _str(name, value).split(",")
     out: list[str] = []
     for raw in items:
@@ -56,15 +58,17 @@ def _listen(name: str, value: object) -> str:
         if text.startswith(UNIX):
             path = text[len(UNIX) :]
             if not path or "\0" in path or len(os.fsencode(path)) > SUN_PATH_MAX:
-                raise ConfigError(f"{name}={value!r}: {text!r} needs a path of 1 to {SUN_PATH_MAX} bytes after 'unix:'")
+                raise ConfigError(f"{name}={text!r}: needs a path of 1 to {SUN_PATH_MAX} bytes after 'unix:'")
         else:
             host, sep, port = text.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-                raise ConfigError(
-                    f"{name}={value!r}: expected HOST:PORT or unix:PATH, such as 127.0.0.1:{DEFAULT_PORT}"
-                )
+            if not sep or not host or not port:
+                raise ConfigError(f"{name}={text!r}: expected HOST:PORT or unix:PATH, such as 127.0.0.1:{DEFAULT_PORT}")
+            if not port.isdigit():
+                raise ConfigError(f"{name}={text!r}: the port {port!r} is not a number (0-65535)")
+            if int(port) > 65535:
+                raise ConfigError(f"{name}={text!r}: the port {int(port)} is out of range (0-65535)")
         if text in out:
-            raise ConfigError(f"{name}={value!r}: {text!r} is given twice")
+            raise ConfigError(f"{name}={text!r} is given twice")
         out.append(text)
     return ",".join(out)
 
@@ -166,6 +170,7 @@ class ServerConfig:
     keepalive_timeout_s: int = 75
     shutdown_timeout_s: int = 30
     log_level: str = "info"
+    log_format: str = "text"  # or "json": one object a line (kvstore/logs.py)
     unix_socket_mode: int = 0o660
     unix_socket_group: str | None = None
     sendfile: bool = True
@@ -234,6 +239,17 @@ class ServerConfig:
         return _secret("metrics_token_file", self.metrics_token, self.metrics_token_file)
 
 
+def check_data_dir(path: Path) -> None:
+    """``data_dir`` is a directory, or can be made one: neither it nor the
+    nearest of its parents that exists is something else (a file)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "it" if existing == path else f"{str(existing)!r}"
+        raise ConfigError(f"data_dir={str(path)!r}: {what} is not a directory")
+
+
 def _secret(file_setting: str, value: str | None, path: str | None) -> str | None:
     """A secret given itself (from the environment) or as a file holding it."""
     if value:
@@ -295,6 +311,7 @@ _SERVER_PARSERS: dict[str, Callable[[str, object], Any]] = {
     "keepalive_timeout_s": _positive,
     "shutdown_timeout_s": _positive,
     "log_level": _log_level,
+    "log_format": lambda name, value: parse_choice(name, value, LOG_FORMATS),
     "unix_socket_mode": _mode,
     "unix_socket_group": _str,
     "sendfile": parse_bool,
@@ -341,6 +358,7 @@ OTHER_VARIABLES = frozenset(
         "KVSTORE_TEST_FAULT_LOG",
         "KVSTORE_TEST_DEAD_ENDPOINT",
         "KVSTORE_TEST_CRASH_AT",
+        "KVSTORE_TEST_STOPS",  # tests/http/test_stops.py: stops per case
         "KVSTORE_ENGINE",  # deploy/container/build.sh: podman or buildah
         "KVSTORE_DEBIAN_MIRROR",  # and the Debian mirror and pull timeout of its base image
         "KVSTORE_PULL_TIMEOUT_S",
@@ -392,6 +410,20 @@ def _hint(var: str) -> str:
 SECRETS: Final = frozenset({"admin_token", "master_key", "metrics_token"})
 
 
+def is_size(name: str) -> bool:
+    """Whether setting ``name`` is a size in bytes (taken as "256MiB" too)."""
+    return _SERVER_PARSERS.get(name, STORE_PARSERS.get(name)) is parse_size
+
+
+def setting_value(cfg: ServerConfig, name: str) -> Any:
+    """The value of setting ``name`` in ``cfg`` (a storage setting's from ``cfg.store``)."""
+    if name == "data_dir":
+        return str(cfg.store.data_dir)
+    if name in _STORE_FIELDS:
+        return getattr(cfg.store, name)
+    return getattr(cfg, name)
+
+
 def _parse(label: str, name: str, value: object) -> Any:
     if name == "data_dir":
         return _str(label, value)
@@ -400,15 +432,44 @@ def _parse(label: str, name: str, value: object) -> Any:
     return parse_field(label, name, value)
 
 
+SourceKind = Literal["default", "file", "environment", "flag"]
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a setting's value came from: ``kind``, and the file, variable or
+    flag (``where``; None for a default)."""
+
+    kind: SourceKind
+    where: str | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.where is None else f"{self.kind} {self.where}"
+
+
+DEFAULT: Final = Source("default")
+
+
 def load(
     toml_path: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     flags: Mapping[str, object] | None = None,
 ) -> ServerConfig:
     """Build the configuration from its three sources, each overriding the last."""
+    return load_with_sources(toml_path, env, flags)[0]
+
+
+def load_with_sources(
+    toml_path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, object] | None = None,
+) -> tuple[ServerConfig, dict[str, Source]]:
+    """:func:`load`, and where each setting of :data:`SETTINGS` came from
+    (:data:`DEFAULT` for those no source sets)."""
     env = os.environ if env is None else env
     check_env(env)
     values: dict[str, Any] = {}
+    sources = dict.fromkeys(SETTINGS, DEFAULT)
     path = toml_path or env.get("KVSTORE_CONFIG")
     if path:
         try:
@@ -425,13 +486,18 @@ def load(
             if key in SECRETS:
                 raise ConfigError(f"config file {str(path)!r}: {key!r} is a secret; use {key}_file or the environment")
             values[key] = _parse(key, key, value)
-    values |= env_values(env, SETTINGS, _parse)
+            sources[key] = Source("file", str(path))
+    from_env = env_values(env, SETTINGS, _parse)
+    values |= from_env
+    sources |= {name: Source("environment", ENV_PREFIX + name.upper()) for name in from_env}
     for name, value in (flags or {}).items():
         if value is None:
             continue
         if name not in SETTINGS:
             raise ConfigError(f"unknown setting {name!r}")
-        values[name] = _parse("--" + name.replace("_", "-"), name, value)
+        flag = "--" + name.replace("_", "-")
+        values[name] = _parse(flag, name, value)
+        sources[name] = Source("flag", flag)
     data_dir = values.pop("data_dir", "data")
     store_values = {k: values.pop(k) for k in list(values) if k in _STORE_FIELDS}
     store = StoreConfig(data_dir=Path(data_dir), **store_values)
@@ -451,4 +517,4 @@ def load(
             f"max_buffered_body_bytes={cfg.max_buffered_body_bytes} is below max_block_size={store.max_block_size}:"
             " a block of the maximum size could never be accepted"
         )
-    return cfg
+    return cfg, sources

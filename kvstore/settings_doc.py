@@ -4,15 +4,19 @@
 setting as a comment block above a line ``# name = default`` (commented out at
 its default), ``# e.g. name = example`` (unset by default, or machine-dependent)
 or ``name = value`` (pinned). This module turns those blocks into the help of
-``kvstore serve``, so the flags' help and the file can never disagree.
+``kvstore serve`` (and of ``kvstore config``, which takes the same flags), so
+the flags' help and the file can never disagree.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+
+from kvstore.server_config import SECRETS, SETTINGS
 
 _SETTING = re.compile(r"^(?P<hash># )?(?P<eg>e\.g\. )?(?P<name>[a-z0-9_]+) = (?P<value>.+)$")
 
@@ -71,3 +75,21 @@ def flag_help(name: str) -> str:
         tail = "unset by default"
     text = f"{doc.text} ({tail}; env KVSTORE_{name.upper()})"
     return text.replace("%", "%%")
+
+
+def add_setting_flags(p: argparse.ArgumentParser) -> None:
+    """``--config`` and one flag per setting (secrets excepted: a flag shows
+    in ``ps``), each with its help: what ``kvstore serve`` and ``kvstore
+    config`` take. Each flag's dest is the setting's name; unset, None."""
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML settings file (default: $KVSTORE_CONFIG; neither: built-in defaults)",
+    )
+    for name in SETTINGS:
+        if name in SECRETS:
+            continue
+        if name == "listen":  # several addresses: --listen 127.0.0.1:8420 --listen unix:/run/kvstore/kvstore.sock
+            p.add_argument("--listen", dest=name, metavar="ADDRESS", action="append", help=flag_help(name))
+        else:
+            p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE", help=flag_help(name))

@@ -1,17 +1,12 @@
-"""kvstore daemon: argv -> config -> event loop -> app.
+"""``kvstore serve``: argv -> config -> event loop -> app.
 
-    kvstore serve --data-dir DIR --listen HOST:PORT [--config FILE]
-
-(``python server.py`` in a checkout is the same.) The admin token comes from
-KVSTORE_ADMIN_TOKEN (or admin_token_file; at least 32 characters), the master
-key from KVSTORE_MASTER_KEY_FILE (a 0600 file of 32 random bytes) or
-KVSTORE_MASTER_KEY. Every setting is also a TOML key and a KVSTORE_* variable,
-listed with its meaning and default below and in kvstore.toml (shipped in the
-package; deploy/kvstore.toml in a checkout). SIGTERM drains in-flight requests
-and queued writes, then exits; under systemd (Type=notify) it reports READY,
-STOPPING, WATCHDOG. SIGHUP reloads the TLS certificate and key. With
---workers N, N processes share the port; the default, "auto", is one per CPU,
-bounded by memory.
+(``python server.py`` in a checkout is the same.) The order of start-up is
+main()'s: the settings (server_config.load), logging (kvstore/logs.py) with
+the secret scrubber installed before anything can log a secret, the tokens'
+and the master key's checks, the data directory's, the fleet identity and
+the workers resolved once before any fork; then one process (process.py) or
+the supervisor. What an operator reads is the parser's description and
+epilog (:data:`DESCRIPTION`, :data:`EPILOG`), not this docstring.
 """
 
 from __future__ import annotations
@@ -21,36 +16,77 @@ import logging
 import signal
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import uvloop
 
-from kvstore import __version__, redaction, workers
+from kvstore import __version__, logs, redaction, workers
 from kvstore.daemon.process import os_error, serve
 from kvstore.daemon.supervisor import supervise
 from kvstore.engine.api import load_master_key
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import KVStoreError
 from kvstore.fleet import identity as fleet_identity
-from kvstore.server_config import AUTO, SECRETS, SETTINGS, check_tokens, load
-from kvstore.settings_doc import flag_help
+from kvstore.server_config import AUTO, check_data_dir, check_tokens, load
+from kvstore.settings_doc import add_setting_flags
 from kvstore.tuning import keep_freed_memory
 
 log = logging.getLogger("kvstore.server")
 
 
-def parse_args(argv: list[str], prog: str | None = None) -> tuple[str | None, dict[str, Any]]:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+DESCRIPTION = """\
+Run the kvstore daemon, serving KV-cache blocks to inference engines.
+
+It serves them over HTTP (and, where configured, unix sockets, the
+S3-compatible gateway and NIXL) from the data directory, and from the object
+tier behind it.
+
+Every setting is a flag below, a key of the TOML file (--config, or
+$KVSTORE_CONFIG) and a KVSTORE_<NAME> variable; flags win over variables,
+variables over the file, the file over the defaults. 'kvstore config' shows
+the settings a start would use and where each came from."""
+
+EPILOG = """\
+secrets (never flags: a flag shows in ps):
+  the admin token     KVSTORE_ADMIN_TOKEN, or admin_token_file (32 characters
+                      or more; python3 -c 'import secrets;
+                      print(secrets.token_urlsafe(32))' makes one)
+  the master key      KVSTORE_MASTER_KEY_FILE (a 0600 file of 32 random bytes),
+                      or KVSTORE_MASTER_KEY
+
+signals:
+  SIGTERM             drain in-flight requests and queued writes, then exit
+                      (up to shutdown_timeout_s)
+  SIGHUP              reload the TLS certificate and key
+  Under systemd (Type=notify) it reports READY, STOPPING and WATCHDOG.
+
+exit status:
+  0                   stopped cleanly
+  2                   could not start: a bad setting, a missing or wrong master
+                      key, a data directory it cannot use, an address it cannot
+                      listen on; one line on stderr says which
+  other               a worker or the store failed while serving (see the log)
+
+With --workers N, N processes share the port; the default, auto, is one per
+CPU, bounded by memory. Files: the settings with their defaults are in
+kvstore.toml (in the package; /etc/kvstore/kvstore.toml in the image)."""
+
+
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """``kvstore serve``'s flags: ``--version``, ``--config`` and a flag per setting."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        usage="%(prog)s [-h] [--version] [--config FILE] [--SETTING VALUE ...]",  # not the ~90 flags
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--version", action="version", version=f"kvstore {__version__}")
-    p.add_argument("--config", help="TOML configuration file (default: $KVSTORE_CONFIG; none: built-in defaults)")
-    for name in SETTINGS:
-        if name in SECRETS:
-            continue  # secrets never on the command line (visible in ps)
-        if name == "listen":  # several addresses: --listen 127.0.0.1:8420 --listen unix:/run/kvstore/kvstore.sock
-            p.add_argument("--listen", dest=name, metavar="ADDRESS", action="append", help=flag_help(name))
-        else:
-            p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE", help=flag_help(name))
-    ns = vars(p.parse_args(argv))
+    add_setting_flags(p)
+    return p
+
+
+def parse_args(argv: list[str], prog: str | None = None) -> tuple[str | None, dict[str, Any]]:
+    ns = vars(parser(prog).parse_args(argv))
     return ns.pop("config"), ns
 
 
@@ -58,9 +94,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         toml_path, flags = parse_args(sys.argv[1:] if argv is None else argv, prog)
         cfg = load(toml_path, flags=flags)
-        logging.basicConfig(
-            level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-        )
+        logs.setup(cfg.log_level, cfg.log_format)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload during start-up is not a reason to die
         scrubber = redaction.install()  # before anything can log a secret; workers inherit it
         scrubber.add_secret(cfg.master_key)
@@ -87,14 +121,3 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         log.debug("start-up failed", exc_info=e)
         print(f"kvstore: {os_error(e)}", file=sys.stderr)
         return 2
-
-
-def check_data_dir(path: Path) -> None:
-    """``data_dir`` is a directory, or can be made one: neither it nor the
-    nearest of its parents that exists is something else (a file)."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "it" if existing == path else f"{str(existing)!r}"
-        raise ConfigError(f"data_dir={str(path)!r}: {what} is not a directory")

@@ -93,7 +93,8 @@ async def open_node(
         tier = None if reader else await stack.enter_async_context(fleet.fleet_bucket(config.store, master))
         store = await (Store.open_reader if reader else Store.open)(config.store, master)
         stack.push_async_callback(_close_store, store)
-        log.info("store open at %s: %s", config.store.data_dir, store.recovery.as_dict())
+        # The recovery report as the line's fields (kvstore/logs.py): key=value, or JSON's own.
+        log.info("store open at %s", config.store.data_dir, extra=store.recovery.as_dict())
         admission = Admission(
             store.metrics, config.max_concurrency, config.max_buffered_body_bytes, config.store.max_block_size
         )

@@ -22,6 +22,7 @@ MISSPELLING = {
     ROOT / "tests" / "unit" / "test_env_variables.py",
     ROOT / "tests" / "http" / "test_daemon_edges.py",
     ROOT / "tests" / "integration" / "test_fsck.py",
+    ROOT / "tests" / "unit" / "test_config_command.py",
 }
 
 
