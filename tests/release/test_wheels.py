@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 import urllib.request
 from pathlib import Path
@@ -101,6 +102,18 @@ def test_serve_help_from_the_wheel(venv: Venv) -> None:
     out = venv.run(venv.bin("kvstore"), "serve", "--help")
     assert out.returncode == 0
     assert re.search(r"--segment-size VALUE\s+\S", out.stdout) and "(default: " in out.stdout
+
+
+def test_completion_and_man_page_install_where_shells_and_man_look(venv: Venv) -> None:
+    """The wheel's data files land under the environment's share/: bash's
+    and zsh's completion and the man page, as committed (deploy/share/), and
+    man finds the page from the command's directory on PATH."""
+    for rel in ("bash-completion/completions/kvstore", "zsh/site-functions/_kvstore", "man/man1/kvstore.1"):
+        installed = venv.root / "share" / rel
+        assert installed.read_text() == (ROOT / "deploy" / "share" / rel).read_text(), rel
+    if shutil.which("man") is not None:
+        out = venv.run("man", "-w", "kvstore")
+        assert out.returncode == 0 and out.stdout.strip() == str(venv.root / "share/man/man1/kvstore.1"), out
 
 
 def test_bench_codec_runs_from_the_wheel(venv: Venv) -> None:
