@@ -311,6 +311,20 @@ class NewerFormat(KVStoreError):
 # -- HTTP-level errors ---------------------------------------------------------
 
 
+class Misdirected(KVStoreError):
+    """A write of a key this fleet node does not own: the fleet's placement
+    (rendezvous hashing over the alive members, the client library's own
+    function) puts it on ``owner``, where the fleet looks for it. Refused,
+    never stored here (HTTP 421, the owner's URL in ``Kvstore-Owner``); the
+    fleet client reads the membership again and sends it there."""
+
+    code = "misdirected"
+
+    def __init__(self, message: str, owner: str) -> None:
+        super().__init__(message)
+        self.owner = owner
+
+
 class Unauthorized(KVStoreError):
     """No bearer token, or one that names no tenant (or no admin)."""
 

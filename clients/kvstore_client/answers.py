@@ -16,8 +16,10 @@ from typing import Any
 import aiohttp
 
 from kvstore_client.errors import ProtocolError, ServerError
+from kvstore_client.wire.headers import OWNER
 
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504, 507})
+MISDIRECTED = 421  # a write to a fleet node that does not own the key: the fleet client follows Kvstore-Owner
 BREAKER_STATUSES = frozenset({502, 503, 504})
 MAX_RETRY_AFTER_S = 3600  # a larger Retry-After is read as this (the call's deadline bounds it anyway)
 NOT_ADMITTED = 202  # a put its tenant's admission (admit_after) declined: not stored, not a failure
@@ -67,6 +69,7 @@ def error_from(status: int, body: bytes, r: aiohttp.ClientResponse | None = None
     )
     if r is not None:
         err.retry_after = retry_after(r.headers.get("Retry-After"))
+        err.owner = r.headers.get(OWNER)
     return err
 
 

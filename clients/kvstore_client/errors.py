@@ -46,6 +46,9 @@ class KVStoreClientError(Exception):
 class ServerError(KVStoreClientError):
     """The server answered with an error status; ``code`` comes from its JSON body."""
 
+    #: a fleet node's ``421 misdirected`` (a write of a key it does not own): the owner's URL
+    owner: str | None = None
+
 
 class UnavailableError(KVStoreClientError):
     """No usable answer: connection refused or reset, or a retryable status after the last retry."""

@@ -28,6 +28,7 @@ from kvstore_client.exchange import Endpoint, Exchange
 from kvstore_client.sharding import Shards, normalize
 
 ERROR_REFRESH_S = 0.5
+MOVED_REFRESH_S = 0.1  # after a 421 misdirected: at most one membership read this often
 
 
 class FleetMembers:
@@ -62,6 +63,20 @@ class FleetMembers:
             if time.monotonic() - self._last < ERROR_REFRESH_S and self.version >= 0:
                 return  # another call just did
             await self.refresh()
+
+    async def misdirected(self, owner: str) -> str:
+        """A node answered ``421 misdirected``: the key is ``owner``'s in its
+        view of the fleet, newer than this client's. Read the membership now
+        (calls meanwhile share one read, at most one every
+        :data:`MOVED_REFRESH_S`) and know ``owner``'s endpoint; returns its
+        normalized URL."""
+        async with self._lock:
+            if time.monotonic() - self._last >= MOVED_REFRESH_S:
+                await self.refresh()
+        url = normalize(owner)
+        if url not in self._x.endpoints:
+            self._x.endpoints[url] = self._make(url)
+        return url
 
     async def refresh(self) -> bool:
         """Ask every seed and known member; apply the newest answer. False if

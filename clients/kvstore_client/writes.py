@@ -15,15 +15,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
 
-from kvstore_client.answers import NOT_ADMITTED, PUT_RESULTS, best, check, json_answer
+from kvstore_client.answers import MISDIRECTED, NOT_ADMITTED, PUT_RESULTS, best, check, json_answer
 from kvstore_client.bodies import BuffersPayload
-from kvstore_client.errors import KVStoreClientError
-from kvstore_client.exchange import Exchange
+from kvstore_client.errors import KVStoreClientError, ServerError
+from kvstore_client.exchange import Call, Exchange
 from kvstore_client.keys import check_key
 from kvstore_client.nixl import NixlFallback
 from kvstore_client.nixl_link import NixlLink
@@ -49,12 +49,20 @@ class Writes:
         strict: bool,
     ) -> None:
         self._x = exchange
+        self._misdirected: Callable[[str], Awaitable[str]] | None = None
         self._shards = shards
         self._nixl = nixl
         self._plans = plans
         self._uploads = uploads
         self._max_batch_keys = max_batch_keys
         self._strict = strict
+
+    def follow(self, misdirected: Callable[[str], Awaitable[str]]) -> None:
+        """A fleet client's writes: one a node refused with 421 (the key is
+        another node's) is sent once more where the fleet places it now;
+        ``misdirected`` reads the membership again and answers the named
+        owner's URL (fleet.FleetMembers.misdirected)."""
+        self._misdirected = misdirected
 
     async def put(self, key: str, data: BufferLike, meta: Mapping[str, Any] | None) -> int | None:
         """The best result over the key's owners (201, 200, 202), None
@@ -74,8 +82,26 @@ class Writes:
                 result = best(result, r.status)
                 return r.status != NOT_ADMITTED
 
-        stored = await self._x.on_all_owners(self._shards.owners(key), fn, deadline)
+        stored = await self._on_owners(key, fn, deadline)
         return result if stored or result == NOT_ADMITTED else None
+
+    async def _on_owners(self, key: str, fn: Call[bool], deadline: float) -> bool:
+        """``fn`` on every owner of ``key``; on a fleet, once more where the
+        fleet places it now if the node asked answered 421 (it is another's)."""
+        try:
+            return await self._x.on_all_owners(self._shards.owners(key), fn, deadline)
+        except ServerError as e:
+            if e.status != MISDIRECTED or e.owner is None or self._misdirected is None:
+                raise
+            return await self._x.on_all_owners(await self._placed(key, e.owner), fn, deadline)
+
+    async def _placed(self, key: str, named: str) -> list[str]:
+        """The owners of ``key`` after a node named ``named`` its owner (421):
+        the membership read again; the named node if this view still differs."""
+        assert self._misdirected is not None
+        url = await self._misdirected(named)
+        owners = self._shards.owners(key)
+        return owners if url in owners else [url]
 
     async def delete(self, key: str) -> bool:
         check_key(key)
@@ -85,7 +111,7 @@ class Writes:
                 await check(r, ok=(204,))
                 return True
 
-        return await self._x.on_all_owners(self._shards.owners(key), fn, self._x.deadline())
+        return await self._on_owners(key, fn, self._x.deadline())
 
     async def put_many(self, items: list[tuple[str, BufferLike]], metas: Metas | None = None) -> list[int | None]:
         for k, _ in items:
@@ -105,18 +131,38 @@ class Writes:
                     del groups[url]
         else:
             await self._planned(self._uploads, groups, items, ok, metas)
-        calls = [
-            self._chunk(url, items, idx[c : c + self._max_batch_keys], ok, deadline, metas)
-            for url, idx in groups.items()
-            for c in range(0, len(idx), self._max_batch_keys)
-        ]
-        errors = [r for r in await asyncio.gather(*calls, return_exceptions=True) if isinstance(r, BaseException)]
+        moved: dict[int, str] = {}  # items a fleet node refused (421): their owner as it named it
+        errors = await self._batches(groups, items, ok, deadline, metas, moved)
+        if moved and self._misdirected is not None:  # once more, where the fleet places them now
+            again: dict[str, list[int]] = {}
+            for i, named in sorted(moved.items()):
+                for url in await self._placed(items[i][0], named):
+                    again.setdefault(url, []).append(i)
+            errors += await self._batches(again, items, ok, deadline, metas, None)
         for e in errors:
             if not isinstance(e, KVStoreClientError):
                 raise e
         if errors and (self._strict or all(o is None for o in ok)):
             raise errors[0]
         return ok
+
+    async def _batches(
+        self,
+        groups: dict[str, list[int]],
+        items: list[tuple[str, BufferLike]],
+        ok: list[int | None],
+        deadline: float,
+        metas: Metas | None,
+        moved: dict[int, str] | None,
+    ) -> list[BaseException]:
+        """One ``/v1/batch/put`` per owner (per ``max_batch_keys`` items), at
+        once; the errors of those that failed."""
+        calls = [
+            self._chunk(url, items, idx[c : c + self._max_batch_keys], ok, deadline, metas, moved)
+            for url, idx in groups.items()
+            for c in range(0, len(idx), self._max_batch_keys)
+        ]
+        return [r for r in await asyncio.gather(*calls, return_exceptions=True) if isinstance(r, BaseException)]
 
     async def _planned(
         self,
@@ -170,6 +216,7 @@ class Writes:
         ok: list[int | None],
         deadline: float,
         metas: Metas | None,
+        moved: dict[int, str] | None,
     ) -> None:
         ids = [_meta_json_or_none(metas[i]) for i in idx] if metas is not None else None
 
@@ -183,6 +230,8 @@ class Writes:
                     if isinstance(results, list):
                         for i, res in zip(idx, results, strict=False):
                             _stored(ok, i, res)
+                            if moved is not None and _misdirected(res):
+                                moved[i] = str(res["owner"])
                         if r.status == 200:
                             return
                 await check(r, ok=())
@@ -195,6 +244,11 @@ def _stored(ok: list[int | None], i: int, res: Any) -> None:
     across replicas (:func:`best`); None (failed) if none stored it."""
     if isinstance(res, dict) and res.get("status") in PUT_RESULTS:
         ok[i] = best(ok[i], int(res["status"]))
+
+
+def _misdirected(res: Any) -> bool:
+    """A batch item a fleet node refused: the key is another node's (its ``owner``)."""
+    return isinstance(res, dict) and res.get("status") == MISDIRECTED and isinstance(res.get("owner"), str)
 
 
 def meta_json(meta: Mapping[str, Any]) -> bytes:

@@ -35,6 +35,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from kvstore_client.sharding import normalize
+
 from kvstore.errors import Fenced, KVStoreError, NewerFormat, TierError
 from kvstore.fleet.membership import Membership, Superseded
 from kvstore.fleet.view import ALIVE, FleetView
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.fleet")
 
 Listener = Callable[[FleetView, FleetView], Awaitable[None]]
+CONFIRM_MIN_S = 0.1  # confirm_registry: at most one check this often
 
 
 class FleetNode:
@@ -71,6 +74,8 @@ class FleetNode:
         self._registry_stale = False  # logged as refusing tenant operations: log again when it confirms
         self._registry_error = ""  # the last failure of a registry check logged ("": it succeeded)
         self._tasks = Background()
+        self._confirming = asyncio.Lock()  # confirm_registry: one check at a time
+        self._confirm_started = -math.inf  # monotonic: when the last of them started
 
     async def start(self) -> None:
         """Join (a new incarnation), read the members, start the loop."""
@@ -204,7 +209,36 @@ class FleetNode:
         if why:
             raise Fenced(f"this node refuses writes: {why}")
 
+    # -- placement -----------------------------------------------------------------
+
+    def placed_elsewhere(self, key: str) -> str | None:
+        """The URL of the alive member the fleet places ``key`` on when that
+        is another node (rendezvous hashing, the client library's function);
+        None when it is this node, or when this node sees no placement (no
+        member alive, or itself not alive in its view: fenced anyway)."""
+        me = self.view.member(self.node_id)
+        owner = self.view.owner(key)
+        if me is None or me.state != ALIVE or owner is None or owner == normalize(me.url):
+            return None
+        return owner
+
     # -- the tenant registry -------------------------------------------------------
+
+    async def confirm_registry(self) -> None:
+        """Check the fleet's registry now, for a token this node does not
+        know: it may have been issued on another node since the last
+        heartbeat's check. Every caller is covered by a check that started
+        after it asked; checks run one at a time, at most one every
+        :data:`CONFIRM_MIN_S` (a flood of unknown tokens costs the bucket a
+        few HEADs a second, never one each). A check that fails leaves
+        things as they were (the tenant fence covers a bucket out of reach)."""
+        asked = time.monotonic()
+        async with self._confirming:
+            if self._confirm_started >= asked or self.registry is None:
+                return  # a check that started after this call asked has run
+            await asyncio.sleep(max(0.0, self._confirm_started + CONFIRM_MIN_S - time.monotonic()))
+            self._confirm_started = time.monotonic()
+            await self._check_registry()
 
     @property
     def registry_version(self) -> int:

@@ -28,6 +28,7 @@ from kvstore.errors import (
     KeyReserved,
     KVStoreError,
     LengthRequired,
+    Misdirected,
     NixlDisabled,
     NodeAlive,
     NotAdmitted,
@@ -62,6 +63,7 @@ STATUS: dict[type[KVStoreError], int] = {
     NotAdmitted: 202,  # a decision, not a failure: nothing stored, no ETag
     InvalidInput: 400,
     InvalidRange: 416,
+    Misdirected: 421,
     BlockTooLarge: 413,
     NotFound: 404,
     TenantExists: 409,
@@ -119,4 +121,7 @@ def item_answer(key: str, e: KVStoreError) -> dict[str, Any]:
     as ``PUT /v1/blocks/{key}`` answers them)."""
     if isinstance(e, NotAdmitted):
         return {"key": key, "status": http_status(e), **e.answer()}
-    return {"key": key, "status": http_status(e), "error": {"code": e.code, "message": str(e)}}
+    answer = {"key": key, "status": http_status(e), "error": {"code": e.code, "message": str(e)}}
+    if isinstance(e, Misdirected):
+        answer["owner"] = e.owner  # where the fleet places the key (421)
+    return answer

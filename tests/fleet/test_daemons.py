@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ from typing import Any
 
 import pytest
 from kvstore_client.nixl import nixl_available
+from kvstore_client.sharding import normalize, rank_endpoints
 
 from ..http.conftest import ADMIN, ROOT, Daemon, daemon_env, free_port
 from ..http.rawhttp import worker_connections
@@ -121,6 +123,17 @@ class Fleet:
             20,
         )
 
+    def key_on(self, d: Daemon, tag: str) -> str:
+        """A key the fleet places on ``d`` while every node is alive: a node
+        stores only its own keys (a write of another's is 421 misdirected)."""
+        return next(self.keys_on(d, tag))
+
+    def keys_on(self, d: Daemon, tag: str) -> Iterator[str]:
+        """Keys ``tag-N`` the fleet places on ``d`` while every node is alive, each once."""
+        urls = sorted(normalize(n.env["KVSTORE_ADVERTISE_URL"]) for n in self.nodes)
+        mine = normalize(d.env["KVSTORE_ADVERTISE_URL"])
+        return (k for i in range(10**7) if rank_endpoints(urls, k := f"{tag}-{i}")[0] == mine)
+
     def wait_token(self, token: str) -> None:
         """Until every node knows the tenant ``token`` names (within a refresh of the fleet's registry)."""
         for d in self.nodes:
@@ -183,15 +196,16 @@ def test_a_node_cut_from_the_bucket_refuses_writes_by_itself_and_rejoins(fleet: 
     assert t.status == 201, t
     token = t.body["token"]
     until("the tenant on node-2", lambda: call(n2.base, "GET", "/v1/stats", token).status == 200, 3 * REFRESH_S + 2)
-    assert call(n2.base, "PUT", "/v1/blocks/before", token, data=b"x" * 1000).status == 201
+    before = fleet.key_on(n2, "before")  # node-2's own keys: a node stores only those
+    assert call(n2.base, "PUT", f"/v1/blocks/{before}", token, data=b"x" * 1000).status == 201
     fleet.proxies[2].cut()
-    keys = iter(range(10**6))  # a new key each time: a PUT of a key already stored writes nothing
+    keys = fleet.keys_on(n2, "w")  # a new key each time: a PUT of a key already stored writes nothing
     until(
         "node-2 fences itself",
-        lambda: call(n2.base, "PUT", f"/v1/blocks/during{next(keys)}", token, data=b"y" * 1000).status == 503,
+        lambda: call(n2.base, "PUT", f"/v1/blocks/{next(keys)}", token, data=b"y" * 1000).status == 503,
         DEAD_AFTER_S + 2,
     )
-    r = call(n2.base, "PUT", "/v1/blocks/fenced", token, data=b"y" * 1000)
+    r = call(n2.base, "PUT", f"/v1/blocks/{next(keys)}", token, data=b"y" * 1000)
     assert r.status == 503 and r.body["error"]["code"] == "fenced", r
     # (that PUT may have met the tenant fence, which can come up to a heartbeat before the write fence)
     until("node-2 not ready", lambda: call(n2.base, "GET", "/readyz").status == 503, 2)
@@ -205,12 +219,12 @@ def test_a_node_cut_from_the_bucket_refuses_writes_by_itself_and_rejoins(fleet: 
     assert ready.status == 503 and ready.body["error"]["code"] == "fenced", ready
     # Reads stop too, once it cannot confirm the fleet's tenant registry either (issue 40: a stale
     # registry might pass a token revoked elsewhere; tests/fleet/test_tenant_propagation.py).
-    until("node-2 refuses its tenant", lambda: call(n2.base, "GET", "/v1/blocks/before", token).status == 503, 5)
+    until("node-2 refuses its tenant", lambda: call(n2.base, "GET", f"/v1/blocks/{before}", token).status == 503, 5)
     until("node-2 declared dead", lambda: fleet.member(n0, "node-2")["state"] == "dead", 4 * DEAD_AFTER_S)
     fleet.proxies[2].heal()
     until(
         "node-2 writes again",
-        lambda: call(n2.base, "PUT", f"/v1/blocks/after{next(keys)}", token, data=b"z" * 1000).status == 201,
+        lambda: call(n2.base, "PUT", f"/v1/blocks/{next(keys)}", token, data=b"z" * 1000).status == 201,
         4 * DEAD_AFTER_S,
     )
     until(
@@ -262,7 +276,7 @@ def test_tenants_are_the_fleets(fleet: Fleet) -> None:
         )
     # A block written through node-0 (sealed) is read back there; the token is revoked on node-2:
     # every node refuses it within one refresh.
-    assert call(n0.base, "PUT", "/v1/blocks/k", token, data=b"sealed" * 100).status == 201
+    assert call(n0.base, "PUT", f"/v1/blocks/{fleet.key_on(n0, 'k')}", token, data=b"sealed" * 100).status == 201
     tokens = call(n2.base, "GET", "/v1/admin/tenants/shared").body["tokens"]
     assert call(n2.base, "DELETE", f"/v1/admin/tenants/shared/tokens/{tokens[0]['id']}").status == 204
     for d in fleet.nodes:
@@ -496,8 +510,8 @@ def test_a_dead_node_is_forgotten_for_good(fleet: Fleet) -> None:
     n0, n1, n2 = fleet.nodes
     token = call(n0.base, "POST", "/v1/admin/tenants", doc={"name": "g", "policy": "direct"}).body["token"]
     fleet.wait_token(token)
-    for i in range(20):
-        call(n1.base, "PUT", f"/v1/blocks/k{i}", token, data=os.urandom(2000))
+    for key in itertools.islice(fleet.keys_on(n1, "k"), 20):
+        assert call(n1.base, "PUT", f"/v1/blocks/{key}", token, data=os.urandom(2000)).status == 201
     assert call(n1.base, "POST", "/v1/admin/flush").body["tier"] == "mirrored"
     r = call(n0.base, "DELETE", "/v1/admin/fleet/nodes/node-1")
     assert r.status == 409 and r.body["error"]["code"] == "node_alive", r

@@ -62,8 +62,8 @@ def _refuses(base: str, token: str) -> bool:
     return call(base, "GET", "/v1/stats", token).status == 401
 
 
-def _status(base: str, token: str) -> int:
-    return call(base, "GET", "/v1/blocks/before", token).status
+def _status(base: str, token: str, key: str) -> int:
+    return call(base, "GET", f"/v1/blocks/{key}", token).status
 
 
 def _refused_by(nodes: tuple[Daemon, ...], token: str) -> dict[str, Callable[[], bool]]:
@@ -107,12 +107,15 @@ def test_a_tenant_created_on_one_node_reads_and_writes_through_the_others_within
         assert made.status == 201, made
         token = made.body["token"]
 
-        def put(base: str, token: str = token) -> bool:
-            return call(base, "PUT", "/v1/blocks/first", token, data=base.encode() * 100).status == 201
+        def put(d: Daemon, token: str = token) -> bool:  # each node's own key (a node stores only those)
+            return (
+                call(d.base, "PUT", f"/v1/blocks/{fleet.key_on(d, 'first')}", token, data=d.base.encode() * 100).status
+                == 201
+            )
 
-        took = _first_times({"node-1": lambda: put(n1.base), "node-2": lambda: put(n2.base)}, answered, 30)
+        took = _first_times({"node-1": lambda: put(n1), "node-2": lambda: put(n2)}, answered, 30)
         for d in (n1, n2):
-            got = call(d.base, "GET", "/v1/blocks/first", token)
+            got = call(d.base, "GET", f"/v1/blocks/{fleet.key_on(d, 'first')}", token)
             assert got.status == 200 and got.body == d.base.encode() * 100
         samples += took.values()
     _record(tmp_path, "created on node-0, in force on nodes 1 and 2", samples)
@@ -166,16 +169,17 @@ def test_a_node_cut_from_the_bucket_refuses_tenant_operations_until_it_reconnect
     made = call(n0.base, "POST", "/v1/admin/tenants", doc={"name": "cut", "policy": "direct"})
     token = made.body["token"]
     fleet.wait_token(token)
-    assert call(n2.base, "PUT", "/v1/blocks/before", token, data=b"b" * 1000).status == 201
+    before = fleet.key_on(n2, "before")  # node-2's own key (a node stores only those)
+    assert call(n2.base, "PUT", f"/v1/blocks/{before}", token, data=b"b" * 1000).status == 201
     fleet.proxies[2].cut()
     cut = time.monotonic()
-    assert call(n2.base, "GET", "/v1/blocks/before", token).status == 200  # (its registry is still confirmed)
+    assert call(n2.base, "GET", f"/v1/blocks/{before}", token).status == 200  # (its registry is still confirmed)
     took = _first_times(
-        {"fenced": lambda: call(n2.base, "GET", "/v1/blocks/before", token).status == 503}, cut, FENCE_AFTER_S + 5
+        {"fenced": lambda: call(n2.base, "GET", f"/v1/blocks/{before}", token).status == 503}, cut, FENCE_AFTER_S + 5
     )["fenced"]
     # Every worker of it (a reader from its writer's published state, a moment later).
-    until("node-2 refuses on every worker", lambda: all(_status(n2.base, token) == 503 for _ in range(10)), 3)
-    r = call(n2.base, "GET", "/v1/blocks/before", token)
+    until("node-2 refuses on every worker", lambda: all(_status(n2.base, token, before) == 503 for _ in range(10)), 3)
+    r = call(n2.base, "GET", f"/v1/blocks/{before}", token)
     assert r.status == 503 and r.body["error"]["code"] == "fenced", r
     assert "refuses tenant operations" in r.body["error"]["message"], r
     assert "tenant registry" in r.body["error"]["message"], r
@@ -186,11 +190,11 @@ def test_a_node_cut_from_the_bucket_refuses_tenant_operations_until_it_reconnect
     fleet.proxies[2].heal()
     healed = time.monotonic()
     back = _first_times(
-        {"served": lambda: call(n2.base, "GET", "/v1/blocks/before", token).status == 200},
+        {"served": lambda: call(n2.base, "GET", f"/v1/blocks/{before}", token).status == 200},
         healed,
         4 * DEAD_AFTER_S,
     )["served"]
-    until("node-2 serves on every worker", lambda: all(_status(n2.base, token) == 200 for _ in range(10)), 3)
+    until("node-2 serves on every worker", lambda: all(_status(n2.base, token, before) == 200 for _ in range(10)), 3)
     _record(tmp_path, "cut from the bucket: tenant operations refused after", [took])
     _record(tmp_path, "healed: tenant operations served again after", [back])
     assert took <= FENCE_AFTER_S + SLACK_S + HEARTBEAT_S, took

@@ -13,6 +13,7 @@ stays installable alone.
 - :mod:`.codec`: the frame codecs (raw, zstd, zstd over byte planes; needs
   ``kvstore-client[decode]``: zstandard, numpy);
 - :mod:`.nixl_loader`: loading NIXL's Python API and making an agent;
+- :mod:`.headers`: header fields of kvstore's own;
 - :mod:`.errors`: what they raise. Each side turns these into its own errors
   (the daemon's carry its HTTP statuses, the client's its fail-open codes).
 """

@@ -26,6 +26,9 @@ STATE = web.AppKey("state", dict[str, Any])
 FOLLOWER = web.AppKey("fleet_follower", FleetFollower)
 # The tenant the request's bearer token names, once authenticated (auth.tenant_of).
 TENANT = web.RequestKey("tenant", str)
+# A fleet node's reader worker did not know the request's token: its writer checks the
+# fleet's registry now and answers (routes/fleet.tenant_in_fleet, forward.relayed).
+RELAY_UNKNOWN_TOKEN = web.RequestKey("relay_unknown_token", bool)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,16 @@ def tenant_of(request: web.Request) -> str:
     return tenant
 
 
+def is_bearer_unknown(request: web.Request) -> bool:
+    """Whether the request carries a well-formed bearer token that names no
+    tenant here (not a missing or malformed one, nor the admin's)."""
+    try:
+        token = _bearer(request)
+    except Unauthorized:
+        return False
+    return store_of(request).authenticate(token) is None and not _matches(token, config_of(request).admin_secret())
+
+
 def known_tenant(request: web.Request) -> str | None:
     """The tenant the request's token named, once checked (None: not yet, or an admin call)."""
     return request.get(TENANT)

@@ -81,7 +81,7 @@ from kvstore.transport.http.middleware import error_answered
 from kvstore.transport.http.qos import ADMISSION
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
 from kvstore.transport.http.respond import SEND_PIECE, error_body, reset_transport
-from kvstore.transport.http.routes.fleet import with_adopted
+from kvstore.transport.http.routes.fleet import misplaced, with_adopted
 from kvstore.transport.http.sendfile import sendfile_extent
 from kvstore.transport.statuses import http_status
 
@@ -437,7 +437,8 @@ class FastLane:
         """Take ``PUT /v1/blocks/{key}``: its body is received into pooled
         aligned memory as it arrives (no framework, no join), then stored.
         False (nothing taken, nothing counted) to leave it to the route:
-        on a reader worker (writes are the writer's), an unknown token, a
+        on a reader worker (writes are the writer's), another fleet node's
+        key, an unknown token, a
         bad length or Kvstore-Block-Meta, the body budget or the requests
         in flight at their limits; those answers are the route's."""
         app = self._app
@@ -445,6 +446,8 @@ class FastLane:
         transport = self._proto.transport
         if not admission.ready or WRITER in app or transport is None or transport.is_closing() or not req.token:
             return False
+        if misplaced(app, req.key):
+            return False  # another fleet node's key: the route's 421
         t0 = time.perf_counter()
         store = app[STORE]
         if not 0 < req.length <= store.config.max_block_size:

@@ -28,7 +28,15 @@ from aiohttp.web_protocol import RequestPayloadError
 from yarl import URL
 
 from kvstore.errors import InvalidInput, KVStoreError, Overloaded, StoreClosed, WriterTimeout
-from kvstore.transport.http.appkeys import FOLLOWER, STATE, client_gone, config_of, route_of, store_of
+from kvstore.transport.http.appkeys import (
+    FOLLOWER,
+    RELAY_UNKNOWN_TOKEN,
+    STATE,
+    client_gone,
+    config_of,
+    route_of,
+    store_of,
+)
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING, check_length
 from kvstore.transport.http.query import query_number
 from kvstore.transport.http.respond import send
@@ -64,6 +72,7 @@ _RETURNED = (
     "Allow",
     "Cache-Control",
     "Kvstore-Registry-Revision",  # a fleet node's admin answers (routes/admin.py)
+    "Kvstore-Owner",  # a fleet node's 421 misdirected (routes/fleet.py)
 )
 # Routes every worker answers itself; every other matched route goes to the writer.
 LOCAL_ROUTES = frozenset(
@@ -108,6 +117,8 @@ def relayed(request: web.Request) -> bool:
     404/405 the writer would give)."""
     if request.match_info.http_exception is not None:
         return False
+    if request.get(RELAY_UNKNOWN_TOKEN):  # a token this worker does not know: the writer checks the fleet's registry
+        return True
     route = (request.method, route_of(request))
     return route not in LOCAL_ROUTES or (route in ADOPTED_READS and serving_takeovers(request.app))
 

@@ -16,12 +16,14 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from kvstore_client.wire.headers import OWNER as OWNER_HEADER
 
 from kvstore.errors import (
     ExpectationFailed,
     Fenced,
     InvalidRange,
     KVStoreError,
+    Misdirected,
     Overloaded,
     RateLimited,
     Unauthorized,
@@ -30,11 +32,12 @@ from kvstore.errors import (
 )
 from kvstore.names import PATH_PARAMS
 from kvstore.transport.http.appkeys import EXPECT, METRICS, client_gone, route_of
-from kvstore.transport.http.auth import is_admin, require_admin, tenant_of
+from kvstore.transport.http.auth import is_admin, require_admin
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING
 from kvstore.transport.http.forward import WRITER, forward, relayed
 from kvstore.transport.http.qos import ADMISSION, BULK, TICKET
 from kvstore.transport.http.respond import error_body, error_response
+from kvstore.transport.http.routes.fleet import refuse_misplaced, tenant_in_fleet
 from kvstore.transport.statuses import http_status
 
 log = logging.getLogger("kvstore.http")
@@ -136,6 +139,8 @@ def error_answered(app: web.Application, method: str, route: str, e: KVStoreErro
         headers["Content-Range"] = f"bytes */{e.size}"
     if isinstance(e, Unauthorized):
         headers["WWW-Authenticate"] = 'Bearer realm="kvstore"'
+    if isinstance(e, Misdirected):
+        headers[OWNER_HEADER] = e.owner
     if isinstance(e, RateLimited):
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
     elif isinstance(e, Overloaded):
@@ -157,6 +162,8 @@ def raise_internal(request: web.Request) -> None:
 
 
 ADMIN_OR_TENANT = frozenset({"/v1/events", "/v1/fleet"})  # a tenant's token, or the admin's
+# Writes of one key named in the path; the batch, write-plan and NIXL writes check their keys themselves.
+PLACED_WRITES = frozenset({("PUT", "/v1/blocks/{key}"), ("DELETE", "/v1/blocks/{key}")})
 
 
 def refuse_content_coding(request: web.Request) -> None:
@@ -188,12 +195,14 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
             require_admin(request)
         elif route in ADMIN_OR_TENANT:
             if not is_admin(request):
-                tenant = tenant_of(request)
+                tenant = await tenant_in_fleet(request)
         elif route.startswith("/v1/"):
-            tenant = tenant_of(request)
+            tenant = await tenant_in_fleet(request)
         for name, value in request.match_info.items():
             PATH_PARAMS[name](value)
         refuse_content_coding(request)
+        if (request.method, route) in PLACED_WRITES:  # a fleet node's writer stores only its own keys
+            refuse_misplaced(request.app, [request.match_info["key"]])
     if tenant is None:
         if matched and EXPECT in request:
             await _answer_expect(request)

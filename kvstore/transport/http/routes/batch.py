@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from kvstore.engine.api import Stored
-from kvstore.errors import InvalidInput, KVStoreError, NotFound, RateLimited, TenantNotFound
+from kvstore.errors import InvalidInput, KVStoreError, Misdirected, NotFound, RateLimited, TenantNotFound
 from kvstore.events.model import BlockMeta
 from kvstore.names import validate_client_key
 from kvstore.transport import batchframe
@@ -25,7 +25,7 @@ from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING, BatchBody, Held, json_body, keys_field
 from kvstore.transport.http.qos import ticket_of
 from kvstore.transport.http.respond import error_body, send
-from kvstore.transport.http.routes.fleet import adopted_store
+from kvstore.transport.http.routes.fleet import adopted_store, refuse_misplaced
 from kvstore.transport.statuses import http_status, item_answer
 
 BATCH_TYPE = "application/x-kvstore-batch"  # docs/batch-framing.md
@@ -73,8 +73,9 @@ async def batch_put(request: web.Request) -> web.Response:
                 continue
             try:
                 validate_client_key(key)
+                refuse_misplaced(request.app, [key])  # a fleet node stores only its own keys
                 await ticket.reserve("write", len(data))  # the item's bytes from its tenant's write limit
-            except (InvalidInput, RateLimited) as e:
+            except (InvalidInput, Misdirected, RateLimited) as e:
                 body.release(body.take())
                 await settle(0)
                 results.append(item_answer(key, e))

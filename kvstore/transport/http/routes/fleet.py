@@ -4,17 +4,18 @@ what ``/readyz`` says of a fenced node (kvstore/fleet/)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from aiohttp import web
 
 from kvstore.engine.api import Store, node_prefix
-from kvstore.errors import FleetOff, NodeAlive, NotFound
+from kvstore.errors import FleetOff, Misdirected, NodeAlive, NotFound, Unauthorized
 from kvstore.fleet.node import FleetNode
 from kvstore.fleet.takeover import Takeover
 from kvstore.names import validate_node_id
 from kvstore.tier.base import Tier
-from kvstore.transport.http.appkeys import FOLLOWER
-from kvstore.transport.http.auth import is_admin, require_admin, tenant_of
+from kvstore.transport.http.appkeys import FOLLOWER, RELAY_UNKNOWN_TOKEN
+from kvstore.transport.http.auth import is_admin, is_bearer_unknown, require_admin, tenant_of
 from kvstore.transport.http.query import query_bool
 
 log = logging.getLogger("kvstore.fleet")
@@ -35,6 +36,51 @@ def with_adopted(app: web.Application, tenant: str, keys: list[str], present: li
     """A lookup's ``present`` with the keys taken over from dead nodes."""
     takeover = app.get(TAKEOVER)
     return takeover.present(tenant, keys, present) if takeover is not None else present
+
+
+def misplaced(app: web.Application, key: str) -> bool:
+    """Whether a fleet node's writer would refuse a write of ``key`` (:func:`refuse_misplaced`)."""
+    node = app.get(FLEET)
+    return node is not None and node.placed_elsewhere(key) is not None
+
+
+def refuse_misplaced(app: web.Application, keys: Iterable[str]) -> None:
+    """Misdirected (421, the owner's URL in ``Kvstore-Owner``) for the first
+    of ``keys`` a fleet node's writer does not own: a write stored here would
+    be where the fleet never looks. Nothing off a fleet, or on a reader
+    worker (writes are relayed to the writer, which checks)."""
+    node = app.get(FLEET)
+    if node is None:
+        return
+    for key in keys:
+        owner = node.placed_elsewhere(key)
+        if owner is not None:
+            raise Misdirected(
+                f"key {key!r} is placed on {owner} by this fleet's membership (version {node.view.version}), "
+                f"not on this node ({node.node_id}): write it there",
+                owner,
+            )
+
+
+async def tenant_in_fleet(request: web.Request) -> str | None:
+    """The tenant of the request's bearer token (:func:`tenant_of`); on a
+    fleet node, a token it does not know may have been issued on another
+    node since its registry's last check: the writer checks the fleet's
+    registry now and looks again (401 only if it still does not know it); a
+    reader worker answers None, and the request is relayed to its writer,
+    which does that (:data:`RELAY_UNKNOWN_TOKEN`). Off a fleet: 401 at once."""
+    try:
+        return tenant_of(request)
+    except Unauthorized:
+        if is_bearer_unknown(request):
+            node = request.app.get(FLEET)
+            if node is not None:
+                await node.confirm_registry()
+                return tenant_of(request)
+            if request.app.get(FOLLOWER) is not None:
+                request[RELAY_UNKNOWN_TOKEN] = True
+                return None
+        raise
 
 
 def fenced(app: web.Application) -> str:

@@ -47,6 +47,7 @@ from kvstore.transport.http.bodies import block_body, json_body, lease_field
 from kvstore.transport.http.forward import WRITER, writer_url
 from kvstore.transport.http.internal import on_private_socket
 from kvstore.transport.http.qos import ticket_of
+from kvstore.transport.http.routes.fleet import refuse_misplaced
 from kvstore.transport.http.routes.plans import PLANS, answer_with_fds, on_unix, unix_transport
 from kvstore.transport.http.routes.records import client_decode_allowed
 from kvstore.transport.statuses import item_answer
@@ -175,6 +176,7 @@ async def _plan(request: web.Request, tenant: str, body: dict[str, Any]) -> dict
             except InvalidInput as e:
                 raise InvalidInput(f"blocks[{i}].meta: {e}") from None
     lease_s = lease_field(body)
+    refuse_misplaced(request.app, [key for key, _ in items])  # a fleet node plans only its own keys
     plan = await store_of(request).plan_writes(tenant, items, lease_s, metas, body.get("encode", "server"))
     paths: list[str] = []
     out: list[dict[str, Any]] = []

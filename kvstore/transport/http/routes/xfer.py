@@ -33,6 +33,7 @@ from kvstore.transport.http.appkeys import config_of
 from kvstore.transport.http.auth import tenant_of
 from kvstore.transport.http.bodies import json_body, keys_field
 from kvstore.transport.http.qos import ticket_of
+from kvstore.transport.http.routes.fleet import refuse_misplaced
 from kvstore.transport.nixl.service import XferService
 
 routes = web.RouteTableDef()
@@ -168,6 +169,7 @@ async def xfer_write(request: web.Request) -> web.Response:
                 _uint(b, "dev", i, (1 << 32) - 1),
             )
         )
+    refuse_misplaced(request.app, [b[0] for b in blocks])  # a fleet node stores only its own keys
     ticket = ticket_of(request)  # the bytes from the tenant's write limit before they are pulled
     n = sum(b[2] for b in blocks)
     await ticket.reserve("write", n)
