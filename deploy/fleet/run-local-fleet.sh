@@ -8,7 +8,11 @@
 # that exits meanwhile (kill -9 one, to watch the others take over its
 # blocks) is reported, and the others go on.
 #
-#   deploy/fleet/run-local-fleet.sh [N]
+#   deploy/fleet/run-local-fleet.sh [--moto-port PORT] [N]
+#
+# --moto-port PORT: moto's S3 server listens on 127.0.0.1:PORT (default: a
+# free port, written to FLEET_DIR/s3.url); a fixed port lets other programs
+# (a second shell, a benchmark) reach the same bucket.
 #
 # Needs the README's setup (.venv, deploy/setup-venv.sh: run here if .venv is
 # missing) and moto's S3 server in .venv (installed here if missing: the test
@@ -25,9 +29,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-nodes="${1:-3}"
+usage="usage: $0 [--moto-port PORT] [N]   (N: the nodes, 1 to 99; default 3)"
+moto_port=0
+nodes=3
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --moto-port) [ "$#" -ge 2 ] || { echo "$0: --moto-port needs a port; $usage" >&2; exit 2; }
+                 moto_port="$2"; shift 2 ;;
+    --moto-port=*) moto_port="${1#--moto-port=}"; shift ;;
+    -h|--help) echo "$usage"; exit 0 ;;
+    -*) echo "$0: unknown option $1; $usage" >&2; exit 2 ;;
+    *) nodes="$1"; shift ;;
+  esac
+done
 if ! [[ "$nodes" =~ ^[1-9][0-9]?$ ]]; then
-  echo "usage: $0 [N]   (N: the nodes, 1 to 99; default 3)" >&2
+  echo "$0: N=$nodes: expected 1 to 99 nodes; $usage" >&2
+  exit 2
+fi
+if ! [[ "$moto_port" =~ ^[0-9]{1,5}$ ]] || [ "$moto_port" -gt 65535 ]; then
+  echo "$0: --moto-port $moto_port: expected a port, 1 to 65535; $usage" >&2
   exit 2
 fi
 port0="${FLEET_PORT:-8421}"
@@ -82,7 +102,7 @@ trap stop EXIT
 
 if [ -z "$endpoint" ]; then
   rm -f "$dir/s3.url"
-  "$py" -m kvstore_bench.moto_s3 --bucket "$bucket" --url-file "$dir/s3.url" > "$dir/s3.log" 2>&1 &
+  "$py" -m kvstore_bench.moto_s3 --port "$moto_port" --bucket "$bucket" --url-file "$dir/s3.url" > "$dir/s3.log" 2>&1 &
   s3_pid=$!
   for _ in $(seq 1 300); do
     [ -s "$dir/s3.url" ] && break

@@ -25,6 +25,17 @@ SCRIPT = ROOT / "deploy" / "fleet" / "run-local-fleet.sh"
 pytestmark = pytest.mark.timeout(180)
 
 
+def test_bad_arguments_are_refused_in_one_line() -> None:
+    for args, said in (
+        (["--moto-port", "99999"], "--moto-port 99999: expected a port"),
+        (["--moto-port"], "--moto-port needs a port"),
+        (["--bogus"], "unknown option --bogus"),
+        (["0"], "N=0: expected 1 to 99 nodes"),
+    ):
+        out = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 2 and said in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+
+
 def test_the_script_parses_and_sets_only_real_settings() -> None:
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     text = SCRIPT.read_text()
@@ -60,6 +71,7 @@ def test_two_nodes_start_answer_and_stop_on_ctrl_c(tmp_path: Path) -> None:
     if not (ROOT / ".venv" / "bin" / "kvstore").exists():
         pytest.skip("needs the checkout's .venv (deploy/setup-venv.sh test)")
     port = _free_ports(2)
+    moto = _free_ports(1)  # (used to be: moto's port could not be chosen)
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(tmp_path),
@@ -71,7 +83,11 @@ def test_two_nodes_start_answer_and_stop_on_ctrl_c(tmp_path: Path) -> None:
     log = tmp_path / "out.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            ["bash", str(SCRIPT), "2"], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            ["bash", str(SCRIPT), "--moto-port", str(moto), "2"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         deadline = time.monotonic() + 120
@@ -82,6 +98,8 @@ def test_two_nodes_start_answer_and_stop_on_ctrl_c(tmp_path: Path) -> None:
         said = log.read_text()
         token = (tmp_path / "fleet" / "admin.token").read_text().strip()
         assert f"admin token: {token}" in said
+        assert (tmp_path / "fleet" / "s3.url").read_text().strip() == f"http://127.0.0.1:{moto}"
+        assert f"moto's S3 server at http://127.0.0.1:{moto}" in said
         urls = [f"http://127.0.0.1:{port + i}" for i in range(2)]
         for i, url in enumerate(urls):
             assert f"node-{i}  {url}" in said, said
