@@ -100,7 +100,13 @@ async def _serve_on(
             await web.SockSite(runner, listener.sock, backlog=BACKLOG).start()
         if gw_tcp:  # the writer's: objects are written where the store's writes are owned
             gw_runner = KVAppRunner(
-                make_gateway_app(node.store, node.store.metrics, cfg, node.admission),
+                make_gateway_app(
+                    node.store,
+                    node.store.metrics,
+                    cfg,
+                    node.admission,
+                    node.fleet.confirm_registry if node.fleet is not None else None,
+                ),
                 gate_expect=False,  # the gateway answers Expect itself, after SigV4
                 keepalive_timeout=cfg.keepalive_timeout_s,
                 shutdown_timeout=cfg.shutdown_timeout_s,

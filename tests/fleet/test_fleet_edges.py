@@ -23,10 +23,14 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import boto3
 import pytest
+from botocore.config import Config
+from botocore.exceptions import ClientError
 from kvstore_client import AsyncClient
 from kvstore_client.sharding import normalize, rank_endpoints
 
+from ..http.conftest import free_port
 from ..moto_s3 import S3Env
 from .test_daemons import Fleet, call
 
@@ -58,6 +62,8 @@ def http(base: str, method: str, path: str, token: str, data: bytes | None = Non
 def fleet(tmp_path_factory: pytest.TempPathFactory, s3: S3Env) -> Iterator[Fleet]:
     slow = {"s3_refresh_s": "60", "fleet_heartbeat_s": "4", "fleet_dead_after_s": "12"}
     f = Fleet(tmp_path_factory.mktemp("edges"), s3, 3, **slow)
+    for d in f.nodes:  # and each node's S3 gateway
+        d.env["KVSTORE_S3_GATEWAY_LISTEN"] = f"127.0.0.1:{free_port()}"
     try:
         f.start()
         yield f
@@ -154,3 +160,34 @@ async def test_a_new_tenant_is_served_by_every_node_at_once(fleet: Fleet) -> Non
         for _ in range(4):
             bad = http(d.base, "GET", "/v1/stats", "kvs_no-such-token-of-any-tenant-0123456789")
             assert bad.status == 401 and bad.doc["error"]["code"] == "unauthorized"  # type: ignore[index]
+
+
+def test_an_s3_key_issued_on_one_node_signs_on_every_node_at_once(fleet: Fleet) -> None:
+    f = fleet
+    _tenant(f, "s3t", node=1)
+    made = call(f.nodes[1].base, "POST", "/v1/admin/tenants/s3t/s3-keys")
+    assert made.status == 201, made
+    akid, secret = made.body["access_key_id"], made.body["secret_access_key"]  # type: ignore[index]
+    for i, d in enumerate(f.nodes):  # the first request on each node's gateway, no retry
+        client = boto3.client(
+            "s3",
+            endpoint_url=f"http://{d.env['KVSTORE_S3_GATEWAY_LISTEN']}",
+            aws_access_key_id=akid,
+            aws_secret_access_key=secret,
+            region_name="us-east-1",
+            config=Config(signature_version="s3v4", s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
+        )
+        try:
+            assert client.list_buckets()["Buckets"] is not None, i
+            with pytest.raises(ClientError) as e:  # a key no node issued is still refused
+                boto3.client(
+                    "s3",
+                    endpoint_url=f"http://{d.env['KVSTORE_S3_GATEWAY_LISTEN']}",
+                    aws_access_key_id="AKIANOSUCHKEY0000000",
+                    aws_secret_access_key=secret,
+                    region_name="us-east-1",
+                    config=Config(signature_version="s3v4", s3={"addressing_style": "path"}),
+                ).list_buckets()
+            assert e.value.response["Error"]["Code"] == "InvalidAccessKeyId"
+        finally:
+            client.close()

@@ -50,6 +50,9 @@ STORE = web.AppKey("s3_store", Store)
 READERS = web.AppKey("s3_readers", objects.Readers)
 CATALOG = web.AppKey("s3_catalog", Catalog)
 SETTINGS = web.AppKey("s3_settings", Settings)
+# On a fleet node: check the fleet's tenant registry now (an access key issued on
+# another node since the last heartbeat's check; kvstore/fleet/node.confirm_registry).
+CONFIRM: web.AppKey[Callable[[], Awaitable[None]]] = web.AppKey("s3_confirm_registry")
 REQUEST_ID = web.RequestKey("s3_request_id", str)
 OP = web.RequestKey("s3_op", str)
 
@@ -191,6 +194,9 @@ async def _authenticate(request: web.Request, settings: Settings, store: Store) 
         raise S3Error("AccessDenied", "Access Denied: anonymous requests are not accepted; sign with SigV4")
     check_scope_and_time(auth, settings.region)
     found = store.s3_credentials(auth.access_key_id)
+    if found is None and CONFIRM in request.app:  # a fleet node: maybe a key issued on another node just now
+        await request.app[CONFIRM]()
+        found = store.s3_credentials(auth.access_key_id)
     if found is None:
         raise S3Error(
             "InvalidAccessKeyId",
@@ -372,12 +378,17 @@ def settings_of(cfg: ServerConfig) -> Settings:
 
 
 def make_gateway_app(
-    store: Store, metrics: Metrics, cfg: ServerConfig, admission: Admission | None = None
+    store: Store,
+    metrics: Metrics,
+    cfg: ServerConfig,
+    admission: Admission | None = None,
+    confirm_registry: Callable[[], Awaitable[None]] | None = None,
 ) -> web.Application:
     """The gateway's application over an open store (the daemon's
     configuration: its time limits and sendfile apply here too; ``admission``:
     the worker's, so a tenant's limits, weight and shares hold on both APIs
-    together)."""
+    together; ``confirm_registry``: a fleet node's check of the fleet's
+    tenant registry, for an access key it does not know)."""
     settings = settings_of(cfg)
     app = web.Application(middlewares=[s3_errors], client_max_size=1 << 20)
     app[STORE] = store
@@ -388,6 +399,8 @@ def make_gateway_app(
         admission = Admission(metrics, cfg.max_concurrency, cfg.max_buffered_body_bytes, store.config.max_block_size)
         admission.ready = True
     app[ADMISSION] = admission
+    if confirm_registry is not None:
+        app[CONFIRM] = confirm_registry
 
     async def catalog_ctx(app: web.Application) -> AsyncIterator[None]:
         catalog = Catalog(store.config.data_dir / "s3" / "catalog.sqlite3")
