@@ -145,6 +145,10 @@ class StoreConfig:
     advertise_url: str = ""
     fleet_heartbeat_s: float = 2.0
     fleet_dead_after_s: float = 6.0
+    # How long a survivor goes on serving the blocks it took over from a node
+    # that came back (kvstore/fleet/takeover.py): clients that have not read
+    # the membership since (fleet_refresh_s, 5 s by default) still find them there.
+    fleet_handback_s: float = 10.0
     # Membership on etcd leases instead of the bucket (kvstore/fleet/etcd.py):
     # its v3 JSON gateway, e.g. http://etcd-0:2379; "": membership in the bucket.
     fleet_etcd_url: str = ""
@@ -294,6 +298,7 @@ class StoreConfig:
             self.fleet_dead_after_s,
             f"must be at least twice fleet_heartbeat_s ({self.fleet_heartbeat_s}) and at most 600",
         )
+        need(0 <= self.fleet_handback_s <= 3600, "fleet_handback_s", self.fleet_handback_s, "must be 0 to 3600")
         need(
             self.seal_after_s is None or self.seal_after_s == 0 or 0.1 <= self.seal_after_s <= 86_400,
             "seal_after_s",
@@ -418,7 +423,7 @@ STORE_PARSERS: dict[str, Parser] = {
         parse_text,
     ),
     **dict.fromkeys(("s3_readonly", "discard_unknown_tenants", "fleet"), parse_bool),
-    **dict.fromkeys(("fleet_heartbeat_s", "fleet_dead_after_s", "seal_after_s"), parse_float),
+    **dict.fromkeys(("fleet_heartbeat_s", "fleet_dead_after_s", "fleet_handback_s", "seal_after_s"), parse_float),
     "s3_addressing": _choice(S3_ADDRESSING),
     "default_durability": _choice(DURABILITY_CLASSES),
     "durability": _choice(("fsync", "interval")),

@@ -34,6 +34,14 @@ class CircuitBreaker:
         self.probe_at = now
         return True
 
+    def probe_now(self) -> None:
+        """Something other than a call says the server is back (a fleet's
+        membership lists it alive again): let the next call through as the
+        probe, instead of waiting out the cooldown."""
+        if self.state == "open":
+            self.state = "half-open"
+            self.probe_at = None
+
     def success(self) -> None:
         self.state = "closed"
         self.failures = 0

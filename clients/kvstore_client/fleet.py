@@ -10,7 +10,10 @@ client and every node agree on who serves a key. Every seed and known member
 is asked; the answer with the highest ``version`` wins (a node that has not
 caught up yet answers an older one). Members are added to the client's
 endpoints as they appear and never removed (their sessions and breakers are
-kept for when they come back): placement uses the alive ones only.
+kept for when they come back): placement uses the alive ones only. A member
+that comes back (alive again, or a new incarnation) has its circuit breaker
+probed at once: it opened while the node was away, and its cooldown would
+make every one of its keys a miss for seconds after the node serves again.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class FleetMembers:
         self._due = 0.0  # monotonic: the next scheduled refresh
         self._last = -1e9  # monotonic: the last refresh
         self._lock = asyncio.Lock()
+        self._incarnations: dict[str, int] = {}  # each alive member's, as last read
 
     async def ensure(self) -> None:
         """Read the membership if it is due (or a member looks down)."""
@@ -92,12 +96,18 @@ class FleetMembers:
         version = int(best.get("version", -1))
         if version < self.version:
             return False
-        alive = sorted(normalize(str(n["url"])) for n in best.get("nodes", []) if n.get("state") == "alive")
+        members = [n for n in best.get("nodes", []) if n.get("state") == "alive"]
+        alive = sorted(normalize(str(n["url"])) for n in members)
         if not alive:
             return False
         for u in alive:
             if u not in self._x.endpoints:
                 self._x.endpoints[u] = self._make(u)
+        for n in members:  # a node back (alive again, a new incarnation): its breaker opened while it was away
+            u, incarnation = normalize(str(n["url"])), int(n.get("incarnation", 0))
+            if self._incarnations.get(u, incarnation) != incarnation or u not in self._shards.urls:
+                self._x.endpoints[u].breaker.probe_now()
+            self._incarnations[u] = incarnation
         self._shards.urls = alive
         self._shards.replicas = min(self.replicas, len(alive))
         self.version = version

@@ -10,10 +10,14 @@ stores (the block routes, lookups, batch gets), and this node publishes
 ``stored`` residency events (tier ``object``, cause ``takeover``) for the
 adopted blocks that rendezvous hashing over the alive nodes places on it.
 
-When the node comes back (alive again, a new incarnation), the survivors let
-go: ``removed`` events (cause ``handed_back``), the follower store closed and
-its directory removed. Blocks the dead node had not sealed and mirrored are
-lost with it: a cache loses latency, not correctness.
+When the node comes back (alive again, a new incarnation: it joins only once
+its store is open, so it serves what it holds from then on), the survivors
+go on serving what they took over beside it for ``fleet_handback_s``, so a
+client that placed the node's keys on them by the membership it read last
+still finds them until it reads the new one; then they let go: ``removed``
+events (cause ``handed_back``), the follower store closed and its directory
+removed. No block it held is ever nowhere. Blocks the dead node had not
+sealed and mirrored are lost with it: a cache loses latency, not correctness.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class Takeover:
         self.me = me
         self.adopted: dict[str, Store] = {}
         self._incarnation: dict[str, int] = {}  # the incarnation each adoption is of
+        self._returning: dict[str, asyncio.Task[None]] = {}  # nodes back, handed back after fleet_handback_s
         self._tasks = Background()
         self._lock = asyncio.Lock()
         self.view = FleetView(0, ())
@@ -89,6 +94,8 @@ class Takeover:
 
             members = {m.id for m in new.members}
             for gone in [n for n in self.adopted if n not in members]:  # forgotten for good (decommissioned)
+                if gone in self._returning:
+                    self._returning.pop(gone).cancel()
                 await self._hand_back(gone, "decommissioned")
             for m in new.members:
                 if m.id == self.config.node_id:
@@ -96,8 +103,15 @@ class Takeover:
                 held = m.id in self.adopted
                 if m.state == DEAD and not held:
                     await self._adopt(m.id, m.incarnation, seen)
-                elif held and (m.state == ALIVE or m.incarnation != self._incarnation.get(m.id)):
-                    await self._hand_back(m.id, "handed_back")
+                elif m.state == DEAD and m.id in self._returning:  # gone again before it was handed back
+                    self._returning.pop(m.id).cancel()
+                    log.warning("node %s is dead again: its blocks stay served here", m.id)
+                elif (
+                    held
+                    and m.id not in self._returning
+                    and (m.state == ALIVE or m.incarnation != self._incarnation.get(m.id))
+                ):
+                    self._returning[m.id] = self._tasks.spawn(self._hand_back_later(m.id), f"hand-back-{m.id}")
 
     async def start(self, view: FleetView) -> None:
         """At start-up: adopt the nodes already dead, drop adoptions left from before."""
@@ -134,6 +148,19 @@ class Takeover:
             now - seen,
         )
         await self._tell(store, "stored", "takeover")
+
+    async def _hand_back_later(self, node_id: str) -> None:
+        """Hand ``node_id``'s blocks back after ``fleet_handback_s`` (module doc)."""
+        log.warning(
+            "node %s returned: the blocks taken over from it stay served here too for %g s (fleet_handback_s)",
+            node_id,
+            self.config.fleet_handback_s,
+        )
+        await asyncio.sleep(self.config.fleet_handback_s)
+        async with self._lock:
+            self._returning.pop(node_id, None)
+            if node_id in self.adopted:
+                await self._hand_back(node_id, "handed_back")
 
     async def _hand_back(self, node_id: str, cause: str) -> None:
         store = self.adopted.pop(node_id)

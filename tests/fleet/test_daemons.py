@@ -36,6 +36,7 @@ from .proxy import CuttableProxy
 HEARTBEAT_S = 0.5
 DEAD_AFTER_S = 2.5
 REFRESH_S = 1
+HANDBACK_S = 3  # survivors serve a returned node's blocks beside it this long (clients here refresh every 0.5 s)
 WORKERS = int(os.environ.get("FLEET_TEST_WORKERS", "2"))  # per node: the writer and readers that follow it
 
 
@@ -103,6 +104,7 @@ class Fleet:
                 "KVSTORE_ADVERTISE_URL": f"http://127.0.0.1:{port}",
                 "KVSTORE_FLEET_HEARTBEAT_S": str(HEARTBEAT_S),
                 "KVSTORE_FLEET_DEAD_AFTER_S": str(DEAD_AFTER_S),
+                "KVSTORE_FLEET_HANDBACK_S": str(HANDBACK_S),
                 **AWS_ENV,
                 **{"KVSTORE_" + k.upper(): v for k, v in settings.items()},
             }
