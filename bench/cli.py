@@ -36,6 +36,9 @@ And those that measure, each in its own module with its own options:
   from a node's SIGKILL to its blocks served again by the survivors, and
   their read rate there against the same blocks on their own node
   (``fleet_bench.py``);
+* ``fleet-day``: a fleet node's day of a trickle (8,640 small sealed
+  segments in the bucket): the objects and a survivor's takeover time,
+  before and after compaction merges them (``fleet_day.py``);
 * ``replay``: a request trace in Mooncake's format (its synthetic trace is
   shipped) replayed through the client: lookups, loads of the prefixes found
   and stores of the rest; the token hit ratio, split by tier, against an
@@ -103,6 +106,10 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "writes": ("write_bench", "every write path's GB/s and daemon CPU against a write+fdatasync loop"),
     "qos": ("qos_bench", "tenant QoS under load: read/write limits, GET p99 beside a flood, weights"),
     "fleet": ("fleet_bench", "a fleet on one bucket: time to take over a killed node, its blocks' read rate"),
+    "fleet-day": (
+        "fleet_day",
+        "a fleet node's day of a trickle: bucket objects and takeover time, before and after merging",
+    ),
     "replay": ("replay", "replay a request trace: token hit ratio by tier against unbounded, LRU and Belady caches"),
 }
 COMMANDS = ("size", "ttft", "run", *DELEGATED)

@@ -186,6 +186,13 @@ class StoreConfig:
     compact_dead_percent: int = 50
     compact_interval_s: int = 60
     compact_rate: int = 64 * MiB
+    # Small sealed segments (flushes, stops, seal_after_s: a fleet node seals
+    # up to 8,640 a day per tenant writing a trickle) are merged by the same
+    # passes: a tenant's sealed segments under merge_below bytes, once it has
+    # 4 (compactor.MERGE_MIN_SEGMENTS) of them, are copied into its open segment (their
+    # objects then leave the bucket). None (unset): a quarter of segment_size;
+    # 0: never merged. Read it through :attr:`merge_threshold`.
+    merge_below: int | None = None
     # Plaintext of sealed and compressed blocks read recently, kept in each
     # worker process's memory (never on disk) so reads of hot blocks skip the
     # codec (engine/decoded.py); 0 turns it off.
@@ -344,6 +351,12 @@ class StoreConfig:
             "must be 0 (on demand only) to 86400",
         )
         need(self.compact_rate >= 1 * MiB, "compact_rate", self.compact_rate, "must be at least 1 MiB (per second)")
+        need(
+            self.merge_below is None or 0 <= self.merge_below <= self.segment_size,
+            "merge_below",
+            self.merge_below,
+            f"must be 0 (off) to segment_size ({self.segment_size})",
+        )
 
     @classmethod
     def from_env(
@@ -356,6 +369,12 @@ class StoreConfig:
         for name, value in overrides.items():
             values[name] = parse_field(name, name, value)
         return cls(data_dir=Path(data_dir), **values)
+
+    @property
+    def merge_threshold(self) -> int:
+        """Sealed segments under this many bytes are merged (0: never):
+        ``merge_below``, or a quarter of ``segment_size``."""
+        return self.segment_size // 4 if self.merge_below is None else self.merge_below
 
     def with_(self, **changes: Any) -> StoreConfig:
         """A copy with ``changes`` applied, parsed like environment values."""
@@ -384,6 +403,7 @@ STORE_PARSERS: dict[str, Parser] = {
             "default_read_bytes_per_s",
             "default_write_bytes_per_s",
             "compact_rate",
+            "merge_below",
             "decoded_cache_bytes",
         ),
         parse_size,

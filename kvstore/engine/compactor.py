@@ -71,12 +71,14 @@ SegmentKey = tuple[str, int]
 PRESSED_POLL_S = 1.0  # passes while the disk is full
 PRESSED_DEAD_PERCENT = 10  # the dead share that makes a segment worth rewriting on a full disk
 PRESSED_SEAL_MIN = 1 << 20  # dead bytes of an open segment worth sealing it for, on a full disk
+MERGE_MIN_SEGMENTS = 4  # small sealed segments a tenant has before a pass merges them (merge_below)
 IDLE_S = 3600.0  # the loop's wait with no interval and no pressure (a kick ends it)
 
 
 @dataclass(slots=True)
 class CompactionReport:
     segments_rewritten: int = 0
+    segments_merged: int = 0  # of those, small ones merged (merge_below)
     records_copied: int = 0
     tombstones_copied: int = 0
     bytes_copied: int = 0
@@ -89,6 +91,7 @@ class CompactionReport:
     def as_dict(self) -> dict[str, Any]:
         return {
             "segments_rewritten": self.segments_rewritten,
+            "segments_merged": self.segments_merged,
             "records_copied": self.records_copied,
             "tombstones_copied": self.tombstones_copied,
             "bytes_copied": self.bytes_copied,
@@ -189,6 +192,7 @@ class Compactor:
             m = self._metrics
             m.inc("kvstore_compaction_passes_total")
             m.inc("kvstore_compaction_segments_total", report.segments_rewritten)
+            m.inc("kvstore_compaction_segments_merged_total", report.segments_merged)
             m.inc("kvstore_compaction_bytes_copied_total", report.bytes_copied)
             m.inc("kvstore_compaction_bytes_reclaimed_total", report.bytes_reclaimed)
             return report
@@ -198,14 +202,20 @@ class Compactor:
     def _threshold(self, pressed: bool) -> int:
         return min(PRESSED_DEAD_PERCENT, self._cfg.compact_dead_percent) if pressed else self._cfg.compact_dead_percent
 
-    def _candidates(self, tenant: str, pressed: bool = False) -> list[int]:
-        """Sealed segments of ``tenant`` dead enough to rewrite: oldest first;
-        on a full disk, the most dead first (and least live among equals),
-        leaving out those whose live records do not fit in the space left."""
+    def _candidates(self, tenant: str, pressed: bool = False) -> list[tuple[int, int]]:
+        """Sealed segments of ``tenant`` to rewrite, each with the dead share
+        (percent) that makes the rewrite worth it: those dead enough, oldest
+        first; on a full disk, the most dead first (and least live among
+        equals), leaving out those whose live records do not fit in the space
+        left. Besides, when not pressed: the small ones to merge (under
+        ``merge_below``, once there are :data:`MERGE_MIN_SEGMENTS`; worth it
+        whatever their dead share)."""
         live = self._index.live(tenant)
         threshold = self._threshold(pressed)
         room = self._available() if pressed and self._available is not None else None
         out: list[tuple[float, int, int]] = []
+        small: list[int] = []
+        below = 0 if pressed else self._cfg.merge_threshold
         for sid, st in sorted(self._index.segments(tenant).items()):
             if st.state != SEG_SEALED:
                 continue
@@ -213,11 +223,16 @@ class Compactor:
             kept = live.get(sid, (0, 0))[1]
             dead = total - kept
             if total <= 0 or dead * 100 < threshold * total:
+                if total > 0 and st.indexed_upto < below:
+                    small.append(sid)
                 continue
             if room is not None and not _fits(kept, room):
                 continue  # copying it would fill the disk before its space came back
             out.append((-dead / total if pressed else 0.0, kept if pressed else 0, sid))
-        return [sid for *_, sid in sorted(out)]
+        chosen = [(sid, threshold) for *_, sid in sorted(out)]
+        if len(small) >= MERGE_MIN_SEGMENTS:
+            chosen = sorted(chosen + [(sid, 0) for sid in small])  # oldest first
+        return chosen
 
     def _room_for(self, tenant: str, sid: int) -> bool:
         """Whether the live records of ``sid`` fit in the space maintenance may
@@ -257,7 +272,7 @@ class Compactor:
             return
         app = self._appender(tenant)
         in_tier = False
-        for sid in sids:
+        for sid, threshold in sids:
             if tenant not in self._registry or self._registry.get(tenant).created_ns != incarnation:
                 return  # deleted (and maybe created again) meanwhile: its segments are not these
             key = (tenant, sid)
@@ -269,8 +284,10 @@ class Compactor:
                     continue
                 if not await self._run(self._room_for, tenant, sid):
                     continue  # next pass: the space of those rewritten so far has not come back yet
-                if not await self._copy_live(tenant, sid, phase, app, report, throttle, pressed):
+                if not await self._copy_live(tenant, sid, phase, app, report, throttle, threshold):
                     continue
+                if threshold == 0:
+                    report.segments_merged += 1
                 await app.make_durable()
                 if tenant not in self._registry or self._registry.get(tenant).created_ns != incarnation:
                     return
@@ -302,10 +319,11 @@ class Compactor:
         app: Appender,
         report: CompactionReport,
         throttle: _Throttle,
-        pressed: bool = False,
+        threshold: int,
     ) -> bool:
-        """Copy the live records (and needed tombstones) of one segment; True
-        when nothing live is left in it."""
+        """Copy the live records (and needed tombstones) of one segment, if
+        that gives back ``threshold`` percent of it (0: a merge, always);
+        True when nothing live is left in it."""
         local = phase is not Phase.REMOTE_ONLY
         seg = await self._run(self._cache.acquire, (tenant, sid)) if local else None
         if local and seg is None:
@@ -313,7 +331,7 @@ class Compactor:
         try:
             entries = await self._residency.read_footer(tenant, sid, seg)
             needed = await self._run(self._tombstones_needed, tenant, sid, entries)
-            if not await self._run(self._worth_it, tenant, sid, entries, needed, self._threshold(pressed)):
+            if not await self._run(self._worth_it, tenant, sid, entries, needed, threshold):
                 return False  # mostly tombstones that must stay: moving them would give nothing back
             for fe in entries:
                 if fe.kind == KIND_TOMBSTONE:

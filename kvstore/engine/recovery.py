@@ -121,6 +121,9 @@ class RemoteSegments:
 
     objects: dict[int, int]  # segment id -> object size
     fetch: Callable[[int, int], RemoteFooter]  # (segment id, size) -> its footer; blocking
+    # Start fetching these (segment id, size) footers at once, several at a time, for fetch to
+    # find: a node rebuilt from the bucket, or a survivor taking over a dead node, reads them all.
+    prefetch: Callable[[list[tuple[int, int]]], None] | None = None
 
 
 TRASH = ".trash"  # segments/.trash/: directories of deleted tenants, removed in the background
@@ -241,6 +244,8 @@ def _recover_tenant(
     tail = OpenSegment(None, next_id=max([*files, *known, *retired, *objects, id_floor - 1, 0]) + 1)
     newest = max(files) if files else None
     from_tier = set(objects) - set(known) - set(files) - retired
+    if from_tier and remote is not None and remote.prefetch is not None:
+        remote.prefetch([(sid, objects[sid]) for sid in sorted(from_tier)])
     for sid in sorted(set(files) | from_tier):
         report.segments += 1
         if sid in from_tier:

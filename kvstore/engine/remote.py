@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -65,18 +66,28 @@ class RemoteFooter:
     records_end: int  # where the footer starts
 
 
+FOOTER_TAIL = 64 << 10  # the object's end read at once: its trailer and, mostly, its footer (~600 entries)
+
+
 async def fetch_footer(tier: Tier, name: str, size: int, tenant: str, segment_id: int) -> RemoteFooter:
     """The footer of the sealed segment object ``name`` (``size`` bytes), after
-    checking its header names ``tenant`` and ``segment_id``."""
+    checking its header names ``tenant`` and ``segment_id``. The header and
+    the object's last :data:`FOOTER_TAIL` bytes are read at once (one round
+    trip; a larger footer takes a second one)."""
     if size < ALIGN + TRAILER.size:
         raise FormatError(f"object is {size} bytes: too small to be a sealed segment", name)
-    header = SegmentHeader.decode(await tier.read_range(name, 0, ALIGN), name)
+    tail_at = max(ALIGN, size - FOOTER_TAIL)
+    head, tail = await asyncio.gather(tier.read_range(name, 0, ALIGN), tier.read_range(name, tail_at, size - tail_at))
+    header = SegmentHeader.decode(head, name)
     if header.tenant != tenant or header.segment_id != segment_id:
         raise FormatError(f"segment header names {header.tenant}/{header.segment_id:016x}", name)
-    t = Trailer.decode(await tier.read_range(name, size - TRAILER.size, TRAILER.size), name)
+    t = Trailer.decode(tail[-TRAILER.size :], name)
     if t.footer_offset + t.footer_len + TRAILER.size != size or t.footer_offset % ALIGN:
         raise FormatError("trailer does not describe this object", name, size - TRAILER.size)
-    raw = await tier.read_range(name, t.footer_offset, t.footer_len)
+    if t.footer_offset >= tail_at:
+        raw = bytes(tail[t.footer_offset - tail_at : t.footer_offset - tail_at + t.footer_len])
+    else:
+        raw = await tier.read_range(name, t.footer_offset, t.footer_len)
     if checksum(raw) != t.footer_checksum:
         raise FormatError("segment footer checksum mismatch", name, t.footer_offset)
     return RemoteFooter(decode_footer(raw, t.entry_count, name), t.footer_offset)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import functools
 import logging
 import shutil
@@ -628,6 +629,7 @@ class Residency:
 
 Listing = dict[str, dict[int, dict[int, int]]]  # tenant -> incarnation -> segment id -> object size
 FOOTER_FETCH_TIMEOUT_S = 120
+FOOTER_FETCHES = 32  # footers fetched at once when recovery indexes segments from the object tier
 
 
 def remote_segments(
@@ -638,18 +640,32 @@ def remote_segments(
     if tier is None:
         return None
 
-    def fetcher(tenant: str, incarnation: int) -> Callable[[int, int], RemoteFooter]:
+    def footers(tenant: str, incarnation: int) -> RemoteSegments:
+        ahead: dict[int, concurrent.futures.Future[RemoteFooter]] = {}
+
+        def one(sid: int, size: int) -> Coroutine[Any, Any, RemoteFooter]:
+            return fetch_footer(tier, segment_object(tenant, incarnation, sid), size, tenant, sid)
+
         def fetch(sid: int, size: int) -> RemoteFooter:
-            coro = fetch_footer(tier, segment_object(tenant, incarnation, sid), size, tenant, sid)
-            return asyncio.run_coroutine_threadsafe(coro, loop).result(FOOTER_FETCH_TIMEOUT_S)
+            fut = ahead.pop(sid, None)
+            if fut is None:
+                fut = asyncio.run_coroutine_threadsafe(one(sid, size), loop)
+            return fut.result(FOOTER_FETCH_TIMEOUT_S)
 
-        return fetch
+        def prefetch(items: list[tuple[int, int]]) -> None:
+            gate = asyncio.Semaphore(FOOTER_FETCHES)
 
-    view: dict[str, RemoteSegments] = {}
-    for name in registry.names():
-        inc = registry.get(name).created_ns
-        view[name] = RemoteSegments(listing.get(name, {}).get(inc, {}), fetcher(name, inc))
-    return view
+            async def gated(sid: int, size: int) -> RemoteFooter:
+                async with gate:
+                    return await one(sid, size)
+
+            for sid, size in items:  # (the semaphore is made and used on the loop's thread only)
+                ahead[sid] = asyncio.run_coroutine_threadsafe(gated(sid, size), loop)
+
+        objects = listing.get(tenant, {}).get(incarnation, {})
+        return RemoteSegments(objects, fetch, prefetch)
+
+    return {name: footers(name, registry.get(name).created_ns) for name in registry.names()}
 
 
 async def list_bucket(tier: Tier) -> Listing:
