@@ -65,7 +65,7 @@ from typing import Any
 
 from kvstore.config import StoreConfig
 from kvstore.engine import directio
-from kvstore.engine.format import ALIGN, FooterEntry, RecordHeader
+from kvstore.engine.format import ALIGN, FooterEntry, RecordHeader, decode_footer, encode_footer
 from kvstore.engine.index import Index, IndexEntry
 from kvstore.engine.lifecycle import Lifecycle
 from kvstore.engine.record import EncodedRecord, footer_entry, index_entry, pad, tombstone
@@ -83,7 +83,6 @@ class OpenSegment:
     """The appendable tail of a tenant: its open segment (if any) and footer so far."""
 
     segment: SegmentFile | None
-    footer: list[FooterEntry] = field(default_factory=list)
     next_id: int = 1
     synced_upto: int = ALIGN
     # time.monotonic() when the open segment took its first record not yet
@@ -91,6 +90,33 @@ class OpenSegment:
     # (store_maintenance.seal_aged). Written by the appender's executor
     # thread, read on the loop: one attribute, a moment stale at worst.
     unsealed_since: float | None = None
+    _footer: list[FooterEntry] | None = field(default=None, repr=False)
+    # The footer as a clean stop wrote it (encoded, entries): decoded on first use, so that a
+    # start with many tenants decodes none it does not write to (tails.py).
+    _stopped: tuple[bytes, int] | None = field(default=None, repr=False)
+
+    @property
+    def footer(self) -> list[FooterEntry]:
+        """The open segment's footer so far (its records in write order)."""
+        if self._footer is None:
+            self._footer = decode_footer(*self._stopped) if self._stopped is not None else []
+            self._stopped = None
+        return self._footer
+
+    @footer.setter
+    def footer(self, entries: list[FooterEntry]) -> None:
+        self._footer, self._stopped = entries, None
+
+    def stopped_footer(self, encoded: bytes, entries: int) -> None:
+        """Take the footer a clean stop left, encoded (decoded on first use)."""
+        self._footer, self._stopped = None, (encoded, entries)
+
+    def encoded_footer(self) -> tuple[bytes, int]:
+        """The footer encoded, and its entries (as it came, if never decoded)."""
+        if self._stopped is not None:
+            return self._stopped
+        footer = self.footer
+        return encode_footer(footer), len(footer)
 
 
 @dataclass(slots=True)

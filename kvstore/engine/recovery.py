@@ -47,6 +47,7 @@ from kvstore.engine.record import footer_entry, index_entry
 from kvstore.engine.registry import Registry
 from kvstore.engine.remote import RemoteFooter
 from kvstore.engine.segment import SegmentFile, parse_segment_name
+from kvstore.engine.tails import Tail
 from kvstore.errors import ConfigError, CorruptionError, TierError, TierUnavailable
 from kvstore.fsutil import fsync_dir
 
@@ -60,6 +61,7 @@ class RecoveryReport:
     segments_from_footer: int = 0
     segments_from_tier: int = 0  # indexed from footers in the object tier
     records_replayed: int = 0
+    open_from_stop: int = 0  # open segments taken as the last clean stop left them (tails.py): no header read
     entries_dropped: int = 0
     truncated: list[tuple[str, int, int]] = field(default_factory=list)  # segment, offset, bytes cut
     corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # segment, offset, what
@@ -88,6 +90,7 @@ class RecoveryReport:
             "segments_from_footer": self.segments_from_footer,
             "segments_from_tier": self.segments_from_tier,
             "records_replayed": self.records_replayed,
+            "open_from_stop": self.open_from_stop,
             "entries_dropped": self.entries_dropped,
             "truncated": [{"segment": s, "offset": o, "bytes": n} for s, o, n in self.truncated],
             "corrupt": [{"segment": s, "offset": o, "error": e} for s, o, e in self.corrupt],
@@ -165,8 +168,13 @@ def recover(
     remote: Mapping[str, RemoteSegments] | None = None,
     id_floor: int = 0,
     discard_unknown: bool = False,
+    stopped: Mapping[tuple[str, int], Tail] | None = None,
 ) -> dict[str, OpenSegment]:
     """Repair ``root`` (the segments directory) and ``index``; return each tenant's tail.
+
+    ``stopped``: the open segments' footers a clean stop left (tails.py):
+    an open segment found exactly as it was then is taken from there, its
+    record headers not read.
 
     ``remote``: what the object tier holds, by tenant (None: no tier, or its
     listing failed; then the index's tier states are trusted). ``id_floor``:
@@ -189,7 +197,7 @@ def recover(
     tails: dict[str, OpenSegment] = {}
     for name in registry.names():
         rem = None if remote is None else remote.get(name, RemoteSegments({}, _no_fetch))
-        tails[name] = _recover_tenant(root / name, name, index, life, report, rem, id_floor)
+        tails[name] = _recover_tenant(root / name, name, index, life, report, rem, id_floor, stopped or {})
     return tails
 
 
@@ -205,6 +213,7 @@ def _recover_tenant(
     report: RecoveryReport,
     remote: RemoteSegments | None,
     id_floor: int,
+    stopped: Mapping[tuple[str, int], Tail],
 ) -> OpenSegment:
     files: dict[int, Path] = {}
     if directory.is_dir():
@@ -252,6 +261,16 @@ def _recover_tenant(
             assert remote is not None
             _index_from_tier(tenant, sid, objects[sid], remote, life, report)
             continue
+        state = known.get(sid)
+        if state is not None and state.state != SEG_OPEN:
+            # Sealed, as the index knows (a seal is never undone): nothing to read. Only its
+            # size, where the object tier may hold it too.
+            ts = index.tier_state(tenant, sid)
+            if (ts is not None and not ts.local) or (ts is None and sid in objects):
+                size = files[sid].stat().st_size
+                if (ts is not None and not ts.local) or objects.get(sid) == size:
+                    life.found_in_tier(tenant, sid, size, local=True)
+            continue
         try:
             seg = SegmentFile.open(files[sid], writable=True)
         except CorruptionError as e:
@@ -264,7 +283,6 @@ def _recover_tenant(
             report.corrupt.append((seg.name, 0, "segment header names another tenant or id"))
             seg.close()
             continue
-        state = known.get(sid)
         if seg.sealed:
             _recover_sealed(seg, state, life, report)
             ts = index.tier_state(tenant, sid)
@@ -272,6 +290,19 @@ def _recover_tenant(
                 # a local copy after all (eviction cut short), or an upload the index never heard of
                 life.found_in_tier(tenant, sid, seg.size, local=True)
             seg.close()
+            continue
+        left = stopped.get((tenant, sid))
+        if (
+            left is not None
+            and sid == newest
+            and state is not None
+            and state.state == SEG_OPEN
+            and left.records_end == seg.size == state.indexed_upto == state.synced_upto
+        ):
+            # As the clean stop left it, and the index says so: no record header read, nothing to write.
+            tail.segment, tail.synced_upto = seg, seg.size
+            tail.stopped_footer(left.footer, left.entries)
+            report.open_from_stop += 1
             continue
         footer = _recover_unsealed(seg, state, sid == newest, index, life, report)
         if sid == newest:

@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvstore.config import StoreConfig
-from kvstore.engine import directio
+from kvstore.engine import directio, tails
 from kvstore.engine.appender import OpenSegment
 from kvstore.engine.compactor import Compactor
 from kvstore.engine.crypto import MasterKey
@@ -271,6 +271,7 @@ class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrite
             rebuilt = has_segments
         self._life = Lifecycle(self._index)
         remote = remote_segments(self.tier, self._registry, listing, loop) if listing is not None else None
+        stopped = tails.read(self._root)  # what the last clean stop left (used once)
 
         def recovered() -> dict[str, OpenSegment]:
             # Recovery converges from any point it stopped at, so on a full
@@ -285,12 +286,14 @@ class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrite
                 remote,
                 id_floor,
                 self.config.discard_unknown_tenants,
+                stopped,
             )
             if not sync:
                 mark_index_unsynced(self._root)
             return tails
 
         self._tails = reserve.spending(recovered)
+        tails.discard(self._root)
         if not reserve.fill():
             log.warning(
                 "the disk is full at start-up: the space reserve (%d bytes) cannot be allocated; puts are "
@@ -384,6 +387,13 @@ class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrite
         self._appenders.clear()
         await self._residency.close()
         await self._run(self._close_sync)
+        if not self.readonly and not self.adopted:  # a clean stop: the next start reads no record header (tails.py)
+            left = [
+                tails.Tail(name, t.segment.segment_id, t.segment.size, *t.encoded_footer())
+                for name, t in self._tails.items()
+                if t.segment is not None and not t.segment.sealed
+            ]
+            await self._run(tails.write, self._root, left)
         self._pool.shutdown(wait=True)
         if self._own_tier and self.tier is not None:
             await self.tier.close()
