@@ -43,7 +43,11 @@ And those that measure, each in its own module with its own options:
   shipped) replayed through the client: lookups, loads of the prefixes found
   and stores of the rest; the token hit ratio, split by tier, against an
   unbounded, an LRU and a Belady cache over the same requests, and the
-  lookup and load latencies (``replay.py``).
+  lookup and load latencies (``replay.py``);
+* ``soak``: a mixed load for minutes or hours (tenants with quotas and TTLs,
+  flushes, compactions, SIGHUP), sampling each worker's RSS, descriptors and
+  threads, disk use, p99 per operation and errors; ``--check`` fails on
+  growth past the warm-up, an error or a wrong byte (``soak.py``).
 
 Examples::
 
@@ -111,6 +115,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
         "a fleet node's day of a trickle: bucket objects and takeover time, before and after merging",
     ),
     "replay": ("replay", "replay a request trace: token hit ratio by tier against unbounded, LRU and Belady caches"),
+    "soak": ("soak", "a mixed load for minutes or hours: RSS, descriptors, threads, disk, p99 and errors bounded"),
 }
 COMMANDS = ("size", "ttft", "run", *DELEGATED)
 ENGINES = ("vllm",)

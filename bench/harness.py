@@ -1,6 +1,6 @@
 """The plumbing every benchmark shares, defined once: free ports of 127.0.0.1,
 percentiles, CPU seconds (of this process, of a pid, of a process tree, of a
-process group), the processes a run starts (each in a group of its own, and
+process group), a process's children, the processes a run starts (each in a group of its own, and
 stopped with it), and a plain keep-alive HTTP/1.1 connection.
 
 The kvstore daemon itself is started by bench/daemon.py, on top of this.
@@ -144,6 +144,13 @@ def tree_cpu_seconds(pid: int) -> float:
             total += int(st[11]) + int(st[12])
         todo.extend(children.get(p, []))
     return total / CLK_TCK
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of ``pid``, oldest first (by start time: a supervisor's
+    first-forked worker first)."""
+    kids = [(int(f[19]), p) for p, f in _all_stats().items() if len(f) > 19 and int(f[1]) == pid]
+    return [p for _, p in sorted(kids)]
 
 
 def group_pids(pgid: int) -> list[int]:
