@@ -72,6 +72,7 @@ PRESSED_POLL_S = 1.0  # passes while the disk is full
 PRESSED_DEAD_PERCENT = 10  # the dead share that makes a segment worth rewriting on a full disk
 PRESSED_SEAL_MIN = 1 << 20  # dead bytes of an open segment worth sealing it for, on a full disk
 MERGE_MIN_SEGMENTS = 4  # small sealed segments a tenant has before a pass merges them (merge_below)
+MERGE_BATCH = 64  # small segments merged between two syncs: their copies made durable, then each retired
 IDLE_S = 3600.0  # the loop's wait with no interval and no pressure (a kick ends it)
 
 
@@ -241,7 +242,7 @@ class Compactor:
         reader process still holds their files open, say)."""
         if self._available is None:
             return True
-        kept = self._index.live(tenant).get(sid, (0, 0))[1]
+        kept = self._index.live_of(tenant, sid)[1]
         return _fits(kept, self._available())
 
     def _open_worth_sealing(self, tenant: str, sid: int) -> bool:
@@ -260,7 +261,10 @@ class Compactor:
         """Rewrite the tenant's candidates one by one: each one's copies are
         made durable and it is retired, and its local file removed, before
         the next is weighed, so the next one's tombstones that only guarded
-        it can go."""
+        it can go. Small segments merged (``merge_below``) go in batches of
+        :data:`MERGE_BATCH`: their copies made durable once, then each
+        retired (a tombstone that guarded a segment of the same batch is
+        carried forward: nothing deleted comes back)."""
         incarnation = self._registry.get(tenant).created_ns
         if pressed:
             app = self._appender(tenant)
@@ -272,37 +276,72 @@ class Compactor:
             return
         app = self._appender(tenant)
         in_tier = False
-        for sid, threshold in sids:
-            if tenant not in self._registry or self._registry.get(tenant).created_ns != incarnation:
-                return  # deleted (and maybe created again) meanwhile: its segments are not these
-            key = (tenant, sid)
-            if not self._leases.try_claim(key):
-                continue  # being dropped, or leased: next pass
+        merged: list[tuple[int, Phase]] = []  # small segments copied, not retired yet: claimed
+
+        def alive() -> bool:
+            return tenant in self._registry and self._registry.get(tenant).created_ns == incarnation
+
+        async def settle() -> None:
+            """The merged segments' copies made durable once, then each retired."""
+            nonlocal in_tier
             try:
-                phase = await self._run(self._life.phase, tenant, sid)
-                if phase not in (Phase.SEALED, Phase.MIRRORED, Phase.REMOTE_ONLY):
-                    continue
-                if not await self._run(self._room_for, tenant, sid):
-                    continue  # next pass: the space of those rewritten so far has not come back yet
-                if not await self._copy_live(tenant, sid, phase, app, report, throttle, threshold):
-                    continue
-                if threshold == 0:
-                    report.segments_merged += 1
-                await app.make_durable()
-                if tenant not in self._registry or self._registry.get(tenant).created_ns != incarnation:
-                    return
-                # Its object, if it has one, goes once every segment up to the
-                # one the copies went to is mirrored (reap()).
-                wait_upto = 0
-                if phase is not Phase.SEALED:
-                    in_tier = True
-                    wait_upto = app.open_segment or await self._run(self._newest_sealed, tenant)
-                await self._retire(tenant, sid, wait_upto, report)
-            except (CorruptionError, TierError, OSError) as e:
-                report.errors.append(f"{tenant}/{sid:016x}: {e}")
-                log.error("compaction of %s/%016x stopped: %s", tenant, sid, e)
+                if merged:
+                    await app.make_durable()
+                    if alive():
+                        upto = 0  # where the copies went: objects go once it is mirrored (reap())
+                        if any(phase is not Phase.SEALED for _, phase in merged):
+                            in_tier = True
+                            upto = app.open_segment or await self._run(self._newest_sealed, tenant)
+                        retiring = [(sid, 0 if phase is Phase.SEALED else upto) for sid, phase in merged]
+                        await self._retire(tenant, retiring, report)
             finally:
-                self._leases.unclaim(key)
+                for sid, _ in merged:
+                    self._leases.unclaim((tenant, sid))
+                merged.clear()
+
+        try:
+            for sid, threshold in sids:
+                if threshold or len(merged) >= MERGE_BATCH:
+                    await settle()
+                if not alive():
+                    return  # deleted (and maybe created again) meanwhile: its segments are not these
+                key = (tenant, sid)
+                if not self._leases.try_claim(key):
+                    continue  # being dropped, or leased: next pass
+                kept = False
+                try:
+                    phase = await self._run(self._life.phase, tenant, sid)
+                    if phase not in (Phase.SEALED, Phase.MIRRORED, Phase.REMOTE_ONLY):
+                        continue
+                    if not await self._run(self._room_for, tenant, sid):
+                        continue  # next pass: the space of those rewritten so far has not come back yet
+                    if not await self._copy_live(tenant, sid, phase, app, report, throttle, threshold):
+                        continue
+                    if threshold == 0:  # a small one merged: retired with the rest of its batch
+                        report.segments_merged += 1
+                        merged.append((sid, phase))
+                        kept = True
+                        continue
+                    await app.make_durable()
+                    if not alive():
+                        return
+                    # Its object, if it has one, goes once every segment up to the
+                    # one the copies went to is mirrored (reap()).
+                    wait_upto = 0
+                    if phase is not Phase.SEALED:
+                        in_tier = True
+                        wait_upto = app.open_segment or await self._run(self._newest_sealed, tenant)
+                    await self._retire(tenant, [(sid, wait_upto)], report)
+                except (CorruptionError, TierError, OSError) as e:
+                    report.errors.append(f"{tenant}/{sid:016x}: {e}")
+                    log.error("compaction of %s/%016x stopped: %s", tenant, sid, e)
+                finally:
+                    if not kept:
+                        self._leases.unclaim(key)
+            await settle()
+        finally:
+            for sid, _ in merged:  # (a pass cut short: nothing retired, the claims let go)
+                self._leases.unclaim((tenant, sid))
         if in_tier:
             await app.seal()  # the copies' segment is sealed, so it is mirrored soon
 
@@ -330,8 +369,10 @@ class Compactor:
             raise CorruptionError("segment file is missing", f"{tenant}/{sid:016x}.seg", 0)
         try:
             entries = await self._residency.read_footer(tenant, sid, seg)
-            needed = await self._run(self._tombstones_needed, tenant, sid, entries)
-            if not await self._run(self._worth_it, tenant, sid, entries, needed, threshold):
+            needed: set[int] = set()
+            if any(fe.kind == KIND_TOMBSTONE for fe in entries):
+                needed = await self._run(self._tombstones_needed, tenant, sid, entries)
+            if threshold and not await self._run(self._worth_it, tenant, sid, entries, needed, threshold):
                 return False  # mostly tombstones that must stay: moving them would give nothing back
             for fe in entries:
                 if fe.kind == KIND_TOMBSTONE:
@@ -359,7 +400,7 @@ class Compactor:
         finally:
             if seg is not None:
                 seg.release()
-        records, _ = (await self._run(self._index.live, tenant)).get(sid, (0, 0))
+        records, _ = await self._run(self._index.live_of, tenant, sid)
         if records:
             report.errors.append(f"{tenant}/{sid:016x}: {records} live records could not be moved")
             return False
@@ -430,24 +471,32 @@ class Compactor:
     def _worth_it(self, tenant: str, sid: int, entries: list[FooterEntry], needed: set[int], threshold: int) -> bool:
         """Whether rewriting gives back ``threshold`` percent of the segment
         once the tombstones that must stay count as live."""
-        st = self._index.segments(tenant).get(sid)
+        st = self._index.segment(tenant, sid)
         total = (st.indexed_upto - ALIGN) if st is not None else 0
-        live = self._index.live(tenant).get(sid, (0, 0))[1]
+        live = self._index.live_of(tenant, sid)[1]
         keep = live + sum(fe.record_len for fe in entries if fe.offset in needed)
         return total > 0 and (total - keep) * 100 >= threshold * total
 
     # -- retiring and reaping -----------------------------------------------------
 
-    async def _retire(self, tenant: str, sid: int, wait_upto: int, report: CompactionReport) -> None:
-        try:
-            await self._run(self._life.retired, tenant, sid, wait_upto)
-        except LifecycleError as e:  # written to meanwhile? never for a sealed one; be safe
-            report.errors.append(str(e))
+    async def _retire(self, tenant: str, segments: list[tuple[int, int]], report: CompactionReport) -> None:
+        """Retire each (segment, ``wait_upto``) whose copies are durable, the
+        index synced once, then remove their local files (those no lease holds)."""
+        done = []
+        for sid, wait_upto in segments:
+            try:
+                await self._run(self._life.retired, tenant, sid, wait_upto)
+            except LifecycleError as e:  # written to meanwhile? never for a sealed one; be safe
+                report.errors.append(str(e))
+                continue
+            done.append(sid)
+        if not done:
             return
         await self._run(self._index.sync)
-        self._metrics.inc("kvstore_compaction_retired_total")
-        if not self._leases.held((tenant, sid)):  # else reap() removes it once the lease ends
-            report.bytes_reclaimed += await self._run(self._remove_local, tenant, sid)
+        self._metrics.inc("kvstore_compaction_retired_total", len(done))
+        for sid in done:
+            if not self._leases.held((tenant, sid)):  # else reap() removes it once the lease ends
+                report.bytes_reclaimed += await self._run(self._remove_local, tenant, sid)
 
     async def reap(self, report: CompactionReport, tenant: str | None = None) -> None:
         """Remove what retired segments leave: local files (when no lease
@@ -456,13 +505,18 @@ class Compactor:
             if name not in self._registry:
                 continue
             segs = await self._run(self._index.segments, name)
+            mirrored: dict[int, bool] = {}  # wait_upto -> whether the copies up to it are mirrored (this pass)
             for sid, st in sorted(segs.items()):
                 if st.state != SEG_RETIRED or self._leases.held((name, sid)):
                     continue
                 report.bytes_reclaimed += await self._run(self._remove_local, name, sid)
                 ts = await self._run(self._index.tier_state, name, sid)
                 if ts is not None and ts.mirrored:
-                    if self._residency.tier is None or not await self._run(self._copies_mirrored, name, st.wait_upto):
+                    if self._residency.tier is None:
+                        continue
+                    if st.wait_upto not in mirrored:
+                        mirrored[st.wait_upto] = await self._run(self._copies_mirrored, name, st.wait_upto)
+                    if not mirrored[st.wait_upto]:
                         continue
                     try:
                         await self._residency.delete_object(name, sid)

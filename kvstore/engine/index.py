@@ -353,6 +353,12 @@ class Index:
         """Live (records, bytes) of each of the tenant's segments that entries point into."""
         return {int.from_bytes(k, "big"): LIVE.unpack(v) for k, v in self._scan(self._live, tenant)}
 
+    def live_of(self, tenant: str, segment_id: int) -> tuple[int, int]:
+        """Live (records, bytes) of one segment ((0, 0): none), one read."""
+        with self.env.begin(db=self._live) as txn:
+            raw = txn.get(_skey(tenant, segment_id))
+        return LIVE.unpack(raw) if raw is not None else (0, 0)
+
     def entries(
         self, tenant: str, start_after: str | None, limit: int, prefix: str = ""
     ) -> list[tuple[str, IndexEntry]]:
