@@ -9,6 +9,7 @@ removes its keys from here first: from then on its records cannot be opened
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import json
@@ -149,6 +150,7 @@ class Registry:
         # to start (recovery.py).
         self._deleted: dict[str, int] = {}
         self._parts: dict[str, bytes] = {}  # each tenant's part of the document, encoded (_doc)
+        self._order: list[str] | None = None  # the tenants' names in order (_doc), made again when they change
         # Called (on the changing thread) after every change is on disk: the
         # object tier keeps a copy of the registry.
         self.on_change: Callable[[], None] | None = None
@@ -174,6 +176,7 @@ class Registry:
             fresh = Registry(self._path, self._master, readonly=True)
             self._tenants, self._keys, self._by_hash = fresh._tenants, fresh._keys, fresh._by_hash
             self._parts.clear()
+            self._order = None
             self._by_akid = fresh._by_akid
             self._deleted = fresh._deleted
             self._stamp = fresh._stamp
@@ -240,12 +243,11 @@ class Registry:
         thousandth)."""
         if master is not self._master:  # a master key rotation: every part changes
             self._parts.clear()
-        parts = []
-        for name in sorted(self._tenants):
-            part = self._parts.get(name)
-            if part is None:
-                part = self._parts[name] = json.dumps(name).encode() + b": " + _dumps(self._tenant_doc(name))
-            parts.append(part)
+            self._order = None
+        if self._order is None or len(self._order) != len(self._tenants):
+            self._order = sorted(self._tenants)
+        get, part = self._parts.get, self._part
+        tenants = b", ".join([get(name) or part(name) for name in self._order])
         return b"".join(
             (
                 b'{"deleted_tenants": ',
@@ -253,12 +255,17 @@ class Registry:
                 b', "master_key_id": ',
                 _dumps(master.key_id),
                 b', "tenants": {',
-                b", ".join(parts),
+                tenants,
                 b'}, "version": ',
                 _dumps(REGISTRY_VERSION),
                 b"}",
             )
         )
+
+    def _part(self, name: str) -> bytes:
+        """Tenant ``name``'s part of the document, encoded and kept."""
+        part = self._parts[name] = json.dumps(name).encode() + b": " + _dumps(self._tenant_doc(name))
+        return part
 
     def _tenant_doc(self, name: str) -> dict[str, Any]:
         t = self._tenants[name]
@@ -277,8 +284,16 @@ class Registry:
         if changed:
             for name in changed:
                 self._parts.pop(name, None)
+                if self._order is not None:  # a tenant created or deleted: kept in order
+                    i = bisect.bisect_left(self._order, name)
+                    listed = i < len(self._order) and self._order[i] == name
+                    if name in self._tenants and not listed:
+                        self._order.insert(i, name)
+                    elif name not in self._tenants and listed:
+                        del self._order[i]
         else:
             self._parts.clear()
+            self._order = None
         self._write(self._doc(self._master))
         self._changed()
 
@@ -294,6 +309,7 @@ class Registry:
                 fresh = Registry(self._path, self._master, readonly=True)
                 self._tenants, self._keys, self._deleted = fresh._tenants, fresh._keys, fresh._deleted
                 self._parts.clear()
+                self._order = None
                 self._stamp = fresh._stamp
                 self._reindex()
             raise
@@ -315,6 +331,7 @@ class Registry:
             fresh = _install_checked(self._path, doc, self._master)
             self._tenants, self._keys, self._by_hash = fresh._tenants, fresh._keys, fresh._by_hash
             self._parts.clear()
+            self._order = None
             self._by_akid, self._deleted = fresh._by_akid, fresh._deleted
             self._stamp = self._file_stamp()
         self._changed()
