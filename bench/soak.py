@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import nonneg_float, nonneg_int, positive_float, positive_int
+from .fleet_bench import missing_moto
 from .harness import Processes, child_pids, percentile_or_none, sigterm_as_exit
 from .plots import matplotlib_missing, save_png
 from .soak_bounds import Limits, MiB, Verdict, broken, check, warmup_s
@@ -57,10 +58,12 @@ from .soak_load import OPS, Keys, Operator, Tally, Workload, pause, tenant_specs
 
 HELP = "a mixed load for minutes or hours: RSS, descriptors, threads, disk, p99 and errors sampled and bounded"
 PROG = "kvstore-bench soak"
-# What the soak's own daemon sets beside the defaults: a decoded-blocks cache that the
-# sealed tenants' reads fill within the warm-up. The default (256 MiB a worker) fills over
-# tens of minutes, and a bounded cache filling would read as anonymous memory growing.
-SOAK_SETTINGS = {"decoded_cache_bytes": str(16 * MiB)}
+# What the soak's own daemon sets beside the defaults: bounded memory that the load fills
+# within the warm-up. The defaults fill over minutes (the decoded-blocks cache, 256 MiB a
+# worker; the writer's residency events kept for SSE resumption, 10,000, about 1 KiB each,
+# 5 minutes of the soak's writes and deletes), and a bounded structure filling after the
+# warm-up would read as anonymous memory growing.
+SOAK_SETTINGS = {"decoded_cache_bytes": str(16 * MiB), "events_backlog": "1000"}
 CLIENT_TIMEOUT_S = 60.0  # a call's deadline: only a daemon that stopped answering misses it
 READY_AFTER_SIGHUP_S = 10.0
 PROGRESS_EVERY_S = 30.0
@@ -95,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="a daemon setting as KVSTORE_NAME (repeatable; the soak sets decoded_cache_bytes=16777216 unless given)",
+        help="a daemon setting as KVSTORE_NAME (repeatable; the soak sets decoded_cache_bytes=16777216 and "
+        "events_backlog=1000 unless given)",
     )
     p.add_argument("--endpoint", metavar="URL", help="soak an existing daemon at this URL instead of starting one")
     p.add_argument(
@@ -359,7 +363,9 @@ def report(
 ) -> dict[str, Any]:
     """The JSON document: settings, series, events and the summary with the bounds' verdicts."""
     series = worker_series(sampler.samples)
-    verdicts = check(series, tally.total_errors, tally.wrong_bytes, warmup, end, Limits.for_clients(args.clients))
+    verdicts = check(
+        series, tally.total_errors, tally.wrong_bytes, warmup, end, Limits.for_run(args.clients, args.object_tier)
+    )
     after = [s for s in sampler.samples if s["t"] >= warmup]
     workers = {}
     for role, figures in series.items():
@@ -552,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"argument --set: {s!r}: expected NAME=VALUE, e.g. decoded_cache_bytes=0")
     if args.png and (why := matplotlib_missing()):
         parser.error(f"argument --png: {why}")
+    if args.object_tier and (why := missing_moto(prog=PROG)):
+        print(why, file=sys.stderr)  # before anything starts
+        return 2
     with sigterm_as_exit():
         if args.endpoint:
             target = endpoint_target(args, token)

@@ -16,7 +16,7 @@ split in thirds:
 * **open descriptors** and **threads** of each worker: the largest and the
   smallest value after the warm-up differ by at most :data:`FDS_SPREAD_FILES`
   plus the soak's client connections (``--clients``: 24 by default), and
-  :data:`THREADS_SPREAD`;
+  :data:`THREADS_SPREAD` (plus :data:`S3_POOL_THREADS` with an object tier);
 * each worker is the **same process** throughout (a worker that died and
   was replaced would reset its figures);
 * **0 errors** and **0 wrong bytes**.
@@ -36,8 +36,10 @@ WARMUP_MAX_S = 60.0
 # a request body per client in flight (8 of at most 1 MiB, in aligned buffers the writer's
 # group commit batches); glibc's arenas (one per thread that allocates) keep some of what a
 # burst freed and give it back in their own time. Measured on the soak's load (2 workers,
-# 5 minutes): a reader moved 0.2 MiB after the warm-up. A leak of 1 KiB a request passes
-# 5 minutes at 50 requests a second (15 MiB) and breaks 60 (176 MiB).
+# 5 minutes, three runs): a reader moved 0.0-0.2 MiB after the warm-up; the writer 4-7 MiB,
+# levelling off at about 117 MiB after 3-4 minutes (as much with glibc's mmap threshold
+# fixed). A leak of 1 KiB a request passes 5 minutes at 50 requests a second (15 MiB) and
+# breaks 60 (176 MiB).
 RSS_ANON_GROWTH = 16 * MiB
 # Descriptors: the soak's clients hold at most --clients keep-alive connections, which land
 # on either worker and are closed when idle and opened again, so a worker's count moves by
@@ -49,6 +51,10 @@ DEFAULT_CLIENTS = 8  # kvstore-bench soak's --clients
 # Threads: the executors start threads as work comes and keep them; a flush, a compaction
 # and an upload each take one while they run.
 THREADS_SPREAD = 4
+# With an object tier, the S3 tier's pool (kvstore/tier/s3.py: 16 threads) starts a thread
+# whenever a task finds none idle, up to 16: a burst of uploads or deletes after the warm-up
+# larger than any before it adds threads, never past the pool's size.
+S3_POOL_THREADS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +66,11 @@ class Limits:
     threads_spread: int = THREADS_SPREAD
 
     @classmethod
-    def for_clients(cls, clients: int) -> Limits:
-        """The limits of a soak whose load holds up to ``clients`` connections."""
-        return cls(fds_spread=FDS_SPREAD_FILES + clients)
+    def for_run(cls, clients: int, object_tier: bool = False) -> Limits:
+        """The limits of a soak whose load holds up to ``clients`` connections,
+        on a daemon with or without an object tier."""
+        threads = THREADS_SPREAD + (S3_POOL_THREADS if object_tier else 0)
+        return cls(fds_spread=FDS_SPREAD_FILES + clients, threads_spread=threads)
 
 
 @dataclass(frozen=True, slots=True)

@@ -282,12 +282,16 @@ class Workload:
         await self._slide(keys)
 
     async def _slide(self, keys: Keys) -> None:
-        """A keeping tenant's blocks that left its window, deleted (each a delete operation)."""
+        """A keeping tenant's blocks that left its window, deleted (each a delete
+        operation); one it acknowledged must be there to delete."""
         client = self.clients[keys.spec.name]
         for n in keys.trim():
-            ok, _ = await self._call("delete", partial(client.delete, keys.key(n)))
+            owed = n not in keys.writing and n not in keys.failed
+            ok, had = await self._call("delete", partial(client.delete, keys.key(n)))
             if ok:
                 keys.deleted.append(n)
+                if owed and not had:
+                    self.tally.error("lost", f"{keys.spec.name} {keys.key(n)}: acknowledged, not there to delete")
 
     async def delete(self, keys: Keys, rng: random.Random) -> None:
         n = keys.pick(rng)

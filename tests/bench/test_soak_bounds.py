@@ -88,7 +88,14 @@ def test_the_descriptor_limit_counts_the_clients_connections() -> None:
     swing = [(t, 60 + (30 if t > 200 else 0)) for t in TIMES]
     workers = {"writer": worker(flat(100 * MiB), fds=swing)}
     assert failed(check(workers, 0, 0, WARMUP, END)) == {("fds_spread", "writer")}
-    assert not broken(check(workers, 0, 0, WARMUP, END, Limits.for_clients(16)))
+    assert not broken(check(workers, 0, 0, WARMUP, END, Limits.for_run(16)))
+
+
+def test_an_object_tier_allows_its_pool_to_fill() -> None:
+    threads = [(t, 10 + (7 if t > 250 else 0)) for t in TIMES]  # the S3 pool's threads started late
+    workers = {"writer": worker(flat(100 * MiB), threads=threads)}
+    assert failed(check(workers, 0, 0, WARMUP, END)) == {("threads_spread", "writer")}
+    assert not broken(check(workers, 0, 0, WARMUP, END, Limits.for_run(8, object_tier=True)))
 
 
 def test_a_replaced_worker_breaks_the_run() -> None:
