@@ -62,6 +62,27 @@ def _parser(loop: asyncio.AbstractEventLoop, proto: RequestHandler) -> Any:
     )
 
 
+GET = b"GET /v1/blocks/k HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def _parsed_after(loop: asyncio.AbstractEventLoop, proto: RequestHandler, *, consumed: int, body_apart: bool) -> int:
+    """How many of 40 pipelined GETs a parser with a queue of 32 parses at
+    once: after ``consumed`` calls of message_consumed on a fresh parser;
+    ``body_apart``: after a PUT whose body spans two feeds, taken off the
+    queue (as aiohttp does, message_consumed) between them."""
+    parser = _parser(loop, proto)
+    for _ in range(consumed):
+        parser.message_consumed()
+    rest = b""
+    if body_apart:
+        messages, _, _ = parser.feed_data(b"PUT /v1/blocks/p HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
+        assert len(messages) == 1
+        parser.message_consumed()
+        rest = b"cd"
+    messages, _, _ = parser.feed_data(rest + GET * 40)
+    return len(messages)
+
+
 def _checks(loop: asyncio.AbstractEventLoop) -> dict[tuple[str, str], Callable[[], bool]]:
     proto = _handler(loop)
     from aiohttp.web_protocol import _ErrInfo
@@ -83,11 +104,20 @@ def _checks(loop: asyncio.AbstractEventLoop) -> dict[tuple[str, str], Callable[[
         ("RequestHandler", "_loop"): lambda: proto._loop is loop,
         ("BaseProtocol", "_buffer_paused"): lambda: proto._buffer_paused is False,
         ("BaseProtocol", "_reading_paused"): lambda: proto._reading_paused is False,
+        ("BaseProtocol", "_upgraded"): lambda: proto._upgraded is False,
         ("BaseProtocol", "_drain_helper"): lambda: _coroutine(BaseProtocol._drain_helper),
         ("web_protocol", "_ErrInfo"): lambda: (
             list(inspect.signature(_ErrInfo).parameters) == ["status", "exc", "message"]
         ),
-        ("HttpRequestParser", "message_consumed"): lambda: callable(_parser(loop, proto).message_consumed),
+        # Never below zero: a queue's worth of calls on a fresh parser leaves its limit as it was.
+        ("HttpRequestParser", "message_consumed"): lambda: (
+            _parsed_after(loop, proto, consumed=100, body_apart=False) == 32
+        ),
+        # The bug worked around (KVRequestHandler._recount): one short of the limit after a
+        # body that spanned feeds. 32 here: aiohttp fixed it, and _recount may go.
+        ("HttpRequestParser", "counts a request when its body ends"): lambda: (
+            _parsed_after(loop, proto, consumed=0, body_apart=True) == 31
+        ),
         ("HttpRequestParser", "__init__"): lambda: _parser(loop, proto) is not None,
         ("Server", "_kwargs"): lambda: isinstance(web.Server(lambda r: r, loop=loop)._kwargs, dict),
         ("Server", "__call__"): lambda: isinstance(_handler(loop), RequestHandler),

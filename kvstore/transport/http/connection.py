@@ -20,8 +20,10 @@ half-closed connection open long enough to answer the request in progress
 (a short body then gets ``400 invalid_input``, not a dropped connection).
 It refuses HTTP versions other than 1.0 and 1.1 with ``505`` (RFC 9110
 §15.6.6), and answers ``408`` to a request whose line and headers have not
-all arrived ``request_timeout_s`` after its first byte (an idle keep-alive
-connection is still the keep-alive timeout's).
+all arrived ``request_timeout_s`` after its first byte, wherever in a read
+that byte is (an idle keep-alive connection is still the keep-alive
+timeout's). It works around aiohttp 3.14's parser losing a slot of its queue
+to a request whose body spans reads (:meth:`KVRequestHandler._recount`).
 :class:`KVAppRunner` is ``web.AppRunner`` serving connections with it; for
 the kvstore API (``gate_expect``) it takes ``Expect`` away from aiohttp and
 leaves it on the request (:data:`EXPECT`) for the gate, which answers it
@@ -42,7 +44,7 @@ import json
 import logging
 from typing import Any, cast
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import HttpRequestParser, HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine, HttpProcessingError, InvalidURLError, LineTooLong
@@ -90,9 +92,22 @@ AIOHTTP_RELIED_ON: tuple[tuple[str, str, str], ...] = (
     ("RequestHandler", "_loop", "the connection's event loop"),
     ("BaseProtocol", "_buffer_paused", "reading paused for the queue"),
     ("BaseProtocol", "_reading_paused", "reading paused for a body's buffer"),
+    ("BaseProtocol", "_upgraded", "the connection switched protocols: bytes go to aiohttp's tail, not the parser"),
     ("BaseProtocol", "_drain_helper", "awaits the transport's buffer below its high water"),
     ("web_protocol", "_ErrInfo", "an error answered in the queue's order: _ErrInfo(status, exc, message)"),
-    ("HttpRequestParser", "message_consumed", "frees a parser slot when a queued request is taken"),
+    (
+        "HttpRequestParser",
+        "message_consumed",
+        "frees a parser slot when a queued request is taken; never below zero, so that calling it once per "
+        "slot of the queue resets the count (_recount)",
+    ),
+    (
+        "HttpRequestParser",
+        "counts a request when its body ends",
+        "the bug _recount works around: a request taken off the queue before its body ended is counted "
+        "after it was freed, and a read of pipelined requests then stalls one short of the limit, with no "
+        "one to feed the parser again (bench/repro/aiohttp_pipelined_body_hang.py); fixed: _recount may go",
+    ),
     (
         "HttpRequestParser",
         "__init__",
@@ -106,6 +121,7 @@ AIOHTTP_RELIED_ON: tuple[tuple[str, str, str], ...] = (
 )
 
 VERSIONS = (HttpVersion10, HttpVersion11)
+END_OF_HEAD = b"\r\n\r\n"  # the empty line that ends a request's line and headers
 DEFAULT_HEADERS_TIMEOUT_S = 60.0  # for an app without a ServerConfig (request_timeout_s's default)
 
 
@@ -181,13 +197,16 @@ class KVRequestHandler(RequestHandler):
     # becoming a new attribute that nothing reads.
     __slots__ = (
         "_at_eof",
+        "_body_length",
         "_handed",
         "_headers_timeout_s",
         "_headers_timer",
         "_kv_app",
         "_lane",
+        "_last_bytes",
         "_loop_started",
         "_receiving",
+        "_uncounted",
     )
 
     def __init__(
@@ -197,7 +216,12 @@ class KVRequestHandler(RequestHandler):
         self._kv_app = kv_app
         # GET/HEAD of a block answered without the framework (fastlane.py).
         self._lane = FastLane(self, kv_app, bulk) if bulk is not None and kv_app is not None else None
-        self._receiving: StreamReader | None = None
+        self._receiving: StreamReader | None = None  # the body of the latest request parsed
+        self._body_length: int | None = None  # its Content-Length (None: chunked, or none)
+        self._last_bytes = b""  # the last 3 bytes the parser took (an empty line may span two reads)
+        # The body of a request taken off the queue before it ended, until the
+        # queue is next empty (_recount).
+        self._uncounted: StreamReader | None = None
         self._at_eof = False  # the client half-closed: what it sent is answered, then the connection closes
         self._loop_started = False  # aiohttp's loop (start) has begun: before, the queue is the lane's to take
         self._headers_timer: asyncio.TimerHandle | None = None
@@ -261,16 +285,100 @@ class KVRequestHandler(RequestHandler):
         waiter, self._waiter = self._waiter, None
         before = len(self._messages)
         try:
-            super().data_received(data)
+            partial = self._feed(data)
         finally:
             self._waiter = waiter
         for i in range(before, len(self._messages)):
             message = self._messages[i][0]
             if not isinstance(message, _ErrInfo) and message.version not in VERSIONS:
                 self._messages[i] = (_ErrInfo(status=505, exc=UnsupportedVersion(), message=""), EMPTY_PAYLOAD)
+        self._time_headers(partial, len(self._messages) > before)
+
+    def _feed(self, data: bytes) -> bool | None:
+        """The parser takes ``data``, in pieces that show where its requests
+        end; whether the bytes so far end inside a request's line and
+        headers (True: they are timed), not (False), or that cannot be told
+        (None: the parser may hold bytes back; or only empty lines came).
+
+        A head ends with an empty line, so bytes that end with one end no
+        head midway, and neither do the bytes of a body. Else, from a body's
+        end (by its length) or from a head's, the next empty line ends the
+        next head: one piece per request, for a read that ends inside one
+        (or after a body), never a search through a body's bytes."""
+        if not data or data.endswith(END_OF_HEAD):
+            self._push(data)
+            return False if data else None
+        at, n, ended = 0, len(data), False
+        while at < n:
+            if self._may_hold():
+                self._push(data[at:] if at else data)
+                return None
+            body = self._receiving
+            if body is not None and not body.is_eof():  # the bytes of a body
+                length = self._body_length
+                left = None if length is None else length - body.total_bytes
+                if left is None or left >= n - at:  # chunked (it ends with an empty line), or the rest is body
+                    self._push(data[at:] if at else data)
+                    return False if left is not None or self._in_body() else None
+                self._push(data[at : at + left])
+                at, ended = at + left, True
+                continue
+            # At the start of a request, or inside its line and headers.
+            stop = data.find(END_OF_HEAD, at)
+            stop = stop + len(END_OF_HEAD) if stop >= 0 else -1
+            if stop < 0 and at == 0 and self._last_bytes:  # the empty line begun in the last read
+                seam = (self._last_bytes + data[:3]).find(END_OF_HEAD)
+                stop = seam + len(END_OF_HEAD) - len(self._last_bytes) if seam >= 0 else -1
+            before = len(self._messages)
+            if stop < 0:  # no head ends in the rest: inside one, or empty lines
+                rest = data[at:] if at else data
+                self._push(rest)
+                if self._refused(before):
+                    return None
+                if rest.strip(b"\r\n"):
+                    return True
+                return False if ended else None
+            self._push(data[at:stop])
+            if self._refused(before):
+                return None
+            ended = ended or len(self._messages) > before
+            at = stop
+        return False if ended else None
+
+    def _push(self, data: bytes) -> None:
+        """aiohttp's ``data_received``: the parser takes ``data``, and the
+        requests it completes join the queue."""
+        before = len(self._messages)
+        super().data_received(data)
         if len(self._messages) > before:
-            self._receiving = self._messages[-1][1]  # the body of the latest request parsed
-        self._time_headers(bool(data), len(self._messages) > before)
+            message, payload = self._messages[-1]
+            self._receiving = payload
+            length = None if isinstance(message, _ErrInfo) else message.headers.get(hdrs.CONTENT_LENGTH)
+            self._body_length = int(length) if length is not None else None  # (the parser checked it)
+        if data:
+            self._last_bytes = (self._last_bytes + data[-3:])[-3:]
+
+    def _refused(self, before: int) -> bool:
+        """Whether the parser refused what it took since the queue held
+        ``before`` entries: the connection closes after that answer."""
+        return len(self._messages) > before and isinstance(self._messages[-1][0], _ErrInfo)
+
+    def _in_body(self) -> bool:
+        body = self._receiving
+        return body is not None and not body.is_eof()
+
+    def _may_hold(self) -> bool:
+        """Whether the parser may keep back bytes it is given (at its
+        queue's limit, or one short of it: :meth:`_recount`; a body's buffer
+        full), or parse none of them (closing, switched protocols)."""
+        return (
+            len(self._messages) >= self._max_msg_queue_size - 1
+            or self._buffer_paused
+            or self._reading_paused
+            or self._upgraded
+            or self._force_close
+            or self._close
+        )
 
     async def start(self) -> None:
         """aiohttp's loop over the queued requests. It begins a turn of the
@@ -316,11 +424,39 @@ class KVRequestHandler(RequestHandler):
         """The fast lane takes the head of the queue: as aiohttp's loop
         does, a parser slot is freed and reading resumes once the queue
         has drained (aiohttp's bound on what a connection may queue)."""
-        self._messages.popleft()
+        _, payload = self._messages.popleft()
         if self._parser is not None:
             self._parser.message_consumed()
+        if not payload.is_eof():
+            self._uncounted = payload
         if self._buffer_paused and len(self._messages) <= self._msg_queue_resume_size:
             self._resume_reading_if_drained()
+        if not self._messages and self._uncounted is not None:
+            self._recount()
+
+    def _recount(self) -> None:
+        """aiohttp 3.14's parser (llhttp) counts a request in its queue when
+        the request ends, and aiohttp frees the request's slot when it takes
+        it off the queue: a request taken before its body ended (one whose
+        body spans reads) is counted after its slot was freed (freeing stops
+        at zero), and holds a slot until the parser is replaced. The parser
+        then stops one request short of the queue's limit, holding the rest
+        of a read of pipelined requests back, with aiohttp's queue under the
+        size at which it feeds the parser again: those requests waited for
+        the client's next bytes, or the keep-alive timeout (48 answers to 60
+        pipelined requests). Called once the queue is empty after such a
+        request: nothing parsed waits then, so the count is set to zero
+        (``message_consumed`` once per slot: it stops at zero), and what the
+        parser holds back is parsed, as aiohttp does when its queue drains."""
+        parser = self._parser
+        if parser is None:
+            return
+        for _ in range(self._max_msg_queue_size):
+            parser.message_consumed()
+        if self._uncounted is not None and self._uncounted.is_eof():
+            self._uncounted = None  # counted (or never will be): nothing more to undo
+        if not self._buffer_paused and not self._reading_paused:
+            self._parse(b"")
 
     def give_back(
         self,
@@ -364,7 +500,11 @@ class KVRequestHandler(RequestHandler):
 
     def restart_parser(self) -> None:
         """A new parser for the connection, at the start of a request: the
-        body the fast lane read around the old one has ended."""
+        body the fast lane read around the old one has ended (the old
+        parser's body of it, and its count, go with it)."""
+        self._receiving = self._uncounted = None
+        self._body_length = None
+        self._last_bytes = b""
         self._parser = HttpRequestParser(
             self,
             self._loop,
@@ -379,8 +519,14 @@ class KVRequestHandler(RequestHandler):
 
     async def _handle_request(self, request: BaseRequest, start_time: float | None, request_handler: Any) -> Any:
         """aiohttp's; at a half-close, the connection closes after the last
-        answer, and the fast lane takes nothing more once it is closing."""
+        answer, and the fast lane takes nothing more once it is closing.
+        A request with a body may have been taken before its body ended
+        (:meth:`_recount`, once the queue is empty)."""
         lane = self._lane
+        if request.body_exists:
+            self._uncounted = request.content
+        if not self._messages and self._uncounted is not None:
+            self._recount()
         try:
             resp, reset = await super()._handle_request(request, start_time, request_handler)
         except BaseException:
@@ -432,31 +578,27 @@ class KVRequestHandler(RequestHandler):
 
     def body_started(self) -> None:
         """The fast lane receives a PUT's body (bounded by request_timeout_s
-        itself) and then stores it: the headers' timer stops, and aiohttp,
-        idle meanwhile, must not close the connection as idle."""
-        if self._headers_timer is not None:
-            self._headers_timer.cancel()
-            self._headers_timer = None
+        itself) and then stores it: aiohttp, idle meanwhile, must not close
+        the connection as idle. (The headers' timer, if it runs, is the next
+        request's, begun in the read that ended the PUT's body.)"""
         self._next_keepalive_close_time = self._loop.time() + 86400.0
 
     def answered(self) -> None:
-        """The fast lane answered a request: the headers' timer stops, and the
-        keep-alive timer starts over, as after any answer."""
-        if self._headers_timer is not None:
-            self._headers_timer.cancel()
-            self._headers_timer = None
+        """The fast lane answered a request: the keep-alive timer starts
+        over, as after any answer. (The headers' timer, if it runs, is the
+        next request's: it began arriving meanwhile.)"""
         self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
 
-    def _time_headers(self, got_bytes: bool, got_request: bool) -> None:
+    def _time_headers(self, partial: bool | None, got_request: bool) -> None:
         """Bound the time a request's line and headers may take to arrive,
-        from their first byte: bytes that are no body's (none is being
-        received) begin a request; the timer stops when one is parsed."""
-        if got_request and self._headers_timer is not None:
-            self._headers_timer.cancel()
-            self._headers_timer = None
-        body = self._receiving
-        receiving_body = body is not None and not body.is_eof()
-        if got_bytes and not got_request and not receiving_body and self._headers_timer is None:
+        from their first byte: the timer runs while the bytes read end inside
+        a request's line and headers (``partial``, :meth:`_feed`; None: as it
+        was); a request parsed stops it, and the next request's starts anew."""
+        timer = self._headers_timer
+        if timer is not None and (got_request or partial is False):
+            timer.cancel()
+            self._headers_timer = timer = None
+        if partial and timer is None:
             self._headers_timer = self._loop.call_later(self._headers_timeout_s, self._headers_late)
 
     def _headers_late(self) -> None:
@@ -467,6 +609,8 @@ class KVRequestHandler(RequestHandler):
             return
         exc = HeadersTimeout(self._headers_timeout_s)
         self._messages.append((_ErrInfo(status=408, exc=exc, message=""), EMPTY_PAYLOAD))
+        if self._lane is not None and self._lane.holding:
+            return  # after the lane's answer in progress (it wakes aiohttp then)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
