@@ -1,5 +1,5 @@
 """Issue 46's findings on the connection layer, each pinned on a real daemon
-(one worker), the
+(one worker, or two: the writer and a reader that relays writes to it), the
 fast lane on and off, with ``request_timeout_s`` = 2 so that a 408 comes
 quickly. Each test says what used to happen.
 
@@ -10,6 +10,8 @@ quickly. Each test says what used to happen.
 - A partial request after a PUT the lane's body reader received, or in the
   same read as a complete request, was never timed: no 408, closed at
   keep-alive time.
+- A PUT whose body never came, on a reader worker: 503 "writer process
+  unavailable", logged at ERROR, long after request_timeout_s.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.http.conftest import ADMIN, Daemon, daemon_env, free_port
-from tests.http.rawhttp import Conn, Reply
+from tests.http.rawhttp import Conn, Reply, worker_connections
 
 TIMEOUT_S = 2  # every daemon's request_timeout_s
 SLACK_S = 4.0  # how much later than that a 408 may come on a loaded machine (the keep-alive timeout is 75 s)
@@ -87,6 +89,11 @@ def _nodes(tmp_path_factory: pytest.TempPathFactory, workers: int) -> Iterator[d
 @pytest.fixture(scope="module")
 def one_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, Node]]:
     yield from _nodes(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, Node]]:
+    yield from _nodes(tmp_path_factory, 2)
 
 
 def _raw(method: str, path: str, *lines: str, body: bytes = b"") -> bytes:
@@ -287,3 +294,35 @@ async def test_a_complete_request_then_blank_lines_is_not_timed_out(one_worker: 
                 await conn.close()
 
     await asyncio.gather(*(idle(node) for node in one_worker.values()))
+
+
+# -- finding 4: a PUT whose body never comes, on a reader ----------------------
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "no lane"])
+async def test_a_put_without_its_body_on_a_reader_was_a_late_503(two_workers: dict[bool, Node], lane: bool) -> None:
+    """A PUT that announces its body and never sends it (or sends part of
+    it), on either worker: 408 request_timeout after request_timeout_s, and
+    nothing logged at ERROR. On a reader it used to be 503 "writer process
+    unavailable" (not_ready), logged at ERROR, 75 s later here (10 s in the
+    report): the reader's relay waited for the body without a bound, the
+    writer's 408 never reached it (aiohttp's client reads no answer while it
+    still sends the body), and the relay ended only when its connection did,
+    which the reader took for the writer going away."""
+    node = two_workers[lane]
+    before = node.daemon.log.read_text()
+    conns = await worker_connections("127.0.0.1", node.port)
+    more = await worker_connections("127.0.0.1", node.port)
+    try:
+        since = time.monotonic()
+        for role in ("writer", "reader"):
+            await conns[role].send(_raw("PUT", f"/v1/blocks/none-{role}", node.auth(), "Content-Length: 1000"))
+            await more[role].send(_raw("PUT", f"/v1/blocks/part-{role}", node.auth(), "Content-Length: 1000") + b"x")
+        await asyncio.gather(*(_timed_out(c, since, closes=False) for c in (*conns.values(), *more.values())))
+    finally:
+        for c in (*conns.values(), *more.values()):
+            await c.close()
+    for role in ("writer", "reader"):
+        assert _call(node.daemon.base, "GET", f"/v1/blocks/none-{role}", node.token)[0] == 404
+    logged = node.daemon.log.read_text()[len(before) :]
+    assert " ERROR " not in logged and "Traceback" not in logged, logged[-3000:]

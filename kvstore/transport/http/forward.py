@@ -27,7 +27,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from yarl import URL
 
-from kvstore.errors import InvalidInput, KVStoreError, Overloaded, StoreClosed, WriterTimeout
+from kvstore.errors import InvalidInput, KVStoreError, Overloaded, RequestTimeout, StoreClosed, WriterTimeout
 from kvstore.transport.http.appkeys import (
     FOLLOWER,
     RELAY_UNKNOWN_TOKEN,
@@ -136,16 +136,34 @@ def writer_url(request: web.Request) -> URL:
     return URL("http://writer" + request.rel_url.raw_path_qs, encoded=True)
 
 
-async def _relayed_body(request: web.Request, fault: list[KVStoreError]) -> AsyncIterator[bytes]:
+async def _relayed_body(
+    request: web.Request, fault: list[KVStoreError], deadline: float | None
+) -> AsyncIterator[bytes]:
     """The request's body as it arrives. A body cut short of its
     Content-Length (the client half-closed) or with broken chunked framing is
     noted in ``fault`` and the relay aborted, so the reader answers the 400
     the writer would have given, instead of the writer waiting for bytes that
-    will never come."""
+    will never come. So is a body that does not arrive in time (408): whole
+    by ``deadline`` (request_timeout_s from the relay's start, before the
+    writer's own timer starts), or for a stream (``deadline`` None) within
+    request_timeout_s of each read, as the writer bounds it. The reader used
+    to wait for such a body without a bound: the writer's 408 never reached
+    it (aiohttp's client reads no answer while it still sends the body), and
+    it answered 503 "writer process unavailable", logged at ERROR, once the
+    relay's connection closed (the keep-alive timeout, 75 s)."""
     expected = request.content_length
+    seconds = config_of(request).request_timeout_s
     got = 0
     try:
-        async for chunk in request.content.iter_any():
+        while True:
+            try:
+                async with asyncio.timeout(seconds) if deadline is None else asyncio.timeout_at(deadline):
+                    chunk = await request.content.readany()
+            except TimeoutError:
+                fault.append(RequestTimeout(f"body not received within {seconds} s"))
+                raise ConnectionAbortedError("the request body did not arrive in time") from None
+            if not chunk:
+                break
             got += len(chunk)
             yield chunk
     except RequestPayloadError:
@@ -228,9 +246,12 @@ async def _open(request: web.Request, headers: dict[str, str], fault: list[KVSto
     timeout = aiohttp.ClientTimeout(total=None, sock_read=seconds)
     loop = asyncio.get_running_loop()
     give_up = loop.time() + CONNECT_RETRY_S
+    # A body arrives whole within request_timeout_s, from now; a stream's each read (bodies.py).
+    streamed = route_of(request) in UNBOUNDED
+    deadline = None if streamed else loop.time() + config_of(request).request_timeout_s
     pause = 0.005
     while True:
-        body = _relayed_body(request, fault) if request.body_exists else None
+        body = _relayed_body(request, fault, deadline) if request.body_exists else None
         call = request.app[WRITER].request(
             request.method, writer_url(request), headers=headers, data=body, timeout=timeout
         )
