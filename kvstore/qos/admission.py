@@ -74,15 +74,18 @@ class Admission:
 
     # -- a tenant's request ----------------------------------------------------
 
-    async def enter(self, tenant: str, *, limited: bool = True, bulk: bool = False) -> Ticket:
-        """``tenant``'s request admitted, waiting as its limits say: counted,
-        within its share of the requests in flight (else ``Overloaded``), one
-        of its ``requests_per_s`` (``limited``; a request relayed to the
-        writer is limited there), and for a ``bulk`` read a slot of the fair
-        gate for the whole request. Over a limit for longer than
-        ``qos_max_wait_ms``: ``RateLimited``, nothing held. (The caller holds
-        the request in flight: :meth:`begin`.)"""
-        self.metrics.inc("kvstore_tenant_requests_total", tenant=tenant)
+    async def enter(self, tenant: str, *, limited: bool = True, bulk: bool = False, counted: bool = True) -> Ticket:
+        """``tenant``'s request admitted, waiting as its limits say: counted
+        (``counted``; a request a reader worker relays to the writer is
+        counted by the reader, where the client sent it), within its share of
+        the requests in flight (else ``Overloaded``), one of its
+        ``requests_per_s`` (``limited``; a request relayed to the writer is
+        limited there), and for a ``bulk`` read a slot of the fair gate for
+        the whole request. Over a limit for longer than ``qos_max_wait_ms``:
+        ``RateLimited``, nothing held. (The caller holds the request in
+        flight: :meth:`begin`.)"""
+        if counted:
+            self.metrics.inc("kvstore_tenant_requests_total", tenant=tenant)
         self.slots.acquire(tenant)
         ticket = Ticket(self, tenant, limited)
         try:
@@ -96,18 +99,20 @@ class Admission:
             raise
         return ticket
 
-    def try_enter(self, tenant: str) -> Ticket | None:
+    def try_enter(self, tenant: str, *, counted: bool = True) -> Ticket | None:
         """``tenant``'s request admitted if nothing needs a wait: the store
         open, a request in flight free and within the tenant's share, one of
         its ``requests_per_s`` at hand. None: nothing taken (the caller hands
         the request to a path that may wait; so does :meth:`Ticket.refuse`,
-        later). Counted by :meth:`Ticket.answered`, once it is answered."""
+        later). Counted by :meth:`Ticket.answered`, once it is answered
+        (``counted``: as :meth:`enter`)."""
         if not self.ready or self.inflight >= self.limit:
             return None
         if not self.slots.try_acquire(tenant):
             return None
         self.inflight += 1
         ticket = Ticket(self, tenant, True, in_flight=True)
+        ticket.counted = counted
         if not ticket.try_reserve("request", 1):
             ticket.close()
             return None
@@ -137,7 +142,7 @@ class Ticket:
     Given back once by :meth:`close` (a fast-lane GET's transfer slot stays
     held until its bytes are sent: :meth:`hold_until_sent`)."""
 
-    __slots__ = ("_adm", "_gate", "_in_flight", "_policy", "_slot", "limited", "tenant")
+    __slots__ = ("_adm", "_gate", "_in_flight", "_policy", "_slot", "counted", "limited", "tenant")
 
     def __init__(self, adm: Admission, tenant: str | None, limited: bool, in_flight: bool = False) -> None:
         self._adm = adm
@@ -147,6 +152,7 @@ class Ticket:
         self._slot = tenant is not None  # it holds one of the tenant's requests in flight
         self._gate = False  # it holds a slot of the fair gate
         self._policy: Qos | None = None  # the tenant's QoS, taken once per request (_limits)
+        self.counted = True  # answered() counts it in the tenant's requests (not a relayed one: try_enter)
 
     def _qos(self) -> TenantQos | None:
         return self._adm.qos if self.limited else None
@@ -208,7 +214,8 @@ class Ticket:
     def answered(self) -> None:
         """A request admitted by :meth:`Admission.try_enter` is answered: counted."""
         if self.tenant is not None:
-            self._adm.metrics.inc("kvstore_tenant_requests_total", tenant=self.tenant)
+            if self.counted:
+                self._adm.metrics.inc("kvstore_tenant_requests_total", tenant=self.tenant)
             self.served("request", 1)
 
     def refuse(self) -> None:

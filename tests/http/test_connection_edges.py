@@ -12,6 +12,8 @@ quickly. Each test says what used to happen.
   keep-alive time.
 - A PUT whose body never came, on a reader worker: 503 "writer process
   unavailable", logged at ERROR, long after request_timeout_s.
+- A write a reader relays to the writer was counted by both: twice in the
+  tenant's requests and in kvstore_http_requests_total.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +33,7 @@ import pytest
 
 from tests.http.conftest import ADMIN, Daemon, daemon_env, free_port
 from tests.http.rawhttp import Conn, Reply, worker_connections
+from tests.polling import until
 
 TIMEOUT_S = 2  # every daemon's request_timeout_s
 SLACK_S = 4.0  # how much later than that a 408 may come on a loaded machine (the keep-alive timeout is 75 s)
@@ -326,3 +330,76 @@ async def test_a_put_without_its_body_on_a_reader_was_a_late_503(two_workers: di
         assert _call(node.daemon.base, "GET", f"/v1/blocks/none-{role}", node.token)[0] == 404
     logged = node.daemon.log.read_text()[len(before) :]
     assert " ERROR " not in logged and "Traceback" not in logged, logged[-3000:]
+
+
+# -- finding 5: a relayed request is counted once ------------------------------
+
+
+def _metric(text: str, series: str) -> float:
+    m = re.search("^" + re.escape(series) + r" (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m is not None else 0.0
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "no lane"])
+async def test_a_relayed_request_was_counted_by_the_reader_and_the_writer(
+    two_workers: dict[bool, Node], lane: bool
+) -> None:
+    """The same requests sent to the writer and to a reader (which relays
+    each of them: a PUT, a DELETE, a key listing, a write plan, an admin
+    call) are counted once each in kvstore_tenant_requests_total and
+    kvstore_http_requests_total, whichever worker the client spoke to. A
+    relayed one used to count on both workers: twice."""
+    node = two_workers[lane]
+    status, doc = _call(
+        node.daemon.base, "POST", "/v1/admin/tenants", ADMIN, json.dumps({"name": f"c{int(lane)}"}).encode()
+    )
+    assert status == 201, doc
+    token = json.loads(doc)["token"]
+
+    def requests(role: str) -> list[bytes]:
+        plan = json.dumps({"blocks": [{"key": f"wp-{role}", "size": 10}], "encode": "client"}).encode()
+        return [
+            _raw("PUT", f"/v1/blocks/a-{role}", node.auth(token), "Content-Length: 3", body=b"abc"),
+            _raw("DELETE", f"/v1/blocks/a-{role}", node.auth(token)),
+            _raw("GET", "/v1/keys", node.auth(token)),
+            _raw("POST", "/v1/write-plan", node.auth(token), f"Content-Length: {len(plan)}", body=plan),
+            _raw("GET", "/v1/admin/tenants", node.auth(ADMIN)),
+        ]
+
+    series = [
+        f'kvstore_tenant_requests_total{{tenant="c{int(lane)}"}}',
+        'kvstore_http_requests_total{method="PUT",route="/v1/blocks/{key}",status="201"}',
+        'kvstore_http_requests_total{method="DELETE",route="/v1/blocks/{key}",status="204"}',
+        'kvstore_http_requests_total{method="POST",route="/v1/write-plan",status="200"}',
+        'kvstore_http_requests_total{method="GET",route="/v1/keys",status="200"}',
+        'kvstore_http_requests_total{method="GET",route="/v1/admin/tenants",status="200"}',
+    ]
+    conns = await worker_connections("127.0.0.1", node.port)
+    try:
+
+        async def scrape() -> list[float]:
+            texts = [(await c.request("GET", "/metrics")).body.decode() for c in conns.values()]
+            return [_metric(text, s) for s in series for text in texts]  # each worker's view: the same once merged
+
+        start = await scrape()
+        statuses = {}
+        for role in ("writer", "reader"):
+            for raw in requests(role):
+                await conns[role].send(raw)
+                r = await conns[role].read_reply(10)
+                statuses.setdefault(role, []).append(r.status)
+        assert statuses["writer"] == statuses["reader"] and statuses["writer"] == [201, 204, 200, 200, 200], statuses
+        expected = [8, 2, 2, 2, 2, 2]
+        want = [s + e for s, e in zip(start, [e for e in expected for _ in conns], strict=True)]
+
+        async def counted() -> bool:
+            return all(got >= w for got, w in zip(await scrape(), want, strict=True))
+
+        await until("both workers' counts merged", counted)
+        await asyncio.sleep(1.0)  # two snapshots of each worker later (metrics.SNAPSHOT_S): nothing more comes
+        got = await scrape()
+        n = len(conns)
+        assert got == want, {s: (got[i * n : i * n + n], want[i * n : i * n + n]) for i, s in enumerate(series)}
+    finally:
+        for c in conns.values():
+            await c.close()

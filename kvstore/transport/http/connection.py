@@ -55,6 +55,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvstore.transport.http.appkeys import CONFIG, EXPECT, METRICS, RESOLVED, TENANT, Resolved
 from kvstore.transport.http.fastlane import BulkQueue, FastLane
+from kvstore.transport.http.internal import private_socket
 from kvstore.transport.http.respond import reset_transport
 
 log = logging.getLogger("kvstore.http")
@@ -207,6 +208,7 @@ class KVRequestHandler(RequestHandler):
         "_loop_started",
         "_receiving",
         "_uncounted",
+        "relayed",
     )
 
     def __init__(
@@ -222,6 +224,7 @@ class KVRequestHandler(RequestHandler):
         # The body of a request taken off the queue before it ended, until the
         # queue is next empty (_recount).
         self._uncounted: StreamReader | None = None
+        self.relayed = False  # a reader worker's connection (the private socket): it counts the requests
         self._at_eof = False  # the client half-closed: what it sent is answered, then the connection closes
         self._loop_started = False  # aiohttp's loop (start) has begun: before, the queue is the lane's to take
         self._headers_timer: asyncio.TimerHandle | None = None
@@ -231,6 +234,10 @@ class KVRequestHandler(RequestHandler):
         # The time a request's line and headers have, from their first byte:
         # the time its body has (request_timeout_s).
         self._headers_timeout_s = float(config.request_timeout_s) if config is not None else DEFAULT_HEADERS_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.relayed = self._kv_app is not None and private_socket(self._kv_app, transport)
 
     def _count(self, name: str, **labels: str) -> None:
         metrics = self._kv_app.get(METRICS) if self._kv_app is not None else None

@@ -76,7 +76,7 @@ from kvstore.qos.admission import Ticket
 from kvstore.transport.http.appkeys import CONFIG, METRICS, STORE, Resolved
 from kvstore.transport.http.auth import bearer
 from kvstore.transport.http.bodies import keys_field, parse_json, tokens_per_block_field
-from kvstore.transport.http.forward import WRITER, serving_takeovers
+from kvstore.transport.http.forward import UNCOUNTED, WRITER, serving_takeovers
 from kvstore.transport.http.middleware import error_answered
 from kvstore.transport.http.qos import ADMISSION
 from kvstore.transport.http.ranges import etag_matches, parse_range, range_spec_count
@@ -112,6 +112,7 @@ _READ = frozenset(
         b"kvstore-block-meta",
     }
 )
+_UNCOUNTED = UNCOUNTED.lower().encode()  # a relay whose tenant the reader did not count: the route counts it
 _JSON_ANSWER = "Content-Type: application/json; charset=utf-8\r\n"
 _PUTS: set[asyncio.Task[None]] = set()  # the lane's puts in progress (held: the loop keeps weak references)
 _OCTETS = "Content-Type: application/octet-stream\r\n"
@@ -138,6 +139,9 @@ class Connection(Protocol):
     KVRequestHandler, which owns every use of aiohttp's internals)."""
 
     transport: asyncio.Transport | None
+    # Its requests are a reader worker's relays (the workers' private socket):
+    # that worker counts them (middleware.relayed_to_me).
+    relayed: bool
 
     @property
     def writing_paused(self) -> bool: ...
@@ -340,7 +344,7 @@ class FastLane:
         etag = f'"{info.etag}"'
         head = f"ETag: {etag}\r\nAccept-Ranges: bytes\r\n"
         if req.if_none_match is not None and etag_matches(req.if_none_match, etag):
-            ticket = admission.try_enter(tenant)
+            ticket = admission.try_enter(tenant, counted=not self._proto.relayed)
             if ticket is None:
                 return False  # a limit to wait for: the route's (kvstore/qos/admission.py)
             self._write(
@@ -350,7 +354,7 @@ class FastLane:
             self._finish(req.method, "304", t0, ticket)
             return True
         if req.method == "HEAD":
-            ticket = admission.try_enter(tenant)
+            ticket = admission.try_enter(tenant, counted=not self._proto.relayed)
             if ticket is None:
                 return False
             self._write(transport, _close_head(f"HTTP/1.1 200 OK\r\n{head}{_OCTETS}Content-Length: {size}\r\n"))
@@ -371,7 +375,7 @@ class FastLane:
         now = store.sendable_now(tenant, info, start, end)
         extent = now if isinstance(now, DirectExtent) else None
         body = now.view if isinstance(now, DirectExtent) else now
-        ticket = admission.try_enter(tenant) if body is not None else None
+        ticket = admission.try_enter(tenant, counted=not self._proto.relayed) if body is not None else None
         if ticket is not None and not self._admit_read(ticket, end - start):
             ticket.refuse()
             ticket = None
@@ -422,7 +426,7 @@ class FastLane:
             r = store.lookup_now(tenant, keys, tokens_per_block_field(body))
         except KVStoreError:
             return False  # the route's 400s, with its messages
-        ticket = admission.try_enter(tenant) if r is not None else None
+        ticket = admission.try_enter(tenant, counted=not self._proto.relayed) if r is not None else None
         if r is None or ticket is None:
             return False
         present = with_adopted(app, tenant, list(keys), r.present)  # a dead node's blocks this node took over
@@ -461,7 +465,7 @@ class FastLane:
             return False
         # Its admission as the route's (kvstore/qos/admission.py), without a
         # wait: a request in flight, its write bytes, its body's memory.
-        ticket = admission.try_enter(tenant) if tenant is not None else None
+        ticket = admission.try_enter(tenant, counted=not self._proto.relayed) if tenant is not None else None
         if ticket is None:
             return False
         if not ticket.try_reserve("write", req.length):
@@ -641,8 +645,9 @@ class FastLane:
         ticket.answered()
         ticket.close()
         metrics = self._app[METRICS]
-        metrics.inc("kvstore_http_requests_total", route=route, method=method, status=status)
-        metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=method)
+        if not self._proto.relayed:  # (a relay: counted by the reader worker the client sent it to)
+            metrics.inc("kvstore_http_requests_total", route=route, method=method, status=status)
+            metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=method)
         metrics.inc("kvstore_http_fast_lane_total", method=method)
         self._proto.answered()
 
@@ -809,6 +814,7 @@ def hot_request(message: RawRequestMessage, payload: StreamReader) -> _Hot | Non
         b"host" not in fields
         or b"expect" in fields
         or b"content-encoding" in fields
+        or _UNCOUNTED in fields
         or fields.get(b"connection", b"keep-alive").lower() != b"keep-alive"
     ):
         return None

@@ -42,6 +42,11 @@ from kvstore.transport.http.query import query_number
 from kvstore.transport.http.respond import send
 
 WRITER = web.AppKey("writer", aiohttp.ClientSession)
+# A request relayed to the writer is counted by the reader the client sent it
+# to (kvstore_http_requests_total, the tenant's requests), not again by the
+# writer; but a reader that did not know the token (RELAY_UNKNOWN_TOKEN) could
+# not count its tenant, and says so with this header: the writer counts it.
+UNCOUNTED = "Kvstore-Relay-Uncounted"
 T = TypeVar("T")
 # The writer's private socket refuses a connection at once (EAGAIN) while its
 # accept queue is full (a burst of relays): the relay tries again for this
@@ -273,6 +278,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
         # Refuse what the writer would refuse before streaming a body to it.
         check_length(request, store_of(request).config.max_block_size)
     headers = {h: request.headers[h] for h in _SENT if h in request.headers}
+    if request.get(RELAY_UNKNOWN_TOKEN):
+        headers[UNCOUNTED] = "tenant"
     fault: list[KVStoreError] = []
     try:
         upstream = await _open(request, headers, fault)

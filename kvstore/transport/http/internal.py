@@ -37,8 +37,14 @@ routes = web.RouteTableDef()
 def on_private_socket(request: web.Request) -> bool:
     """Whether ``request`` came over the workers' private socket (never a
     public ``unix:PATH`` listener, whose clients are tenants)."""
-    transport = request.transport
-    private = request.app[STATE]["writer_socket"]
+    return private_socket(request.app, request.transport)
+
+
+def private_socket(app: web.Application, transport: asyncio.BaseTransport | None) -> bool:
+    """Whether ``transport`` is a connection on the workers' private socket:
+    a reader worker's (:func:`on_private_socket`)."""
+    state = app.get(STATE)
+    private = state.get("writer_socket") if state is not None else None
     return transport is not None and private is not None and transport.get_extra_info("sockname") == private
 
 

@@ -34,7 +34,8 @@ from kvstore.names import PATH_PARAMS
 from kvstore.transport.http.appkeys import EXPECT, METRICS, client_gone, route_of
 from kvstore.transport.http.auth import is_admin, require_admin
 from kvstore.transport.http.bodies import BAD_BODY_FRAMING
-from kvstore.transport.http.forward import WRITER, forward, relayed
+from kvstore.transport.http.forward import UNCOUNTED, WRITER, forward, relayed
+from kvstore.transport.http.internal import on_private_socket
 from kvstore.transport.http.qos import ADMISSION, BULK, TICKET
 from kvstore.transport.http.respond import error_body, error_response
 from kvstore.transport.http.routes.fleet import refuse_misplaced, tenant_in_fleet
@@ -71,21 +72,34 @@ async def continue_middleware(request: web.Request, handler: Handler) -> web.Str
     return resp
 
 
+def relayed_to_me(request: web.Request) -> bool:
+    """Whether a reader worker relayed ``request`` to this one, the writer
+    (it came over the workers' private socket): the reader, which the client
+    sent it to, counts it (kvstore_http_requests_total, the tenant's
+    requests), so this worker does not count it again. (A relayed request
+    used to count on both: twice in the daemon's /metrics.)"""
+    return on_private_socket(request)
+
+
 @web.middleware
 async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Outermost: counts every answer by the status the client gets (errors
-    are already mapped to responses inside), and bounds requests in flight."""
+    are already mapped to responses inside), where the client sent it (not
+    a relay: :func:`relayed_to_me`), and bounds requests in flight."""
     route = route_of(request)
     if route in _UNMETERED:
         return await handler(request)
     admission = request.app[ADMISSION]
     metrics = request.app[METRICS]
+    counted = not relayed_to_me(request)
     t0 = time.perf_counter()
     try:
         admission.begin()
     except Overloaded as e:
         metrics.inc("kvstore_errors_total", code=e.code)
-        metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=str(http_status(e)))
+        if counted:
+            status = str(http_status(e))
+            metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=status)
         return error_response(e, {"Retry-After": "1"})
     status = "disconnected"  # what is left when the handler ends without a response
     try:
@@ -94,8 +108,10 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         return resp
     finally:
         admission.end()
-        metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=status)
-        metrics.observe("kvstore_http_request_seconds", time.perf_counter() - t0, route=route, method=request.method)
+        if counted:
+            metrics.inc("kvstore_http_requests_total", route=route, method=request.method, status=status)
+            seconds = time.perf_counter() - t0
+            metrics.observe("kvstore_http_request_seconds", seconds, route=route, method=request.method)
 
 
 @web.middleware
@@ -210,10 +226,12 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
     # Its admission (kvstore/qos/admission.py): its share of the worker's
     # requests in flight, held until the answer (no tenant can take every
     # slot), a request of its QoS, and for a bulk read a slot of the fair
-    # gate. A relayed request is the writer's to limit.
+    # gate. A relayed request is the writer's to limit, and the reader's to
+    # count (unless it did not know the token: forward.UNCOUNTED).
     limited = not (WRITER in request.app and relayed(request))
     bulk = (request.method, route_of(request)) in BULK
-    ticket = await request.app[ADMISSION].enter(tenant, limited=limited, bulk=bulk)
+    counted = not relayed_to_me(request) or request.headers.get(UNCOUNTED) == "tenant"
+    ticket = await request.app[ADMISSION].enter(tenant, limited=limited, bulk=bulk, counted=counted)
     request[TICKET] = ticket
     try:
         if EXPECT in request:
