@@ -25,7 +25,7 @@ def _subcommands() -> list[str]:
 def test_every_subcommand_has_a_section() -> None:
     text = README.read_text()
     # "## `kvstore-bench NAME`: ...", or the module it runs: "## `NAME_bench`: ..."
-    headings = set(re.findall(r"^## `(?:kvstore-bench (\w+)|(\w+)_bench)`", text, flags=re.MULTILINE))
+    headings = set(re.findall(r"^## `(?:kvstore-bench ([\w-]+)|(\w+)_bench)`", text, flags=re.MULTILINE))
     named = {a or b for a, b in headings}
     missing = [name for name in _subcommands() if name not in named]
     assert not missing, f"bench/README.md has no section for: {missing}"
