@@ -23,8 +23,6 @@ import json
 import os
 import re
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ import pytest
 
 from tests.http.conftest import ADMIN, Daemon, daemon_env, free_port
 from tests.http.rawhttp import Conn, Reply, worker_connections
+from tests.http.test_lane_rules import _call
 from tests.polling import until
 
 TIMEOUT_S = 2  # every daemon's request_timeout_s
@@ -53,15 +52,6 @@ class Node:
 
     def auth(self, token: str | None = None) -> str:
         return f"Authorization: Bearer {token or self.token}"
-
-
-def _call(base: str, method: str, path: str, token: str, body: bytes | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(base + path, data=body, method=method, headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, bytes(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def _start(tmp: Path, workers: int, lane: bool) -> Node:
