@@ -17,7 +17,10 @@ The release being prepared is the first ``## X.Y.Z — ...`` heading of
 ``CHANGELOG.md``: ``X.Y.Z`` while that section says "unreleased"; once it
 is dated (released), the next patch release. docs/operations.md, "Cutting a
 release", gives the steps. Without git (an unpacked sdist) the version is
-read from the sdist's PKG-INFO by setuptools-scm as usual.
+read from the sdist's PKG-INFO by setuptools-scm as usual, or from
+``SETUPTOOLS_SCM_PRETEND_VERSION`` (deploy/container/build.sh builds a copy
+of the tree with the checkout's version); with neither, it is
+``X.Y.Z.dev0+unknown`` and the commit "unknown".
 """
 
 from __future__ import annotations
@@ -71,4 +74,8 @@ def scm_settings(git_root: Path, version_file: str) -> dict[str, Any]:
         "tag_regex": r"^v(?P<version>\d+\.\d+\.\d+)$",
         "version_file": version_file,
         "version_file_template": VERSION_FILE_TEMPLATE,
+        # No git at all (a tree copied without .git, say): a development build
+        # of unknown commit, plainly so, rather than no build. (An sdist's
+        # PKG-INFO, or SETUPTOOLS_SCM_PRETEND_VERSION, comes first.)
+        "fallback_version": f"{release}.dev0+unknown",
     }

@@ -13,7 +13,8 @@
 #   --refresh-base  pull or make the base again (Debian's security updates).
 #
 # Tags: localhost/kvstore:VERSION (this machine's CPU) or
-# localhost/kvstore:VERSION-ARCH (another's); VERSION is kvstore.__version__.
+# localhost/kvstore:VERSION-ARCH (another's); VERSION is kvstore.__version__
+# ('+' written '-': an image tag has no '+').
 #
 # Steps: (1) the two wheels, built from a clean copy of the working tree
 # (tracked and untracked files that git does not ignore; a stale build/ never
@@ -107,6 +108,13 @@ if git -C "$root" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   (cd "$root" && git ls-files -z --cached --others --exclude-standard \
     | while IFS= read -r -d '' f; do if [ -e "$f" ] || [ -L "$f" ]; then printf '%s\0' "$f"; fi; done \
     | tar --null -T - -cf -) | tar -C "$work/src" -xf -
+  # The copy has no .git: its wheels take the version and commit the checkout builds as
+  # (clients/build_version.py, from git), found by building the client's wheel here once.
+  "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$work/probe" "$root/clients" >&2
+  probe="$(echo "$work"/probe/kvstore_client-*-py3-none-any.whl)"
+  [ -f "$probe" ] || die "pip wheel made no kvstore_client wheel of the checkout"
+  export SETUPTOOLS_SCM_PRETEND_VERSION="$(basename "$probe" | cut -d- -f2)"
+  export SETUPTOOLS_SCM_PRETEND_METADATA="{node=\"g$(git -C "$root" rev-parse HEAD)\"}"
 else
   tar -C "$root" --exclude=./.venv --exclude=./build --exclude=./dist --exclude='*.egg-info' -cf - . \
     | tar -C "$work/src" -xf -
@@ -120,7 +128,7 @@ client_whl="$(echo "$work"/own/kvstore_client-*-py3-none-any.whl)"
 version="$(basename "$server_whl" | cut -d- -f2)"
 [ "$(basename "$client_whl" | cut -d- -f2)" = "$version" ] \
   || die "kvstore-server $version and kvstore-client $(basename "$client_whl" | cut -d- -f2) differ: the image needs one version"
-tag="localhost/kvstore:$version$suffix"
+tag="localhost/kvstore:${version//+/-}$suffix"  # an image tag has no '+': 0.2.0.dev5+g1a2b3c4 -> 0.2.0.dev5-g1a2b3c4
 
 # --- (2) every dependency's wheel, for the image's CPU and Python -------------
 say "fetching the dependencies' wheels for CPython 3.11 on $wheel_arch"

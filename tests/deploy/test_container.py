@@ -83,7 +83,7 @@ def _report(capsys: pytest.CaptureFixture[str], line: str) -> None:
 def test_image_builds_twice_to_the_same_image_and_serves(capsys: pytest.CaptureFixture[str]) -> None:
     out, first = _run([str(BUILD)])
     tag = out.strip().splitlines()[-1]
-    assert tag == f"localhost/kvstore:{__version__}"
+    assert tag == f"localhost/kvstore:{__version__.replace('+', '-')}"
     image = _image_id(tag)
     # build.sh is idempotent: an unchanged tree gives the same image (reproducible
     # wheels, the base reused, every layer from the cache).
@@ -98,7 +98,7 @@ def test_image_builds_twice_to_the_same_image_and_serves(capsys: pytest.CaptureF
 def test_arm64_image(capsys: pytest.CaptureFixture[str]) -> None:
     out, took = _run([str(BUILD), "--arch", "arm64"])
     tag = out.strip().splitlines()[-1]
-    assert tag == f"localhost/kvstore:{__version__}-arm64"
+    assert tag == f"localhost/kvstore:{__version__.replace('+', '-')}-arm64"
     arch = subprocess.run(
         ["podman", "image", "inspect", "--format", "{{.Architecture}}", tag], capture_output=True, text=True
     ).stdout.strip()
