@@ -10,6 +10,7 @@ the answer reports (damage found by verify).
 from __future__ import annotations
 
 import argparse
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -272,6 +273,7 @@ def status_text(s: dict[str, Any]) -> str:
             if backlog is None
             else f"{render.count(backlog['segments'])} segments, {render.size(backlog['bytes'])}",
         ),
+        ("object tier", tier_text(s.get("object_tier"))),
         ("fence", fence_line),
         (
             "fleet",
@@ -288,6 +290,16 @@ def status_text(s: dict[str, Any]) -> str:
         ),
     ]
     return render.pairs(rows)
+
+
+def tier_text(tier: dict[str, Any] | None) -> str:
+    """The status's ``object_tier``: whether the tier answers this node."""
+    if tier is None:
+        return "none (or not this process's to reach)"
+    if tier.get("reachable"):
+        return "reachable"
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(tier.get("since", 0))))
+    return f"UNREACHABLE since {since}, serving local data: {tier.get('error', '')}"
 
 
 def flush(client: Client, args: argparse.Namespace) -> Outcome:

@@ -126,6 +126,14 @@ def test_an_endpoint_that_does_not_answer_is_served_around_and_said(tmp_path: Pa
         _, admin = _get(d.base + "/v1/admin/status", ADMIN)
         tier = admin["object_tier"]
         assert isinstance(tier, dict) and tier["reachable"] is False and dead.removeprefix("http://") in tier["error"]
+        said = subprocess.run(
+            [sys.executable, "-m", "kvstore", "admin", "status", "--url", d.base, "--token", ADMIN],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert said.returncode == 0 and "UNREACHABLE since" in said.stdout, said.stdout + said.stderr
         # Local data is served meanwhile.
         req = urllib.request.Request(
             d.base + "/v1/admin/tenants",
