@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="a daemon setting as KVSTORE_NAME (repeatable; the soak sets decoded_cache_bytes=16777216 and "
-        "events_backlog=1000 unless given)",
+        help="a daemon setting, NAME=VALUE as kvstore serve takes it (repeatable; the soak sets "
+        "decoded_cache_bytes=16777216 and events_backlog=1000 unless given)",
     )
     p.add_argument("--endpoint", metavar="URL", help="soak an existing daemon at this URL instead of starting one")
     p.add_argument(

@@ -393,7 +393,10 @@ class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrite
                 for name, t in self._tails.items()
                 if t.segment is not None and not t.segment.sealed
             ]
-            await self._run(tails.write, self._root, left)
+            try:
+                await self._run(tails.write, self._root, left)
+            except OSError as e:  # a full disk, say: the next start scans the open segments instead
+                log.warning("the open segments' footers could not be kept for the next start: %s", e)
         self._pool.shutdown(wait=True)
         if self._own_tier and self.tier is not None:
             await self.tier.close()

@@ -83,9 +83,10 @@ def test_examples_are_the_unset_and_machine_dependent_settings(tmp_path: Path) -
         "advertise_url",
         "fleet_etcd_url",
     }
-    # Unset, its default depending on another setting (seal_after_s: on a fleet node, 10 s).
+    # Unset, its default depending on another setting (seal_after_s: on a fleet node, 10 s;
+    # merge_below: a quarter of segment_size).
     store_depends = {f.name for f in fields(StoreConfig) if f.default is None}
-    assert store_depends == {"seal_after_s"}
+    assert store_depends == {"seal_after_s", "merge_below"}
     assert set(names(EXAMPLE, text)) == server_none | store_unset | store_depends | {"io_threads"}
     # The examples are valid values too (tier_dir on its own: it excludes s3_bucket).
     alone = re.search(r"^# e\.g\. (tier_dir = .+)$", text, re.MULTILINE)
