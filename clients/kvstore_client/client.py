@@ -206,7 +206,8 @@ class AsyncClient:
         # fleet: the endpoints are seeds; the members come from GET /v1/fleet (kvstore_client/fleet.py).
         self._fleet = FleetMembers(self._x, self._shards, urls, fleet_refresh_s, endpoint) if fleet else None
         if self._fleet is not None:  # a write a node refused (421: another's key) goes where the fleet places it
-            self._writes.follow(self._fleet.misdirected)
+            fleet_members = self._fleet
+            self._writes.follow(fleet_members.misdirected, lambda: fleet_members.version)
 
     @staticmethod
     def _read_token(token_file: str | None) -> str | None:

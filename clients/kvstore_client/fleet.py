@@ -31,7 +31,6 @@ from kvstore_client.exchange import Endpoint, Exchange
 from kvstore_client.sharding import Shards, normalize
 
 ERROR_REFRESH_S = 0.5
-MOVED_REFRESH_S = 0.1  # after a 421 misdirected: at most one membership read this often
 
 
 class FleetMembers:
@@ -71,11 +70,12 @@ class FleetMembers:
     async def misdirected(self, owner: str) -> str:
         """A node answered ``421 misdirected``: the key is ``owner``'s in its
         view of the fleet, newer than this client's. Read the membership now
-        (calls meanwhile share one read, at most one every
-        :data:`MOVED_REFRESH_S`) and know ``owner``'s endpoint; returns its
-        normalized URL."""
+        (every caller covered by one read that began after it asked: the
+        refusals of one batch cost one read) and know ``owner``'s endpoint;
+        returns its normalized URL."""
+        asked = time.monotonic()
         async with self._lock:
-            if time.monotonic() - self._last >= MOVED_REFRESH_S:
+            if self._last < asked:
                 await self.refresh()
         url = normalize(owner)
         if url not in self._x.endpoints:

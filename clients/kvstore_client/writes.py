@@ -30,6 +30,7 @@ from kvstore_client.nixl_link import NixlLink
 from kvstore_client.sharding import Shards
 from kvstore_client.wire import batchframe
 from kvstore_client.wire.batchframe import BufferLike
+from kvstore_client.wire.headers import FLEET_VERSION
 from kvstore_client.write_plans import UnixPlanWriter, UploadPlanWriter
 
 Metas = Sequence[Mapping[str, Any] | None]
@@ -50,6 +51,7 @@ class Writes:
     ) -> None:
         self._x = exchange
         self._misdirected: Callable[[str], Awaitable[str]] | None = None
+        self._fleet_version: Callable[[], int] | None = None
         self._shards = shards
         self._nixl = nixl
         self._plans = plans
@@ -57,12 +59,21 @@ class Writes:
         self._max_batch_keys = max_batch_keys
         self._strict = strict
 
-    def follow(self, misdirected: Callable[[str], Awaitable[str]]) -> None:
+    def follow(self, misdirected: Callable[[str], Awaitable[str]], version: Callable[[], int]) -> None:
         """A fleet client's writes: one a node refused with 421 (the key is
         another node's) is sent once more where the fleet places it now;
         ``misdirected`` reads the membership again and answers the named
-        owner's URL (fleet.FleetMembers.misdirected)."""
-        self._misdirected = misdirected
+        owner's URL (fleet.FleetMembers.misdirected). Each write says the
+        membership's ``version`` it was placed by (``Kvstore-Fleet-Version``),
+        so a node that has not seen it yet does not refuse it."""
+        self._misdirected, self._fleet_version = misdirected, version
+
+    def _headers(self, meta: Mapping[str, Any] | None = None) -> dict[str, str] | None:
+        """A write's own headers: the block's identity, the fleet's version."""
+        headers = {META_HEADER: meta_header(meta)} if meta is not None else {}
+        if self._fleet_version is not None:
+            headers[FLEET_VERSION] = str(self._fleet_version())
+        return headers or None
 
     async def put(self, key: str, data: BufferLike, meta: Mapping[str, Any] | None) -> int | None:
         """The best result over the key's owners (201, 200, 202), None
@@ -71,13 +82,12 @@ class Writes:
         if memoryview(data).nbytes == 0:
             raise KVStoreClientError("blocks are 1 byte or more", code="invalid_input")
         deadline = self._x.deadline()
-        headers = {META_HEADER: meta_header(meta)} if meta is not None else None
         result: int | None = None
 
         async def fn(s: aiohttp.ClientSession) -> bool:
             nonlocal result
             body = BuffersPayload([data], "application/octet-stream")
-            async with s.put(f"/v1/blocks/{key}", data=body, headers=headers) as r:
+            async with s.put(f"/v1/blocks/{key}", data=body, headers=self._headers(meta)) as r:
                 await check(r, ok=(200, 201, NOT_ADMITTED))
                 result = best(result, r.status)
                 return r.status != NOT_ADMITTED
@@ -97,17 +107,20 @@ class Writes:
 
     async def _placed(self, key: str, named: str) -> list[str]:
         """The owners of ``key`` after a node named ``named`` its owner (421):
-        the membership read again; the named node if this view still differs."""
+        the membership read again, by which it is placed (a node that named a
+        member the fleet has declared dead had not seen that yet)."""
         assert self._misdirected is not None
         url = await self._misdirected(named)
         owners = self._shards.owners(key)
-        return owners if url in owners else [url]
+        # The membership just read is the newest any member has: trust it, unless it still
+        # lists the named node alive (this client could not read a newer one).
+        return owners if url in owners or url not in self._shards.urls else [url]
 
     async def delete(self, key: str) -> bool:
         check_key(key)
 
         async def fn(s: aiohttp.ClientSession) -> bool:
-            async with s.delete(f"/v1/blocks/{key}") as r:
+            async with s.delete(f"/v1/blocks/{key}", headers=self._headers()) as r:
                 await check(r, ok=(204,))
                 return True
 
@@ -223,7 +236,7 @@ class Writes:
         async def fn(s: aiohttp.ClientSession) -> None:
             parts = batchframe.put_stream_parts((items[i] for i in idx), ids)
             body = BuffersPayload(parts, batchframe.CONTENT_TYPE)
-            async with s.post("/v1/batch/put", data=body) as r:
+            async with s.post("/v1/batch/put", data=body, headers=self._headers()) as r:
                 if r.status in (200, 400, 413) and r.content_type == "application/json":
                     doc = await json_answer(r)
                     results = doc.get("results")

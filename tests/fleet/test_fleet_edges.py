@@ -101,6 +101,19 @@ def test_a_write_to_a_node_that_does_not_own_the_key_is_refused_naming_the_owner
         assert refused.doc["error"]["code"] == "misdirected"  # type: ignore[index]
         assert http(n0.base, "DELETE", f"/v1/blocks/{theirs}", token).status == 421
     assert http(n0.base, "GET", f"/v1/blocks/{theirs}", token).status == 404  # nothing was stored here
+    # A client placing by a newer membership than this node has seen (during a change) is not refused:
+    # the node's view may still list a member the fleet has declared dead.
+    version = f.view(n0)["version"]
+    newer = urllib.request.Request(
+        n0.base + f"/v1/blocks/{theirs}",
+        data=b"n" * 100,
+        method="PUT",
+        headers={"Authorization": f"Bearer {token}", "Kvstore-Fleet-Version": str(version + 1)},
+    )
+    with urllib.request.urlopen(newer, timeout=10) as r:
+        assert r.status == 201
+    same = http(n0.base, "PUT", f"/v1/blocks/{_owned(f, 1, 'same')[0]}", token, b"s" * 100)
+    assert same.status == 421  # (without the header, or with the node's own version: refused)
     assert http(n0.base, "PUT", f"/v1/blocks/{ours}", token, b"y" * 4096).status == 201
     # A batch answers per item: the owner's key stored, the other's refused with its owner.
     from kvstore_client.wire import batchframe
@@ -128,6 +141,8 @@ async def test_the_fleet_client_follows_a_refused_write_to_the_owner(fleet: Flee
         assert await kv.put("warm-up", b"w")  # reads the membership
         # A stale view (a membership read before two nodes joined): every key placed on node 0.
         kv._shards.urls = [normalize(f.nodes[0].base)]
+        assert kv._fleet is not None
+        kv._fleet.version = 0
         keys = [f"blk-{i}" for i in range(30)]
         results = await kv.put_many([(k, k.encode() * 100) for k in keys])
         assert results == [True] * 30

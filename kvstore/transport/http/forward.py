@@ -67,6 +67,7 @@ _SENT = (
     "Range",
     "Last-Event-ID",
     "Kvstore-Block-Meta",
+    "Kvstore-Fleet-Version",  # a fleet client's writes (routes/fleet.refuse_misplaced)
 )
 _RETURNED = (
     "Content-Type",

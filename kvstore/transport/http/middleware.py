@@ -218,7 +218,7 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
             PATH_PARAMS[name](value)
         refuse_content_coding(request)
         if (request.method, route) in PLACED_WRITES:  # a fleet node's writer stores only its own keys
-            refuse_misplaced(request.app, [request.match_info["key"]])
+            refuse_misplaced(request, [request.match_info["key"]])
     if tenant is None:
         if matched and EXPECT in request:
             await _answer_expect(request)

@@ -73,7 +73,7 @@ async def batch_put(request: web.Request) -> web.Response:
                 continue
             try:
                 validate_client_key(key)
-                refuse_misplaced(request.app, [key])  # a fleet node stores only its own keys
+                refuse_misplaced(request, [key])  # a fleet node stores only its own keys
                 await ticket.reserve("write", len(data))  # the item's bytes from its tenant's write limit
             except (InvalidInput, Misdirected, RateLimited) as e:
                 body.release(body.take())

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterable
 
 from aiohttp import web
+from kvstore_client.wire.headers import FLEET_VERSION
 
 from kvstore.engine.api import Store, node_prefix
 from kvstore.errors import FleetOff, Misdirected, NodeAlive, NotFound, Unauthorized
@@ -44,13 +45,19 @@ def misplaced(app: web.Application, key: str) -> bool:
     return node is not None and node.placed_elsewhere(key) is not None
 
 
-def refuse_misplaced(app: web.Application, keys: Iterable[str]) -> None:
+def refuse_misplaced(request: web.Request, keys: Iterable[str]) -> None:
     """Misdirected (421, the owner's URL in ``Kvstore-Owner``) for the first
     of ``keys`` a fleet node's writer does not own: a write stored here would
     be where the fleet never looks. Nothing off a fleet, or on a reader
-    worker (writes are relayed to the writer, which checks)."""
-    node = app.get(FLEET)
+    worker (writes are relayed to the writer, which checks), or when the
+    client placed the keys by a newer membership than this node has seen
+    (``Kvstore-Fleet-Version``: during a change, a node may still list a
+    node the others have declared dead)."""
+    node = request.app.get(FLEET)
     if node is None:
+        return
+    theirs = request.headers.get(FLEET_VERSION, "")
+    if theirs.isdigit() and int(theirs) > node.view.version:
         return
     for key in keys:
         owner = node.placed_elsewhere(key)

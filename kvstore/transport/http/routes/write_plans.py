@@ -176,7 +176,7 @@ async def _plan(request: web.Request, tenant: str, body: dict[str, Any]) -> dict
             except InvalidInput as e:
                 raise InvalidInput(f"blocks[{i}].meta: {e}") from None
     lease_s = lease_field(body)
-    refuse_misplaced(request.app, [key for key, _ in items])  # a fleet node plans only its own keys
+    refuse_misplaced(request, [key for key, _ in items])  # a fleet node plans only its own keys
     plan = await store_of(request).plan_writes(tenant, items, lease_s, metas, body.get("encode", "server"))
     paths: list[str] = []
     out: list[dict[str, Any]] = []

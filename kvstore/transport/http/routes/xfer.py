@@ -169,7 +169,7 @@ async def xfer_write(request: web.Request) -> web.Response:
                 _uint(b, "dev", i, (1 << 32) - 1),
             )
         )
-    refuse_misplaced(request.app, [b[0] for b in blocks])  # a fleet node stores only its own keys
+    refuse_misplaced(request, [b[0] for b in blocks])  # a fleet node stores only its own keys
     ticket = ticket_of(request)  # the bytes from the tenant's write limit before they are pulled
     n = sum(b[2] for b in blocks)
     await ticket.reserve("write", n)
