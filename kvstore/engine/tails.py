@@ -30,7 +30,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.engine.format import FooterEntry, checksum, decode_footer
+from kvstore.engine.format import checksum
 from kvstore.errors import FormatError, NewerFormat
 from kvstore.fsutil import atomic_write, fsync_dir
 
@@ -55,9 +55,6 @@ class Tail:
     records_end: int
     footer: bytes
     entries: int
-
-    def decoded(self) -> list[FooterEntry]:
-        return decode_footer(self.footer, self.entries, f"{FILE_NAME}: {self.tenant}/{self.segment_id:016x}")
 
 
 def encode(tails: list[Tail]) -> bytes:

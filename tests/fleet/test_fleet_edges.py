@@ -17,6 +17,7 @@ them, with no error.
 
 from __future__ import annotations
 
+import itertools
 import json
 import urllib.error
 import urllib.request
@@ -77,9 +78,7 @@ def _urls(f: Fleet) -> list[str]:
 
 def _owned(f: Fleet, node: int, tag: str, n: int = 1) -> list[str]:
     """``n`` keys the fleet places on ``node``."""
-    urls, mine = _urls(f), normalize(f.nodes[node].base)
-    keys = (f"{tag}-{i}" for i in range(100_000))
-    return [k for k in keys if rank_endpoints(urls, k)[0] == mine][:n]
+    return list(itertools.islice(f.keys_on(f.nodes[node], tag), n))
 
 
 def _tenant(f: Fleet, name: str, node: int = 0) -> str:
