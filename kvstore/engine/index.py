@@ -15,6 +15,10 @@ Databases (all keys are bytes):
                                             entries point at: the rest is dead, for compaction)
     access    tenant 0x00 key            -> u64 unix milliseconds of the block's last read or write,
                                             checkpointed from memory (access.py); absent: created_ns
+    order     tenant 0x00 u64be(ms) key  -> b"": every block under its last read or write (the later
+                                            of created_ns and its access time), oldest first: the
+                                            quota's LRU and the TTL walk it from the front, so their
+                                            cost follows what goes, not what stays (retention.py)
     meta      b"format"                  -> u32 index format version
               b"epoch"                   -> u64, bumped whenever a segment's local file goes away
                                             (dropped, retired, deleted): readers poll it (lifecycle.py)
@@ -50,10 +54,13 @@ TIER = struct.Struct("<BQQ")  # flags, object size, when the upload was confirme
 LIVE = struct.Struct("<qq")  # live records, live record bytes
 ACCESS = struct.Struct("<Q")  # unix milliseconds
 EPOCH = struct.Struct("<Q")
-INDEX_FORMAT = 2  # 2: live and access dbs, the epoch, the retired state
-# What this release opens: an older format is rebuilt from the segments (its
-# migration); a newer one is refused (NewerFormat), the index left as it is.
-INDEX_FORMATS_READ = (2,)
+INDEX_FORMAT = 3  # 2: live and access dbs, the epoch, the retired state; 3: the order db
+# What this release opens: format 2 is migrated in place by the writer (its
+# order db built from the blocks and access dbs, once); an older format is
+# rebuilt from the segments; a newer one is refused (NewerFormat), the index
+# left as it is.
+INDEX_FORMATS_READ = (2, 3)
+MIGRATE_CHUNK = 50_000  # order entries built per write transaction when migrating format 2
 _SEP = b"\x00"
 
 SEG_OPEN = 0
@@ -165,6 +172,10 @@ def _bkey(tenant: str, key: str) -> bytes:
     return tenant.encode() + _SEP + key.encode()
 
 
+def _created_ms(entry: IndexEntry) -> int:
+    return entry.created_ns // 1_000_000
+
+
 def _skey(tenant: str, segment_id: int) -> bytes:
     return tenant.encode() + _SEP + segment_id.to_bytes(8, "big")
 
@@ -246,11 +257,14 @@ class Index:
             self._access = self.env.open_db(b"access", create=not readonly)
             # A block's engine identity (Kvstore-Block-Meta), removed with its entry.
             self._idents = self.env.open_db(b"idents", create=not readonly)
+            self._order = self.env.open_db(b"order", create=not readonly) if not readonly else None
             with self.env.begin(write=not readonly) as txn:
                 fmt = txn.get(b"format", db=self._meta)
                 if fmt is None and not readonly:
                     txn.put(b"format", struct.pack("<I", INDEX_FORMAT), db=self._meta)
             found = struct.unpack("<I", fmt)[0] if fmt is not None and len(fmt) == 4 else None
+            if found == 2 and not readonly:
+                self._migrate_to_3()
             if fmt is not None and found not in INDEX_FORMATS_READ:
                 self.env.close()
                 if NewerFormat.is_newer(found, INDEX_FORMATS_READ):
@@ -269,6 +283,45 @@ class Index:
             if isinstance(failure, StorageFull):  # not a damaged index: a rebuild would not help (and needs space)
                 raise failure from None
             raise IndexUnusable(f"index at {str(path)!r} cannot be opened: {e}") from None
+
+    def _migrate_to_3(self) -> None:
+        """Format 2 to 3: build the order db from the blocks and access dbs
+        (once, in chunks of ``MIGRATE_CHUNK`` blocks; the format moves to 3 in
+        the last chunk's transaction, so a crash half-way starts over)."""
+        order = self._db_order()
+        after = b""
+        built = 0
+        while True:
+            with self._writing() as txn:
+                if after == b"":
+                    txn.drop(order, delete=False)  # what a crashed migration left
+                cur = txn.cursor(db=self._blocks)
+                found = cur.set_range(after) if after else cur.first()
+                n = 0
+                while found and n < MIGRATE_CHUNK:
+                    bk, raw = cur.item()
+                    if bk != after:
+                        tenant, key = bk.split(_SEP, 1)
+                        last = self._last_ms(txn, bk, IndexEntry.unpack(raw))
+                        txn.put(tenant + _SEP + last.to_bytes(8, "big") + key, b"", db=order)
+                        n += 1
+                        after = bytes(bk)
+                    found = cur.next()
+                built += n
+                if not found:
+                    txn.put(b"format", struct.pack("<I", INDEX_FORMAT), db=self._meta)
+                    break
+        log.info("index migrated to format %d: %d blocks put in access order", INDEX_FORMAT, built)
+
+    def _db_order(self) -> Any:
+        if self._order is None:
+            raise KVStoreError("the index was opened read-only: it has no access order to walk")
+        return self._order
+
+    def _last_ms(self, txn: lmdb.Transaction, bk: bytes, entry: IndexEntry) -> int:
+        """A block's place in the order db: its last read or write."""
+        raw = txn.get(bk, db=self._access)
+        return max(_created_ms(entry), ACCESS.unpack(raw)[0] if raw is not None else 0)
 
     @staticmethod
     def destroy(path: Path) -> None:
@@ -380,12 +433,54 @@ class Index:
             return out
 
     def record_access(self, tenant: str, times: Iterable[tuple[str, int]]) -> None:
-        """Checkpoint last-access milliseconds (only for keys that still exist)."""
+        """Checkpoint last-access milliseconds (only for keys that still
+        exist; an access time never moves back), moving each block in the
+        order db."""
+        order = self._db_order()
+        prefix = tenant.encode() + _SEP
         with self._writing() as txn:
             for key, ms in times:
-                bk = _bkey(tenant, key)
-                if txn.get(bk, db=self._blocks) is not None:
-                    txn.put(bk, ACCESS.pack(ms), db=self._access)
+                bk = prefix + key.encode()
+                raw = txn.get(bk, db=self._blocks)
+                if raw is None:
+                    continue
+                created = _created_ms(IndexEntry.unpack(raw))
+                cur = txn.get(bk, db=self._access)
+                was = ACCESS.unpack(cur)[0] if cur is not None else 0
+                if ms <= was:
+                    continue
+                txn.put(bk, ACCESS.pack(ms), db=self._access)
+                before, after = max(created, was), max(created, ms)
+                if after != before:
+                    txn.delete(prefix + before.to_bytes(8, "big") + key.encode(), db=order)
+                    txn.put(prefix + after.to_bytes(8, "big") + key.encode(), b"", db=order)
+
+    def oldest(
+        self, tenant: str, after: tuple[int, str] | None, limit: int, before_ms: int | None = None
+    ) -> list[tuple[int, str, IndexEntry]]:
+        """A page of the tenant's blocks in the order of their last read or
+        write, oldest first: (milliseconds, key, entry), from just after
+        ``after`` (a (milliseconds, key) this walk returned), only those last
+        touched before ``before_ms`` if given. A walk's cost is the page's."""
+        order = self._db_order()
+        prefix = tenant.encode() + _SEP
+        start = prefix + (after[0].to_bytes(8, "big") + after[1].encode() + b"\x00" if after else b"")
+        out: list[tuple[int, str, IndexEntry]] = []
+        with self.env.begin(buffers=True) as txn:
+            cur = txn.cursor(db=order)
+            if not cur.set_range(start):
+                return out
+            for k in cur.iternext(keys=True, values=False):
+                if len(out) >= limit or bytes(k[: len(prefix)]) != prefix:
+                    break
+                ms = int.from_bytes(k[len(prefix) : len(prefix) + 8], "big")
+                if before_ms is not None and ms >= before_ms:
+                    break
+                key = bytes(k[len(prefix) + 8 :])
+                raw = txn.get(prefix + key, db=self._blocks)
+                if raw is not None:
+                    out.append((ms, key.decode(), IndexEntry.unpack(raw)))
+        return out
 
     def idents(self, tenant: str, keys: Sequence[str]) -> list[bytes | None]:
         """The stored engine identities of ``keys`` (None: stored without one)."""
@@ -407,12 +502,19 @@ class Index:
         return out
 
     def tenants(self) -> set[str]:
-        """Tenants that have anything in the index."""
+        """Tenants that have anything in the index: one cursor seek per
+        tenant and database (a tenant's keys are skipped over, not read)."""
         names: set[str] = set()
         with self.env.begin() as txn:
-            for db in (self._segments, self._stats, self._blocks):
-                for k in txn.cursor(db=db).iternext(keys=True, values=False):
-                    names.add(k.split(_SEP, 1)[0].decode())
+            for k in txn.cursor(db=self._stats).iternext(keys=True, values=False):
+                names.add(bytes(k).decode())
+            for db in (self._segments, self._blocks):
+                cur = txn.cursor(db=db)
+                found = cur.first()
+                while found:
+                    tenant = bytes(cur.key()).split(_SEP, 1)[0]
+                    names.add(tenant.decode())
+                    found = cur.set_range(tenant + b"\x01")  # past every "tenant 0x00 ..." key
         return names
 
     # -- writes ---------------------------------------------------------------
@@ -453,13 +555,18 @@ class Index:
             acc[0] += records
             acc[1] += nbytes
 
+        order = self._db_order()
+        prefix = tenant.encode() + _SEP
         for key, entry in ops:
             bk = _bkey(tenant, key)
             old = txn.get(bk, db=self._blocks)
+            raw_access = txn.get(bk, db=self._access) if old is not None else None
+            accessed = ACCESS.unpack(raw_access)[0] if raw_access is not None else 0
             if old is not None:
                 o = IndexEntry.unpack(old)
                 blocks, stored, logical = blocks - 1, stored - o.record_len, logical - o.logical_size
                 count(o.segment_id, -1, -o.record_len)
+                txn.delete(prefix + max(_created_ms(o), accessed).to_bytes(8, "big") + key.encode(), db=order)
             if entry is None:
                 if old is not None:
                     txn.delete(bk, db=self._blocks)
@@ -467,6 +574,7 @@ class Index:
                     txn.delete(bk, db=self._idents)
             else:
                 txn.put(bk, entry.pack(), db=self._blocks)
+                txn.put(prefix + max(_created_ms(entry), accessed).to_bytes(8, "big") + key.encode(), b"", db=order)
                 if idents and key in idents:
                     txn.put(bk, idents[key], db=self._idents)
                 blocks, stored, logical = blocks + 1, stored + entry.record_len, logical + entry.logical_size
@@ -536,7 +644,15 @@ class Index:
         prefix = tenant.encode() + _SEP
         with self._writing() as txn:
             self._bump_epoch(txn)
-            for db in (self._blocks, self._segments, self._tiers, self._live, self._access, self._idents):
+            for db in (
+                self._blocks,
+                self._segments,
+                self._tiers,
+                self._live,
+                self._access,
+                self._idents,
+                self._db_order(),
+            ):
                 cur = txn.cursor(db=db)
                 if cur.set_range(prefix):
                     while cur.key().startswith(prefix):

@@ -165,12 +165,12 @@ class Residency:
         """Run an eviction pass soon (the disk filled)."""
         self._evict_wake.set()
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run ``coro`` in the background until done or until close."""
-        self._spawn(coro, name)
+        return self._spawn(coro, name)
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        self._tasks.spawn(coro, name)
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        return self._tasks.spawn(coro, name)
 
     async def close(self) -> None:
         await self._tasks.close()

@@ -5,7 +5,8 @@
   makes room by removing the tenant's own least recently used blocks (or,
   with ``quota_eviction = probation``, those not read since they were
   stored first: eviction.py), down to ``QUOTA_LOW`` of the quota (so it
-  happens now and then, not on every put);
+  happens now and then, not on every put); a lower quota set by an admin is
+  enforced in the background, down to the quota itself (store_tenants.py);
   no other tenant is ever touched for it. A single block larger than the
   whole quota is refused (``507 quota_exceeded``). Usage counts puts in
   flight, so concurrent puts cannot overshoot by more than what is in flight.
@@ -48,7 +49,7 @@ from kvstore.events.model import BlockMeta
 from kvstore.metrics import Metrics
 
 log = logging.getLogger("kvstore.engine.retention")
-QUOTA_LOW = 0.9
+QUOTA_LOW = 0.99  # a put past the quota makes room down to this share of it
 PAGE = 4096
 DROP_CHUNK = 1024
 
@@ -155,28 +156,80 @@ class Retention:
             if not self._inflight[t.name]:
                 del self._inflight[t.name]
 
-    async def enforce(self, t: Tenant, incoming: int = 0) -> int:
+    async def enforce(self, t: Tenant, incoming: int = 0, low: float = QUOTA_LOW) -> int:
         """Bring the tenant under its quota with room for ``incoming`` bytes,
-        by the ``quota_eviction`` policy; returns the bytes removed."""
+        down to ``low`` of the quota, by the ``quota_eviction`` policy;
+        returns the bytes removed. Under ``lru`` it walks the index's access
+        order from the oldest block and removes at most ``DROP_CHUNK`` blocks
+        a step (the tenant's lock held for a step, not the whole of it), so
+        its cost and memory follow what goes, not what stays."""
         if not t.quota_bytes:
             return 0
-        async with self._locks[t.name]:
-            used = self._index.stats(t.name).stored_bytes + self._inflight[t.name]
-            if used + incoming <= t.quota_bytes:
-                return 0
-            need = used + incoming - int(t.quota_bytes * QUOTA_LOW)
-            await self.checkpoint()  # the LRU order sees the latest reads
-            choice = await self._run(self._victims, t, need)
-            victims = [(c.key, c.entry) for c in choice.victims]
-            freed = await self._remove(t.name, victims, "quota")
-            self._remember(t, choice)
-            self._metrics.inc("kvstore_quota_evictions_total", len(victims))
-            self._metrics.inc("kvstore_quota_evicted_bytes_total", freed)
-            return freed
+        used = self._index.stats(t.name).stored_bytes + self._inflight[t.name]
+        if used + incoming <= t.quota_bytes:
+            return 0
+        await self.checkpoint()  # the order sees the latest reads
+        freed = 0
+        after: tuple[int, str] | None = None
+        while True:
+            async with self._locks[t.name]:
+                if t.name not in self._registry:
+                    break
+                t = self._registry.get(t.name)  # the quota as it is now (an admin may change it meanwhile)
+                if not t.quota_bytes:
+                    break
+                target = int(t.quota_bytes * low) - incoming
+                need = self._index.stats(t.name).stored_bytes + self._inflight[t.name] - target
+                if need <= 0:
+                    break
+                if self._eviction == "lru":
+                    victims, after = await self._run(self._lru_step, t.name, need, after)
+                    choice = Choice(victims)
+                else:  # probation: one scan of the tenant (eviction.py), removed in steps
+                    choice = await self._run(self._victims, t, need)
+                gone = await self._remove(t.name, [(c.key, c.entry) for c in choice.victims], "quota")
+                self._remember(t, choice)
+                self._metrics.inc("kvstore_quota_evictions_total", len(choice.victims))
+                self._metrics.inc("kvstore_quota_evicted_bytes_total", gone)
+                freed += gone
+                if not choice.victims or self._eviction != "lru":
+                    break
+            await asyncio.sleep(0)  # a step done: puts, reads and other tenants go on
+        return freed
+
+    def _lru_step(
+        self, tenant: str, need: int, after: tuple[int, str] | None, limit: int | None = None
+    ) -> tuple[list[Candidate], tuple[int, str] | None]:
+        """The least recently used unpinned blocks adding up to ``need``
+        bytes (at most ``limit``), walking the index's access order from just
+        after ``after``; and where the walk stopped. A block read since the
+        last checkpoint (its touch still in memory) is newer than its place
+        in the order says: it is passed over."""
+        pinned = self._leases.pinned(tenant)
+        limit = DROP_CHUNK if limit is None else limit
+        stats = self._index.stats(tenant)
+        mean = max(1, stats.stored_bytes // max(1, stats.blocks))
+        size = min(PAGE, need // mean + 16)  # about the blocks that make ``need``; doubled while short
+        out: list[Candidate] = []
+        got = 0
+        while got < need and len(out) < limit:
+            page = self._index.oldest(tenant, after, size)
+            size = min(PAGE, size * 2)
+            if not page:
+                break
+            for ms, key, entry in page:
+                after = (ms, key)
+                if key in pinned or self._access.last(tenant, key) > ms:
+                    continue
+                out.append(Candidate(key, entry, entry.created_ns // 1_000_000, ms))
+                got += entry.record_len
+                if got >= need or len(out) >= limit:
+                    break
+        return out, after
 
     def _candidates(self, tenant: str) -> Iterator[Candidate]:
         """The tenant's blocks the quota may remove (not pinned), one page of
-        the index at a time, with their access times."""
+        the index at a time, with their access times (``probation`` only)."""
         after: str | None = None
         pinned = self._leases.pinned(tenant)
         while True:
@@ -193,7 +246,7 @@ class Retention:
     def _victims(self, t: Tenant, need: int) -> Choice:
         """The blocks to remove for ``need`` bytes, as ``quota_eviction`` says (eviction.py)."""
         if self._eviction == "lru":
-            return Choice(eviction.lru(self._candidates(t.name), need))
+            return Choice(self._lru_step(t.name, need, None, limit=1 << 62)[0])
         return eviction.probation(self._candidates(t.name), need, t.quota_bytes, self._probation_of(t))
 
     def _probation_of(self, t: Tenant) -> Probation:
@@ -247,35 +300,33 @@ class Retention:
                 log.exception("TTL sweep failed")
 
     async def sweep(self, tenant: str | None = None) -> int:
-        """Remove the blocks past their tenant's TTL; returns how many."""
+        """Remove the blocks past their tenant's TTL; returns how many. Each
+        tenant's blocks are walked in the index's access order from the
+        oldest, up to the first one still within its TTL: the cost follows
+        what expires, not what stays."""
         removed = 0
         for name in [tenant] if tenant is not None else self._registry.names():
             if name not in self._registry or not self._registry.get(name).ttl_s:
                 continue
             await self.checkpoint()
             t = self._registry.get(name)
+            cutoff = now_ms() - t.ttl_s * 1000
+            after: tuple[int, str] | None = None
             try:
-                victims = await self._run(self._expired_entries, t)
-                removed += len(victims)
-                await self._remove(name, victims, "expired")
+                while True:
+                    page = await self._run(self._index.oldest, name, after, DROP_CHUNK, cutoff)
+                    if not page:
+                        break
+                    after = (page[-1][0], page[-1][1])
+                    pinned = self._leases.pinned(name)
+                    victims = [
+                        (key, entry)
+                        for ms, key, entry in page
+                        if key not in pinned and self._access.last(name, key) < cutoff
+                    ]
+                    removed += len(victims)
+                    await self._remove(name, victims, "expired")
             except KVStoreError as e:  # the tenant went meanwhile
                 log.info("TTL sweep of %s stopped: %s", name, e)
         self._metrics.inc("kvstore_expired_total", removed)
         return removed
-
-    def _expired_entries(self, t: Tenant) -> list[tuple[str, IndexEntry]]:
-        out: list[tuple[str, IndexEntry]] = []
-        now = now_ms()
-        after: str | None = None
-        pinned = self._leases.pinned(t.name)
-        while True:
-            page = self._index.entries(t.name, after, PAGE)
-            if not page:
-                return out
-            times = self._index.accessed(t.name, [k for k, _ in page])
-            for (key, entry), checkpointed in zip(page, times, strict=True):
-                if key in pinned:
-                    continue
-                if now - last_access(entry, checkpointed, self._access.last(t.name, key)) > t.ttl_s * 1000:
-                    out.append((key, entry))
-            after = page[-1][0]

@@ -85,8 +85,9 @@ class StoreCore:
         self._tails: dict[str, OpenSegment] = {}
         self._appenders: dict[str, Appender] = {}
         self._inflight: dict[tuple[str, str], asyncio.Future[None]] = {}
-        self._cache = SegmentCache(self._seg_root)
+        self._cache = SegmentCache(self._seg_root, config.max_open_segments)
         self._deleting: set[str] = set()
+        self._enforcing: dict[str, asyncio.Task[int]] = {}  # tenant -> its lowered quota's enforcement
         # tenant -> (the QoS fields it set, as the registry holds them; its QoS):
         # asked on every request (store_tenants.qos), made again when they change
         self._qos: dict[str, tuple[dict[str, int], Qos]] = {}
@@ -314,7 +315,9 @@ class StoreCore:
         self.events.publish(tenant, "removed", cause, "object" if to == "local" else "local", keys, (), metas, topic)
 
     def _sealed_elsewhere(self, loop: asyncio.AbstractEventLoop, tenant: str, segment_id: int) -> None:
-        """An appender thread sealed a segment: tell the tiering, on the loop."""
+        """An appender thread sealed a segment: the segment cache may close it
+        from now on; tell the tiering, on the loop."""
+        self._cache.sealed((tenant, segment_id))
         loop.call_soon_threadsafe(self._residency.sealed, tenant, segment_id)
 
     async def _serialize(self, tenant: str, key: str) -> asyncio.Future[None]:

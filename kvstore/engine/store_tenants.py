@@ -4,6 +4,7 @@ process following the writer's registry."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import shutil
@@ -18,7 +19,7 @@ from kvstore.engine.crypto import MasterKey, load_master_key
 from kvstore.engine.recovery import trash
 from kvstore.engine.registry import Tenant
 from kvstore.engine.store_core import StoreCore, log
-from kvstore.errors import InvalidInput, MasterKeyError, TenantNotFound
+from kvstore.errors import InvalidInput, KVStoreError, MasterKeyError, TenantNotFound
 from kvstore.fsutil import atomic_write
 from kvstore.names import validate_tenant
 from kvstore.qos.policy import Qos, apply_changes
@@ -134,8 +135,10 @@ class StoreTenants(StoreCore):
     ) -> dict[str, Any]:
         """Change a tenant's quota, TTL, frame size, events topic, QoS fields
         and admission (None: unchanged; 0: none, or the store's frame size).
-        A lower quota is enforced at once, a shorter TTL on the next read and
-        sweep; a frame size applies to the records written from now on (each
+        A lower quota is enforced in the background, started before this
+        returns (``quota_enforcement`` in the answer says how many bytes are
+        over it; :meth:`quota_enforced` waits for it), a shorter TTL on the
+        next read and sweep; a frame size applies to the records written from now on (each
         record keeps the one it has); admission to the next put (offers
         counted so far still count, under the new window; ``admit_after``
         1 drops them)."""
@@ -152,8 +155,39 @@ class StoreTenants(StoreCore):
         )
         if t.admit_after == 1:
             self.admission.forget_tenant(name)
-        await self._retention.enforce(t)
-        return self.tenant(name)
+        over = self._index.stats(name).stored_bytes - t.quota_bytes if t.quota_bytes else 0
+        if over > 0:
+            self._start_enforcing(t)
+        return {**self.tenant(name), "quota_enforcement": {"over_bytes": max(0, over), "started": over > 0}}
+
+    def _start_enforcing(self, t: Tenant) -> None:
+        """Enforce ``t``'s quota in the background, down to the quota itself
+        (in steps: retention.py), after any enforcement already running."""
+        before = self._enforcing.get(t.name)
+
+        async def enforce() -> int:
+            if before is not None:
+                await asyncio.wait([before])
+            try:
+                return await self._retention.enforce(t, 0, low=1.0)
+            except KVStoreError as e:  # the tenant deleted meanwhile, a full disk: said, not raised
+                log.warning("enforcing the quota of %s stopped: %s", t.name, e)
+                return 0
+
+        task = self._residency.spawn(enforce(), f"quota:{t.name}")
+        self._enforcing[t.name] = task
+
+        def ended(done: asyncio.Task[int]) -> None:
+            if self._enforcing.get(t.name) is done:
+                del self._enforcing[t.name]
+
+        task.add_done_callback(ended)
+
+    async def quota_enforced(self, name: str) -> None:
+        """Wait for the enforcement of a lowered quota (if one runs) to end."""
+        task = self._enforcing.get(name)
+        if task is not None:
+            await asyncio.wait([task])
 
     def touches(self) -> Touches:
         """A reader process: the accesses it served since the last call, for

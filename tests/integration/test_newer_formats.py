@@ -34,7 +34,7 @@ from kvstore.buckets.recovery import recover as recover_catalog
 from kvstore.config import StoreConfig
 from kvstore.engine.crypto import MasterKey
 from kvstore.engine.format import RECORD_HEADER, SEG_HEADER, VERSIONS_READ
-from kvstore.engine.index import INDEX_FORMAT, Index
+from kvstore.engine.index import INDEX_FORMAT, INDEX_FORMATS_READ, Index
 from kvstore.engine.registry import REGISTRY_VERSION, Registry, UnknownTenantSetting, adopt_registry_file
 from kvstore.engine.segment import SegmentFile
 from kvstore.engine.store import Store
@@ -141,19 +141,45 @@ async def test_a_newer_index_is_refused_not_rebuilt(open_store: OpenStore, confi
     before = snapshot(config.data_dir)
     with pytest.raises(NewerFormat) as e:
         await open_store()
-    assert_names_the_way_on(e.value, INDEX_FORMAT + 1, (INDEX_FORMAT,))
+    assert_names_the_way_on(e.value, INDEX_FORMAT + 1, INDEX_FORMATS_READ)
     assert "remove" in str(e.value) and "rebuilds from the segments" in str(e.value)
     assert snapshot(config.data_dir) == before
     with pytest.raises(NewerFormat):  # a reader (fsck, a reader worker) too
         Index(config.data_dir / "index", readonly=True, lock=False)
 
 
+async def test_a_format_2_index_is_migrated_in_place_keeping_its_access_times(
+    open_store: OpenStore, config: StoreConfig
+) -> None:
+    """Format 2 (0.1.0's) lacks the access order (the order db): the writer
+    builds it at start-up from the blocks and access dbs, in place; the
+    access times survive, so the quota's LRU order does too."""
+    s, keys = await _written(open_store, n=40)
+    await s.get("t", "k0")
+    await s.close()
+    index = Index(config.data_dir / "index")
+    order = index.env.open_db(b"order")
+    with index.env.begin(write=True) as txn:  # as 0.1.0 left it: no order db
+        txn.drop(order, delete=True)
+    index.close()
+    _set_index_format(config.data_dir / "index", 2)
+    s = await open_store()
+    assert not s.recovery.index_rebuilt
+    index = s._index
+    walked = index.oldest("t", None, 100)
+    assert [k for _, k, _ in walked] == [*keys[1:], "k0"], "k0, read last, is the newest in the order"
+    with index.env.begin() as txn:
+        assert struct.unpack("<I", txn.get(b"format", db=index.env.open_db(b"meta", txn=txn)))[0] == INDEX_FORMAT
+    for i, k in enumerate(keys):
+        assert bytes(await s.get("t", k)) == bytes([i + 1]) * (5000 + i)
+
+
 async def test_an_older_index_is_rebuilt_from_the_segments(open_store: OpenStore, config: StoreConfig) -> None:
-    """Newer reads older: an index of an earlier format is this release's
-    migration of it: rebuilt from the segments at start-up."""
+    """Newer reads older: an index of a format before any this release
+    reads is this release's migration of it: rebuilt from the segments."""
     s, keys = await _written(open_store)
     await s.close()
-    _set_index_format(config.data_dir / "index", INDEX_FORMAT - 1)
+    _set_index_format(config.data_dir / "index", min(INDEX_FORMATS_READ) - 1)
     s = await open_store()
     assert s.recovery.index_rebuilt
     for i, k in enumerate(keys):

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from kvstore.engine import retention
 from kvstore.errors import QuotaExceeded
 from tests.conftest import OpenStore
 
@@ -87,16 +88,90 @@ async def test_ttl_makes_idle_blocks_misses_and_reclaims_them(open_store: OpenSt
     assert await store.get("t", "k0") == block("k0")
 
 
-async def test_set_limits_enforces_a_lower_quota_at_once(open_store: OpenStore) -> None:
+async def test_set_limits_starts_enforcing_a_lower_quota_and_answers_at_once(open_store: OpenStore) -> None:
     store = await open_store()
     await store.create_tenant("t")
     for i in range(16):
         await store.put("t", f"k{i}", block(f"k{i}"))
+    for k in ("k0", "k1"):  # the first written, read since: the last to go
+        await store.get("t", k)
+    stored = (await store.stats("t")).stored_bytes
     t = await store.set_limits("t", quota_bytes=512 * KiB)
     assert t["quota_bytes"] == 512 * KiB
-    assert (await store.stats("t")).stored_bytes <= 512 * KiB
+    assert t["quota_enforcement"] == {"over_bytes": stored - 512 * KiB, "started": True}
+    await store.quota_enforced("t")
+    after = (await store.stats("t")).stored_bytes
+    assert 512 * KiB - 70 * KiB < after <= 512 * KiB, "down to the quota itself, not below it by more than a block"
+    assert await store.exists("t", "k0") and await store.exists("t", "k1")
+    assert not await store.exists("t", "k2")
     t = await store.set_limits("t", quota_bytes=0, ttl_s=3600)
     assert t["quota_bytes"] is None and t["ttl_s"] == 3600
+    assert t["quota_enforcement"] == {"over_bytes": 0, "started": False}
+
+
+async def test_a_quota_raised_while_a_lower_one_is_enforced_stops_the_removals(
+    open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The enforcement goes in steps and reads the quota at every step:
+    raised meanwhile, it stops instead of going down to the old one (the
+    first step held at its removal, to raise the quota in between)."""
+    monkeypatch.setattr(retention, "DROP_CHUNK", 4)
+    store = await open_store()
+    await store.create_tenant("t")
+    for i in range(64):
+        await store.put("t", f"k{i}", block(f"k{i}", 16 * KiB))
+    gate, removing = asyncio.Event(), asyncio.Event()
+    remove = store._retention._remove
+
+    async def held(*args: object) -> int:
+        removing.set()
+        await gate.wait()
+        return await remove(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store._retention, "_remove", held)
+    answer = await store.set_limits("t", quota_bytes=16 * KiB)
+    assert answer["quota_enforcement"]["started"]
+    await asyncio.wait_for(removing.wait(), 10)
+    await store.set_limits("t", quota_bytes=0)
+    gate.set()
+    await store.quota_enforced("t")
+    assert (await store.stats("t")).blocks == 60, "one step of 4 removals, then the quota was gone"
+    assert not await store.exists("t", "k0") and await store.exists("t", "k4")
+
+
+async def test_quota_and_ttl_walk_only_what_goes(open_store: OpenStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quota's LRU and the TTL read the index's access order from the
+    oldest block: what they read follows what they remove, not what the
+    tenant holds (counted at the index)."""
+    store = await open_store()
+    await store.create_tenant("t")
+    for i in range(400):
+        await store.put("t", f"k{i:03d}", block(f"k{i}", 4 * KiB))
+    walked: list[int] = []
+    oldest = store._index.oldest
+
+    def counted(*args: object, **kw: object) -> object:
+        page = oldest(*args, **kw)  # type: ignore[arg-type]
+        walked.append(len(page))
+        return page
+
+    monkeypatch.setattr(store._index, "oldest", counted)
+    monkeypatch.setattr(store._retention._index, "oldest", counted)
+    used = (await store.stats("t")).stored_bytes
+    per_block = used // 400
+    await store.set_limits("t", quota_bytes=used - 10 * per_block)
+    await store.quota_enforced("t")
+    assert (await store.stats("t")).blocks == 390
+    assert not await store.exists("t", "k009") and await store.exists("t", "k010")
+    assert sum(walked) <= 32, f"the quota read {sum(walked)} entries of the order to remove 10 (16 of slack)"
+    walked.clear()
+    await asyncio.sleep(0.05)
+    for i in range(10, 400):  # all but the last 5 (k395..k399: idle) read now
+        if i < 395:
+            await store.get("t", f"k{i:03d}")
+    await store.set_limits("t", quota_bytes=0, ttl_s=3600)
+    assert await store.expire("t") == 0
+    assert sum(walked) == 0, "nothing is past a TTL of an hour: the walk stops at the first block"
 
 
 async def test_the_ttl_sweep_spares_locked_blocks(open_store: OpenStore) -> None:

@@ -221,7 +221,8 @@ async def patch_tenant(request: web.Request) -> web.Response:
     ``events_topic`` (null: none, the store's frame size, the tenant's name;
     absent: unchanged), ``qos`` fields (each named is changed; null: the
     store's default), ``admit_after`` and ``admit_window_s`` (null: 1, and
-    the default window). A lower quota is enforced before the answer; a QoS
+    the default window). A lower quota is enforced in the background, started
+    before the answer (``quota_enforcement``: the bytes over it); a QoS
     or admission change applies to the next request, on every worker."""
     require_admin(request)
     name = request.match_info["name"]
@@ -236,7 +237,7 @@ async def patch_tenant(request: web.Request) -> web.Response:
     topic = _topic(body) if "events_topic" in body else None
     qos = parse_qos(body["qos"]) if "qos" in body else None
     admit_after, admit_window_s = _admission(body)
-    await store_of(request).set_limits(
+    changed = await store_of(request).set_limits(
         name,
         limits.get("quota_bytes"),
         limits.get("ttl_s"),
@@ -246,7 +247,8 @@ async def patch_tenant(request: web.Request) -> web.Response:
         admit_after,
         admit_window_s,
     )
-    return web.json_response(await _tenant_with_usage(request, name))
+    answer = await _tenant_with_usage(request, name)
+    return web.json_response({**answer, "quota_enforcement": changed["quota_enforcement"]})
 
 
 @routes.delete("/v1/admin/tenants/{name}")
