@@ -193,6 +193,10 @@ class StoreConfig:
     # objects then leave the bucket). None (unset): a quarter of segment_size;
     # 0: never merged. Read it through :attr:`merge_threshold`.
     merge_below: int | None = None
+    # Segment files each worker keeps open for reads (the writer's sealed ones
+    # among them): past it, the least recently read are closed and reopened
+    # when next read. The writer also holds two per tenant with an open segment.
+    max_open_segments: int = 4096
     # Plaintext of sealed and compressed blocks read recently, kept in each
     # worker process's memory (never on disk) so reads of hot blocks skip the
     # codec (engine/decoded.py); 0 turns it off.
@@ -352,6 +356,12 @@ class StoreConfig:
         )
         need(self.compact_rate >= 1 * MiB, "compact_rate", self.compact_rate, "must be at least 1 MiB (per second)")
         need(
+            16 <= self.max_open_segments <= 1_000_000,
+            "max_open_segments",
+            self.max_open_segments,
+            "must be 16 to 1000000 (files per worker)",
+        )
+        need(
             self.merge_below is None or 0 <= self.merge_below <= self.segment_size,
             "merge_below",
             self.merge_below,
@@ -426,6 +436,7 @@ STORE_PARSERS: dict[str, Parser] = {
             "ttl_sweep_s",
             "compact_dead_percent",
             "compact_interval_s",
+            "max_open_segments",
         ),
         parse_int,
     ),
