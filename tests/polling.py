@@ -22,3 +22,11 @@ async def until(what: str, ready: Callable[[], bool | Awaitable[bool]], timeout_
             return
         assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
         await asyncio.sleep(0.02)
+
+
+def until_now(what: str, ready: Callable[[], bool], timeout_s: float = 15.0, every_s: float = 0.05) -> None:
+    """:func:`until` for a test that has no event loop: a plain check, polled."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(every_s)

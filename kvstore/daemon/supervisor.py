@@ -20,7 +20,7 @@ from multiprocessing.process import BaseProcess
 import uvloop
 
 from kvstore import sdnotify
-from kvstore.daemon.listeners import close_listeners, listeners, serving_on
+from kvstore.daemon.listeners import close_listeners, foreign_listeners, serving_on, worker_listeners
 from kvstore.daemon.node import Shared
 from kvstore.daemon.process import os_error, serve
 from kvstore.engine.api import MasterKey
@@ -71,17 +71,20 @@ def _worker(
 
 
 def supervise(cfg: ServerConfig, master: MasterKey) -> int:
-    """Run ``cfg.worker_count`` processes sharing the listening sockets (bound
-    here, inherited by each): one writer that owns the store's writes, and
+    """Run ``cfg.worker_count`` processes, each listening on its own socket
+    per TCP address and sharing the unix sockets (bound here, inherited):
+    one writer that owns the store's writes, and
     readers that serve reads from the same files and forward writes to the
     writer over a unix socket. Readers stop before the writer, so forwarded
     writes in flight still land; if any worker dies, the rest are stopped and
     the daemon exits (systemd restarts it)."""
     ctx = multiprocessing.get_context("fork")  # before any thread or event loop exists here
-    # One listening socket per address, shared by every worker and by no other process.
+    # Each worker's own listening socket per TCP address (SO_REUSEPORT: the kernel
+    # spreads connections over them), held by no other process; unix sockets shared.
     # The tenants' token buckets, and a fleet node's state, in memory every worker maps.
     shared = Shared(shared_table(), shared_state() if cfg.store.fleet else None)
-    bound = listeners(cfg)
+    per_worker, unix = worker_listeners(cfg, cfg.worker_count)
+    all_tcp = [s for own in per_worker for s in own]
     sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # mode 0700: only this user reaches the writer
     sock = os.path.join(sock_dir, "writer.sock")
     stopping = hangup = False
@@ -101,6 +104,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
 
     def start(role: str) -> bool:
         parent, child = ctx.Pipe(duplex=False)
+        bound = (per_worker[len(procs)], unix)
         p = ctx.Process(
             target=_worker,
             args=(cfg, master.secret, role, sock, child, os.getpid(), bound, shared),
@@ -128,6 +132,17 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
             last = procs[-1][1]  # the one that did not start
             last.join(10)
             rc = 0 if stopping else 2 if last.exitcode == 2 else 1
+        elif others := foreign_listeners(all_tcp):
+            # Another process bound the port with SO_REUSEPORT while this one
+            # started (a second daemon whose start overlapped): it would take
+            # a share of the connections. Stop, as a port in use stops us.
+            print(
+                f"kvstore: listen={','.join(others)}: another process is listening there too; "
+                "two daemons may not share a port",
+                file=sys.stderr,
+                flush=True,
+            )
+            rc = 2
         else:
             where = serving_on(cfg)
             print(f"kvstore serving on {where} with {cfg.worker_count} workers", flush=True)
@@ -160,7 +175,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
                     p.kill()
                     p.join()
         shutil.rmtree(sock_dir, ignore_errors=True)
-        close_listeners(*bound)
+        close_listeners(all_tcp, unix)
         for fd in (shared.qos, shared.fleet):
             if fd is not None:
                 os.close(fd)

@@ -4,19 +4,27 @@ Used to be: with 2+ workers the listener set SO_REUSEPORT, so a second
 daemon (another data directory) started on the same port said "serving",
 and from then on the kernel split connections between the two stores: of
 six tenants created through the port, one landed in one store and five in
-the other. Now the supervisor binds each address once, without SO_REUSEPORT,
-and its workers inherit the socket.
+the other. Then the supervisor bound each address once, without
+SO_REUSEPORT, and its workers shared the socket: a pool of connections
+opened at once was all accepted by whichever worker woke first. Now each
+worker listens on its own SO_REUSEPORT socket, bound only after a plain bind
+says nobody holds the port, and checked once the workers listen
+(listeners.foreign_listeners): connections spread, and a second daemon
+still stops.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from kvstore.daemon.listeners import foreign_listeners
 from tests.http.conftest import ADMIN, Daemon, daemon_env, free_port
+from tests.polling import until_now
 
 
 def _tenants(base: str) -> list[str]:
@@ -92,8 +100,56 @@ def test_a_second_daemon_on_a_busy_unix_socket_stops(tmp_path: Path, sock_dir: P
         assert first.stop() == 0
 
 
+def test_a_pool_of_connections_opened_at_once_spreads_over_the_workers(tmp_path: Path, sock_dir: Path) -> None:
+    """32 keep-alive connections opened in one burst (as a client's pool
+    does), each asked which worker it reached: both take a share (with an
+    even split by the kernel's hash, fewer than 6 of 32 on one worker has a
+    chance of about 1 in 10,000)."""
+    first, _ = _pair(tmp_path, "2", sock_dir / "kv.sock")
+    first.start()
+    try:
+        # start() returns once the port answers: the writer's; the reader listens a moment later.
+        until_now("the supervisor's serving line", lambda: "with 2 workers" in first.log.read_text(), 60)
+        conns = [socket.create_connection(("127.0.0.1", first.port), timeout=30) for _ in range(32)]
+        roles: list[str] = []
+        for c in conns:
+            c.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        for c in conns:
+            with c, c.makefile("rb") as f:
+                length = 0
+                while (line := f.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                roles.append(json.loads(f.read(length))["role"])
+        counts = {r: roles.count(r) for r in ("writer", "reader")}
+        assert min(counts.values()) >= 6, f"connections by worker: {counts}"
+    finally:
+        assert first.stop() == 0
+
+
+def test_a_listener_that_joins_the_port_is_found(tmp_path: Path) -> None:
+    """What the supervisor checks once its workers listen: a socket of
+    another process bound with SO_REUSEPORT too (a second daemon whose
+    start overlapped) is found; the daemon's own are not."""
+    own = socket.socket()
+    own.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    own.bind(("127.0.0.1", 0))
+    own.listen()
+    port = own.getsockname()[1]
+    try:
+        assert foreign_listeners([own]) == []
+        other = socket.socket()
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        with other:
+            assert foreign_listeners([own]) == [f"127.0.0.1:{port}"]
+    finally:
+        own.close()
+
+
 def test_workers_still_share_the_port(tmp_path: Path, sock_dir: Path) -> None:
-    # Both workers take connections from the one inherited socket.
+    # Both workers take connections on the one port.
     first, _ = _pair(tmp_path, "2", sock_dir / "kv.sock")
     first.start()
     try:
