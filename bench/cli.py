@@ -39,6 +39,9 @@ And those that measure, each in its own module with its own options:
 * ``fleet-day``: a fleet node's day of a trickle (8,640 small sealed
   segments in the bucket): the objects and a survivor's takeover time,
   before and after compaction merges them (``fleet_day.py``);
+* ``scale``: what grows with blocks (ready after a clean stop, the index's
+  size, 128-key lookups, a TTL sweep, a quota's removals, an index rebuild)
+  and with tenants (creation, ready after a clean stop) (``scale_bench.py``);
 * ``replay``: a request trace in Mooncake's format (its synthetic trace is
   shipped) replayed through the client: lookups, loads of the prefixes found
   and stores of the rest; the token hit ratio, split by tier, against an
@@ -114,6 +117,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
         "fleet_day",
         "a fleet node's day of a trickle: bucket objects and takeover time, before and after merging",
     ),
+    "scale": ("scale_bench", "what grows with blocks (start, lookups, TTL, quota, rebuild) and with tenants"),
     "replay": ("replay", "replay a request trace: token hit ratio by tier against unbounded, LRU and Belady caches"),
     "soak": ("soak", "a mixed load for minutes or hours: RSS, descriptors, threads, disk, p99 and errors bounded"),
 }
