@@ -91,7 +91,8 @@ def _growth(rows: list[dict[str, Any]], field: str, by: str) -> float | None:
     if len(rows) < 2 or not rows[-2].get(field) or rows[-1].get(field) is None:
         return None
     ratio = float(rows[-1][field]) / float(rows[-2][field])
-    return round(ratio ** (1 / math.log10(rows[-1][by] / rows[-2][by])), 2)
+    per_10x: float = ratio ** (1 / math.log10(float(rows[-1][by]) / float(rows[-2][by])))
+    return round(per_10x, 2)
 
 
 async def _blocks_series(args: argparse.Namespace, root: Path, sizes: list[int]) -> list[dict[str, Any]]:
