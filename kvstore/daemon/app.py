@@ -12,6 +12,7 @@ from kvstore.engine.api import MasterKey
 from kvstore.server_config import ServerConfig
 from kvstore.transport.http.app import http_app
 from kvstore.transport.http.appkeys import FOLLOWER, METRICS, STORE
+from kvstore.transport.http.internal import BELL, RINGER
 from kvstore.transport.http.qos import ADMISSION
 from kvstore.transport.http.routes.events import EVENTS
 from kvstore.transport.http.routes.fleet import FLEET, FLEET_TIER, TAKEOVER
@@ -60,3 +61,7 @@ def attach(app: web.Application, node: Node) -> None:
         app[FLEET_TIER] = node.fleet_tier
     if node.follower is not None:
         app[FOLLOWER] = node.follower
+    if node.ringer is not None:
+        app[RINGER] = node.ringer
+    if node.bell is not None:
+        app[BELL] = node.bell

@@ -27,6 +27,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from kvstore import touchbells
 from kvstore.daemon import fleet
 from kvstore.engine.api import MasterKey, Store
 from kvstore.events.bus import EventBus
@@ -57,6 +58,9 @@ class Shared:
 
     qos: int | None = None
     fleet: int | None = None
+    # Each reader's bell (kvstore/touchbells.py: eventfds), and which one is this reader's (-1: none).
+    bells: tuple[int, ...] = ()
+    bell: int = -1
 
 
 @dataclass
@@ -74,6 +78,8 @@ class Node:
     takeover: Takeover | None = None
     fleet_tier: Tier | None = None
     follower: FleetFollower | None = None  # a reader worker's view of the writer's fleet state
+    ringer: touchbells.Ringer | None = None  # the writer's: rings the readers before the quota picks victims
+    bell: touchbells.Bell | None = None  # a reader's: the writer's ring
 
     @property
     def reader(self) -> bool:
@@ -108,6 +114,11 @@ async def open_node(
             await stack.enter_async_context(fleet.publish_state(node, shared.fleet))
         elif config.store.fleet and shared.fleet is not None:
             await stack.enter_async_context(fleet.follow_state(node, shared.fleet))
+        if not reader and shared.bells:
+            node.ringer = touchbells.Ringer(shared.bells)
+            store.gather_touches_with(node.ringer.sync)
+        elif reader and 0 <= shared.bell < len(shared.bells):
+            node.bell = touchbells.Bell(shared.bells[shared.bell], shared.bell)
         admission.ready = True
         try:
             yield node

@@ -14,12 +14,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 import uvloop
 
-from kvstore import sdnotify
+from kvstore import sdnotify, touchbells
 from kvstore.daemon.listeners import close_listeners, foreign_listeners, serving_on, worker_listeners
 from kvstore.daemon.node import Shared
 from kvstore.daemon.process import os_error, serve
@@ -82,7 +83,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
     # Each worker's own listening socket per TCP address (SO_REUSEPORT: the kernel
     # spreads connections over them), held by no other process; unix sockets shared.
     # The tenants' token buckets, and a fleet node's state, in memory every worker maps.
-    shared = Shared(shared_table(), shared_state() if cfg.store.fleet else None)
+    shared = Shared(shared_table(), shared_state() if cfg.store.fleet else None, touchbells.bells(cfg.worker_count - 1))
     per_worker, unix = worker_listeners(cfg, cfg.worker_count)
     all_tcp = [s for own in per_worker for s in own]
     sock_dir = tempfile.mkdtemp(prefix="kvstore-")  # mode 0700: only this user reaches the writer
@@ -105,9 +106,10 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
     def start(role: str) -> bool:
         parent, child = ctx.Pipe(duplex=False)
         bound = (per_worker[len(procs)], unix)
+        own = replace(shared, bell=len(procs) - 1) if role == "reader" else shared  # reader i rings at bells[i]
         p = ctx.Process(
             target=_worker,
-            args=(cfg, master.secret, role, sock, child, os.getpid(), bound, shared),
+            args=(cfg, master.secret, role, sock, child, os.getpid(), bound, own),
             name=f"kvstore-{role}",
         )
         p.start()
@@ -179,6 +181,7 @@ def supervise(cfg: ServerConfig, master: MasterKey) -> int:
         for fd in (shared.qos, shared.fleet):
             if fd is not None:
                 os.close(fd)
+        touchbells.close(shared.bells)
     log.info("stopped")
     return rc
 

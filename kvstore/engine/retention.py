@@ -93,6 +93,8 @@ class Retention:
         self._checkpoint_lock = asyncio.Lock()
         self._eviction = eviction
         self._probation: dict[str, Probation] = {}  # tenant -> its state under probation (eviction.py)
+        # Before victims are picked: the other workers' reads handed over (kvstore/touchbells.py).
+        self.gather_touches: Callable[[], Awaitable[None]] | None = None
 
     # -- access times -----------------------------------------------------------
 
@@ -168,6 +170,8 @@ class Retention:
         used = self._index.stats(t.name).stored_bytes + self._inflight[t.name]
         if used + incoming <= t.quota_bytes:
             return 0
+        if self.gather_touches is not None:
+            await self.gather_touches()  # reads served by reader workers a moment ago count
         await self.checkpoint()  # the order sees the latest reads
         freed = 0
         after: tuple[int, str] | None = None

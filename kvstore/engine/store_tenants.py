@@ -197,6 +197,12 @@ class StoreTenants(StoreCore):
     def absorb_touches(self, touches: Touches) -> None:
         self.access.merge(touches)
 
+    def gather_touches_with(self, gather: Callable[[], Awaitable[None]] | None) -> None:
+        """The writer of several workers: ``gather()`` brings the readers'
+        accesses in (kvstore/touchbells.py); the quota awaits it before it
+        picks victims, so a block just read on a reader is as recent as it is."""
+        self._retention.gather_touches = gather
+
     async def expire(self, tenant: str | None = None) -> int:
         """Remove the blocks past their tenant's TTL now (normally the sweeper does)."""
         self._check_writable()

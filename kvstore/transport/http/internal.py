@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvstore import touchbells
 from kvstore.engine.api import Lease
 from kvstore.errors import InvalidInput, NotFound
 from kvstore.transport.http.appkeys import STATE, STORE, store_of
@@ -32,6 +33,10 @@ log = logging.getLogger("kvstore.http.internal")
 PREFIX = "/_internal/"
 RELAY_S = 1.0
 routes = web.RouteTableDef()
+# The writer's ringer, and a reader's bell (kvstore/touchbells.py): the readers'
+# accesses handed over at once when the quota is about to pick victims.
+RINGER = web.AppKey("ringer", touchbells.Ringer)
+BELL = web.AppKey("bell", touchbells.Bell)
 
 
 def on_private_socket(request: web.Request) -> bool:
@@ -59,6 +64,13 @@ async def touches(request: web.Request) -> web.Response:
     ):
         raise InvalidInput("touches: expected {tenant: {key: unix ms}}")
     store_of(request).absorb_touches(doc)
+    ringer = request.app.get(RINGER)
+    reader, taken = request.query.get("reader"), request.query.get("taken")
+    if ringer is not None and reader is not None and taken is not None:  # an answer to the writer's ring
+        try:
+            ringer.answered(int(reader), int(taken))
+        except ValueError:
+            raise InvalidInput("touches: reader and taken are integers") from None
     return web.Response(status=204)
 
 
@@ -164,19 +176,37 @@ def _locked_keys(doc: Any) -> frozenset[str] | None:
 
 
 async def relay(app: web.Application, session: aiohttp.ClientSession) -> None:
-    """A reader: every ``RELAY_S``, hand the writer the accesses served here
-    and the read-plan leases released here."""
-    while True:
-        await asyncio.sleep(RELAY_S)
-        pending = app[STORE].touches()
-        released = app[STATE]["released_leases"]
-        app[STATE]["released_leases"] = []
-        for path, doc in (("touches", pending), ("leases/release", {"ids": released} if released else None)):
-            if not doc:
-                continue
-            with contextlib.suppress(aiohttp.ClientError, ConnectionError, TimeoutError):
-                async with session.post(
-                    f"http://writer/_internal/{path}", json=doc, timeout=aiohttp.ClientTimeout(total=10)
-                ) as r:
-                    if r.status != 204:
-                        log.warning("the writer refused %s: %s", path, r.status)
+    """A reader: every ``RELAY_S``, and at once when the writer rings its
+    bell (touchbells.py), hand the writer the accesses served here and the
+    read-plan leases released here. An answer to a ring says how many rings
+    this reader had taken before it drained its accesses, even with none."""
+    bell = app.get(BELL)
+    rung = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if bell is not None:
+        bell.listen(loop, rung.set)
+    try:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rung.wait(), RELAY_S)
+            rung.clear()
+            taken = bell.taken if bell is not None else 0
+            pending = app[STORE].touches()
+            released = app[STATE]["released_leases"]
+            app[STATE]["released_leases"] = []
+            answer = f"?reader={bell.index}&taken={taken}" if bell is not None and taken else ""
+            for path, doc in (
+                ("touches" + answer, pending if pending or answer else None),
+                ("leases/release", {"ids": released} if released else None),
+            ):
+                if doc is None:
+                    continue
+                with contextlib.suppress(aiohttp.ClientError, ConnectionError, TimeoutError):
+                    async with session.post(
+                        f"http://writer/_internal/{path}", json=doc, timeout=aiohttp.ClientTimeout(total=10)
+                    ) as r:
+                        if r.status != 204:
+                            log.warning("the writer refused %s: %s", path, r.status)
+    finally:
+        if bell is not None:
+            bell.stop(loop)
