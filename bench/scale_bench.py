@@ -54,8 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--blocks", default="10000,100000,1000000", help="tenant sizes, comma-separated ('' for none)")
     p.add_argument("--block-bytes", type=int, default=4096, help="bytes of each block (default 4096)")
-    p.add_argument("--policy", choices=("direct", "sealed"), default="direct")
-    p.add_argument("--durability", choices=("persistent", "ephemeral"), default="persistent")
+    p.add_argument("--policy", choices=("direct", "sealed"), default="direct", help="the tenants' policy")
+    p.add_argument(
+        "--durability", choices=("persistent", "ephemeral"), default="persistent", help="the tenants' durability"
+    )
     p.add_argument("--lookups", type=int, default=2000, help="128-key lookups timed at each size")
     p.add_argument("--tenants", type=int, default=10_000, help="tenants of the second series (0: none)")
     p.add_argument("--tenant-blocks", type=int, default=10, help="blocks of each of those tenants")

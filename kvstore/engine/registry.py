@@ -16,7 +16,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -151,6 +151,9 @@ class Registry:
         self._deleted: dict[str, int] = {}
         self._parts: dict[str, bytes] = {}  # each tenant's part of the document, encoded (_doc)
         self._order: list[str] | None = None  # the tenants' names in order (_doc), made again when they change
+        # Each tenant's part, in that order, after ", " (the first one's dropped when written): the
+        # document is written from these buffers as they are (writev), never joined into one.
+        self._listed: list[bytes] = []
         # Called (on the changing thread) after every change is on disk: the
         # object tier keeps a copy of the registry.
         self.on_change: Callable[[], None] | None = None
@@ -236,31 +239,35 @@ class Registry:
         self._deleted = {str(k): int(v) for k, v in doc.get("deleted_tenants", {}).items()}
 
     def _doc(self, master: MasterKey) -> bytes:
-        """The registry document (JSON). Each tenant's part is kept encoded
-        until the tenant changes (``_save`` names it), so that a change costs
-        joining the parts, not encoding every tenant again: creating the
-        10,000th tenant used to encode all of them (42-70 ms by the
-        thousandth)."""
+        """The registry document (JSON), as one string."""
+        return b"".join(self._doc_parts(master))
+
+    def _doc_parts(self, master: MasterKey) -> list[bytes | memoryview]:
+        """The registry document (JSON), as the buffers it is written from.
+        Each tenant's part is kept encoded until the tenant changes (``_save``
+        names it) and kept in order, so that a change costs a write of the
+        parts, not an encoding of every tenant or a join of them all:
+        creating the 10,000th tenant used to encode all of them (42-70 ms by
+        the thousandth), then to join 3.3 MB twice (8.5 ms)."""
         if master is not self._master:  # a master key rotation: every part changes
             self._parts.clear()
             self._order = None
         if self._order is None or len(self._order) != len(self._tenants):
             self._order = sorted(self._tenants)
-        get, part = self._parts.get, self._part
-        tenants = b", ".join([get(name) or part(name) for name in self._order])
-        return b"".join(
-            (
-                b'{"deleted_tenants": ',
-                _dumps(self._deleted),
-                b', "master_key_id": ',
-                _dumps(master.key_id),
-                b', "tenants": {',
-                tenants,
-                b'}, "version": ',
-                _dumps(REGISTRY_VERSION),
-                b"}",
-            )
-        )
+            get, part = self._parts.get, self._part
+            self._listed = [b", " + (get(name) or part(name)) for name in self._order]
+        listed: list[bytes | memoryview] = [memoryview(self._listed[0])[2:], *self._listed[1:]] if self._listed else []
+        return [
+            b'{"deleted_tenants": ',
+            _dumps(self._deleted),
+            b', "master_key_id": ',
+            _dumps(master.key_id),
+            b', "tenants": {',
+            *listed,
+            b'}, "version": ',
+            _dumps(REGISTRY_VERSION),
+            b"}",
+        ]
 
     def _part(self, name: str) -> bytes:
         """Tenant ``name``'s part of the document, encoded and kept."""
@@ -284,20 +291,24 @@ class Registry:
         if changed:
             for name in changed:
                 self._parts.pop(name, None)
-                if self._order is not None:  # a tenant created or deleted: kept in order
+                if self._order is not None:  # kept in order: a tenant created, changed or deleted
                     i = bisect.bisect_left(self._order, name)
                     listed = i < len(self._order) and self._order[i] == name
                     if name in self._tenants and not listed:
                         self._order.insert(i, name)
-                    elif name not in self._tenants and listed:
+                        self._listed.insert(i, b", " + self._part(name))
+                    elif name in self._tenants:
+                        self._listed[i] = b", " + self._part(name)
+                    elif listed:
                         del self._order[i]
+                        del self._listed[i]
         else:
             self._parts.clear()
             self._order = None
-        self._write(self._doc(self._master))
+        self._write(self._doc_parts(self._master))
         self._changed()
 
-    def _write(self, doc: bytes) -> None:
+    def _write(self, doc: bytes | Sequence[bytes | memoryview]) -> None:
         """Replace the file with ``doc``. A change is all or nothing: if the
         file cannot be written (a full disk, EIO), what is in memory goes back
         to what the file says (the caller holds the lock), and the error is
