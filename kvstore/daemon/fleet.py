@@ -143,9 +143,13 @@ async def publish_state(node: Node, fd: int | None) -> AsyncIterator[None]:
     shared.publish(fd, state())
     tasks = Background()
     tasks.every(PUBLISH_S, lambda: shared.publish(fd, state()), "fleet-state")
+    if node.takeover is not None:  # an adoption or a hand-back reaches the readers at once
+        node.takeover.changed = lambda: shared.publish(fd, state())
     try:
         yield
     finally:
+        if node.takeover is not None:
+            node.takeover.changed = None
         await tasks.close()
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -74,6 +75,9 @@ class Takeover:
         self._tasks = Background()
         self._lock = asyncio.Lock()
         self.view = FleetView(0, ())
+        # Called when the adopted stores change: the writer publishes its state to
+        # its readers at once (kvstore/fleet/shared.py), not at the next period.
+        self.changed: Callable[[], None] | None = None
 
     def _dir(self, node_id: str) -> Path:
         return Path(self.config.data_dir) / ADOPTED / node_id
@@ -139,6 +143,8 @@ class Takeover:
             return
         self.adopted[node_id] = store
         self._incarnation[node_id] = incarnation
+        if self.changed is not None:
+            self.changed()
         now = loop.time()
         self.local.metrics.observe("kvstore_fleet_takeover_seconds", now - seen)
         log.warning(
@@ -165,6 +171,8 @@ class Takeover:
     async def _hand_back(self, node_id: str, cause: str) -> None:
         store = self.adopted.pop(node_id)
         self._incarnation.pop(node_id, None)
+        if self.changed is not None:
+            self.changed()
         await self._tell(store, "removed", cause)
         await store.close()
         await asyncio.to_thread(shutil.rmtree, self._dir(node_id), True)

@@ -28,6 +28,8 @@ import pytest
 from kvstore_client.nixl import nixl_available
 from kvstore_client.sharding import normalize, rank_endpoints
 
+from kvstore.fleet.shared import READ_EVERY_S
+
 from ..http.conftest import ADMIN, ROOT, Daemon, daemon_env, free_port
 from ..http.rawhttp import worker_connections
 from ..moto_s3 import AWS_ENV, REGION, S3Env
@@ -415,6 +417,13 @@ async def test_survivors_serve_a_dead_nodes_flushed_blocks_and_let_go_when_it_re
             conns = await worker_connections("127.0.0.1", d.port)
             try:
                 for role, conn in conns.items():
+                    # A reader sees its writer's adoption within READ_EVERY_S of its publication
+                    # (at once, kvstore/fleet/shared.py): the writer may have served it a moment sooner.
+                    t0 = time.monotonic()
+                    auth = {"Authorization": f"Bearer {token}"}
+                    while (await conn.request("GET", f"/v1/blocks/{ours[0]}", auth)).status == 404:
+                        assert time.monotonic() - t0 < 2 * READ_EVERY_S + 1, (role, "the adoption never reached it")
+                        await asyncio.sleep(READ_EVERY_S / 4)
                     for k in ours:
                         r = await conn.request("GET", f"/v1/blocks/{k}", {"Authorization": f"Bearer {token}"})
                         assert (r.status, r.body == blocks[k]) == (200, True), (role, k)

@@ -18,6 +18,7 @@ refusal ("tenant registry version 2 is not supported") gave no advice.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import shutil
@@ -155,6 +156,7 @@ async def test_a_format_2_index_is_migrated_in_place_keeping_its_access_times(
     builds it at start-up from the blocks and access dbs, in place; the
     access times survive, so the quota's LRU order does too."""
     s, keys = await _written(open_store, n=40)
+    await asyncio.sleep(0.01)  # the order is by millisecond: k0's read after the last put's
     await s.get("t", "k0")
     await s.close()
     index = Index(config.data_dir / "index")
