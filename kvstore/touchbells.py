@@ -47,7 +47,6 @@ class Ringer:
         self._rung = [0] * len(fds)  # rings sent to each reader
         self._answered = [0] * len(fds)  # the most rings a reader said it had taken when it answered
         self._changed = asyncio.Event()
-        self.late = 0  # waits that ended at WAIT_S without every answer
 
     async def sync(self) -> None:
         """Ring every reader and wait (at most ``WAIT_S``) until each has
@@ -62,7 +61,6 @@ class Ringer:
         while not all(a >= r for a, r in zip(self._answered, self._rung, strict=True)):
             left = deadline - time.monotonic()
             if left <= 0:
-                self.late += 1
                 return
             self._changed.clear()
             with contextlib.suppress(TimeoutError):

@@ -176,6 +176,11 @@ def _created_ms(entry: IndexEntry) -> int:
     return entry.created_ns // 1_000_000
 
 
+def _order_key(prefix: bytes, ms: int, key: bytes) -> bytes:
+    """A block's key in the order db: ``prefix`` is ``tenant 0x00``."""
+    return prefix + ms.to_bytes(8, "big") + key
+
+
 def _skey(tenant: str, segment_id: int) -> bytes:
     return tenant.encode() + _SEP + segment_id.to_bytes(8, "big")
 
@@ -303,7 +308,7 @@ class Index:
                     if bk != after:
                         tenant, key = bk.split(_SEP, 1)
                         last = self._last_ms(txn, bk, IndexEntry.unpack(raw))
-                        txn.put(tenant + _SEP + last.to_bytes(8, "big") + key, b"", db=order)
+                        txn.put(_order_key(tenant + _SEP, last, key), b"", db=order)
                         n += 1
                         after = bytes(bk)
                     found = cur.next()
@@ -452,8 +457,8 @@ class Index:
                 txn.put(bk, ACCESS.pack(ms), db=self._access)
                 before, after = max(created, was), max(created, ms)
                 if after != before:
-                    txn.delete(prefix + before.to_bytes(8, "big") + key.encode(), db=order)
-                    txn.put(prefix + after.to_bytes(8, "big") + key.encode(), b"", db=order)
+                    txn.delete(_order_key(prefix, before, key.encode()), db=order)
+                    txn.put(_order_key(prefix, after, key.encode()), b"", db=order)
 
     def oldest(
         self, tenant: str, after: tuple[int, str] | None, limit: int, before_ms: int | None = None
@@ -464,7 +469,7 @@ class Index:
         touched before ``before_ms`` if given. A walk's cost is the page's."""
         order = self._db_order()
         prefix = tenant.encode() + _SEP
-        start = prefix + (after[0].to_bytes(8, "big") + after[1].encode() + b"\x00" if after else b"")
+        start = _order_key(prefix, after[0], after[1].encode() + b"\x00") if after else prefix
         out: list[tuple[int, str, IndexEntry]] = []
         with self.env.begin(buffers=True) as txn:
             cur = txn.cursor(db=order)
@@ -566,7 +571,7 @@ class Index:
                 o = IndexEntry.unpack(old)
                 blocks, stored, logical = blocks - 1, stored - o.record_len, logical - o.logical_size
                 count(o.segment_id, -1, -o.record_len)
-                txn.delete(prefix + max(_created_ms(o), accessed).to_bytes(8, "big") + key.encode(), db=order)
+                txn.delete(_order_key(prefix, max(_created_ms(o), accessed), key.encode()), db=order)
             if entry is None:
                 if old is not None:
                     txn.delete(bk, db=self._blocks)
@@ -574,7 +579,7 @@ class Index:
                     txn.delete(bk, db=self._idents)
             else:
                 txn.put(bk, entry.pack(), db=self._blocks)
-                txn.put(prefix + max(_created_ms(entry), accessed).to_bytes(8, "big") + key.encode(), b"", db=order)
+                txn.put(_order_key(prefix, max(_created_ms(entry), accessed), key.encode()), b"", db=order)
                 if idents and key in idents:
                     txn.put(bk, idents[key], db=self._idents)
                 blocks, stored, logical = blocks + 1, stored + entry.record_len, logical + entry.logical_size

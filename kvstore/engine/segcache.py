@@ -80,10 +80,15 @@ class SegmentCache:
                     return None
                 self._segs[key] = seg
                 seg.acquire()
-                self._opened[key] = next(self._tick)
-                if len(self._opened) > self._max_open:
-                    self._close_least_used()
+                self._hold_for_reads(key)
             return seg
+
+    def _hold_for_reads(self, key: SegmentKey) -> None:
+        """Count ``key`` among the files held for reads, closing the least
+        used past the bound; under the lock."""
+        self._opened[key] = next(self._tick)
+        if len(self._opened) > self._max_open:
+            self._close_least_used()
 
     def _close_least_used(self) -> None:
         """Close (once their reads end) the eighth of the files opened for
@@ -101,9 +106,7 @@ class SegmentCache:
         when next read). Thread-safe (an appender's thread calls it)."""
         with self._lock:
             if key in self._segs:
-                self._opened[key] = next(self._tick)
-                if len(self._opened) > self._max_open:
-                    self._close_least_used()
+                self._hold_for_reads(key)
 
     def segment_keys(self) -> list[SegmentKey]:
         with self._lock:
