@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -62,16 +63,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.config import QUOTA_EVICTION
+
 from .argtypes import dtype_arg, model_arg, positive_float, positive_int
 from .fleet_bench import missing_moto
 from .harness import sigterm_as_exit, tree_cpu_seconds
 from .models import ModelGeometry, resolve_model
 from .plots import matplotlib_missing
-from .replay_report import figures, render, write_json, write_png
+from .replay_report import Figures, compare_table, figures, render, write_compared_json, write_json, write_png
 from .replayer import ReplayOptions, replay
 from .run import Leftovers, clean_endpoint
 from .sizing import fmt_bytes, kv_bytes_per_block
-from .trace import MOONCAKE_TOKENS_PER_BLOCK, SYNTHETIC, load_trace, references, shape
+from .trace import MOONCAKE_TOKENS_PER_BLOCK, NAMED, SYNTHETIC, Request, load_trace, references, shape
 
 PROG = "kvstore-bench replay"
 DEFAULT_MODEL = "Llama-3.1-8B"
@@ -127,15 +130,41 @@ def _admit_after(text: str) -> int:
     return value
 
 
+def _policies(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in QUOTA_EVICTION]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected policies among {', '.join(QUOTA_EVICTION)}")
+    return names
+
+
+def _check_compare(args: argparse.Namespace, settings: dict[str, str], error: Callable[[str], Any]) -> None:
+    if not args.compare:
+        return
+    if args.endpoint or args.nodes:
+        error("argument --compare: only for one daemon this command starts (not with --endpoint or --nodes)")
+    if args.quota is None:
+        error("argument --compare: needs --quota (without a quota no block is evicted)")
+    if "quota_eviction" in settings:
+        error("argument --compare: sets quota_eviction itself; drop --set quota_eviction")
+    if args.png is not None:
+        error("argument --compare: --png plots one replay; give it without --compare")
+
+
+def _trace(text: str) -> Path:
+    return NAMED.get(text, Path(text))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument(
         "--trace",
-        type=Path,
+        type=_trace,
         default=SYNTHETIC,
-        metavar="FILE",
-        help="a trace in Mooncake's JSONL format, or of prompts' token_ids chained here in blocks of "
-        "--tokens-per-block (default: Mooncake's synthetic trace, shipped with the package)",
+        metavar="FILE|NAME",
+        help="a trace in Mooncake's JSONL format (gzipped if named *.gz), or of prompts' token_ids chained here "
+        f"in blocks of --tokens-per-block; or one shipped with the package: {', '.join(NAMED)} "
+        "(default: synthetic, Mooncake's synthetic trace)",
     )
     ap.add_argument("--requests", type=positive_int, help="replay only the first N requests (default: all)")
     ap.add_argument(
@@ -227,6 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_float,
         help="the prefill rate in tokens/s, for the prefill time the hits save (none by default: no preset has one)",
     )
+    ap.add_argument(
+        "--compare",
+        type=_policies,
+        metavar="POLICIES",
+        help=f"replay once per quota eviction policy, comma-separated ({', '.join(QUOTA_EVICTION)}), each on a "
+        "fresh daemon started here with --quota, and print one table of them (and --json them all)",
+    )
     ap.add_argument("--timeout", type=positive_float, default=30.0, help="deadline of each call, s (default 30)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is no TTY)")
     ap.add_argument("--json", type=Path, metavar="OUT", help="write every figure and the time series as JSON")
@@ -314,6 +350,8 @@ def build_options(args: argparse.Namespace, error: Callable[[str], Any]) -> Repl
         error(f"argument --png: {why}")  # now, not after the replay
     if not args.trace.is_file():
         error(f"argument --trace: {args.trace} is not a file")
+    settings = _settings(args.set, error)
+    _check_compare(args, settings, error)
     return ReplayOptions(
         trace=args.trace,
         requests=args.requests,
@@ -331,12 +369,13 @@ def build_options(args: argparse.Namespace, error: Callable[[str], Any]) -> Repl
         policy=args.policy or "sealed",
         quota=args.quota,
         admit_after=args.admit_after,
-        settings=_settings(args.set, error),
+        settings=settings,
         prefill_tps=args.prefill_tps or model.prefill_tokens_per_s_8gpu,
         timeout=args.timeout,
         progress=not args.no_progress and sys.stderr.isatty(),
         json_path=args.json,
         png_path=args.png,
+        compare=args.compare or (),
     )
 
 
@@ -457,6 +496,39 @@ def execute(opts: ReplayOptions) -> int:
         f"{PROG}: {opts.trace.name}, {cut.requests:,} requests, {cut.tokens:,} input tokens, "
         f"{cut.unique_blocks:,} unique blocks of {fmt_bytes(opts.block_bytes).split(' = ')[-1]}"
     )
+    if opts.compare:
+        return _compared(opts, requests)
+    figs, cleaned = _replayed(opts, requests, run_id)
+    say(render(figs))
+    if opts.json_path is not None:
+        write_json(opts.json_path, figs)
+        say(f"wrote {opts.json_path}")
+    if opts.png_path is not None:
+        write_png(opts.png_path, figs)
+        say(f"wrote {opts.png_path}")
+    return 0 if cleaned is not None else 1
+
+
+def _compared(opts: ReplayOptions, requests: Sequence[Request]) -> int:
+    """``--compare``: the same requests through a fresh daemon per policy."""
+    runs: dict[str, Figures] = {}
+    for policy in opts.compare:
+        say(f"-- quota_eviction = {policy}")
+        one = dataclasses.replace(opts, settings={**opts.settings, "quota_eviction": policy}, compare=())
+        runs[policy], _ = _replayed(one, requests, os.urandom(4).hex())
+        say(render(runs[policy]))
+        say("")
+    say(compare_table(runs))
+    if opts.json_path is not None:
+        write_compared_json(opts.json_path, runs)
+        say(f"wrote {opts.json_path}")
+    return 0
+
+
+def _replayed(opts: ReplayOptions, requests: Sequence[Request], run_id: str) -> tuple[Figures, str | None]:
+    """One replay of ``requests`` and its figures, with what cleaning an
+    existing endpoint said (None: it failed)."""
+    cut = shape(requests)
     cleaned: str | None = ""
     with _target(opts, cut.unique_blocks) as target:
         cpu0 = target.cpu_seconds()
@@ -474,14 +546,7 @@ def execute(opts: ReplayOptions) -> int:
     figs = figures(opts, requests, done, refs, cpu)
     if cleaned:
         figs.notes.append(cleaned)
-    say(render(figs))
-    if opts.json_path is not None:
-        write_json(opts.json_path, figs)
-        say(f"wrote {opts.json_path}")
-    if opts.png_path is not None:
-        write_png(opts.png_path, figs)
-        say(f"wrote {opts.png_path}")
-    return 0 if cleaned is not None else 1
+    return figs, cleaned
 
 
 def main(argv: list[str] | None = None) -> int:

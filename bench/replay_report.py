@@ -380,6 +380,39 @@ def render(figs: Figures) -> str:
     return "\n".join(head + body + [f"note: {n}" for n in figs.notes])
 
 
+def compare_table(runs: dict[str, Figures]) -> str:
+    """``--compare``: one row per policy, each against the references at the
+    blocks its own run held."""
+    head = ["policy", "token hit", "LRU ref", "vs LRU", "Belady", "of Belady", "held", "written", "CPU s", "load p99"]
+    rows = []
+    for policy, figs in runs.items():
+        d = figs.doc
+        hit, lru, opt = d["token_hit_ratio"], d["lru_token_hit_ratio"], d["belady_token_hit_ratio"]
+        written = d["daemon_bytes_written"]
+        rows.append(
+            [
+                policy,
+                _f(hit),
+                _f(lru),
+                f"{hit / lru - 1:+.1%}" if lru else "-",
+                _f(opt),
+                f"{hit / opt:.1%}" if opt else "-",
+                f"{d['blocks_held']:,}" if d["blocks_held"] is not None else "-",
+                _size(written) if written is not None else "-",
+                _f(d["daemon_cpu_s"], ".1f"),
+                _f(d["load_ms"]["p99"], ".1f"),
+            ]
+        )
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(f"{c:<{w}}" for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *rows])
+
+
+def write_compared_json(path: Path, runs: dict[str, Figures]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": "kvstore-bench replay --compare", "runs": {p: f.doc for p, f in runs.items()}}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def write_json(path: Path, figs: Figures) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(figs.doc, indent=1) + "\n")

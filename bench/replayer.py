@@ -76,6 +76,7 @@ class ReplayOptions:
     progress: bool
     json_path: Path | None
     png_path: Path | None
+    compare: tuple[str, ...] = ()  # quota_eviction policies replayed one after the other (a started daemon)
 
     @property
     def existing(self) -> bool:

@@ -44,6 +44,7 @@ the daemon does for a PUT of a key it holds):
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import heapq
 import json
@@ -55,6 +56,9 @@ from pathlib import Path
 
 TRACES = Path(__file__).resolve().parent / "data" / "traces"
 SYNTHETIC = TRACES / "synthetic_trace.jsonl"  # Mooncake's FAST'25 synthetic trace
+CONVERSATION = TRACES / "conversation_trace.jsonl.gz"  # Mooncake's FAST'25 conversation trace
+AGENTS = TRACES / "agent_sessions.jsonl.gz"  # long agent sessions (agent_trace.py made it)
+NAMED = {"synthetic": SYNTHETIC, "conversation": CONVERSATION, "agents": AGENTS}  # traces shipped with the package
 MOONCAKE_TOKENS_PER_BLOCK = 512
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 TOKEN_FIELDS = ("token_ids", "input_ids")  # a trace of prompts' tokens instead of block ids
@@ -163,10 +167,11 @@ def load_trace(
     """The first ``limit`` requests of the trace at ``path`` (all: None), in
     arrival order (a stable sort by timestamp: a file out of order is replayed
     in time order). Blank lines are skipped; a bad line is a ValueError.
+    A file named ``*.gz`` is read through gzip.
     Lines of token ids are chained in blocks of ``tokens_per_block``."""
     requests: list[Request] = []
     chains = PrefixChains(tokens_per_block)
-    with path.open(encoding="utf-8") as f:
+    with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

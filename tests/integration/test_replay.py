@@ -232,3 +232,19 @@ def test_a_trace_of_its_own_and_a_metrics_token(tmp_path: Path) -> None:
         assert doc["tiers"]["g3"] == pytest.approx(1024 / 2124) and doc["tiers"]["g4"] == 0
     finally:
         assert d.stop() == 0
+
+
+def test_compare_replays_the_same_requests_once_per_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--compare lru,probation``: a fresh daemon per policy (each evicting
+    under the quota), one table, and every run's figures in the JSON."""
+    out = tmp_path / "compared.json"
+    argv = ["--trace", "agents", "--requests", "40", "--block-bytes", "4KiB", "--policy", "direct", "--no-progress"]
+    assert replay.main([*argv, "--quota", "256KiB", "--compare", "lru,probation", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "kvstore-bench replay --compare" and list(doc["runs"]) == ["lru", "probation"]
+    for run in doc["runs"].values():
+        _check_contract(run, 40)
+        assert 0 < run["blocks_held"] <= 256 * 1024 // 4096
+    table = capsys.readouterr().out.split("policy")[-1].splitlines()
+    assert table[0].split()[:3] == ["token", "hit", "LRU"]
+    assert [line.split()[0] for line in table[1:3]] == ["lru", "probation"] and table[3] == f"wrote {out}"

@@ -7,6 +7,7 @@ tests/integration/test_replay.py."""
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import math
 import random
@@ -16,10 +17,12 @@ from pathlib import Path
 
 import pytest
 from kvstore_bench import cli
+from kvstore_bench.agent_trace import AgentShape, agent_sessions, to_jsonl
 from kvstore_bench.replay import build_options, build_parser
 from kvstore_bench.replay_report import tiers
 from kvstore_bench.replayer import BlockBytes, ReplayOptions, counter
 from kvstore_bench.trace import (
+    AGENTS,
     SYNTHETIC,
     Belady,
     Lru,
@@ -143,6 +146,39 @@ def test_the_shipped_trace_is_mooncakes_synthetic_trace() -> None:
     assert token_hit_ratio(requests, references(requests, None).unbounded, 512) == pytest.approx(0.6512, abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("name", "requests", "unique"),
+    [("synthetic", 3993, 43924), ("conversation", 12031, 182790), ("agents", 1884, 13466)],
+)
+def test_the_shipped_traces_by_name(name: str, requests: int, unique: int) -> None:
+    """``--trace NAME``: the three shipped traces (the gzipped ones read through gzip)."""
+    opts = _options("--trace", name)
+    cut = shape(load_trace(opts.trace))
+    assert (cut.requests, cut.unique_blocks) == (requests, unique)
+
+
+def test_the_shipped_agent_trace_is_what_the_generator_makes() -> None:
+    """agent_sessions.jsonl.gz is ``agent_sessions()`` of the default shape,
+    byte for byte: a turn's chain is its session's last chain's full blocks
+    and new ones; sessions of one kind share their system prompt's blocks."""
+    requests = agent_sessions()
+    with gzip.open(AGENTS, "rt", encoding="utf-8") as f:
+        assert f.read() == to_jsonl(requests)
+    heads = {r.hash_ids[0] for r in requests}
+    assert 1 < len(heads) <= AgentShape().kinds  # every session starts with its kind's system prompt
+    position: dict[int, int] = {}  # a prefix hash names one place in a chain
+    seen: set[int] = set()
+    for r in requests:
+        assert r.input_length <= AgentShape().max_context and len(r.hash_ids) == -(-r.input_length // 512)
+        assert all(position.setdefault(h, i) == i for i, h in enumerate(r.hash_ids))
+        if r.input_length % 512:  # a partial last block is never read again
+            assert r.hash_ids[-1] not in seen
+        seen.update(r.hash_ids)
+    reused = sum(len(r.hash_ids) for r in requests) - len(seen)
+    assert reused > 10 * len(seen)  # each turn re-reads its session's prefix
+    assert agent_sessions(AgentShape(seed=1)) != requests
+
+
 def test_block_bytes_differ_by_block_and_count_wrong_bytes() -> None:
     pool = bytes(range(256)) * 64  # 16 KiB
     blocks = BlockBytes(5000, pool, nonce=7)
@@ -199,6 +235,10 @@ def _options(*argv: str) -> ReplayOptions:
         (["--admit-after", "two"], "argument --admit-after: 'two' is not an integer"),
         (["--endpoint", "http://x:1", "--token", "t", "--admit-after", "2"], "--admit-after: only for a daemon"),
         (["--trace", "/nonexistent.jsonl"], "not a file"),
+        (["--compare", "lru,lfu", "--quota", "1MiB"], "argument --compare: 'lru,lfu': expected policies among"),
+        (["--compare", "lru,probation"], "--compare: needs --quota"),
+        (["--compare", "lru", "--quota", "1MiB", "--set", "quota_eviction=lru"], "drop --set quota_eviction"),
+        (["--compare", "lru", "--endpoint", "http://x:1", "--token", "t"], "--compare: only for one daemon"),
     ],
 )
 def test_bad_options_exit_2_naming_the_option(
