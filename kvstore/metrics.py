@@ -111,6 +111,11 @@ class Metrics:
         with self._lock:
             self._gauges[(name, tuple(sorted(labels.items())))] = value
 
+    def unset(self, name: str, **labels: str) -> None:
+        """Drop a gauge (what it measured is gone: a tenant deleted)."""
+        with self._lock:
+            self._gauges.pop((name, tuple(sorted(labels.items()))), None)
+
     def observe(self, name: str, value: float, **labels: str) -> None:
         key = _key(name, labels)
         if threading.get_ident() == self._owner:

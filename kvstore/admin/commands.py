@@ -55,6 +55,7 @@ LIMIT_FIELDS = {
     "events_topic": "events_topic",
     "admit_after": "admit_after",
     "admit_window": "admit_window_s",
+    "eviction": "eviction",
 }
 QOS_FIELDS = {
     "weight": "weight",
@@ -136,6 +137,7 @@ def tenant_text(t: dict[str, Any]) -> str:
         ("frame size", render.size(t.get("frame_size"), none="the store's")),
         ("events topic", t.get("events_topic") or f"{t['name']} (its name)"),
         ("admission", admission),
+        ("eviction", t.get("eviction") or "the node's quota_eviction"),
         (
             "qos",
             f"weight {qos.get('weight')}; reads {limit(qos.get('read_bytes_per_s', 0))}, "

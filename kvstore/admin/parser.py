@@ -130,7 +130,7 @@ def _limits(p: argparse.ArgumentParser) -> None:
         help="its request limit a second (0: none)",
     )
     q.add_argument("--qos-defaults", action="store_true", help="put every QoS field back to the store's default")
-    a = p.add_argument_group("admission (each: a value, or default)")
+    a = p.add_argument_group("admission and eviction (each: a value, or default)")
     a.add_argument(
         "--admit-after",
         type=or_null(count, COUNT, "default"),
@@ -142,6 +142,12 @@ def _limits(p: argparse.ArgumentParser) -> None:
         type=or_null(seconds, SECONDS, "default"),
         metavar="SECONDS",
         help="how long a block's offers count towards --admit-after (default 1h)",
+    )
+    a.add_argument(
+        "--eviction",
+        type=text_or_null,
+        metavar="POLICY",
+        help="which blocks its quota takes: lru or probation (default: the node's quota_eviction)",
     )
 
 

@@ -25,16 +25,19 @@ The setting ``quota_eviction`` picks the policy, for every tenant of the node:
   trace and lost on its conversation trace; the adaptive one won on both
   or matched LRU.
 
-Ghosts and the share live in memory only: after a restart every block not
-read since the last access checkpoint is on probation again, no evicted key
-is remembered and the share starts over.
+The share and the ghosts are the node's learned state: the writer keeps
+them in the index (its ``policy`` database, :meth:`Probation.encode`) at
+every clean stop and once a minute while they change, and takes them back
+at start-up, so a restart neither forgets which keys came back nor starts
+the share over. An index rebuilt from the segments starts them over.
 """
 
 from __future__ import annotations
 
 import heapq
+import struct
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvstore.engine.index import IndexEntry
@@ -131,6 +134,10 @@ class Ghosts:
         when = self._evicted.get(c.key)
         return when is not None and c.created_ms >= when
 
+    def items(self) -> Iterator[tuple[str, int]]:
+        """(key, evicted ms), the longest remembered first."""
+        return iter(self._evicted.items())
+
 
 @dataclass(slots=True)
 class Probation:
@@ -145,6 +152,53 @@ class Probation:
     share: float = PROBATION_SHARE
     evicted_new: Ghosts = field(default_factory=Ghosts)
     evicted_reused: Ghosts = field(default_factory=Ghosts)
+
+    def encode(self) -> bytes:
+        """The state as the index keeps it: ``STATE_HEAD`` (version,
+        incarnation, share, the two lists' lengths), then each ghost, first
+        list first, longest remembered first: ``GHOST_HEAD`` (evicted ms,
+        key length) and the key's UTF-8 bytes."""
+        # (each list copied in one step: a save encodes on a worker thread
+        # while the event loop may evict)
+        new, reused = list(self.evicted_new.items()), list(self.evicted_reused.items())
+        ghosts = new + reused
+        parts = [STATE_HEAD.pack(STATE_VERSION, self.incarnation, self.share, len(new), len(ghosts))]
+        for key, when in ghosts:
+            raw = key.encode()
+            parts += (GHOST_HEAD.pack(when, len(raw)), raw)
+        return b"".join(parts)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Probation | None:
+        """The state :meth:`encode` wrote; None for one this release cannot
+        read (another version, or cut short): the policy starts over, which
+        costs hits for a while and loses nothing."""
+        if len(raw) < STATE_HEAD.size:
+            return None
+        version, incarnation, share, n_new, n_all = STATE_HEAD.unpack_from(raw)
+        if version != STATE_VERSION or n_new > n_all:
+            return None
+        state = cls(incarnation, min(MAX_SHARE, max(MIN_SHARE, share)))
+        lists = ([], [])  # type: tuple[list[tuple[str, int]], list[tuple[str, int]]]
+        at = STATE_HEAD.size
+        for i in range(n_all):
+            if at + GHOST_HEAD.size > len(raw):
+                return None
+            when, n = GHOST_HEAD.unpack_from(raw, at)
+            at += GHOST_HEAD.size
+            if at + n > len(raw):
+                return None
+            lists[i >= n_new].append((raw[at : at + n].decode(), when))
+            at += n
+        for ghosts, kept in zip((state.evicted_new, state.evicted_reused), lists, strict=True):
+            for key, when in kept:
+                ghosts.add((key,), when, GHOST_KEYS)
+        return state
+
+
+STATE_VERSION = 1  # of Probation.encode: another is read as no state
+STATE_HEAD = struct.Struct("<BQdII")  # version, incarnation (the tenant's created_ns), share, ghosts of list 1, all
+GHOST_HEAD = struct.Struct("<QH")  # evicted ms, key length
 
 
 def read_since_stored(c: Candidate) -> bool:

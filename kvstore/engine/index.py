@@ -263,6 +263,9 @@ class Index:
             # A block's engine identity (Kvstore-Block-Meta), removed with its entry.
             self._idents = self.env.open_db(b"idents", create=not readonly)
             self._order = self.env.open_db(b"order", create=not readonly) if not readonly else None
+            # Each tenant's learned eviction state (engine/eviction.py), by
+            # name: the writer's alone, as the order is.
+            self._policy = self.env.open_db(b"policy", create=True) if not readonly else None
             with self.env.begin(write=not readonly) as txn:
                 fmt = txn.get(b"format", db=self._meta)
                 if fmt is None and not readonly:
@@ -427,6 +430,25 @@ class Index:
         with contextlib.closing(self._scan(self._blocks, tenant, first)) as scan:  # ends its transaction
             pairs = takewhile(lambda kv: kv[0].startswith(prefix.encode()), scan) if prefix else scan
             return [(k.decode(), IndexEntry.unpack(v)) for k, v in islice(pairs, limit)]
+
+    def policy_states(self) -> dict[str, bytes]:
+        """Every tenant's learned eviction state, as :meth:`save_policy_states` kept it."""
+        if self._policy is None:
+            return {}
+        with self.env.begin(db=self._policy) as txn:
+            return {bytes(k).decode(): bytes(v) for k, v in txn.cursor()}
+
+    def save_policy_states(self, states: Mapping[str, bytes | None]) -> None:
+        """Keep each tenant's eviction state (None: drop it), in one transaction."""
+        db = self._policy
+        if db is None:
+            raise KVStoreError("the index was opened read-only: eviction states are the writer's")
+        with self._writing() as txn:
+            for tenant, raw in states.items():
+                if raw is None:
+                    txn.delete(tenant.encode(), db=db)
+                else:
+                    txn.put(tenant.encode(), raw, db=db)
 
     def accessed(self, tenant: str, keys: Sequence[str]) -> list[int]:
         """Checkpointed last-access milliseconds of ``keys`` (0 where none is recorded)."""
@@ -664,3 +686,5 @@ class Index:
                         if not cur.delete():
                             break
             txn.delete(tenant.encode(), db=self._stats)
+            if self._policy is not None:
+                txn.delete(tenant.encode(), db=self._policy)

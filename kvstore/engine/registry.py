@@ -104,6 +104,9 @@ class Tenant:
     # its admit_after-th offer within admit_window_s of the first; 1: every time.
     admit_after: int = 1
     admit_window_s: int = DEFAULT_ADMIT_WINDOW_S
+    # Which blocks its quota takes (engine/eviction.py); "": the node's
+    # quota_eviction. A value this release does not know is read as "".
+    eviction: str = ""
 
     @property
     def sealed(self) -> bool:
@@ -125,6 +128,7 @@ class Tenant:
             "qos": dict(self.qos),
             "admit_after": self.admit_after,
             "admit_window_s": self.admit_window_s,
+            "eviction": self.eviction or None,
             "tokens": [{"id": tid, "created_ns": t["created_ns"]} for tid, t in sorted(self.tokens.items())],
             "s3_keys": [{"access_key_id": k, "created_ns": v["created_ns"]} for k, v in sorted(self.s3_keys.items())],
         }
@@ -232,6 +236,7 @@ class Registry:
                 qos=stored_overrides(t.get("qos")),
                 admit_after=int(t.get("admit_after") or 1),
                 admit_window_s=int(t.get("admit_window_s") or DEFAULT_ADMIT_WINDOW_S),
+                eviction=str(t.get("eviction") or ""),
             )
             self._tenants[name] = tenant
             for version, wrapped in tenant.wrapped_keys.items():
@@ -415,6 +420,8 @@ class Registry:
         qos: dict[str, int] | None = None,
         admit_after: int = 1,
         admit_window_s: int = DEFAULT_ADMIT_WINDOW_S,
+        *,
+        eviction: str = "",
     ) -> Tenant:
         validate_tenant(name)
         if policy not in POLICIES:
@@ -442,6 +449,7 @@ class Registry:
                 qos=dict(qos or {}),
                 admit_after=admit_after,
                 admit_window_s=admit_window_s,
+                eviction=eviction,
             )
             self._deleted.pop(_name_digest(name), None)
             if policy == "sealed":
@@ -517,11 +525,13 @@ class Registry:
         qos: dict[str, int | None] | None = None,
         admit_after: int | None = None,
         admit_window_s: int | None = None,
+        *,
+        eviction: str | None = None,
     ) -> Tenant:
         """Change the tenant's quota, TTL, frame size of new records, events
-        topic, QoS fields and admission (None: leave as is; 0 or "": none,
-        the store's frame size, the tenant's name; a QoS field None: the
-        store's default)."""
+        topic, QoS fields, admission and eviction (None: leave as is; 0 or
+        "": none, the store's frame size, the tenant's name, the node's
+        eviction; a QoS field None: the store's default)."""
         with self._lock:
             t = self.get(name)
             if qos:
@@ -538,6 +548,8 @@ class Registry:
                 t.admit_after = admit_after
             if admit_window_s is not None:
                 t.admit_window_s = admit_window_s
+            if eviction is not None:
+                t.eviction = eviction
             self._save(name)
             return t
 

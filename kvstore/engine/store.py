@@ -376,8 +376,9 @@ class Store(StoreTenants, StoreMaintenance, StoreSealing, StoreReads, StoreWrite
         if not self.readonly and not self.adopted and hasattr(self, "_retention"):
             try:
                 await self._retention.checkpoint()
+                await self._retention.save_states()
             except (KVStoreError, OSError) as e:
-                log.error("last checkpoint of access times failed: %s", e)
+                log.error("last checkpoint of access times and eviction states failed: %s", e)
         await self.abandon_all_write_plans()
         mirror = self._residency.mirror if hasattr(self, "_residency") else None
         if mirror is not None:

@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from kvstore.config import FRAME_SIZE_RULE, valid_frame_size
+from kvstore.config import FRAME_SIZE_RULE, QUOTA_EVICTION, valid_frame_size
 from kvstore.engine.access import Touches
 from kvstore.engine.admission import DEFAULT_ADMIT_WINDOW_S, MAX_ADMIT_AFTER, MAX_ADMIT_WINDOW_S
 from kvstore.engine.appender import OpenSegment
@@ -78,6 +78,8 @@ class StoreTenants(StoreCore):
         qos: dict[str, int | None] | None = None,
         admit_after: int | None = None,
         admit_window_s: int | None = None,
+        *,
+        eviction: str | None = None,
     ) -> dict[str, Any]:
         """``durability``: persistent (never dropped before it is in the object
         tier) or ephemeral (may be dropped when the disk is full); default the
@@ -90,7 +92,9 @@ class StoreTenants(StoreCore):
         others, and those None, follow the ``default_qos_*`` settings).
         ``admit_after``: a block it does not hold is stored only at its
         ``admit_after``-th offer within ``admit_window_s`` seconds
-        (engine/admission.py); None: 1 (every time), and 3600 s."""
+        (engine/admission.py); None: 1 (every time), and 3600 s.
+        ``eviction``: which blocks its quota takes (engine/eviction.py);
+        None or "": the node's ``quota_eviction``."""
         self._check_writable()
         validate_tenant(name)
         if compression is None and policy == "sealed":
@@ -102,11 +106,12 @@ class StoreTenants(StoreCore):
         topic = _topic(events_topic or "")
         after = 1 if admit_after is None else _admit_after(admit_after)
         window = DEFAULT_ADMIT_WINDOW_S if admit_window_s is None else _admit_window(admit_window_s)
+        policy_of_quota = _eviction(eviction or "")
         await self._run(trash, self._seg_root, name)  # files of a deleted incarnation, if any are left
         own = apply_changes({}, qos or {})
         await self._change_registry(
             False,
-            self._registry.create,
+            functools.partial(self._registry.create, eviction=policy_of_quota),
             name,
             policy,
             compression,
@@ -132,9 +137,12 @@ class StoreTenants(StoreCore):
         qos: dict[str, int | None] | None = None,
         admit_after: int | None = None,
         admit_window_s: int | None = None,
+        *,
+        eviction: str | None = None,
     ) -> dict[str, Any]:
-        """Change a tenant's quota, TTL, frame size, events topic, QoS fields
-        and admission (None: unchanged; 0: none, or the store's frame size).
+        """Change a tenant's quota, TTL, frame size, events topic, QoS fields,
+        admission and eviction (None: unchanged; 0: none, or the store's frame
+        size; eviction "": the node's ``quota_eviction``).
         A lower quota is enforced in the background, started before this
         returns (``quota_enforcement`` in the answer says how many bytes are
         over it; :meth:`quota_enforced` waits for it), a shorter TTL on the
@@ -150,8 +158,18 @@ class StoreTenants(StoreCore):
         topic = None if events_topic is None else _topic(events_topic)
         after = None if admit_after is None else _admit_after(admit_after)
         window = None if admit_window_s is None else _admit_window(admit_window_s)
+        policy_of_quota = None if eviction is None else _eviction(eviction)
         t = await self._change_registry(
-            True, self._registry.set_limits, name, quota, ttl, fs, topic, qos, after, window
+            True,
+            functools.partial(self._registry.set_limits, eviction=policy_of_quota),
+            name,
+            quota,
+            ttl,
+            fs,
+            topic,
+            qos,
+            after,
+            window,
         )
         if t.admit_after == 1:
             self.admission.forget_tenant(name)
@@ -418,6 +436,16 @@ def _admit_after(value: object) -> int:
             f"field 'admit_after' must be an integer from 1 (store every block) to {MAX_ADMIT_AFTER}; got {value!r}"
         )
     return value
+
+
+def _eviction(value: object) -> str:
+    """A tenant's ``eviction``: one of QUOTA_EVICTION, or "" for the node's."""
+    if value != "" and value not in QUOTA_EVICTION:
+        raise InvalidInput(
+            f"field 'eviction' must be one of {', '.join(QUOTA_EVICTION)}, or null for the node's quota_eviction; "
+            f"got {value!r}"
+        )
+    return str(value)
 
 
 def _admit_window(value: object) -> int:

@@ -94,12 +94,28 @@ async def test_tenants_are_created_listed_with_usage_and_hits_shown_changed_and_
     assert admin(url, "tenants", "show", "acme", "--json").doc()["blocks"] == 1
 
     patched = admin(
-        url, "--json", "tenants", "patch", "acme", "--quota", "none", "--ttl", "30m", "--admit-after", "2"
+        url,
+        "--json",
+        "tenants",
+        "patch",
+        "acme",
+        "--quota",
+        "none",
+        "--ttl",
+        "30m",
+        "--admit-after",
+        "2",
+        "--eviction",
+        "probation",
     ).doc()
     assert patched["quota_bytes"] is None and patched["ttl_s"] == 1800 and patched["admit_after"] == 2
+    assert patched["eviction"] == "probation"
+    assert "eviction      probation" in admin(url, "tenants", "show", "acme").out
     assert patched["qos"]["weight"] == 7  # (not named: unchanged)
-    reset = admin(url, "tenants", "patch", "acme", "--qos-defaults", "--admit-after", "default", "--json").doc()
-    assert reset["qos"]["weight"] == 100 and reset["admit_after"] == 1
+    reset = admin(
+        url, "tenants", "patch", "acme", "--qos-defaults", "--admit-after", "default", "--eviction", "default", "--json"
+    ).doc()
+    assert reset["qos"]["weight"] == 100 and reset["admit_after"] == 1 and reset["eviction"] is None
     human = admin(url, "tenants", "patch", "acme", "--frame-size", "256KiB")
     assert human.code == 0 and "frame size    256.0 KiB" in human.out, human.out
 
@@ -211,6 +227,7 @@ def test_failures_are_one_line_with_their_exit_status(daemon: Daemon, tmp_path: 
     failed(admin(url, "tenants", "patch", "nobody", "--ttl", "soon"), 2, "--ttl", "'soon'")
     assert admin(url, "tenants", "create", "bad").code == 0
     failed(admin(url, "tenants", "patch", "bad", "--admit-after", "99"), 1, "400 invalid_input", "admit_after")
+    failed(admin(url, "tenants", "patch", "bad", "--eviction", "lfu"), 1, "400 invalid_input", "'eviction'", "lru")
     failed(admin(url, "tenants", "patch", "bad", "--weight", "0"), 1, "400 invalid_input", "qos.weight")
     failed(admin(url, "tenants", "patch", "bad"), 2, "nothing to change")
     failed(admin(url, "tenants", "create", "bad"), 1, "409 tenant_exists")

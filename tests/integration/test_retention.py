@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kvstore.engine import retention
-from kvstore.errors import QuotaExceeded
+from kvstore.errors import InvalidInput, QuotaExceeded
 from tests.conftest import OpenStore
 
 KiB = 1024
@@ -257,6 +257,62 @@ async def test_a_block_evicted_on_probation_and_stored_again_counts_as_read(open
     for i in range(40):
         await store.put("t", f"e{i}", block(f"e{i}"))
     assert not await store.exists("t", "g")
+
+
+async def test_a_tenants_own_eviction_overrides_the_nodes(open_store: OpenStore) -> None:
+    """The node evicts by LRU; a tenant created with ``eviction=probation``
+    keeps its blocks read since they were stored where its neighbour, on the
+    node's policy, lets them go; set back to null it follows the node."""
+    store = await open_store(quota_eviction="lru")
+    await store.create_tenant("p", quota_bytes=1024 * KiB, eviction="probation")
+    await store.create_tenant("n", quota_bytes=1024 * KiB)
+    assert store.tenant("p")["eviction"] == "probation" and store.tenant("n")["eviction"] is None
+    for name in ("p", "n"):
+        for k in ("r0", "r1"):
+            await store.put(name, k, block(k))
+            await store.get(name, k)
+        for i in range(40):
+            await store.put(name, f"c{i}", block(f"c{i}"))
+    assert [await store.exists("p", k) for k in ("r0", "r1")] == [True, True]
+    assert [await store.exists("n", k) for k in ("r0", "r1")] == [False, False]
+    with pytest.raises(InvalidInput, match="'eviction'"):
+        await store.set_limits("p", eviction="lfu")
+    with pytest.raises(InvalidInput, match="'eviction'"):
+        await store.create_tenant("q", eviction="mru")
+    assert "q" not in [t["name"] for t in store.tenants()]
+    await store.set_limits("p", eviction="")
+    assert store.tenant("p")["eviction"] is None
+    await store.close()
+    store = await open_store(quota_eviction="probation")  # the registry keeps it; null follows the node
+    assert store._retention.policy(store._registry.get("p")) == "probation"
+    await store.set_limits("n", eviction="lru")
+    assert store._retention.policy(store._registry.get("n")) == "lru"
+
+
+async def test_what_probation_learnt_survives_a_restart_and_goes_with_its_tenant(open_store: OpenStore) -> None:
+    """The share and both ghost lists are kept in the index at a clean stop
+    and read back at start-up (and shown as metrics); a deleted tenant's go."""
+    store = await open_store(quota_eviction="probation")
+    await store.create_tenant("t", quota_bytes=1024 * KiB)
+    await store.put("t", "g", block("g"))
+    for i in range(20):
+        await store.put("t", f"c{i}", block(f"c{i}"))
+    await store.put("t", "g", block("g"))  # a ghost of the first list comes back
+    for i in range(40):
+        await store.put("t", f"d{i}", block(f"d{i}"))
+    before = store._retention._probation["t"]
+    assert before.share > 0.1 and len(before.evicted_new) > 0
+    learnt = (before.share, list(before.evicted_new.items()), list(before.evicted_reused.items()))
+    await store.close()
+    store = await open_store(quota_eviction="probation")
+    after = store._retention._probation["t"]
+    assert (after.share, list(after.evicted_new.items()), list(after.evicted_reused.items())) == learnt
+    text = store.metrics.render()
+    assert f'kvstore_tenant_eviction_share{{tenant="t"}} {after.share}' in text
+    assert f'kvstore_tenant_eviction_ghosts{{list="probation",tenant="t"}} {len(after.evicted_new)}' in text
+    await store.delete_tenant("t")
+    assert "t" not in store._index.policy_states()
+    assert "kvstore_tenant_eviction" not in store.metrics.render()
 
 
 async def test_an_unknown_eviction_policy_is_refused_naming_the_setting(open_store: OpenStore) -> None:

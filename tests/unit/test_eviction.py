@@ -96,3 +96,24 @@ def test_ghosts_forget_the_longest_remembered_first() -> None:
     assert all(ghosts.returned(cand(k, 10)) for k in ("a", "c", "d"))
     ghosts.forget(["a", "zzz"])
     assert not ghosts.returned(cand("a", 10)) and len(ghosts) == 2
+
+
+def test_the_state_is_kept_and_read_back_whole() -> None:
+    s = Probation(incarnation=1234567890123, share=0.37)
+    s.evicted_new.add(["a", "bé", "c" * 300], 10, 100)
+    s.evicted_reused.add(["x", "y"], 20, 100)
+    back = Probation.decode(s.encode())
+    assert back is not None
+    assert (back.incarnation, back.share) == (s.incarnation, s.share)
+    assert list(back.evicted_new.items()) == [("a", 10), ("bé", 10), ("c" * 300, 10)]
+    assert list(back.evicted_reused.items()) == [("x", 20), ("y", 20)]
+    assert back.evicted_new.returned(cand("bé", created=11)) and not back.evicted_reused.returned(cand("a", 30))
+
+
+@pytest.mark.parametrize("damage", ["short", "version", "cut"])
+def test_a_state_this_release_cannot_read_is_no_state(damage: str) -> None:
+    s = Probation(incarnation=1)
+    s.evicted_new.add(["a", "b"], 10, 100)
+    raw = s.encode()
+    bad = {"short": raw[:5], "version": bytes([raw[0] + 1]) + raw[1:], "cut": raw[:-1]}[damage]
+    assert Probation.decode(bad) is None

@@ -71,7 +71,8 @@ async def create_tenant(request: web.Request) -> web.Response:
         raise InvalidInput("field 'compression' must be a string")
     if durability is not None and durability not in DURABILITY_CLASSES:
         raise InvalidInput(f"field 'durability' must be one of {', '.join(DURABILITY_CLASSES)}")
-    unknown = set(body) - {"name", "policy", "compression", "durability", "events_topic", "qos", *LIMITS, *ADMIT_FIELDS}
+    unknown = set(body) - {"name", "policy", "compression", "durability", "events_topic", "qos", "eviction"}
+    unknown -= {*LIMITS, *ADMIT_FIELDS}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
     limits = _limits(body)
@@ -90,6 +91,7 @@ async def create_tenant(request: web.Request) -> web.Response:
         qos,
         admit_after,
         admit_window_s,
+        eviction=_eviction(body),
     )
     token_id, token = await store.issue_token(name)
     # The tenant as it is now: its "tokens" list the one just issued (it was
@@ -153,6 +155,15 @@ def _admission(body: dict[str, Any]) -> tuple[Any, Any]:
     if window is None and "admit_window_s" in body:
         window = DEFAULT_ADMIT_WINDOW_S
     return after, window
+
+
+def _eviction(body: dict[str, Any]) -> str | None:
+    """``eviction``: a policy's name, or null for the node's ("");
+    None where absent (the store checks the name: 400 naming the field)."""
+    if "eviction" not in body:
+        return None
+    value = body["eviction"]
+    return "" if value is None else value
 
 
 def _topic(body: dict[str, Any]) -> str | None:
@@ -221,14 +232,15 @@ async def patch_tenant(request: web.Request) -> web.Response:
     ``events_topic`` (null: none, the store's frame size, the tenant's name;
     absent: unchanged), ``qos`` fields (each named is changed; null: the
     store's default), ``admit_after`` and ``admit_window_s`` (null: 1, and
-    the default window). A lower quota is enforced in the background, started
-    before the answer (``quota_enforcement``: the bytes over it); a QoS
+    the default window), ``eviction`` (null: the node's ``quota_eviction``).
+    A lower quota is enforced in the background, started before the answer
+    (``quota_enforcement``: the bytes over it); a QoS
     or admission change applies to the next request, on every worker."""
     require_admin(request)
     name = request.match_info["name"]
     body = await json_body(request)
-    unknown = set(body) - {*LIMITS, "events_topic", "qos", *ADMIT_FIELDS}
-    changeable = "quota_bytes, ttl_s, frame_size, events_topic, qos, admit_after and/or admit_window_s"
+    unknown = set(body) - {*LIMITS, "events_topic", "qos", "eviction", *ADMIT_FIELDS}
+    changeable = "quota_bytes, ttl_s, frame_size, events_topic, qos, admit_after, admit_window_s and/or eviction"
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}; PATCH changes {changeable}")
     if not body:
@@ -246,6 +258,7 @@ async def patch_tenant(request: web.Request) -> web.Response:
         qos,
         admit_after,
         admit_window_s,
+        eviction=_eviction(body),
     )
     answer = await _tenant_with_usage(request, name)
     return web.json_response({**answer, "quota_enforcement": changed["quota_enforcement"]})
