@@ -163,8 +163,9 @@ class StoreConfig:
     # Tenants created without them get these (0: none); PATCH changes them.
     default_quota_bytes: int = 0
     default_ttl_s: int = 0
-    # Which blocks a tenant over its quota gives up (engine/eviction.py):
-    # "lru", or "probation" (blocks not read since they were stored go first).
+    # Which blocks a tenant over its quota gives up where it sets no
+    # "eviction" of its own (engine/eviction.py): "lru", or "probation"
+    # (blocks not read since they were stored go first).
     quota_eviction: str = "lru"
     # Admission (engine/admission.py): the keys whose offers are counted per
     # tenant with admit_after > 1 (about 180 bytes each, in the writer's

@@ -1,6 +1,7 @@
 """Which blocks a tenant over its quota gives up (retention.py removes them).
 
-The setting ``quota_eviction`` picks the policy, for every tenant of the node:
+A tenant's ``eviction`` picks the policy, or where it sets none the node's
+``quota_eviction``:
 
 - ``lru`` (the default): the least recently read or written blocks first.
 - ``probation``: S3-FIFO's idea (Yang et al., SOSP 2023) in the batches the
