@@ -75,6 +75,27 @@ def latency_ms(values: Sequence[float | None]) -> dict[str, float | int | None]:
     }
 
 
+def daemon_latency_ms(samples: Sequence[Sample]) -> dict[str, dict[str, float | int | None]]:
+    """The daemons' own p50 and p99 of each route of DAEMON_ROUTES over the
+    replay (their ``kvstore_http_request_seconds`` histogram, first sample to
+    last): the upper bound of the bucket each quantile falls in, so coarse,
+    but free of the client's own waits (the replay's client shares the
+    machine and its event loop with every request in flight)."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    if len(samples) < 2:
+        return out
+    first, last = samples[0].buckets, samples[-1].buckets
+    for route, ends in last.items():
+        starts = dict(first.get(route, []))
+        cumulative = [(le, count - starts.get(le, 0.0)) for le, count in ends]
+        total = cumulative[-1][1] if cumulative else 0.0
+        out[route] = {"count": int(total)}
+        for name, q in (("p50", 0.5), ("p99", 0.99)):
+            at = next((le for le, c in cumulative if total and c >= q * total), None)
+            out[route][name] = None if at is None or at == float("inf") else at * 1e3
+    return out
+
+
 def _delta(samples: Sequence[Sample], name: str) -> float | None:
     if len(samples) < 2:
         return None
@@ -247,6 +268,7 @@ def figures(
         "lookup_ms": latency_ms([s.lookup_s for s in served]),
         "load_ms": latency_ms([s.load_s for s in served]),
         "store_ms": latency_ms([s.store_s for s in served]),
+        "daemon_ms": daemon_latency_ms(samples),
         "behind_schedule_ms": latency_ms([s.late_s for s in served]) if opts.speed else None,
         "tokens": cut.tokens,
         "hit_tokens": hit_tokens,
@@ -326,6 +348,9 @@ def _rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
         ("load ms p50 / p99 / max", _lat(doc["load_ms"])),
         ("store ms p50 / p99 / max", _lat(doc["store_ms"])),
     ]
+    for route, q in doc["daemon_ms"].items():
+        bounds = f"<= {_f(q['p50'], 'g')} / <= {_f(q['p99'], 'g')}  ({q['count']:,})"
+        rows.append((f"  daemon's {route} ms p50 / p99", bounds))
     if doc["behind_schedule_ms"] is not None:
         rows.append(("behind the trace, ms", _lat(doc["behind_schedule_ms"])))
     errors = ", ".join(f"{k}: {v}" for k, v in doc["errors"].items()) or "none"

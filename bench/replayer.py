@@ -246,6 +246,8 @@ class Sample:
     t: float
     tier_reads: float
     bytes_written: float
+    # the daemons' own request-time histograms of DAEMON_ROUTES: route -> (le, count)
+    buckets: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
 
 class Metrics:
@@ -262,8 +264,10 @@ class Metrics:
         self.samples: list[Sample] = []
         self.failure: str | None = None
 
-    async def _counters(self, session: aiohttp.ClientSession, base: str) -> tuple[float, float] | str:
-        """(tier reads, bytes written) of one daemon, or why not."""
+    async def _counters(
+        self, session: aiohttp.ClientSession, base: str
+    ) -> tuple[float, float, dict[str, list[tuple[float, float]]]] | str:
+        """(tier reads, bytes written, request-time buckets) of one daemon, or why not."""
         try:
             async with session.get(base + "/metrics", headers=self.headers) as r:
                 if r.status != 200:
@@ -271,7 +275,7 @@ class Metrics:
                 text = await r.text()
         except (aiohttp.ClientError, RuntimeError, TimeoutError) as e:
             return f"{base}/metrics: {type(e).__name__}: {e}"
-        return counter(text, TIER_READS), counter(text, BYTES_WRITTEN)
+        return counter(text, TIER_READS), counter(text, BYTES_WRITTEN), route_buckets(text, DAEMON_ROUTES)
 
     async def sample(self, session: aiohttp.ClientSession, t0: float) -> None:
         """One sample, at its time from ``t0``; a failure is kept in ``failure``."""
@@ -283,7 +287,14 @@ class Metrics:
             return
         t = time.perf_counter() - t0
         values = [g for g in got if not isinstance(g, str)]
-        self.samples.append(Sample(t, sum(v[0] for v in values), sum(v[1] for v in values)))
+        buckets: dict[str, dict[float, float]] = {}
+        for v in values:
+            for route, pairs in v[2].items():
+                summed = buckets.setdefault(route, {})
+                for le, count in pairs:
+                    summed[le] = summed.get(le, 0.0) + count
+        merged = {route: sorted(b.items()) for route, b in buckets.items()}
+        self.samples.append(Sample(t, sum(v[0] for v in values), sum(v[1] for v in values), merged))
 
     async def follow(self, session: aiohttp.ClientSession, stop: asyncio.Event, t0: float) -> None:
         """A sample a period until ``stop``, and a last one once the workers'
@@ -295,6 +306,34 @@ class Metrics:
             if stop.is_set():
                 await asyncio.sleep(SNAPSHOT_WAIT_S)
             await self.sample(session, t0)
+
+
+# (a load is a GET per block of a direct tenant, a batch get of a sealed one's)
+DAEMON_ROUTES = {
+    "lookup": "/v1/lookup",
+    "block GET": "/v1/blocks/{key}",
+    "batch get": "/v1/batch/get",
+    "batch put": "/v1/batch/put",
+}
+REQUEST_SECONDS = "kvstore_http_request_seconds_bucket"
+
+
+def route_buckets(text: str, routes: dict[str, str]) -> dict[str, list[tuple[float, float]]]:
+    """The cumulative buckets (le, count) of ``kvstore_http_request_seconds``
+    for each of ``routes`` (name -> route), every method summed."""
+    found: dict[str, dict[float, float]] = {}
+    by_route = {route: name for name, route in routes.items()}
+    for line in text.splitlines():
+        if not line.startswith(REQUEST_SECONDS + "{"):
+            continue
+        labels, value = line[len(REQUEST_SECONDS) + 1 :].rsplit("} ", 1)
+        fields = dict(part.split("=", 1) for part in labels.split(","))
+        name = by_route.get(fields.get("route", "").strip('"'))
+        if name is not None:
+            le = float(fields["le"].strip('"').replace("+Inf", "inf"))
+            got = found.setdefault(name, {})
+            got[le] = got.get(le, 0.0) + float(value)
+    return {name: sorted(b.items()) for name, b in found.items()}
 
 
 def counter(text: str, name: str) -> float:

@@ -19,8 +19,8 @@ import pytest
 from kvstore_bench import cli
 from kvstore_bench.agent_trace import AgentShape, agent_sessions, to_jsonl
 from kvstore_bench.replay import build_options, build_parser
-from kvstore_bench.replay_report import tiers
-from kvstore_bench.replayer import BlockBytes, ReplayOptions, counter
+from kvstore_bench.replay_report import daemon_latency_ms, tiers
+from kvstore_bench.replayer import DAEMON_ROUTES, BlockBytes, ReplayOptions, Sample, counter, route_buckets
 from kvstore_bench.trace import (
     AGENTS,
     SYNTHETIC,
@@ -377,3 +377,22 @@ def test_a_bad_token_line_names_its_field(tmp_path: Path, doc: dict[str, object]
     path.write_text(json.dumps(doc) + "\n")
     with pytest.raises(ValueError, match=says):
         load_trace(path, tokens_per_block=4)
+
+
+def test_the_daemons_own_latency_comes_from_its_histogram_over_the_run() -> None:
+    """Its request-time buckets, first sample to last, every method summed:
+    each quantile is the upper bound of the bucket it falls in."""
+
+    def text(counts: dict[str, int]) -> str:
+        return "".join(
+            f'kvstore_http_request_seconds_bucket{{method="{m}",route="/v1/lookup",le="{le}"}} {counts[le] // 2}\n'
+            for le in counts
+            for m in ("GET", "POST")
+        )
+
+    before = route_buckets(text({"0.001": 10, "0.005": 10, "+Inf": 10}), DAEMON_ROUTES)
+    after = route_buckets(text({"0.001": 108, "0.005": 208, "+Inf": 212}), DAEMON_ROUTES)
+    assert after == {"lookup": [(0.001, 108.0), (0.005, 208.0), (float("inf"), 212.0)]}
+    got = daemon_latency_ms([Sample(0.0, 0, 0, before), Sample(1.0, 0, 0, after)])
+    # 98 of 202 within 1 ms, 198 within 5 ms: the p99 is past the last bound (none said)
+    assert got == {"lookup": {"count": 202, "p50": 5.0, "p99": None}}
