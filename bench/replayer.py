@@ -318,17 +318,24 @@ DAEMON_ROUTES = {
 REQUEST_SECONDS = "kvstore_http_request_seconds_bucket"
 
 
+EVICTION_STEP = "kvstore_quota_eviction_step_seconds_bucket"
+
+
 def route_buckets(text: str, routes: dict[str, str]) -> dict[str, list[tuple[float, float]]]:
     """The cumulative buckets (le, count) of ``kvstore_http_request_seconds``
-    for each of ``routes`` (name -> route), every method summed."""
+    for each of ``routes`` (name -> route), every method summed; and of
+    ``kvstore_quota_eviction_step_seconds`` (as "eviction step")."""
     found: dict[str, dict[float, float]] = {}
     by_route = {route: name for name, route in routes.items()}
     for line in text.splitlines():
-        if not line.startswith(REQUEST_SECONDS + "{"):
+        if line.startswith(EVICTION_STEP + "{"):
+            series, labels, value = "eviction step", *line[len(EVICTION_STEP) + 1 :].rsplit("} ", 1)
+        elif line.startswith(REQUEST_SECONDS + "{"):
+            series, labels, value = "", *line[len(REQUEST_SECONDS) + 1 :].rsplit("} ", 1)
+        else:
             continue
-        labels, value = line[len(REQUEST_SECONDS) + 1 :].rsplit("} ", 1)
         fields = dict(part.split("=", 1) for part in labels.split(","))
-        name = by_route.get(fields.get("route", "").strip('"'))
+        name = series or by_route.get(fields.get("route", "").strip('"'))
         if name is not None:
             le = float(fields["le"].strip('"').replace("+Inf", "inf"))
             got = found.setdefault(name, {})

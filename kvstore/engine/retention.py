@@ -203,6 +203,7 @@ class Retention:
         after: tuple[int, str] | None = None
         while True:
             async with self._locks[t.name]:
+                held = time.perf_counter()
                 if t.name not in self._registry:
                     break
                 t = self._registry.get(t.name)  # the quota as it is now (an admin may change it meanwhile)
@@ -224,6 +225,8 @@ class Retention:
                     self._remember(t, choice)
                 self._metrics.inc("kvstore_quota_evictions_total", len(choice.victims))
                 self._metrics.inc("kvstore_quota_evicted_bytes_total", gone)
+                # how long the step held the tenant's lock (its puts wait that long)
+                self._metrics.observe("kvstore_quota_eviction_step_seconds", time.perf_counter() - held, policy=policy)
                 freed += gone
                 if not choice.victims or policy != "lru":
                     break
