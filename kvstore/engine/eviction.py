@@ -153,6 +153,9 @@ class Probation:
     share: float = PROBATION_SHARE
     evicted_new: Ghosts = field(default_factory=Ghosts)
     evicted_reused: Ghosts = field(default_factory=Ghosts)
+    # the blocks stored since then have not been checked against the ghosts
+    # (retention.py; not kept: a start checks every block on probation once)
+    seen_ms: int = 0
 
     def encode(self) -> bytes:
         """The state as the index keeps it: ``STATE_HEAD`` (version,
@@ -217,34 +220,52 @@ class Choice:
     share: float = PROBATION_SHARE  # the share after this scan's returns
 
 
+class Returns:
+    """The ghosts that came back, as a scan of the blocks on probation finds
+    them: each moves the share by its size over the quota, times how much
+    longer the other ghost list is (ARC's rule), within ``MIN_SHARE`` to
+    ``MAX_SHARE``."""
+
+    def __init__(self, state: Probation, quota: int) -> None:
+        self.share = state.share
+        self.new: list[Candidate] = []  # evicted on probation, stored again: reused from now on
+        self.reused: list[str] = []  # evicted after a read, stored again
+        self._state, self._quota = state, quota
+        self._n_new, self._n_reused = len(state.evicted_new), len(state.evicted_reused)
+
+    def check(self, c: Candidate) -> bool:
+        """Whether ``c`` (on probation) came back evicted too soon: it counts as reused."""
+        if self._state.evicted_new.returned(c):  # probation grows
+            self.new.append(c)
+            grow = max(1.0, self._n_reused / max(1, self._n_new)) * c.size / self._quota
+            self.share = min(MAX_SHARE, self.share + grow)
+            return True
+        if self._state.evicted_reused.returned(c):  # room taken from the reused: probation shrinks
+            self.reused.append(c.key)
+            shrink = max(1.0, self._n_new / max(1, self._n_reused)) * c.size / self._quota
+            self.share = max(MIN_SHARE, self.share - shrink)
+        return False
+
+
 def probation(candidates: Iterable[Candidate], need: int, quota: int, state: Probation) -> Choice:
     """The blocks to remove for ``need`` bytes of a tenant with ``quota``:
     the oldest on probation beyond the newest ``state.share`` of the quota,
-    then the least recently used of those read since they were stored. The
-    share moves with each ghost that came back since the last eviction, by
-    its size over the quota, times how much longer the other ghost list is
-    (ARC's rule), within ``MIN_SHARE`` to ``MAX_SHARE``."""
+    then the least recently used of those read since they were stored; the
+    share moved first by the ghosts that came back (:class:`Returns`). The
+    reference the daemon's walks of its index (retention.py) choose as: it
+    scans every candidate."""
     new, old = _Oldest(need), _Oldest(need)
     new_bytes = held = 0
-    share = state.share
-    returned_new: list[Candidate] = []
-    returned_reused: list[str] = []
-    n_new, n_reused = len(state.evicted_new), len(state.evicted_reused)
+    returns = Returns(state, quota)
     for c in candidates:
         held += 1
-        if read_since_stored(c):
+        if read_since_stored(c) or returns.check(c):
             old.offer(c.last_ms, c)
             continue
-        if state.evicted_new.returned(c):  # evicted too soon: probation grows; this one is reused from now
-            returned_new.append(c)
-            share = min(MAX_SHARE, share + max(1.0, n_reused / max(1, n_new)) * c.size / quota)
-            old.offer(c.last_ms, c)
-            continue
-        if state.evicted_reused.returned(c):  # room taken from the reused: probation shrinks
-            returned_reused.append(c.key)
-            share = max(MIN_SHARE, share - max(1.0, n_new / max(1, n_reused)) * c.size / quota)
         new_bytes += c.size
         new.offer(c.created_ms, c)
+    share = returns.share
+    returned_new, returned_reused = returns.new, returns.reused
     keep_new = int(quota * share)
     first = _take(new.oldest_first(), min(need, max(0, new_bytes - keep_new)))
     rest = need - sum(c.size for c in first)

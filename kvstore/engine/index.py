@@ -53,6 +53,7 @@ STATS = struct.Struct("<qqq")
 TIER = struct.Struct("<BQQ")  # flags, object size, when the upload was confirmed (ns)
 LIVE = struct.Struct("<qq")  # live records, live record bytes
 ACCESS = struct.Struct("<Q")  # unix milliseconds
+FRESH = struct.Struct("<Q")  # a tenant's record bytes on probation
 EPOCH = struct.Struct("<Q")
 INDEX_FORMAT = 3  # 2: live and access dbs, the epoch, the retired state; 3: the order db
 # What this release opens: format 2 is migrated in place by the writer (its
@@ -176,9 +177,27 @@ def _created_ms(entry: IndexEntry) -> int:
     return entry.created_ns // 1_000_000
 
 
-def _order_key(prefix: bytes, ms: int, key: bytes) -> bytes:
-    """A block's key in the order db: ``prefix`` is ``tenant 0x00``."""
-    return prefix + ms.to_bytes(8, "big") + key
+# A block's kind in the order db: on probation (not read since it was stored:
+# no access time, or one from before it was stored), or read since it was
+# stored. Each kind is in order by itself; a walk of both merges them.
+ON_PROBATION, READ_AGAIN = b"\x00", b"\x01"
+KINDS = (ON_PROBATION, READ_AGAIN)
+
+
+def _kind(created_ms: int, accessed: int) -> bytes:
+    return READ_AGAIN if accessed and accessed >= created_ms else ON_PROBATION
+
+
+def _order_key(prefix: bytes, kind: bytes, ms: int, key: bytes) -> bytes:
+    """A block's key in the order db: ``prefix`` is ``tenant 0x00``, then its
+    kind, its last read or write (big-endian milliseconds) and its key."""
+    return prefix + kind + ms.to_bytes(8, "big") + key
+
+
+def _place(entry: IndexEntry, accessed: int) -> tuple[bytes, int]:
+    """A block's kind and its time in the order db."""
+    created = _created_ms(entry)
+    return _kind(created, accessed), max(created, accessed)
 
 
 def _skey(tenant: str, segment_id: int) -> bytes:
@@ -266,6 +285,9 @@ class Index:
             # Each tenant's learned eviction state (engine/eviction.py), by
             # name: the writer's alone, as the order is.
             self._policy = self.env.open_db(b"policy", create=True) if not readonly else None
+            # Each tenant's bytes of blocks on probation (u64): kept by every
+            # change, as the stats are; absent: not counted yet (fresh_bytes).
+            self._fresh = self.env.open_db(b"fresh", create=True) if not readonly else None
             with self.env.begin(write=not readonly) as txn:
                 fmt = txn.get(b"format", db=self._meta)
                 if fmt is None and not readonly:
@@ -310,8 +332,8 @@ class Index:
                     bk, raw = cur.item()
                     if bk != after:
                         tenant, key = bk.split(_SEP, 1)
-                        last = self._last_ms(txn, bk, IndexEntry.unpack(raw))
-                        txn.put(_order_key(tenant + _SEP, last, key), b"", db=order)
+                        kind, last = self._place_of(txn, bk, IndexEntry.unpack(raw))
+                        txn.put(_order_key(tenant + _SEP, kind, last, key), b"", db=order)
                         n += 1
                         after = bytes(bk)
                     found = cur.next()
@@ -326,10 +348,10 @@ class Index:
             raise KVStoreError("the index was opened read-only: it has no access order to walk")
         return self._order
 
-    def _last_ms(self, txn: lmdb.Transaction, bk: bytes, entry: IndexEntry) -> int:
-        """A block's place in the order db: its last read or write."""
+    def _place_of(self, txn: lmdb.Transaction, bk: bytes, entry: IndexEntry) -> tuple[bytes, int]:
+        """A block's place in the order db: its kind and its last read or write."""
         raw = txn.get(bk, db=self._access)
-        return max(_created_ms(entry), ACCESS.unpack(raw)[0] if raw is not None else 0)
+        return _place(entry, ACCESS.unpack(raw)[0] if raw is not None else 0)
 
     @staticmethod
     def destroy(path: Path) -> None:
@@ -465,49 +487,105 @@ class Index:
         order db."""
         order = self._db_order()
         prefix = tenant.encode() + _SEP
+        fresh = 0
         with self._writing() as txn:
             for key, ms in times:
                 bk = prefix + key.encode()
                 raw = txn.get(bk, db=self._blocks)
                 if raw is None:
                     continue
-                created = _created_ms(IndexEntry.unpack(raw))
+                entry = IndexEntry.unpack(raw)
                 cur = txn.get(bk, db=self._access)
                 was = ACCESS.unpack(cur)[0] if cur is not None else 0
                 if ms <= was:
                     continue
                 txn.put(bk, ACCESS.pack(ms), db=self._access)
-                before, after = max(created, was), max(created, ms)
+                before, after = _place(entry, was), _place(entry, ms)
                 if after != before:
-                    txn.delete(_order_key(prefix, before, key.encode()), db=order)
-                    txn.put(_order_key(prefix, after, key.encode()), b"", db=order)
+                    txn.delete(_order_key(prefix, *before, key.encode()), db=order)
+                    txn.put(_order_key(prefix, *after, key.encode()), b"", db=order)
+                if before[0] == ON_PROBATION and after[0] == READ_AGAIN:
+                    fresh -= entry.record_len
+            self._add_fresh(txn, tenant, fresh)
 
     def oldest(
-        self, tenant: str, after: tuple[int, str] | None, limit: int, before_ms: int | None = None
+        self,
+        tenant: str,
+        after: tuple[int, str] | None,
+        limit: int,
+        before_ms: int | None = None,
+        kind: bytes | None = None,
     ) -> list[tuple[int, str, IndexEntry]]:
         """A page of the tenant's blocks in the order of their last read or
         write, oldest first: (milliseconds, key, entry), from just after
         ``after`` (a (milliseconds, key) this walk returned), only those last
-        touched before ``before_ms`` if given. A walk's cost is the page's."""
+        touched before ``before_ms`` if given; only those of ``kind``
+        (ON_PROBATION, READ_AGAIN) if given, else both, merged. A walk's
+        cost is the page's."""
+        if kind is not None:
+            return self._oldest_of(tenant, kind, after, limit, before_ms)
+        both = [*self._oldest_of(tenant, ON_PROBATION, after, limit, before_ms)]
+        both += self._oldest_of(tenant, READ_AGAIN, after, limit, before_ms)
+        # (a kind's page that is full ends past every block taken here: the
+        # first ``limit`` of the two pages merged are the walk's next ones)
+        both.sort(key=lambda b: (b[0], b[1]))
+        return both[:limit]
+
+    def _oldest_of(
+        self, tenant: str, kind: bytes, after: tuple[int, str] | None, limit: int, before_ms: int | None
+    ) -> list[tuple[int, str, IndexEntry]]:
         order = self._db_order()
         prefix = tenant.encode() + _SEP
-        start = _order_key(prefix, after[0], after[1].encode() + b"\x00") if after else prefix
+        head = prefix + kind
+        start = _order_key(prefix, kind, after[0], after[1].encode() + b"\x00") if after else head
         out: list[tuple[int, str, IndexEntry]] = []
         with self.env.begin(buffers=True) as txn:
             cur = txn.cursor(db=order)
             if not cur.set_range(start):
                 return out
             for k in cur.iternext(keys=True, values=False):
-                if len(out) >= limit or bytes(k[: len(prefix)]) != prefix:
+                if len(out) >= limit or bytes(k[: len(head)]) != head:
                     break
-                ms = int.from_bytes(k[len(prefix) : len(prefix) + 8], "big")
+                ms = int.from_bytes(k[len(head) : len(head) + 8], "big")
                 if before_ms is not None and ms >= before_ms:
                     break
-                key = bytes(k[len(prefix) + 8 :])
+                key = bytes(k[len(head) + 8 :])
                 raw = txn.get(prefix + key, db=self._blocks)
                 if raw is not None:
                     out.append((ms, key.decode(), IndexEntry.unpack(raw)))
         return out
+
+    def _add_fresh(self, txn: lmdb.Transaction, tenant: str, delta: int) -> None:
+        """Move the tenant's bytes on probation by ``delta`` (not yet counted: left so)."""
+        if not delta or self._fresh is None:
+            return
+        raw = txn.get(tenant.encode(), db=self._fresh)
+        if raw is not None:
+            txn.put(tenant.encode(), FRESH.pack(max(0, FRESH.unpack(raw)[0] + delta)), db=self._fresh)
+
+    def fresh_bytes(self, tenant: str) -> int:
+        """The record bytes of the tenant's blocks on probation (not read
+        since they were stored). Kept by every change; an index that has not
+        counted them yet (migrated from format 2) counts them once, here."""
+        fresh = self._fresh
+        if fresh is None:
+            raise KVStoreError("the index was opened read-only: the bytes on probation are the writer's")
+        with self.env.begin(db=fresh) as txn:
+            raw = txn.get(tenant.encode())
+        if raw is not None:
+            return int(FRESH.unpack(raw)[0])
+        with self._writing() as txn:
+            head = tenant.encode() + _SEP + ON_PROBATION
+            total = 0
+            cur = txn.cursor(db=self._db_order())
+            if cur.set_range(head):
+                for k in cur.iternext(keys=True, values=False):
+                    if not k.startswith(head):
+                        break
+                    raw = txn.get(tenant.encode() + _SEP + k[len(head) + 8 :], db=self._blocks)
+                    total += IndexEntry.unpack(raw).record_len if raw is not None else 0
+            txn.put(tenant.encode(), FRESH.pack(total), db=fresh)
+        return total
 
     def idents(self, tenant: str, keys: Sequence[str]) -> list[bytes | None]:
         """The stored engine identities of ``keys`` (None: stored without one)."""
@@ -584,6 +662,7 @@ class Index:
 
         order = self._db_order()
         prefix = tenant.encode() + _SEP
+        fresh = 0
         for key, entry in ops:
             bk = _bkey(tenant, key)
             old = txn.get(bk, db=self._blocks)
@@ -593,7 +672,9 @@ class Index:
                 o = IndexEntry.unpack(old)
                 blocks, stored, logical = blocks - 1, stored - o.record_len, logical - o.logical_size
                 count(o.segment_id, -1, -o.record_len)
-                txn.delete(_order_key(prefix, max(_created_ms(o), accessed), key.encode()), db=order)
+                kind, ms = _place(o, accessed)
+                txn.delete(_order_key(prefix, kind, ms, key.encode()), db=order)
+                fresh -= o.record_len if kind == ON_PROBATION else 0
             if entry is None:
                 if old is not None:
                     txn.delete(bk, db=self._blocks)
@@ -601,12 +682,17 @@ class Index:
                     txn.delete(bk, db=self._idents)
             else:
                 txn.put(bk, entry.pack(), db=self._blocks)
-                txn.put(_order_key(prefix, max(_created_ms(entry), accessed), key.encode()), b"", db=order)
+                kind, ms = _place(entry, accessed)
+                txn.put(_order_key(prefix, kind, ms, key.encode()), b"", db=order)
+                fresh += entry.record_len if kind == ON_PROBATION else 0
                 if idents and key in idents:
                     txn.put(bk, idents[key], db=self._idents)
                 blocks, stored, logical = blocks + 1, stored + entry.record_len, logical + entry.logical_size
                 count(entry.segment_id, 1, entry.record_len)
         txn.put(tenant.encode(), STATS.pack(blocks, stored, logical), db=self._stats)
+        if raw is None and self._fresh is not None:  # a tenant's first blocks: counted from the start
+            txn.put(tenant.encode(), FRESH.pack(0), db=self._fresh)
+        self._add_fresh(txn, tenant, fresh)
         for sid, (records, nbytes) in live.items():
             if records <= 0:
                 txn.delete(_skey(tenant, sid), db=self._live)
@@ -686,5 +772,6 @@ class Index:
                         if not cur.delete():
                             break
             txn.delete(tenant.encode(), db=self._stats)
-            if self._policy is not None:
-                txn.delete(tenant.encode(), db=self._policy)
+            for db in (self._policy, self._fresh):
+                if db is not None:
+                    txn.delete(tenant.encode(), db=db)

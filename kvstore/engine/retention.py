@@ -5,8 +5,7 @@
   makes room by removing the tenant's own least recently used blocks (or,
   with ``quota_eviction = probation``, those not read since they were
   stored first: eviction.py), down to ``QUOTA_LOW`` of the quota (so it
-  happens now and then, not on every put; ``PROBATION_LOW`` under
-  ``probation``, whose every eviction reads the whole tenant); a lower quota set by an admin is
+  happens now and then, not on every put); a lower quota set by an admin is
   enforced in the background, down to the quota itself (store_tenants.py);
   no other tenant is ever touched for it. A single block larger than the
   whole quota is refused (``507 quota_exceeded``). Usage counts puts in
@@ -44,7 +43,7 @@ from kvstore.engine import eviction
 from kvstore.engine.access import CHECKPOINT_S, AccessLog, now_ms
 from kvstore.engine.appender import Appender
 from kvstore.engine.eviction import Candidate, Choice, Probation
-from kvstore.engine.index import Index, IndexEntry
+from kvstore.engine.index import ON_PROBATION, READ_AGAIN, Index, IndexEntry
 from kvstore.engine.lifecycle import Leases
 from kvstore.engine.registry import Registry, Tenant
 from kvstore.errors import KVStoreError, QuotaExceeded
@@ -53,10 +52,6 @@ from kvstore.metrics import Metrics
 
 log = logging.getLogger("kvstore.engine.retention")
 QUOTA_LOW = 0.99  # a put past the quota makes room down to this share of it
-# ... under probation, which reads the whole tenant at each eviction: a scan
-# per 5% of the quota instead of per 1% (it cost 2.7x the daemon's CPU on the
-# agent sessions' replay at 1%; the hit ratio moved by 0.4% in simulation).
-PROBATION_LOW = 0.95
 PAGE = 4096
 DROP_CHUNK = 1024
 
@@ -185,8 +180,8 @@ class Retention:
 
     async def enforce(self, t: Tenant, incoming: int = 0, low: float | None = None) -> int:
         """Bring the tenant under its quota with room for ``incoming`` bytes,
-        down to ``low`` of the quota (None: ``QUOTA_LOW``, or ``PROBATION_LOW``
-        under ``probation``), by the tenant's eviction policy;
+        down to ``low`` of the quota (None: ``QUOTA_LOW``), by the tenant's
+        eviction policy;
         returns the bytes removed. Under ``lru`` it walks the index's access
         order from the oldest block and removes at most ``DROP_CHUNK`` blocks
         a step (the tenant's lock held for a step, not the whole of it), so
@@ -210,8 +205,7 @@ class Retention:
                 if not t.quota_bytes:
                     break
                 policy = self.policy(t)
-                down_to = low if low is not None else QUOTA_LOW if policy == "lru" else PROBATION_LOW
-                target = int(t.quota_bytes * down_to) - incoming
+                target = int(t.quota_bytes * (QUOTA_LOW if low is None else low)) - incoming
                 need = self._index.stats(t.name).stored_bytes + self._inflight[t.name] - target
                 if need <= 0:
                     break
@@ -234,13 +228,19 @@ class Retention:
         return freed
 
     def _lru_step(
-        self, tenant: str, need: int, after: tuple[int, str] | None, limit: int | None = None
+        self,
+        tenant: str,
+        need: int,
+        after: tuple[int, str] | None,
+        limit: int | None = None,
+        kind: bytes | None = None,
     ) -> tuple[list[Candidate], tuple[int, str] | None]:
         """The least recently used unpinned blocks adding up to ``need``
-        bytes (at most ``limit``), walking the index's access order from just
-        after ``after``; and where the walk stopped. A block read since the
-        last checkpoint (its touch still in memory) is newer than its place
-        in the order says: it is passed over."""
+        bytes (at most ``limit``; only those of ``kind`` if given), walking
+        the index's access order from just after ``after``; and where the
+        walk stopped. A block read since the last checkpoint (its touch
+        still in memory) is newer than its place in the order says: it is
+        passed over."""
         pinned = self._leases.pinned(tenant)
         limit = DROP_CHUNK if limit is None else limit
         stats = self._index.stats(tenant)
@@ -249,7 +249,7 @@ class Retention:
         out: list[Candidate] = []
         got = 0
         while got < need and len(out) < limit:
-            page = self._index.oldest(tenant, after, size)
+            page = self._index.oldest(tenant, after, size, kind=kind)
             size = min(PAGE, size * 2)
             if not page:
                 break
@@ -257,33 +257,58 @@ class Retention:
                 after = (ms, key)
                 if key in pinned or self._access.last(tenant, key) > ms:
                     continue
-                out.append(Candidate(key, entry, entry.created_ns // 1_000_000, ms))
+                created = entry.created_ns // 1_000_000
+                out.append(Candidate(key, entry, created, 0 if kind == ON_PROBATION else ms))
                 got += entry.record_len
                 if got >= need or len(out) >= limit:
                     break
         return out, after
 
-    def _candidates(self, tenant: str) -> Iterator[Candidate]:
-        """The tenant's blocks the quota may remove (not pinned), one page of
-        the index at a time, with their access times (``probation`` only)."""
-        after: str | None = None
+    def _stored_since(self, tenant: str, since_ms: int) -> Iterator[Candidate]:
+        """The tenant's blocks on probation stored from ``since_ms`` on (not
+        pinned): the ghosts that may have come back since the last look."""
         pinned = self._leases.pinned(tenant)
-        while True:
-            page = self._index.entries(tenant, after, PAGE)
-            if not page:
-                return
-            times = self._index.accessed(tenant, [k for k, _ in page])
-            for (key, entry), checkpointed in zip(page, times, strict=True):
+        after = (since_ms, "")
+        while page := self._index.oldest(tenant, after, PAGE, kind=ON_PROBATION):
+            for _ms, key, entry in page:
                 if key not in pinned:
-                    touched = max(checkpointed, self._access.last(tenant, key))
-                    yield Candidate(key, entry, entry.created_ns // 1_000_000, touched)
-            after = page[-1][0]
+                    yield Candidate(key, entry, entry.created_ns // 1_000_000, 0)
+            after = (page[-1][0], page[-1][1])
 
     def _victims(self, t: Tenant, need: int) -> Choice:
-        """The blocks to remove for ``need`` bytes, as the tenant's eviction says (eviction.py)."""
+        """The blocks to remove for ``need`` bytes, as the tenant's eviction
+        says (eviction.py). Under ``probation``, the choice
+        ``eviction.probation`` makes from every block, made from walks that
+        cost what goes: the blocks stored since the last eviction are
+        checked against the ghosts (those that came back count as read from
+        now on, in the index), then the blocks on probation are walked from
+        the oldest for what their bytes beyond the newest share of the quota
+        give, then the blocks read since stored from the least recently used
+        for the rest."""
+        name = t.name
         if self.policy(t) == "lru":
-            return Choice(self._lru_step(t.name, need, None, limit=1 << 62)[0])
-        return eviction.probation(self._candidates(t.name), need, t.quota_bytes, self._probation_of(t))
+            return Choice(self._lru_step(name, need, None, limit=1 << 62)[0])
+        state = self._probation_of(t)
+        since, state.seen_ms = state.seen_ms, now_ms()
+        returns = eviction.Returns(state, t.quota_bytes)
+        for c in self._stored_since(name, since):
+            returns.check(c)
+        if returns.new:  # read from now on: out of the blocks on probation
+            self._index.record_access(name, [(c.key, c.created_ms) for c in returns.new])
+        keep_new = int(t.quota_bytes * returns.share)
+        on_probation = min(need, max(0, self._index.fresh_bytes(name) - keep_new))
+        first = self._lru_step(name, on_probation, None, 1 << 62, ON_PROBATION)[0] if on_probation > 0 else []
+        rest = need - sum(c.size for c in first)
+        then = self._lru_step(name, rest, None, 1 << 62, READ_AGAIN)[0] if rest > 0 else []
+        return Choice(
+            first + then,
+            [c.key for c in first],
+            [c.key for c in then],
+            self._index.stats(name).blocks,
+            returns.new,
+            returns.reused,
+            returns.share,
+        )
 
     def policy(self, t: Tenant) -> str:
         """The eviction of ``t``'s quota: its own (``eviction``), else the

@@ -161,9 +161,9 @@ async def test_a_format_2_index_is_migrated_in_place_keeping_its_access_times(
     await s.close()
     index = Index(config.data_dir / "index")
     before = index.oldest("t", None, 100)
-    order = index.env.open_db(b"order")
-    with index.env.begin(write=True) as txn:  # as 0.1.0 left it: no order db
-        txn.drop(order, delete=True)
+    with index.env.begin(write=True) as txn:  # as 0.1.0 left it: no order, fresh or policy db
+        for name in (b"order", b"fresh", b"policy"):
+            txn.drop(index.env.open_db(name, txn=txn), delete=True)
     index.close()
     _set_index_format(config.data_dir / "index", 2)
     s = await open_store()
@@ -175,6 +175,9 @@ async def test_a_format_2_index_is_migrated_in_place_keeping_its_access_times(
     assert sorted(k for _, k, _ in walked) == sorted(keys) and walked[-1][1] == "k0", "k0, read last, is the newest"
     with index.env.begin() as txn:
         assert struct.unpack("<I", txn.get(b"format", db=index.env.open_db(b"meta", txn=txn)))[0] == INDEX_FORMAT
+    # the bytes on probation (every block but k0, read since stored) are counted at their first use
+    entries = dict(index.entries("t", None, 100))
+    assert index.fresh_bytes("t") == sum(e.record_len for k, e in entries.items() if k != "k0")
     for i, k in enumerate(keys):
         assert bytes(await s.get("t", k)) == bytes([i + 1]) * (5000 + i)
 

@@ -4,11 +4,13 @@ tenants; expired blocks are misses and their space is reclaimed."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import random
 
 import pytest
 
-from kvstore.engine import retention
+from kvstore.engine import eviction, retention
 from kvstore.errors import InvalidInput, QuotaExceeded
 from tests.conftest import OpenStore
 
@@ -313,6 +315,53 @@ async def test_what_probation_learnt_survives_a_restart_and_goes_with_its_tenant
     await store.delete_tenant("t")
     assert "t" not in store._index.policy_states()
     assert "kvstore_tenant_eviction" not in store.metrics.render()
+
+
+async def test_probations_walks_choose_what_a_scan_of_every_block_chooses(open_store: OpenStore) -> None:
+    """Under ``probation`` the writer walks its index (the blocks stored since
+    the last eviction, then each kind of block from the oldest) instead of
+    scanning every block: it must choose what ``eviction.probation`` chooses
+    from every block, ghosts that came back included, round after round."""
+    store = await open_store(quota_eviction="probation")
+    await store.create_tenant("t", "direct")
+    rng = random.Random(7)
+    keys = [f"k{i:03d}" for i in range(60)]
+    for k in keys:
+        await store.put("t", k, block(k, 4 * KiB))
+        await asyncio.sleep(0.002)  # distinct times: the scan and the walks break ties differently
+    for k in rng.sample(keys, 20):
+        await store.get("t", k)
+        await asyncio.sleep(0.002)
+    ret = store._retention
+    t = dataclasses.replace(store._registry.get("t"), quota_bytes=60 * 5 * KiB)
+
+    def every_block() -> list[eviction.Candidate]:
+        blocks_now = store._index.entries("t", None, 10_000)
+        times = store._index.accessed("t", [k for k, _ in blocks_now])
+        return [
+            eviction.Candidate(k, e, e.created_ns // 1_000_000, a) for (k, e), a in zip(blocks_now, times, strict=True)
+        ]
+
+    for round_ in range(4):
+        await ret.checkpoint()
+        need = rng.randrange(20, 60) * 5 * KiB
+        expected = eviction.probation(every_block(), need, t.quota_bytes, copy.deepcopy(ret._probation_of(t)))
+        got = ret._victims(t, need)
+        assert [c.key for c in got.victims] == [c.key for c in expected.victims], round_
+        assert (got.on_probation, got.after_reads) == (expected.on_probation, expected.after_reads)
+        assert [c.key for c in got.returned_new] == [c.key for c in expected.returned_new]
+        assert (got.returned_reused, got.share, got.held) == (expected.returned_reused, expected.share, expected.held)
+        assert store._index.fresh_bytes("t") == sum(c.size for c in every_block() if not eviction.read_since_stored(c))
+        await ret._remove("t", [(c.key, c.entry) for c in got.victims], "quota")
+        ret._remember(t, got)
+        # some ghosts of each kind come back, and new blocks arrive
+        for k in [*got.on_probation[:3], *got.after_reads[:2], *(f"n{round_}-{i}" for i in range(5))]:
+            await store.put("t", k, block(k, 4 * KiB))
+            await asyncio.sleep(0.002)
+        held = [k for k in keys if await store.exists("t", k)]
+        for k in rng.sample(held, min(3, len(held))):
+            await store.get("t", k)
+            await asyncio.sleep(0.002)
 
 
 async def test_an_unknown_eviction_policy_is_refused_naming_the_setting(open_store: OpenStore) -> None:
