@@ -312,8 +312,12 @@ class Retention:
 
     def policy(self, t: Tenant) -> str:
         """The eviction of ``t``'s quota: its own (``eviction``), else the
-        node's ``quota_eviction`` (as for a value this release does not know)."""
-        return t.eviction if t.eviction in QUOTA_EVICTION else self._eviction
+        node's ``quota_eviction`` (as for a value this release does not
+        know), but ``lru`` for a tenant with admission (``admit_after`` > 1),
+        which does not compose with ``probation`` (store_tenants.py)."""
+        if t.eviction in QUOTA_EVICTION:
+            return t.eviction
+        return "lru" if t.admit_after > 1 else self._eviction
 
     def _probation_of(self, t: Tenant) -> Probation:
         state = self._probation.get(t.name)

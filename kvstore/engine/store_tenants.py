@@ -107,6 +107,7 @@ class StoreTenants(StoreCore):
         after = 1 if admit_after is None else _admit_after(admit_after)
         window = DEFAULT_ADMIT_WINDOW_S if admit_window_s is None else _admit_window(admit_window_s)
         policy_of_quota = _eviction(eviction or "")
+        self._check_composes(policy_of_quota, after)
         await self._run(trash, self._seg_root, name)  # files of a deleted incarnation, if any are left
         own = apply_changes({}, qos or {})
         await self._change_registry(
@@ -159,6 +160,8 @@ class StoreTenants(StoreCore):
         after = None if admit_after is None else _admit_after(admit_after)
         window = None if admit_window_s is None else _admit_window(admit_window_s)
         policy_of_quota = None if eviction is None else _eviction(eviction)
+        now = self._registry.get(name)
+        self._check_composes(now.eviction if policy_of_quota is None else policy_of_quota, after or now.admit_after)
         t = await self._change_registry(
             True,
             functools.partial(self._registry.set_limits, eviction=policy_of_quota),
@@ -177,6 +180,20 @@ class StoreTenants(StoreCore):
         if over > 0:
             self._start_enforcing(t)
         return {**self.tenant(name), "quota_enforcement": {"over_bytes": max(0, over), "started": over > 0}}
+
+    def _check_composes(self, eviction: str, admit_after: int) -> None:
+        """Admission (``admit_after`` > 1) is refused with a tenant's own
+        ``probation`` (and a tenant with admission that sets no eviction
+        evicts by ``lru`` whatever the node's: Retention.policy): both spare
+        the disk the blocks used once, and together they lose the first
+        reuses for nothing (bench/README.md, *Eviction*: below either alone
+        on Mooncake's synthetic trace)."""
+        if admit_after > 1 and eviction == "probation":
+            raise InvalidInput(
+                "field 'admit_after' must be 1 under eviction 'probation': both keep blocks used once off the "
+                "disk, and together they lose the first reuses (below either alone); set eviction 'lru' (or null) "
+                "to use admission"
+            )
 
     def _start_enforcing(self, t: Tenant) -> None:
         """Enforce ``t``'s quota in the background, down to the quota itself

@@ -291,6 +291,31 @@ async def test_a_tenants_own_eviction_overrides_the_nodes(open_store: OpenStore)
     assert store._retention.policy(store._registry.get("n")) == "lru"
 
 
+async def test_admission_is_refused_with_a_tenants_own_probation_and_evicts_by_lru_otherwise(
+    open_store: OpenStore,
+) -> None:
+    """Admission and ``probation`` both keep blocks used once off the disk;
+    together they lost the first reuses (below either alone), so a tenant's
+    own ``probation`` refuses ``admit_after`` > 1 (400 naming it, saying
+    why), and a tenant with admission that sets no eviction evicts by
+    ``lru`` on a node whose ``quota_eviction`` is ``probation``."""
+    store = await open_store(quota_eviction="probation")
+    with pytest.raises(InvalidInput, match="'admit_after' must be 1 under eviction 'probation'.*first reuses"):
+        await store.create_tenant("a", eviction="probation", admit_after=2)
+    assert "a" not in [t["name"] for t in store.tenants()]
+    await store.create_tenant("a", admit_after=2)
+    assert store._retention.policy(store._registry.get("a")) == "lru"
+    with pytest.raises(InvalidInput, match="'admit_after'"):
+        await store.set_limits("a", eviction="probation")
+    await store.create_tenant("p", eviction="probation")
+    with pytest.raises(InvalidInput, match="'admit_after'"):
+        await store.set_limits("p", admit_after=3)
+    await store.set_limits("p", eviction="lru", admit_after=3)  # both at once: admission under lru
+    assert store.tenant("p")["admit_after"] == 3 and store.tenant("p")["eviction"] == "lru"
+    await store.set_limits("a", admit_after=1)
+    assert store._retention.policy(store._registry.get("a")) == "probation"
+
+
 async def test_what_probation_learnt_survives_a_restart_and_goes_with_its_tenant(open_store: OpenStore) -> None:
     """The share and both ghost lists are kept in the index at a clean stop
     and read back at start-up (and shown as metrics); a deleted tenant's go."""
