@@ -74,7 +74,7 @@ from .replay_report import Figures, compare_table, figures, render, write_compar
 from .replayer import ReplayOptions, replay
 from .run import Leftovers, clean_endpoint
 from .sizing import fmt_bytes, kv_bytes_per_block
-from .trace import MOONCAKE_TOKENS_PER_BLOCK, NAMED, SYNTHETIC, Request, load_trace, references, shape
+from .trace import MOONCAKE_TOKENS_PER_BLOCK, NAMED, SYNTHETIC, Request, load_trace, references, shape, trace_path
 
 PROG = "kvstore-bench replay"
 DEFAULT_MODEL = "Llama-3.1-8B"
@@ -151,15 +151,11 @@ def _check_compare(args: argparse.Namespace, settings: dict[str, str], error: Ca
         error("argument --compare: --png plots one replay; give it without --compare")
 
 
-def _trace(text: str) -> Path:
-    return NAMED.get(text, Path(text))
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument(
         "--trace",
-        type=_trace,
+        type=trace_path,
         default=SYNTHETIC,
         metavar="FILE|NAME",
         help="a trace in Mooncake's JSONL format (gzipped if named *.gz), or of prompts' token_ids chained here "

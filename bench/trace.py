@@ -59,6 +59,13 @@ SYNTHETIC = TRACES / "synthetic_trace.jsonl"  # Mooncake's FAST'25 synthetic tra
 CONVERSATION = TRACES / "conversation_trace.jsonl.gz"  # Mooncake's FAST'25 conversation trace
 AGENTS = TRACES / "agent_sessions.jsonl.gz"  # long agent sessions (agent_trace.py made it)
 NAMED = {"synthetic": SYNTHETIC, "conversation": CONVERSATION, "agents": AGENTS}  # traces shipped with the package
+
+
+def trace_path(text: str) -> Path:
+    """A trace's file: one of ``NAMED``, or a path."""
+    return NAMED.get(text, Path(text))
+
+
 MOONCAKE_TOKENS_PER_BLOCK = 512
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 TOKEN_FIELDS = ("token_ids", "input_ids")  # a trace of prompts' tokens instead of block ids

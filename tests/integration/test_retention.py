@@ -300,7 +300,7 @@ async def test_admission_is_refused_with_a_tenants_own_probation_and_evicts_by_l
     why), and a tenant with admission that sets no eviction evicts by
     ``lru`` on a node whose ``quota_eviction`` is ``probation``."""
     store = await open_store(quota_eviction="probation")
-    with pytest.raises(InvalidInput, match="'admit_after' must be 1 under eviction 'probation'.*first reuses"):
+    with pytest.raises(InvalidInput, match=r"'admit_after' must be 1 under eviction 'probation'.*first reuses"):
         await store.create_tenant("a", eviction="probation", admit_after=2)
     assert "a" not in [t["name"] for t in store.tenants()]
     await store.create_tenant("a", admit_after=2)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from kvstore_bench import cli
 from kvstore_bench.agent_trace import AgentShape, agent_sessions, to_jsonl
+from kvstore_bench.policy_sim import POLICIES, Simulation
 from kvstore_bench.replay import build_options, build_parser
 from kvstore_bench.replay_report import daemon_latency_ms, tiers
 from kvstore_bench.replayer import DAEMON_ROUTES, BlockBytes, ReplayOptions, Sample, counter, route_buckets
@@ -396,3 +397,21 @@ def test_the_daemons_own_latency_comes_from_its_histogram_over_the_run() -> None
     got = daemon_latency_ms([Sample(0.0, 0, 0, before), Sample(1.0, 0, 0, after)])
     # 98 of 202 within 1 ms, 198 within 5 ms: the p99 is past the last bound (none said)
     assert got == {"lookup": {"count": 202, "p50": 5.0, "p99": None}}
+
+
+def test_the_policy_simulation_runs_the_daemons_choice_functions() -> None:
+    """policy_sim: with room for every block each policy finds what an
+    unbounded cache finds; lru matches the LRU reference on a trace without
+    ties; leaf-first never leaves a block whose prefix is gone."""
+    requests = load_trace(SYNTHETIC, 400)
+    unique = shape(requests).unique_blocks
+    unbounded = references(requests, None).unbounded
+    for policy in POLICIES:
+        assert Simulation(unique, policy, "flat").run(requests) == unbounded
+    rng = random.Random(3)
+    single = [Request(i, 512, 1, (int(rng.paretovariate(1.2)) % 150,)) for i in range(2000)]  # no ties
+    assert Simulation(100, "lru", "flat").run(single) == references(single, 100).lru  # (99%: one a time)
+    assert sum(references(single, 100).lru or []) > 200
+    leaf = Simulation(shape(requests).unique_blocks // 10, "lru-leaf", "flat")
+    leaf.run(requests)
+    assert all(b.parent is None or b.parent in leaf.held for b in leaf.held.values())
