@@ -7,7 +7,8 @@ chain's prefix found (the hit), the found blocks read and the rest stored
 the blocks held pass the capacity, an eviction down to 99% of it (as
 ``QUOTA_LOW``) by ``kvstore.engine.eviction``'s ``lru`` or ``probation``
 (its ghosts and share kept as the writer keeps them). Every block counts 1.
-Times are the request's number (ties: by key, as the index's order);
+Times are the request's number (ties: by key, as the index's order, the
+keys hashed as the replay's are);
 ``--order tail`` instead stamps a chain's blocks so that its head is the
 newest (a chain lost from its tail first). ``lru-leaf`` takes only blocks
 no held block continues (a chain's tail first, never an orphaned head; it
@@ -30,6 +31,7 @@ from kvstore.engine.eviction import Candidate, Choice, Probation
 from kvstore.engine.index import IndexEntry
 from kvstore.engine.retention import QUOTA_LOW
 
+from .replayer import block_key
 from .trace import Request, load_trace, references, shape, token_hit_ratio, trace_path
 
 PROG = "python -m kvstore_bench.policy_sim"
@@ -46,6 +48,12 @@ class _Block:
     parent: int | None
 
 
+def _key(block_id: int) -> str:
+    """A block's key as the replay names it (a hash: ties between blocks of one
+    time break in no order of the chain's)."""
+    return block_key("", block_id)
+
+
 def _entry(created: int) -> IndexEntry:
     return IndexEntry(0, 0, 1, 0, 1, 0, 0, bytes(16), created * 1_000_000)
 
@@ -58,6 +66,7 @@ class Simulation:
         self.held: dict[int, _Block] = {}
         self.children: dict[int, int] = {}
         self.state = Probation(0)
+        self._ids: dict[str, int] = {}  # key -> block id
 
     def run(self, requests: Sequence[Request]) -> list[int]:
         """The blocks each request found from the start of its chain."""
@@ -75,6 +84,7 @@ class Simulation:
                     continue
                 parent = chain[p - 1] if p else None
                 self.held[h] = _Block(t, 0, _entry(t), parent)
+                self._ids.setdefault(_key(h), h)
                 if parent is not None:
                     self.children[parent] = self.children.get(parent, 0) + 1
             self._evict(now)
@@ -84,7 +94,7 @@ class Simulation:
         leaves_only = self.policy == "lru-leaf"
         for k, b in self.held.items():
             if not (leaves_only and self.children.get(k)):
-                yield Candidate(str(k), b.entry, b.created, b.touched)
+                yield Candidate(_key(k), b.entry, b.created, b.touched)
 
     def _evict(self, now: int) -> None:
         while len(self.held) > self.capacity:
@@ -97,7 +107,7 @@ class Simulation:
             if not choice.victims:
                 return
             for c in choice.victims:
-                b = self.held.pop(int(c.key))
+                b = self.held.pop(self._ids[c.key])
                 if b.parent is not None and b.parent in self.children:
                     self.children[b.parent] -= 1
 
@@ -105,7 +115,8 @@ class Simulation:
         """What the writer learns from an eviction (retention.Retention._remember)."""
         s = self.state
         for c in choice.returned_new:
-            self.held[int(c.key)].touched = max(self.held[int(c.key)].touched, c.created_ms)
+            b = self.held[self._ids[c.key]]
+            b.touched = max(b.touched, c.created_ms)
         s.evicted_new.forget(c.key for c in choice.returned_new)
         s.evicted_reused.forget(choice.returned_reused)
         s.share = choice.share

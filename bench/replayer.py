@@ -6,8 +6,9 @@ prefix found (``get_many_into``, at most :data:`LOAD_WINDOW_BYTES` a call,
 every block compared with the bytes stored under it), and stores of the rest
 (``put_many_detail``). Requests start at ``speed`` times the trace's pace
 (0: as soon as one of ``concurrency`` slots is free), in the trace's order.
-Block ``i`` of the trace is stored under ``bench-<run id>-<i>``
-(:class:`BlockBytes` says what it holds). Meanwhile the daemon's counters
+Block ``i`` of the trace is stored under ``bench-<run id>-<digest of i>``
+(:func:`block_key`: a key in no order of the chain's, as an engine's content
+hashes are; :class:`BlockBytes` says what it holds). Meanwhile the daemon's counters
 that the client cannot see (``/metrics``: reads from the object tier, bytes
 written) are sampled every :data:`METRICS_EVERY_S`.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import struct
 import time
 from collections.abc import Sequence
@@ -152,7 +154,7 @@ class Replayer:
         self.window = max(1, min(MAX_BATCH_KEYS, LOAD_WINDOW_BYTES // blocks.size))
 
     def key(self, block_id: int) -> str:
-        return f"{self.prefix}{block_id}"
+        return block_key(self.prefix, block_id)
 
     async def serve(self, r: Request) -> Served:
         """Lookup, load of the prefix found, stores of the rest; a failure ends
@@ -341,6 +343,15 @@ def route_buckets(text: str, routes: dict[str, str]) -> dict[str, list[tuple[flo
             got = found.setdefault(name, {})
             got[le] = got.get(le, 0.0) + float(value)
     return {name: sorted(b.items()) for name, b in found.items()}
+
+
+def block_key(prefix: str, block_id: int) -> str:
+    """Trace block ``block_id``'s key: ``prefix`` and 16 hex digits of a
+    hash of the id, so that keys sort in no order of the chains (as an
+    engine's content hashes; ``prefix`` + the id would sort a chain's first
+    blocks before its later ones, and an eviction that breaks ties by key
+    would take chains from their head)."""
+    return prefix + hashlib.blake2b(block_id.to_bytes(8, "little", signed=True), digest_size=8).hexdigest()
 
 
 def counter(text: str, name: str) -> float:

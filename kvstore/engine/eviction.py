@@ -66,27 +66,41 @@ class Candidate:
         return self.entry.record_len
 
 
+class _Backwards:
+    """A key that sorts backwards: the heap's top is then the newest (time,
+    key) of those held."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __lt__(self, other: _Backwards) -> bool:
+        return self.key > other.key
+
+
 class _Oldest:
-    """The oldest candidates (by a time given with each) whose sizes add up
-    to at least ``need``: a heap with the newest on top, never holding much
-    more than ``need`` bytes, so a scan of millions of blocks stays small."""
+    """The oldest candidates (by a time given with each, then by key: the
+    index's order) whose sizes add up to at least ``need``: a heap with the
+    newest on top, never holding much more than ``need`` bytes, so a scan of
+    millions of blocks stays small."""
 
     def __init__(self, need: int) -> None:
         self.need = need
-        self._heap: list[tuple[int, str, Candidate]] = []  # (-time, key, candidate)
+        self._heap: list[tuple[int, _Backwards, Candidate]] = []  # (-time, key backwards, candidate)
         self._held = 0
 
     def offer(self, when: int, c: Candidate) -> None:
         heap = self._heap
-        if self._held >= self.need and heap and -heap[0][0] <= when:
+        if self._held >= self.need and heap and (-heap[0][0], heap[0][1].key) <= (when, c.key):
             return  # newer than every block already chosen
-        heapq.heappush(heap, (-when, c.key, c))
+        heapq.heappush(heap, (-when, _Backwards(c.key), c))
         self._held += c.size
         while heap and self._held - heap[0][2].size >= self.need:
             self._held -= heapq.heappop(heap)[2].size
 
     def oldest_first(self) -> list[Candidate]:
-        return [c for _, _, c in sorted(self._heap, reverse=True)]
+        return [c for _, _, c in sorted(self._heap, key=lambda e: (-e[0], e[1].key))]
 
 
 def _take(chosen: list[Candidate], need: int) -> list[Candidate]:
@@ -153,9 +167,6 @@ class Probation:
     share: float = PROBATION_SHARE
     evicted_new: Ghosts = field(default_factory=Ghosts)
     evicted_reused: Ghosts = field(default_factory=Ghosts)
-    # the blocks stored since then have not been checked against the ghosts
-    # (retention.py; not kept: a start checks every block on probation once)
-    seen_ms: int = 0
 
     def encode(self) -> bytes:
         """The state as the index keeps it: ``STATE_HEAD`` (version,

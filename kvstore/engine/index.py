@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice, takewhile
@@ -54,6 +55,7 @@ TIER = struct.Struct("<BQQ")  # flags, object size, when the upload was confirme
 LIVE = struct.Struct("<qq")  # live records, live record bytes
 ACCESS = struct.Struct("<Q")  # unix milliseconds
 FRESH = struct.Struct("<Q")  # a tenant's record bytes on probation
+MAX_ARRIVALS = 100_000  # new blocks kept for a watched tenant between drains, at most (about 20 MB)
 EPOCH = struct.Struct("<Q")
 INDEX_FORMAT = 3  # 2: live and access dbs, the epoch, the retired state; 3: the order db
 # What this release opens: format 2 is migrated in place by the writer (its
@@ -288,6 +290,11 @@ class Index:
             # Each tenant's bytes of blocks on probation (u64): kept by every
             # change, as the stats are; absent: not counted yet (fresh_bytes).
             self._fresh = self.env.open_db(b"fresh", create=True) if not readonly else None
+            # Blocks indexed since the last drain (new keys, not moves), for
+            # the tenants watched (under probation: retention.py checks them
+            # against its ghosts); guarded by a lock: indexing runs on threads.
+            self._arrivals: dict[str, list[tuple[str, IndexEntry]]] = {}
+            self._arrivals_lock = threading.Lock()
             with self.env.begin(write=not readonly) as txn:
                 fmt = txn.get(b"format", db=self._meta)
                 if fmt is None and not readonly:
@@ -555,6 +562,31 @@ class Index:
                     out.append((ms, key.decode(), IndexEntry.unpack(raw)))
         return out
 
+    def watch_arrivals(self, tenant: str) -> None:
+        """From now on keep the tenant's new blocks for :meth:`arrivals`."""
+        with self._arrivals_lock:
+            self._arrivals.setdefault(tenant, [])
+
+    def arrivals(self, tenant: str) -> list[tuple[str, IndexEntry]] | None:
+        """The watched tenant's blocks indexed (new keys) since the last
+        call; None when more than ``MAX_ARRIVALS`` came (they were not kept)."""
+        with self._arrivals_lock:
+            out = self._arrivals.get(tenant)
+            self._arrivals[tenant] = []
+            return None if out is None or len(out) > MAX_ARRIVALS else out
+
+    def _arrived(self, tenant: str, key: str, entry: IndexEntry) -> None:
+        # (under the lock: a drain swaps the list; a transaction that then
+        # fails leaves an arrival its reader finds absent from the index)
+        with self._arrivals_lock:
+            kept = self._arrivals.get(tenant)
+            if kept is not None and len(kept) <= MAX_ARRIVALS:
+                kept.append((key, entry))
+
+    def unwatch_arrivals(self, tenant: str) -> None:
+        with self._arrivals_lock:
+            self._arrivals.pop(tenant, None)
+
     def _add_fresh(self, txn: lmdb.Transaction, tenant: str, delta: int) -> None:
         """Move the tenant's bytes on probation by ``delta`` (not yet counted: left so)."""
         if not delta or self._fresh is None:
@@ -663,6 +695,7 @@ class Index:
         order = self._db_order()
         prefix = tenant.encode() + _SEP
         fresh = 0
+        watched = tenant in self._arrivals
         for key, entry in ops:
             bk = _bkey(tenant, key)
             old = txn.get(bk, db=self._blocks)
@@ -681,6 +714,8 @@ class Index:
                     txn.delete(bk, db=self._access)
                     txn.delete(bk, db=self._idents)
             else:
+                if old is None and watched:
+                    self._arrived(tenant, key, entry)
                 txn.put(bk, entry.pack(), db=self._blocks)
                 kind, ms = _place(entry, accessed)
                 txn.put(_order_key(prefix, kind, ms, key.encode()), b"", db=order)

@@ -111,6 +111,7 @@ class Retention:
         self._probation: dict[str, Probation] = self._learned()
         self._unsaved: set[str] = set()
         self._saved_at = time.monotonic()
+        self._watching: set[str] = set()  # tenants whose new blocks the index keeps for probation's ghosts
         # Before victims are picked: the other workers' reads handed over (kvstore/touchbells.py).
         self.gather_touches: Callable[[], Awaitable[None]] | None = None
 
@@ -210,6 +211,9 @@ class Retention:
                 if need <= 0:
                     break
                 if policy == "lru":
+                    if t.name in self._watching:  # no longer under probation
+                        self._watching.discard(t.name)
+                        self._index.unwatch_arrivals(t.name)
                     victims, after = await self._run(self._lru_step, t.name, need, after)
                     choice = Choice(victims)
                 else:  # probation: one scan of the tenant (eviction.py), removed in steps
@@ -264,16 +268,33 @@ class Retention:
                     break
         return out, after
 
-    def _stored_since(self, tenant: str, since_ms: int) -> Iterator[Candidate]:
-        """The tenant's blocks on probation stored from ``since_ms`` on (not
-        pinned): the ghosts that may have come back since the last look."""
+    def _stored_since(self, tenant: str) -> Iterator[Candidate]:
+        """The tenant's blocks on probation (not pinned) stored since the
+        last look: the ghosts that may have come back. The index keeps the
+        new blocks of a tenant it watches; the first look (and one after
+        more than MAX_ARRIVALS new blocks) walks every block on probation."""
         pinned = self._leases.pinned(tenant)
-        after = (since_ms, "")
-        while page := self._index.oldest(tenant, after, PAGE, kind=ON_PROBATION):
-            for _ms, key, entry in page:
-                if key not in pinned:
-                    yield Candidate(key, entry, entry.created_ns // 1_000_000, 0)
-            after = (page[-1][0], page[-1][1])
+        if tenant not in self._watching:
+            self._index.watch_arrivals(tenant)  # before the walk: what is indexed after it is kept
+            self._watching.add(tenant)
+            arrived = None
+        else:
+            arrived = self._index.arrivals(tenant)
+        if arrived is None:
+            after: tuple[int, str] | None = None
+            while page := self._index.oldest(tenant, after, PAGE, kind=ON_PROBATION):
+                for _ms, key, entry in page:
+                    if key not in pinned:
+                        yield Candidate(key, entry, entry.created_ns // 1_000_000, 0)
+                after = (page[-1][0], page[-1][1])
+            return
+        for i in range(0, len(arrived), PAGE):
+            chunk = [(k, e) for k, e in arrived[i : i + PAGE] if k not in pinned]
+            times = self._index.accessed(tenant, [k for k, _ in chunk])
+            for (key, entry), accessed in zip(chunk, times, strict=True):
+                created = entry.created_ns // 1_000_000
+                if (not accessed or accessed < created) and self._index.get(tenant, key) == entry:
+                    yield Candidate(key, entry, created, 0)  # still there, and not read since stored
 
     def _victims(self, t: Tenant, need: int) -> Choice:
         """The blocks to remove for ``need`` bytes, as the tenant's eviction
@@ -289,9 +310,8 @@ class Retention:
         if self.policy(t) == "lru":
             return Choice(self._lru_step(name, need, None, limit=1 << 62)[0])
         state = self._probation_of(t)
-        since, state.seen_ms = state.seen_ms, now_ms()
         returns = eviction.Returns(state, t.quota_bytes)
-        for c in self._stored_since(name, since):
+        for c in self._stored_since(name):
             returns.check(c)
         if returns.new:  # read from now on: out of the blocks on probation
             self._index.record_access(name, [(c.key, c.created_ms) for c in returns.new])
@@ -330,6 +350,8 @@ class Retention:
         million keys) goes with it (the index drops its copy with the tenant)."""
         self._probation.pop(name, None)
         self._unsaved.discard(name)
+        self._watching.discard(name)
+        self._index.unwatch_arrivals(name)
         for gauge, labels in _state_gauges(name):
             self._metrics.unset(gauge, **labels)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from kvstore_bench import replay
+from kvstore_bench.replayer import block_key
 from kvstore_client.sharding import rank_endpoints
 
 from ..integration.test_replay import independent_hit_ratio, trace_requests
@@ -89,7 +90,7 @@ def test_a_running_fleet_from_one_seed_finds_every_token_and_is_cleaned(two_node
     run_id = _run_id(doc["notes"])
     owned = dict.fromkeys(urls, 0)
     for h in {h for r in trace_requests(REQUESTS) for h in r["hash_ids"]}:
-        owned[rank_endpoints(urls, f"bench-{run_id}-{h}")[0]] += 1
+        owned[rank_endpoints(urls, block_key(f"bench-{run_id}-", h))[0]] += 1
     assert fleet["blocks_held_by_member"] == owned
     assert all(n > 0 for n in owned.values())
     assert doc["blocks_held"] == sum(owned.values()) == doc["workload"]["unique_blocks"]
