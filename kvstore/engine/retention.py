@@ -316,7 +316,10 @@ class Retention:
         if returns.new:  # read from now on: out of the blocks on probation
             self._index.record_access(name, [(c.key, c.created_ms) for c in returns.new])
         keep_new = int(t.quota_bytes * returns.share)
-        on_probation = min(need, max(0, self._index.fresh_bytes(name) - keep_new))
+        # Puts in flight (not indexed yet) are the newest blocks on probation:
+        # they take the share's room first.
+        fresh = self._index.fresh_bytes(name) + self._inflight.get(name, 0)
+        on_probation = min(need, max(0, fresh - keep_new))
         first = self._lru_step(name, on_probation, None, 1 << 62, ON_PROBATION)[0] if on_probation > 0 else []
         rest = need - sum(c.size for c in first)
         then = self._lru_step(name, rest, None, 1 << 62, READ_AGAIN)[0] if rest > 0 else []
