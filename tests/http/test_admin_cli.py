@@ -106,11 +106,11 @@ async def test_tenants_are_created_listed_with_usage_and_hits_shown_changed_and_
         "--admit-after",
         "2",
         "--eviction",
-        "probation",
+        "lru",
     ).doc()
     assert patched["quota_bytes"] is None and patched["ttl_s"] == 1800 and patched["admit_after"] == 2
-    assert patched["eviction"] == "probation"
-    assert "eviction      probation" in admin(url, "tenants", "show", "acme").out
+    assert patched["eviction"] == "lru"
+    assert "eviction      lru" in admin(url, "tenants", "show", "acme").out
     assert patched["qos"]["weight"] == 7  # (not named: unchanged)
     reset = admin(
         url, "tenants", "patch", "acme", "--qos-defaults", "--admit-after", "default", "--eviction", "default", "--json"
