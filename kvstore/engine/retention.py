@@ -216,7 +216,7 @@ class Retention:
                         self._index.unwatch_arrivals(t.name)
                     victims, after = await self._run(self._lru_step, t.name, need, after)
                     choice = Choice(victims)
-                else:  # probation: one scan of the tenant (eviction.py), removed in steps
+                else:  # probation: walks that cost what goes (_victims), removed in steps
                     choice = await self._run(self._victims, t, need)
                 gone = await self._remove(t.name, [(c.key, c.entry) for c in choice.victims], "quota")
                 if policy != "lru":
@@ -281,20 +281,15 @@ class Retention:
         else:
             arrived = self._index.arrivals(tenant)
         if arrived is None:
-            after: tuple[int, str] | None = None
-            while page := self._index.oldest(tenant, after, PAGE, kind=ON_PROBATION):
-                for _ms, key, entry in page:
-                    if key not in pinned:
-                        yield Candidate(key, entry, entry.created_ns // 1_000_000, 0)
-                after = (page[-1][0], page[-1][1])
+            yield from self._lru_step(tenant, 1 << 62, None, 1 << 62, ON_PROBATION)[0]
             return
         for i in range(0, len(arrived), PAGE):
             chunk = [(k, e) for k, e in arrived[i : i + PAGE] if k not in pinned]
             times = self._index.accessed(tenant, [k for k, _ in chunk])
             for (key, entry), accessed in zip(chunk, times, strict=True):
-                created = entry.created_ns // 1_000_000
-                if (not accessed or accessed < created) and self._index.get(tenant, key) == entry:
-                    yield Candidate(key, entry, created, 0)  # still there, and not read since stored
+                c = Candidate(key, entry, entry.created_ns // 1_000_000, accessed)
+                if not eviction.read_since_stored(c) and self._index.get(tenant, key) == entry:
+                    yield Candidate(key, entry, c.created_ms, 0)  # still there, and not read since stored
 
     def _victims(self, t: Tenant, need: int) -> Choice:
         """The blocks to remove for ``need`` bytes, as the tenant's eviction
